@@ -1,0 +1,320 @@
+"""BufferRegistry: the graph-resident inputs of one runner, filled then viewed every step.
+
+``fill(batch, raw_bs, padded_bs, raw_num_tokens, padded_num_tokens)`` does, in order:
+
+1. checks capacity (raw <= padded <= the slot's maximum, per axis);
+2. resets the padded tail ``[raw:padded)`` of each slot by its padding policy and copies the
+   live rows ``[0:raw)`` of each plain slot from the batch, as grouped copies: one
+   ``torch._foreach_copy_`` per (device, dtype), with pad values read from small constant
+   tensors so that pads and copies travel in the same launch;
+3. runs the post-fill hooks of computed slots (they see the copied rows).
+
+Rows at or beyond ``padded`` are never written. The slice views each size needs are built once
+and cached by size, so a step's host cost is the grouped copies plus a few dict lookups.
+
+``view(template, padded_bs, padded_num_tokens)`` returns ``dataclasses.replace(template, ...)``
+whose slot fields are views of the registry's storage, ``batch_size=padded_bs``. A plain slot
+the last fill found as None stays None; computed slots are always exposed; dotted (nested) slots
+are not top-level fields and are read with ``registry.views(...)`` instead.
+
+Only ``fill`` writes these buffers; the storage itself belongs to the ``BufferPool`` (or to the
+object a builder bound them from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from buffers.pool import BufferPool
+from buffers.slot import Axis, FillSizes, Slot
+
+__all__ = ["BufferRegistry"]
+
+
+@dataclass
+class _CopyGroup:
+    """Copies and pads that share a device and dtype: one grouped launch."""
+
+    dsts: list[torch.Tensor]
+    srcs: list[torch.Tensor | None]  # None: the live source, read from the batch at fill time
+    # (slot, index of its live copy, index of its pad or -1): a slot the batch lacks drops both
+    live: list[tuple[Slot, int, int]]
+
+
+@dataclass
+class _FillPlan:
+    """Everything a fill of one size needs, built once per size."""
+
+    groups: list[_CopyGroup]
+    fill_once: list[tuple[Slot, torch.Tensor]]  # slots whose buffer still awaits its one fill
+
+
+class BufferRegistry:
+    """The named input buffers of one runner (see the module docstring).
+
+    Args:
+        slots: the slot declarations; names must be unique.
+        max_bs, max_num_tokens: the capacity of the ``bs`` and ``tokens`` axes.
+        device: the default device of slots that name none.
+        pool: storage comes from this pool (shared with other runners of the rank); slots
+            adopted with ``bind`` do not touch it.
+        user: the name this registry declares under in the pool report.
+        bind: ``{slot name: tensor}`` to adopt instead of allocating (see ``bind``).
+    """
+
+    def __init__(
+        self,
+        slots: Iterable[Slot],
+        max_bs: int,
+        max_num_tokens: int,
+        device: torch.device | str,
+        pool: BufferPool,
+        user: str = "registry",
+        bind: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.slots: dict[str, Slot] = {}
+        for slot in slots:
+            if slot.name in self.slots:
+                raise ValueError(f"duplicate slot name {slot.name!r} in registry {user!r}")
+            self.slots[slot.name] = slot
+        if max_bs < 0 or max_num_tokens < 0:
+            raise ValueError(f"registry {user!r}: max_bs={max_bs} and max_num_tokens={max_num_tokens} must be >= 0")
+        self.max_bs = int(max_bs)
+        self.max_num_tokens = int(max_num_tokens)
+        self.device = torch.device(device)
+        self.user = user
+        self._pool = pool
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._plans: dict[FillSizes, _FillPlan] = {}
+        self._padded: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._pad_sources: dict[str, torch.Tensor] = {}
+        self._once_done: set[str] = set()
+        self._present: frozenset[str] | None = None  # plain slots the last fill found
+
+        bind = dict(bind or {})
+        unknown = set(bind) - set(self.slots)
+        if unknown:
+            raise KeyError(f"registry {user!r}: bind names unknown slots {sorted(unknown)}")
+        for name, tensor in bind.items():
+            self.bind(name, tensor)
+        to_allocate = [s for s in self.slots.values() if s.name not in self._buffers]
+        for slot in to_allocate:
+            pool.declare(slot.name, self.full_shape(slot), slot.dtype, self.slot_device(slot), user)
+        pool.materialize()
+        for slot in to_allocate:
+            self._buffers[slot.name] = pool.view(slot.name, self.full_shape(slot))
+
+    # -- shapes and storage --------------------------------------------------------------------
+    def slot_device(self, slot: Slot) -> torch.device:
+        return torch.device(slot.device) if slot.device is not None else self.device
+
+    def full_shape(self, slot: Slot) -> tuple[int, ...]:
+        shape = tuple(int(s) for s in slot.shape(self.max_bs, self.max_num_tokens))
+        if slot.axis is not Axis.NONE and not -len(shape) <= slot.dim < len(shape):
+            raise ValueError(f"slot {slot.name!r}: dim {slot.dim} is outside its shape {shape}")
+        return shape
+
+    def capacity(self, slot: Slot) -> int:
+        """How many rows the slot holds along its axis (the full shape for axis none)."""
+        shape = self._buffers[slot.name].shape
+        return shape[slot.dim] if slot.axis is not Axis.NONE else shape[0] if shape else 1
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The whole buffer of slot ``name`` (for capture, hooks and tests)."""
+        return self._buffers[name]
+
+    def bind(self, name: str, tensor: torch.Tensor) -> None:
+        """Adopt ``tensor`` as the storage of slot ``name`` (its data_ptr is kept).
+
+        Raises KeyError for an unknown slot and ValueError when the tensor's shape, dtype or
+        device differ from the slot's declaration.
+        """
+        if name not in self.slots:
+            raise KeyError(f"registry {self.user!r} has no slot {name!r}")
+        slot = self.slots[name]
+        want = self.full_shape(slot)
+        device = self.slot_device(slot)
+        if tuple(tensor.shape) != want or tensor.dtype != slot.dtype or tensor.device.type != device.type:
+            raise ValueError(
+                f"cannot bind slot {name!r}: it needs {want} {slot.dtype} on {device}, "
+                f"got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
+            )
+        self._buffers[name] = tensor
+        self._plans.clear()
+        self._padded.clear()
+        self._pad_sources.pop(name, None)
+
+    # -- fill ----------------------------------------------------------------------------------
+    def _sizes(self, raw_bs: int, padded_bs: int, raw_num_tokens: int | None, padded_num_tokens: int | None) -> FillSizes:
+        raw_t = raw_bs if raw_num_tokens is None else raw_num_tokens
+        pad_t = (padded_bs if raw_num_tokens is None else raw_t) if padded_num_tokens is None else padded_num_tokens
+        sizes = FillSizes(int(raw_bs), int(padded_bs), int(raw_t), int(pad_t))
+        for axis, raw, padded in (
+            (Axis.BS, sizes.raw_bs, sizes.padded_bs),
+            (Axis.TOKENS, sizes.raw_num_tokens, sizes.padded_num_tokens),
+        ):
+            if raw < 0 or raw > padded:
+                raise ValueError(f"registry {self.user!r}: need 0 <= raw <= padded on axis {axis.value}, got raw={raw}, padded={padded}")
+            for slot in self.slots.values():
+                if slot.axis is axis and padded > self.capacity(slot):
+                    raise ValueError(
+                        f"registry {self.user!r}: slot {slot.name!r} holds {self.capacity(slot)} rows on axis "
+                        f"{axis.value} (limit); padded size {padded} (raw {raw}) exceeds it"
+                    )
+        return sizes
+
+    def _index(self, slot: Slot, start: int, stop: int) -> tuple[slice, ...]:
+        dim = slot.dim % self._buffers[slot.name].dim()
+        return (slice(None),) * dim + (slice(start, stop),)
+
+    def _pad_source(self, slot: Slot) -> torch.Tensor:
+        """A constant tensor of the slot's shape holding its pad value (cached per slot)."""
+        src = self._pad_sources.get(slot.name)
+        if src is None:
+            buf = self._buffers[slot.name]
+            value = 0 if slot.padding.kind == "zero" else slot.padding.value
+            with torch.inference_mode(False):
+                src = torch.full_like(buf, value)
+            self._pad_sources[slot.name] = src
+        return src
+
+    def _build_plan(self, sizes: FillSizes) -> _FillPlan:
+        groups: dict[tuple[torch.device, torch.dtype], _CopyGroup] = {}
+        fill_once = []
+        for slot in self.slots.values():
+            if slot.computed:
+                continue
+            buf = self._buffers[slot.name]
+            group = groups.setdefault((buf.device, buf.dtype), _CopyGroup([], [], []))
+            if slot.axis is Axis.NONE:
+                group.live.append((slot, len(group.dsts), -1))
+                group.dsts.append(buf)
+                group.srcs.append(None)
+                continue
+            raw, padded = sizes.raw(slot.axis), sizes.padded(slot.axis)
+            kind = slot.padding.kind
+            pads = padded > raw and kind != "keep"
+            if pads and slot.padding.value is None and kind in ("fill", "fill_once"):
+                raise ValueError(
+                    f"registry {self.user!r}: slot {slot.name!r} has padding {kind} without a value, "
+                    f"and this fill has a tail to pad (raw {raw}, padded {padded})"
+                )
+            if pads and kind == "fill_once":
+                fill_once.append((slot, buf))
+                pads = False
+            live_at, pad_at = len(group.dsts), (len(group.dsts) + 1 if pads else -1)
+            group.live.append((slot, live_at, pad_at))
+            group.dsts.append(buf[self._index(slot, 0, raw)])
+            group.srcs.append(None)
+            if pads:
+                group.dsts.append(buf[self._index(slot, raw, padded)])
+                group.srcs.append(self._pad_source(slot)[self._index(slot, raw, padded)])
+        return _FillPlan(list(groups.values()), fill_once)
+
+    def _padded_views(self, padded_bs: int, padded_num_tokens: int) -> dict[str, torch.Tensor]:
+        key = (padded_bs, padded_num_tokens)
+        views = self._padded.get(key)
+        if views is None:
+            self._sizes(padded_bs, padded_bs, padded_num_tokens, padded_num_tokens)
+            views = {}
+            for slot in self.slots.values():
+                buf = self._buffers[slot.name]
+                if slot.axis is Axis.NONE:
+                    views[slot.name] = buf
+                else:
+                    size = padded_bs if slot.axis is Axis.BS else padded_num_tokens
+                    views[slot.name] = buf[self._index(slot, 0, size)]
+            self._padded[key] = views
+        return views
+
+    def fill(
+        self,
+        batch: Any,
+        raw_bs: int,
+        padded_bs: int,
+        raw_num_tokens: int | None = None,
+        padded_num_tokens: int | None = None,
+    ) -> None:
+        """Copy ``batch``'s live rows into the registry and pad the tails (module docstring).
+
+        Token sizes default to the batch sizes (decode: one token per request). Raises
+        ValueError naming the slot, the limit and the value when a size is over capacity, and
+        when a batch tensor's dtype or shape does not match its slot.
+        """
+        sizes = self._sizes(raw_bs, padded_bs, raw_num_tokens, padded_num_tokens)
+        plan = self._plans.get(sizes)
+        if plan is None:
+            plan = self._plans[sizes] = self._build_plan(sizes)
+        present = set()
+        for slot, buf in plan.fill_once:
+            if slot.name not in self._once_done:
+                buf.fill_(slot.padding.value)
+                self._once_done.add(slot.name)
+        for group in plan.groups:
+            srcs = list(group.srcs)
+            dropped: list[int] = []
+            for slot, live_at, pad_at in group.live:
+                src = slot.read(batch)
+                if src is None:
+                    dropped.append(live_at)
+                    if pad_at >= 0:
+                        dropped.append(pad_at)
+                    continue
+                dst = group.dsts[live_at]
+                if src.shape != dst.shape or src.dtype != dst.dtype:
+                    raise ValueError(
+                        f"registry {self.user!r}: slot {slot.name!r} expects {tuple(dst.shape)} {dst.dtype} "
+                        f"for this fill, batch gives {tuple(src.shape)} {src.dtype}"
+                    )
+                srcs[live_at] = src
+                present.add(slot.name)
+            dsts = group.dsts
+            if dropped:
+                keep = [i for i in range(len(srcs)) if i not in dropped]
+                dsts, srcs = [dsts[i] for i in keep], [srcs[i] for i in keep]
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+        for slot in self.slots.values():
+            if slot.computed:
+                slot.compute(self._buffers[slot.name], batch, sizes)
+        self._present = frozenset(present)
+
+    # -- view ----------------------------------------------------------------------------------
+    def views(self, padded_bs: int, padded_num_tokens: int | None = None) -> dict[str, torch.Tensor | None]:
+        """``{slot name: view}`` at the padded sizes, None for plain slots the last fill lacked."""
+        if self._present is None:
+            raise RuntimeError(f"registry {self.user!r}: view() before any fill()")
+        pad_t = padded_bs if padded_num_tokens is None else padded_num_tokens
+        return {
+            name: view if (self.slots[name].computed or name in self._present) else None
+            for name, view in self._padded_views(padded_bs, pad_t).items()
+        }
+
+    def view(self, template: Any, padded_bs: int, padded_num_tokens: int | None = None) -> Any:
+        """``dataclasses.replace(template, ...)`` with slot views and ``batch_size=padded_bs``.
+
+        The template is not mutated. Only top-level slots that are fields of the template are
+        replaced; dotted slots are available from ``views()``.
+        """
+        fields = {f.name for f in dataclasses.fields(template)}
+        changes = {
+            name: tensor
+            for name, tensor in self.views(padded_bs, padded_num_tokens).items()
+            if self.slots[name].top_level and name in fields
+        }
+        if "batch_size" in fields:
+            changes["batch_size"] = padded_bs
+        return dataclasses.replace(template, **changes)
+
+    # -- reporting -----------------------------------------------------------------------------
+    def names(self) -> Sequence[str]:
+        return list(self.slots)
+
+    def nbytes(self) -> int:
+        """Bytes of the registry's buffers (views into the pool count at their view size)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())

@@ -1,0 +1,62 @@
+"""Test tiers (see docs/testing.md): unit (plain pytest), `dist` (under torchrun, gloo), `gpu`
+(one CUDA GPU) and `gpu2` (two CUDA GPUs with NCCL, under torchrun).
+
+Under torchrun every rank collects the same tests and takes the same skip decisions, because
+they depend only on the environment torchrun gives every rank alike and on the GPU count.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def pytest_collection_modifyitems(config, items):
+    launched = under_torchrun()
+    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    skip_dist = pytest.mark.skip(reason="dist test: run under torchrun (see README)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_gpu2 = pytest.mark.skip(reason="needs 2 CUDA GPUs and torchrun with >= 2 ranks")
+    for item in items:
+        if "gpu2" in item.keywords:
+            if ngpu < 2 or not launched or world < 2:
+                item.add_marker(skip_gpu2)
+        elif "dist" in item.keywords:
+            if not launched:
+                item.add_marker(skip_dist)
+        elif launched:
+            # Under torchrun only dist/gpu2 tests run: unit tests would run N times for nothing.
+            item.add_marker(pytest.mark.skip(reason="unit test: runs without torchrun"))
+        if "gpu" in item.keywords and ngpu < 1:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def dist_group():
+    """The default process group of this torchrun job: gloo for CPU tensors, NCCL for CUDA ones.
+
+    Created once per session and destroyed once at its end (graphs and other users of the group
+    must be gone by then: fixtures that hold them are function- or module-scoped).
+    """
+    if not under_torchrun():
+        pytest.skip("needs torchrun")
+    if not dist.is_initialized():
+        rank = int(os.environ["RANK"])
+        if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+            backend = "cpu:gloo,cuda:nccl"
+        else:
+            backend = "gloo"
+        dist.init_process_group(backend=backend, timeout=__import__("datetime").timedelta(seconds=120))
+    yield dist.group.WORLD
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
