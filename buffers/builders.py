@@ -52,13 +52,13 @@ class _HostCounts:
         self._cache: dict[tuple[int, ...], torch.Tensor] = {}
 
     def get(self, values: Any) -> torch.Tensor:
-        key = tuple(int(v) for v in values)
+        key = tuple(values)
         t = self._cache.get(key)
         if t is None:
             if len(self._cache) >= self._limit:
                 self._cache.pop(next(iter(self._cache)))
             with torch.inference_mode(False):
-                t = torch.tensor(key, dtype=self._dtype)
+                t = torch.tensor([int(v) for v in key], dtype=self._dtype)
                 if torch.cuda.is_available():
                     t = t.pin_memory()
             self._cache[key] = t
@@ -68,19 +68,24 @@ class _HostCounts:
 def _counts_slot(name: str, field: str, dp_size: int) -> Slot:
     host = _HostCounts(torch.int32)
 
-    def compute(buf: torch.Tensor, batch: Any, sizes: FillSizes) -> None:
+    def compute(buf: torch.Tensor, batch: Any, sizes: FillSizes) -> torch.Tensor:
         values = getattr(batch, field, None)
         if values is None:
             raise ValueError(f"slot {name!r} is computed from batch.{field}, which is None")
         if len(values) != buf.shape[0]:
             raise ValueError(f"slot {name!r}: batch.{field} has {len(values)} entries, dp_size is {buf.shape[0]}")
-        buf.copy_(host.get(values), non_blocking=True)
+        return host.get(values)
 
     return Slot(name, lambda b, t: (dp_size,), torch.int32, Axis.NONE, compute=compute)
 
 
-def _num_token_non_padded(buf: torch.Tensor, batch: Any, sizes: FillSizes) -> None:
-    buf.fill_(sizes.raw_num_tokens)
+def _num_token_non_padded_slot() -> Slot:
+    host = _HostCounts(torch.int32)
+
+    def compute(buf: torch.Tensor, batch: Any, sizes: FillSizes) -> torch.Tensor:
+        return host.get((sizes.raw_num_tokens,))
+
+    return Slot("num_token_non_padded", lambda b, t: (1,), torch.int32, Axis.NONE, compute=compute)
 
 
 def _zero_tail(buf: torch.Tensor, batch: Any, sizes: FillSizes) -> None:
@@ -98,7 +103,7 @@ def _common_slots(
         Slot("req_pool_indices", lambda b, t: (b,), torch.int64, Axis.BS, ZERO),
         Slot("seq_lens", lambda b, t: (b,), torch.int64, Axis.BS, fill(seq_len_fill_value)),
         Slot("seq_lens_cpu", lambda b, t: (b,), torch.int64, Axis.BS, fill(seq_len_fill_value), device="cpu"),
-        Slot("num_token_non_padded", lambda b, t: (1,), torch.int32, Axis.NONE, compute=_num_token_non_padded),
+        _num_token_non_padded_slot(),
     ]
     if mrope:
         slots.append(Slot("mrope_positions", lambda b, t: (3, t), torch.int64, Axis.TOKENS, ZERO, dim=1))

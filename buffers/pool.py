@@ -113,6 +113,16 @@ class BufferPool:
         self._needs.setdefault(name, []).append(need)
         return need
 
+    def declare_all(self, needs: list[tuple[str, tuple[int, ...], torch.dtype, torch.device | str]], user: str) -> None:
+        """Declare several buffers at once: either all are recorded or, on error, none is."""
+        snapshot = {name: list(v) for name, v in self._needs.items()}
+        try:
+            for name, shape, dtype, device in needs:
+                self.declare(name, shape, dtype, device, user)
+        except Exception:
+            self._needs = snapshot
+            raise
+
     def _refuse_growth(self, need: BufferNeed) -> None:
         have = self._storage[need.name].numel()
         raise ValueError(

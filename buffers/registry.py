@@ -50,8 +50,11 @@ class _CopyGroup:
 class _FillPlan:
     """Everything a fill of one size needs, built once per size."""
 
+    sizes: FillSizes
     groups: list[_CopyGroup]
     fill_once: list[tuple[Slot, torch.Tensor]]  # slots whose buffer still awaits its one fill
+    computed: list[tuple[Slot, torch.Tensor]]  # (slot, its whole buffer), in declaration order
+    plain: frozenset[str]  # names of the plain (copied) slots
 
 
 class BufferRegistry:
@@ -90,7 +93,7 @@ class BufferRegistry:
         self.user = user
         self._pool = pool
         self._buffers: dict[str, torch.Tensor] = {}
-        self._plans: dict[FillSizes, _FillPlan] = {}
+        self._plans: dict[tuple[int, int, int | None, int | None], _FillPlan] = {}
         self._padded: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._pad_sources: dict[str, torch.Tensor] = {}
         self._once_done: set[str] = set()
@@ -214,7 +217,9 @@ class BufferRegistry:
             if pads:
                 group.dsts.append(buf[self._index(slot, raw, padded)])
                 group.srcs.append(self._pad_source(slot)[self._index(slot, raw, padded)])
-        return _FillPlan(list(groups.values()), fill_once)
+        computed = [(slot, self._buffers[slot.name]) for slot in self.slots.values() if slot.computed]
+        plain = frozenset(s.name for s in self.slots.values() if not s.computed)
+        return _FillPlan(sizes, list(groups.values()), fill_once, computed, plain)
 
     def _padded_views(self, padded_bs: int, padded_num_tokens: int) -> dict[str, torch.Tensor]:
         key = (padded_bs, padded_num_tokens)
@@ -246,21 +251,25 @@ class BufferRegistry:
         ValueError naming the slot, the limit and the value when a size is over capacity, and
         when a batch tensor's dtype or shape does not match its slot.
         """
-        sizes = self._sizes(raw_bs, padded_bs, raw_num_tokens, padded_num_tokens)
-        plan = self._plans.get(sizes)
+        key = (raw_bs, padded_bs, raw_num_tokens, padded_num_tokens)
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[sizes] = self._build_plan(sizes)
-        present = set()
+            # Validation runs once per distinct size; capacities only change through bind(),
+            # which drops every cached plan.
+            plan = self._plans[key] = self._build_plan(self._sizes(*key))
+        missing: list[str] = []
         for slot, buf in plan.fill_once:
-            if slot.name not in self._once_done:
+            # a slot the batch lacks is skipped entirely, its one-time fill included
+            if slot.name not in self._once_done and slot.read(batch) is not None:
                 buf.fill_(slot.padding.value)
                 self._once_done.add(slot.name)
         for group in plan.groups:
-            srcs = list(group.srcs)
+            srcs = group.srcs.copy()
             dropped: list[int] = []
             for slot, live_at, pad_at in group.live:
                 src = slot.read(batch)
                 if src is None:
+                    missing.append(slot.name)
                     dropped.append(live_at)
                     if pad_at >= 0:
                         dropped.append(pad_at)
@@ -272,17 +281,23 @@ class BufferRegistry:
                         f"for this fill, batch gives {tuple(src.shape)} {src.dtype}"
                     )
                 srcs[live_at] = src
-                present.add(slot.name)
             dsts = group.dsts
             if dropped:
                 keep = [i for i in range(len(srcs)) if i not in dropped]
                 dsts, srcs = [dsts[i] for i in keep], [srcs[i] for i in keep]
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
-        for slot in self.slots.values():
-            if slot.computed:
-                slot.compute(self._buffers[slot.name], batch, sizes)
-        self._present = frozenset(present)
+        # Post-fill hooks see the copied rows. A hook that returns a tensor (a small immutable
+        # host tensor, typically) has it copied into its buffer; those copies travel together.
+        dsts, srcs = [], []
+        for slot, buf in plan.computed:
+            src = slot.compute(buf, batch, plan.sizes)
+            if src is not None:
+                dsts.append(buf)
+                srcs.append(src)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        self._present = plan.plain if not missing else plan.plain.difference(missing)
 
     # -- view ----------------------------------------------------------------------------------
     def views(self, padded_bs: int, padded_num_tokens: int | None = None) -> dict[str, torch.Tensor | None]:

@@ -66,12 +66,11 @@ def share_input_buffers_in(obj: Any, pool: BufferPool, user: str) -> list[str]:
     """Rebind every tensor field of ``obj`` (recursively) to a view of ``pool``; return the names.
 
     Data is preserved: each tensor's values are copied into its pool view. All leaves are
-    checked before anything is declared, so a TypeError leaves ``obj`` and ``pool`` untouched.
+    checked and declared at once, so an error leaves ``obj`` and ``pool`` untouched.
     """
     leaves: list[tuple[Any, str, str, torch.Tensor]] = []
     _walk(obj, "", leaves)
-    for _, _, name, tensor in leaves:
-        pool.declare(name, tuple(tensor.shape), tensor.dtype, tensor.device, user)
+    pool.declare_all([(name, tuple(t.shape), t.dtype, t.device) for _, _, name, t in leaves], user)
     pool.materialize()
     with torch.inference_mode(False):
         for parent, key, name, tensor in leaves:

@@ -88,9 +88,11 @@ class FillSizes:
 
 ShapeFn = Callable[[int, int], tuple[int, ...]]
 SourceFn = Callable[[Any], "torch.Tensor | None"]
-# A post-fill hook: (the slot's whole buffer, the batch, the sizes of this fill) -> None.
-# It runs after every plain slot was copied, so it may read their live rows through the registry.
-ComputeFn = Callable[[torch.Tensor, Any, FillSizes], None]
+# A post-fill hook: (the slot's whole buffer, the batch, the sizes of this fill) -> a tensor to
+# copy into the buffer, or None when the hook wrote the buffer itself. It runs after every plain
+# slot was copied, so it may read their live rows. A returned tensor must not be written again
+# (the copy is asynchronous): return cached constants, not a reused staging buffer.
+ComputeFn = Callable[[torch.Tensor, Any, FillSizes], "torch.Tensor | None"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class Slot:
     dim: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_path", tuple((self.source or self.name).split(".")) if not callable(self.source) else None)
         if not self.name:
             raise ValueError("a slot needs a name")
         try:
@@ -132,11 +135,13 @@ class Slot:
 
     def read(self, batch: Any) -> torch.Tensor | None:
         """The live value of a plain slot from ``batch`` (None when the batch has none)."""
-        src = self.source if self.source is not None else self.name
-        if callable(src):
-            return src(batch)
+        path = self._path
+        if path is None:
+            return self.source(batch)
+        if len(path) == 1:
+            return getattr(batch, path[0], None)
         obj = batch
-        for part in src.split("."):
+        for part in path:
             obj = obj.get(part) if isinstance(obj, dict) else getattr(obj, part, None)
             if obj is None:
                 return None
