@@ -24,6 +24,7 @@ object a builder bound them from).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,12 +39,42 @@ __all__ = ["BufferRegistry"]
 
 @dataclass
 class _CopyGroup:
-    """Copies and pads that share a device and dtype: one grouped launch."""
+    """Copies and pads that one ``torch._foreach_copy_`` call can carry.
+
+    On CUDA that call is one launch only when every pair shares device and dtype and is dense
+    with matching strides; pairs that are not (the ``[:, :raw]`` slice of a ``(3, T)`` slot)
+    travel in a group of their own so they do not push the whole group onto the slow path.
+    """
 
     dsts: list[torch.Tensor]
-    srcs: list[torch.Tensor | None]  # None: the live source, read from the batch at fill time
-    # (slot, index of its live copy, index of its pad or -1): a slot the batch lacks drops both
-    live: list[tuple[Slot, int, int]]
+    srcs: list[torch.Tensor | None]  # None: a live source, read from the batch at fill time
+
+
+@dataclass(frozen=True)
+class _Live:
+    """Where a plain slot's live copies and pads sit among the plan's groups.
+
+    A slot whose axis is dim 1 of a 2-D buffer (``(3, T)`` mrope positions) is copied row by
+    row: each row slice is dense, so it joins the one-launch group instead of a strided one.
+    """
+
+    slot: Slot
+    shape: torch.Size  # what the batch tensor must look like for this fill
+    dtype: torch.dtype
+    lives: tuple[tuple[int, int], ...]  # (group, index) of each live pair (one per row if split)
+    pads: tuple[tuple[int, int], ...]  # (group, index) of each pad pair
+    split_rows: bool
+
+
+@dataclass
+class _Pack:
+    """Computed CUDA slots of one dtype laid out in one storage: their host values (cached,
+    immutable tensors the hooks return) are concatenated once per distinct set of values and
+    go over in one transfer."""
+
+    block: torch.Tensor
+    members: list[tuple[Slot, torch.Tensor]]
+    cache: dict[tuple[int, ...], tuple[torch.Tensor, list[torch.Tensor]]]
 
 
 @dataclass
@@ -52,8 +83,9 @@ class _FillPlan:
 
     sizes: FillSizes
     groups: list[_CopyGroup]
+    live: list[_Live]
     fill_once: list[tuple[Slot, torch.Tensor]]  # slots whose buffer still awaits its one fill
-    computed: list[tuple[Slot, torch.Tensor]]  # (slot, its whole buffer), in declaration order
+    computed: list[tuple[Slot, torch.Tensor]]  # unpacked computed slots: (slot, whole buffer)
     plain: frozenset[str]  # names of the plain (copied) slots
 
 
@@ -96,6 +128,7 @@ class BufferRegistry:
         self._plans: dict[tuple[int, int, int | None, int | None], _FillPlan] = {}
         self._padded: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._pad_sources: dict[str, torch.Tensor] = {}
+        self._packs = []
         self._once_done: set[str] = set()
         self._present: frozenset[str] | None = None  # plain slots the last fill found
 
@@ -106,11 +139,36 @@ class BufferRegistry:
         for name, tensor in bind.items():
             self.bind(name, tensor)
         to_allocate = [s for s in self.slots.values() if s.name not in self._buffers]
+        packed: dict[torch.dtype, list[Slot]] = {}
         for slot in to_allocate:
-            pool.declare(slot.name, self.full_shape(slot), slot.dtype, self.slot_device(slot), user)
+            if slot.computed and slot.axis is Axis.NONE and self.slot_device(slot).type == "cuda":
+                packed.setdefault(slot.dtype, []).append(slot)
+        packed = {dtype: members for dtype, members in packed.items() if len(members) > 1}
+        for slot in to_allocate:
+            if slot not in packed.get(slot.dtype, ()):
+                pool.declare(slot.name, self.full_shape(slot), slot.dtype, self.slot_device(slot), user)
+        for dtype, members in packed.items():
+            numel = sum(math.prod(self.full_shape(m)) for m in members)
+            pool.declare(self._pack_name(dtype), (numel,), dtype, self.device, user)
         pool.materialize()
+        self._packs: list[_Pack] = []
+        for dtype, members in packed.items():
+            numel = sum(math.prod(self.full_shape(m)) for m in members)
+            block = pool.view(self._pack_name(dtype), (numel,))
+            start, views = 0, []
+            for m in members:
+                n = math.prod(self.full_shape(m))
+                self._buffers[m.name] = block[start : start + n].view(self.full_shape(m))
+                views.append((m, self._buffers[m.name]))
+                start += n
+            self._packs.append(_Pack(block, views, {}))
         for slot in to_allocate:
-            self._buffers[slot.name] = pool.view(slot.name, self.full_shape(slot))
+            if slot.name not in self._buffers:
+                self._buffers[slot.name] = pool.view(slot.name, self.full_shape(slot))
+
+    def _pack_name(self, dtype: torch.dtype) -> str:
+        # Per registry, not shared by name: these hold per-step values no other runner reads.
+        return f"{self.user}.computed.{str(dtype).removeprefix('torch.')}"
 
     # -- shapes and storage --------------------------------------------------------------------
     def slot_device(self, slot: Slot) -> torch.device:
@@ -148,6 +206,8 @@ class BufferRegistry:
                 f"got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
             )
         self._buffers[name] = tensor
+        for pack in self._packs:
+            pack.members = [(m, b) for m, b in pack.members if m.name != name]
         self._plans.clear()
         self._padded.clear()
         self._pad_sources.pop(name, None)
@@ -187,17 +247,28 @@ class BufferRegistry:
         return src
 
     def _build_plan(self, sizes: FillSizes) -> _FillPlan:
-        groups: dict[tuple[torch.device, torch.dtype], _CopyGroup] = {}
-        fill_once = []
+        groups: dict[tuple[torch.device, torch.dtype, bool], int] = {}
+        plan = _FillPlan(sizes, [], [], [], [], frozenset())
+
+        def place(dst: torch.Tensor, src: torch.Tensor | None) -> tuple[int, int]:
+            key = (dst.device, dst.dtype, dst.is_contiguous())
+            if key not in groups:
+                groups[key] = len(plan.groups)
+                plan.groups.append(_CopyGroup([], []))
+            group = plan.groups[groups[key]]
+            group.dsts.append(dst)
+            group.srcs.append(src)
+            return groups[key], len(group.dsts) - 1
+
+        packed = {m.name for pack in self._packs for m, _ in pack.members}
         for slot in self.slots.values():
-            if slot.computed:
-                continue
             buf = self._buffers[slot.name]
-            group = groups.setdefault((buf.device, buf.dtype), _CopyGroup([], [], []))
+            if slot.computed:
+                if slot.name not in packed:
+                    plan.computed.append((slot, buf))
+                continue
             if slot.axis is Axis.NONE:
-                group.live.append((slot, len(group.dsts), -1))
-                group.dsts.append(buf)
-                group.srcs.append(None)
+                plan.live.append(_Live(slot, buf.shape, buf.dtype, (place(buf, None),), (), False))
                 continue
             raw, padded = sizes.raw(slot.axis), sizes.padded(slot.axis)
             kind = slot.padding.kind
@@ -208,18 +279,20 @@ class BufferRegistry:
                     f"and this fill has a tail to pad (raw {raw}, padded {padded})"
                 )
             if pads and kind == "fill_once":
-                fill_once.append((slot, buf))
+                plan.fill_once.append((slot, buf))
                 pads = False
-            live_at, pad_at = len(group.dsts), (len(group.dsts) + 1 if pads else -1)
-            group.live.append((slot, live_at, pad_at))
-            group.dsts.append(buf[self._index(slot, 0, raw)])
-            group.srcs.append(None)
+            live, tail = buf[self._index(slot, 0, raw)], self._index(slot, raw, padded)
+            split = buf.dim() == 2 and slot.dim % 2 == 1 and buf.shape[0] <= 16
+            rows = range(buf.shape[0]) if split else [None]
+            pick = (lambda t, r: t[r]) if split else (lambda t, r: t)
+            lives = tuple(place(pick(live, r), None) for r in rows)
+            pad_at = ()
             if pads:
-                group.dsts.append(buf[self._index(slot, raw, padded)])
-                group.srcs.append(self._pad_source(slot)[self._index(slot, raw, padded)])
-        computed = [(slot, self._buffers[slot.name]) for slot in self.slots.values() if slot.computed]
-        plain = frozenset(s.name for s in self.slots.values() if not s.computed)
-        return _FillPlan(sizes, list(groups.values()), fill_once, computed, plain)
+                pad_src = self._pad_source(slot)[tail]
+                pad_at = tuple(place(pick(buf[tail], r), pick(pad_src, r)) for r in rows)
+            plan.live.append(_Live(slot, live.shape, buf.dtype, lives, pad_at, split))
+        plan.plain = frozenset(s.name for s in self.slots.values() if not s.computed)
+        return plan
 
     def _padded_views(self, padded_bs: int, padded_num_tokens: int) -> dict[str, torch.Tensor]:
         key = (padded_bs, padded_num_tokens)
@@ -263,41 +336,71 @@ class BufferRegistry:
             if slot.name not in self._once_done and slot.read(batch) is not None:
                 buf.fill_(slot.padding.value)
                 self._once_done.add(slot.name)
-        for group in plan.groups:
-            srcs = group.srcs.copy()
-            dropped: list[int] = []
-            for slot, live_at, pad_at in group.live:
-                src = slot.read(batch)
-                if src is None:
-                    missing.append(slot.name)
-                    dropped.append(live_at)
-                    if pad_at >= 0:
-                        dropped.append(pad_at)
-                    continue
-                dst = group.dsts[live_at]
-                if src.shape != dst.shape or src.dtype != dst.dtype:
-                    raise ValueError(
-                        f"registry {self.user!r}: slot {slot.name!r} expects {tuple(dst.shape)} {dst.dtype} "
-                        f"for this fill, batch gives {tuple(src.shape)} {src.dtype}"
-                    )
-                srcs[live_at] = src
-            dsts = group.dsts
+        srcs = [group.srcs.copy() for group in plan.groups]
+        dropped: list[tuple[int, int]] = []
+        for live in plan.live:
+            src = live.slot.read(batch)
+            if src is None:
+                missing.append(live.slot.name)
+                dropped.extend(live.lives)
+                dropped.extend(live.pads)
+                continue
+            if src.shape != live.shape or src.dtype != live.dtype:
+                raise ValueError(
+                    f"registry {self.user!r}: slot {live.slot.name!r} expects {tuple(live.shape)} {live.dtype} "
+                    f"for this fill, batch gives {tuple(src.shape)} {src.dtype}"
+                )
+            if live.split_rows:
+                for (group, at), row in zip(live.lives, src.unbind(0), strict=True):
+                    srcs[group][at] = row
+            else:
+                group, at = live.lives[0]
+                srcs[group][at] = src
+        for gi, group in enumerate(plan.groups):
+            dsts, gsrcs = group.dsts, srcs[gi]
             if dropped:
-                keep = [i for i in range(len(srcs)) if i not in dropped]
-                dsts, srcs = [dsts[i] for i in keep], [srcs[i] for i in keep]
+                keep = [i for i in range(len(dsts)) if (gi, i) not in dropped]
+                dsts, gsrcs = [dsts[i] for i in keep], [gsrcs[i] for i in keep]
             if dsts:
-                torch._foreach_copy_(dsts, srcs)
+                torch._foreach_copy_(dsts, gsrcs)
         # Post-fill hooks see the copied rows. A hook that returns a tensor (a small immutable
-        # host tensor, typically) has it copied into its buffer; those copies travel together.
-        dsts, srcs = [], []
+        # host tensor, typically) has it copied into its buffer, asynchronously.
+        for pack in self._packs:
+            self._fill_pack(pack, batch, plan.sizes)
+        dsts, csrcs = [], []
         for slot, buf in plan.computed:
             src = slot.compute(buf, batch, plan.sizes)
             if src is not None:
                 dsts.append(buf)
-                srcs.append(src)
+                csrcs.append(src)
         if dsts:
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            torch._foreach_copy_(dsts, csrcs, non_blocking=True)
         self._present = plan.plain if not missing else plan.plain.difference(missing)
+
+    def _fill_pack(self, pack: _Pack, batch: Any, sizes: FillSizes) -> None:
+        outs = [slot.compute(buf, batch, sizes) for slot, buf in pack.members]
+        if not all(o is not None and o.device.type == "cpu" for o in outs):
+            for (_, buf), out in zip(pack.members, outs, strict=True):
+                if out is not None:
+                    buf.copy_(out, non_blocking=True)
+            return
+        key = tuple(map(id, outs))
+        entry = pack.cache.get(key)
+        if entry is None:
+            for (slot, buf), out in zip(pack.members, outs, strict=True):
+                if out.numel() != buf.numel() or out.dtype != buf.dtype:
+                    raise ValueError(
+                        f"registry {self.user!r}: computed slot {slot.name!r} returned {tuple(out.shape)} "
+                        f"{out.dtype}, its buffer is {tuple(buf.shape)} {buf.dtype}"
+                    )
+            host = torch.cat([o.reshape(-1) for o in outs])
+            if torch.cuda.is_available():
+                host = host.pin_memory()
+            if len(pack.cache) >= 256:
+                pack.cache.pop(next(iter(pack.cache)))
+            # the returned tensors are kept alive with the entry, so their ids stay theirs
+            entry = pack.cache[key] = (host, outs)
+        pack.block.copy_(entry[0], non_blocking=True)
 
     # -- view ----------------------------------------------------------------------------------
     def views(self, padded_bs: int, padded_num_tokens: int | None = None) -> dict[str, torch.Tensor | None]:
