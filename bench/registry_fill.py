@@ -19,9 +19,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from buffers import Axis, BufferPool, build_decode_registry  # noqa: E402
+from buffers import Axis, BufferPool, build_decode_registry
 
 
 @dataclasses.dataclass
@@ -122,8 +122,8 @@ def main() -> None:
     for pair in args.sizes.split(","):
         raw, padded = (int(x) for x in pair.split(":"))
         batch = make_batch(raw, dev)
-        ours = lambda: reg.fill(batch, raw, padded)  # noqa: E731
-        loop = lambda: loop_fill(reg, batch, raw, padded, host_counts)  # noqa: E731
+        ours = lambda batch=batch, raw=raw, padded=padded: reg.fill(batch, raw, padded)  # noqa: E731
+        loop = lambda batch=batch, raw=raw, padded=padded: loop_fill(reg, batch, raw, padded, host_counts)  # noqa: E731
         for fn in (ours, loop):
             for _ in range(50):
                 fn()

@@ -11,7 +11,7 @@ import torch
 from buffers import BufferPool, build_decode_registry
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_builders import FB  # noqa: E402
+from test_builders import FB
 
 pytestmark = pytest.mark.gpu
 

@@ -187,7 +187,7 @@ def test_source_function_reads_nested_values():
     reg = make_registry(extra=extra)
     b = make_batch(3, 3)
     reg.fill(b, 3, 4)
-    assert reg.buffer("lens2")[:4].tolist() == (b.seq_lens * 2).tolist() + [0]
+    assert reg.buffer("lens2")[:4].tolist() == [*(b.seq_lens * 2).tolist(), 0]
 
 
 # -- 13: capacity and mismatches -------------------------------------------------------------------

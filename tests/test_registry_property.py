@@ -83,7 +83,7 @@ def test_fill_then_view_matches_reference(case):
 
     def along_axis(t, lead):
         """Elements along the slot's axis, each a tuple over the leading dim (if any)."""
-        return [tuple(c) for c in zip(*t.tolist())] if lead else [(e,) for e in t.tolist()]
+        return [tuple(c) for c in zip(*t.tolist(), strict=True)] if lead else [(e,) for e in t.tolist()]
 
     for s in specs:
         name, buf, lead = s["name"], reg.buffer(s["name"]), s["lead"]
