@@ -1,0 +1,140 @@
+"""Weights of the reference model: from a Hugging Face checkpoint directory, or random.
+
+Tensors keep their Hugging Face names (``model.layers.3.mlp.experts.17.up_proj.weight``). An EP
+rank holds only its own experts (``dispatcher.partition.ExpertPartition``, the rule every
+dispatcher uses) and reads only those from disk: safetensors opens files lazily, so a rank
+touches the bytes of its experts and of the shared tensors, nothing else.
+
+Errors name the tensor and the file: a tensor missing from every file, a tensor whose shape
+differs from the config's, a missing directory, config.json or shard.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import torch
+
+from dispatcher.partition import ExpertPartition
+from dp_runtime.model.model_config import ModelConfig
+
+__all__ = ["checkpoint_index", "expected_shapes", "load_weights", "random_weights"]
+
+
+def expected_shapes(cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> dict[str, tuple[int, ...]]:
+    """``{tensor name: shape}`` of everything rank ``ep_rank`` of ``ep_size`` holds."""
+    part = ExpertPartition(cfg.num_experts, ep_size)
+    h, hd = cfg.hidden_size, cfg.head_dim
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    first, n_local = part.first(ep_rank), part.num_local(ep_rank)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        out[p + "self_attn.q_proj.weight"] = (cfg.num_heads * hd, h)
+        out[p + "self_attn.k_proj.weight"] = (cfg.num_kv_heads * hd, h)
+        out[p + "self_attn.v_proj.weight"] = (cfg.num_kv_heads * hd, h)
+        out[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * hd)
+        out[p + "self_attn.q_norm.weight"] = (hd,)
+        out[p + "self_attn.k_norm.weight"] = (hd,)
+        if cfg.is_sparse(i):
+            out[p + "mlp.gate.weight"] = (cfg.num_experts, h)
+            for e in range(first, first + n_local):
+                q = f"{p}mlp.experts.{e}."
+                out[q + "gate_proj.weight"] = (cfg.moe_intermediate_size, h)
+                out[q + "up_proj.weight"] = (cfg.moe_intermediate_size, h)
+                out[q + "down_proj.weight"] = (h, cfg.moe_intermediate_size)
+        else:
+            out[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+            out[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+            out[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+    return out
+
+
+def checkpoint_index(path: str | Path) -> dict[str, Path]:
+    """``{tensor name: file}`` of a checkpoint directory (sharded index or a scan of *.safetensors)."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: root / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise FileNotFoundError(f"{index.name} names shard {file.name!r}, which is missing from {str(root)!r}")
+        return files
+    shards = sorted(root.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {str(root)!r}")
+    files = {}
+    for file in shards:
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                files[name] = file
+    return files
+
+
+def load_weights(
+    path: str | Path,
+    cfg: ModelConfig,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Read this rank's tensors from a Hugging Face safetensors checkpoint directory.
+
+    Raises KeyError naming the tensor and the directory when one is missing, and ValueError
+    naming the tensor, the file, and both shapes when one is mis-shaped.
+    """
+    from safetensors import safe_open
+
+    want = expected_shapes(cfg, ep_rank, ep_size)
+    files = checkpoint_index(path)
+    missing = [name for name in want if name not in files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise KeyError(f"tensor {missing[0]!r}{more} is in no safetensors file of {str(path)!r}")
+    by_file: dict[Path, list[str]] = {}
+    for name in want:
+        by_file.setdefault(files[name], []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        with safe_open(str(file), "pt", device="cpu") as f:
+            for name in names:
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != want[name]:
+                    raise ValueError(
+                        f"tensor {name!r} in {file.name!r} has shape {shape}; the config needs {want[name]}"
+                    )
+                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return out
+
+
+def random_weights(
+    cfg: ModelConfig,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Deterministic random weights: each tensor is seeded by (seed, its name), so an expert has
+    the same values on whichever rank holds it, and ranks agree with a world-size-1 model."""
+    out = {}
+    for name, shape in expected_shapes(cfg, ep_rank, ep_size).items():
+        gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            fan_in = shape[-1]
+            t = torch.randn(shape, generator=gen) * fan_in**-0.5
+        out[name] = t.to(device=device, dtype=dtype)
+    return out
