@@ -1,0 +1,18 @@
+"""Attention backends implementing graph's metadata protocol over the paged KV cache."""
+
+from dp_runtime.attention.backend import AttentionBackend
+from dp_runtime.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
+from dp_runtime.attention.kv_indices import build_kv_indices, host_indptr
+from dp_runtime.attention.kv_layout import KVLayout, choose_kv_layout
+from dp_runtime.attention.torch_sdpa import TorchSDPABackend
+
+__all__ = [
+    "AttentionBackend",
+    "FlashInferBackend",
+    "FlashInferMetadata",
+    "KVLayout",
+    "TorchSDPABackend",
+    "build_kv_indices",
+    "choose_kv_layout",
+    "host_indptr",
+]

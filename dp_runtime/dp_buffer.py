@@ -1,0 +1,299 @@
+"""The DP buffer service: ``set_dp_buffer_len`` and the gathered hidden-state buffers of a rank.
+
+Shapes (legend): ``G`` = global_dp_buffer_len (rows of the gathered buffer), ``L`` =
+local_dp_buffer_len (rows of this rank's local buffer), ``D`` = hidden_size, ``R`` = dp_size.
+
+Ownership: each rank owns one ``DPBufferService`` (no module or class state). Its storage comes
+from the rank's ``buffers.BufferPool``: at construction it requests the largest buffers the
+config allows (``max_global_tokens x D`` and ``max_tokens_per_rank x D``), once; every step only
+takes views of that storage, so addresses never move and a captured graph may keep them.
+``set_dp_buffer_len`` (or ``set_from_plan``) sizes the views for the step; the views are
+valid until the next call.
+
+Layout of the gathered buffer (``DPBufferLayout``; a pure function of the arguments):
+
+- MAX_LEN: ``G = L * R``; rank ``r``'s rows start at ``r * L`` (``offsets``), its first
+  ``global_num_tokens[r]`` rows are live, the rest padding.
+- SUM_LEN: ``G = sum(global_num_tokens)``; rank ``r``'s rows start at the sum of the counts
+  before it; ``L`` = this rank's count.
+
+Serialization hazard (as for the pool): the buffers are shared by every forward of the rank,
+which is safe because those forwards run one after another on one stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from buffers.pool import BufferPool
+from dp_runtime.config import RuntimeConfig
+from dp_runtime.dp_gather import dp_gather, dp_reduce_scatter, dp_scatter
+from dp_runtime.padding_mode import PaddingMode
+
+__all__ = ["DPBufferLayout", "DPBufferService", "dp_buffer_layout"]
+
+
+@dataclass(frozen=True, slots=True)
+class DPBufferLayout:
+    """Where each rank's rows lie in the gathered buffer this step (see the module docstring)."""
+
+    padding: PaddingMode
+    rank: int
+    global_dp_buffer_len: int
+    local_dp_buffer_len: int
+    global_num_tokens: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.global_num_tokens)
+
+    @property
+    def is_max_len(self) -> bool:
+        return self.padding is PaddingMode.MAX_LEN
+
+    @property
+    def offset(self) -> int:
+        """The first row of this rank in the gathered buffer."""
+        return self.offsets[self.rank]
+
+    @property
+    def num_tokens(self) -> int:
+        """This rank's live rows."""
+        return self.global_num_tokens[self.rank]
+
+
+def dp_buffer_layout(
+    global_dp_buffer_len: int,
+    local_dp_buffer_len: int,
+    is_max_len: bool,
+    global_num_tokens_cpu: Sequence[int],
+    *,
+    rank: int,
+    dp_size: int,
+    max_tokens_per_rank: int,
+) -> DPBufferLayout:
+    """The layout of a step's gathered buffer, after checking the arguments agree.
+
+    Takes the lengths and counts of ``set_dp_buffer_len``, this rank, dp_size and the per-rank
+    limit. Returns a DPBufferLayout. Raises ValueError naming the value and the limit when:
+    the count list's length != dp_size; a count is negative or over ``max_tokens_per_rank``;
+    MAX_LEN: ``local < max(counts)``, ``local > max_tokens_per_rank`` or ``global != local *
+    dp_size``; SUM_LEN: ``global != sum(counts)`` or ``local != counts[rank]``.
+    """
+    counts = tuple(int(n) for n in global_num_tokens_cpu)
+    g, loc = int(global_dp_buffer_len), int(local_dp_buffer_len)
+    if len(counts) != dp_size:
+        raise ValueError(
+            f"set_dp_buffer_len: global_num_tokens_cpu has {len(counts)} entries, dp_size is {dp_size}"
+        )
+    if not 0 <= rank < dp_size:
+        raise ValueError(f"set_dp_buffer_len: rank {rank} is not in [0, dp_size={dp_size})")
+    for r, n in enumerate(counts):
+        if not 0 <= n <= max_tokens_per_rank:
+            raise ValueError(
+                f"set_dp_buffer_len: global_num_tokens_cpu[{r}]={n} is not in [0, max_tokens_per_rank={max_tokens_per_rank}]"
+            )
+    limit = max_tokens_per_rank * dp_size
+    if not 0 <= g <= limit:
+        raise ValueError(
+            f"set_dp_buffer_len: global_dp_buffer_len={g} is not in [0, max_global_tokens={limit}]"
+        )
+    if is_max_len:
+        if not max(counts) <= loc <= max_tokens_per_rank:
+            raise ValueError(
+                f"set_dp_buffer_len (MAX_LEN): local_dp_buffer_len={loc} must be in "
+                f"[max(global_num_tokens_cpu)={max(counts)}, max_tokens_per_rank={max_tokens_per_rank}]"
+            )
+        if g != loc * dp_size:
+            raise ValueError(
+                f"set_dp_buffer_len (MAX_LEN): global_dp_buffer_len={g} != local_dp_buffer_len * dp_size = "
+                f"{loc} * {dp_size} = {loc * dp_size}"
+            )
+        offsets = tuple(range(0, g, loc)) if loc else (0,) * dp_size
+        return DPBufferLayout(PaddingMode.MAX_LEN, rank, g, loc, counts, offsets)
+    if g != sum(counts):
+        raise ValueError(
+            f"set_dp_buffer_len (SUM_LEN): global_dp_buffer_len={g} != sum(global_num_tokens_cpu)={sum(counts)} "
+            f"(counts {list(counts)})"
+        )
+    if loc != counts[rank]:
+        raise ValueError(
+            f"set_dp_buffer_len (SUM_LEN): local_dp_buffer_len={loc} != global_num_tokens_cpu[{rank}]={counts[rank]}"
+        )
+    offsets, acc = [], 0
+    for n in counts:
+        offsets.append(acc)
+        acc += n
+    return DPBufferLayout(PaddingMode.SUM_LEN, rank, g, loc, counts, tuple(offsets))
+
+
+_MAX_CACHED_VIEWS = 1024
+
+
+def _prefix(cache: dict[int, torch.Tensor], full: torch.Tensor, rows: int) -> torch.Tensor:
+    view = cache.get(rows)
+    if view is None:
+        if len(cache) >= _MAX_CACHED_VIEWS:  # bounded: many SUM_LEN lengths would pile up
+            cache.clear()
+        # Outside inference mode, so the cached view can be written in place in and out of it.
+        with torch.inference_mode(False):
+            view = cache[rows] = full[:rows]
+    return view
+
+
+class DPBufferService:
+    """The rank's gathered DP buffers and their per-step sizing (see the module docstring).
+
+    Args:
+        config: dp_size, hidden_size, dtype, device, max_tokens_per_rank come from it.
+        pool: the rank's BufferPool; storage is requested from it once, here.
+        rank: this rank's index in the DP group.
+        group: the device process group of the gathers (None: default group / none at world 1).
+        global_name, local_name: the pool names of the two buffers.
+        device: overrides ``config.device`` (e.g. ``cuda:LOCAL_RANK``).
+    """
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        pool: BufferPool,
+        rank: int,
+        *,
+        group: Any = None,
+        global_name: str = "dp_global_hidden",
+        local_name: str = "dp_local_hidden",
+        device: torch.device | str | None = None,
+        user: str = "dp_buffer",
+    ) -> None:
+        if not 0 <= rank < config.dp_size:
+            raise ValueError(
+                f"DPBufferService: rank {rank} is not in [0, dp_size={config.dp_size})"
+            )
+        self.config, self.rank, self.group = config, rank, group
+        device = config.device if device is None else device
+        hidden = config.hidden_size
+        self._global_full_GD = pool.request(
+            global_name, (config.max_global_tokens, hidden), config.dtype, device, user
+        )
+        self._local_full_LD = pool.request(
+            local_name, (config.max_tokens_per_rank, hidden), config.dtype, device, user
+        )
+        self._key: tuple | None = None
+        # Row-prefix views by length, made once: slicing costs ~1.5 us a step, a lookup ~0.1 us.
+        self._global_views: dict[int, torch.Tensor] = {}
+        self._local_views: dict[int, torch.Tensor] = {}
+        self.set_dp_buffer_len(0, 0, True, (0,) * config.dp_size)
+
+    # -- sizing ----------------------------------------------------------------------------------
+    def set_dp_buffer_len(
+        self,
+        global_dp_buffer_len: int,
+        local_dp_buffer_len: int,
+        is_max_len: bool,
+        global_num_tokens_cpu: Sequence[int],
+    ) -> DPBufferLayout:
+        """Size this step's buffers; returns the layout (rules and errors: ``dp_buffer_layout``).
+
+        Repeating the previous step's arguments costs one tuple comparison.
+        """
+        key = (
+            global_dp_buffer_len,
+            local_dp_buffer_len,
+            bool(is_max_len),
+            tuple(global_num_tokens_cpu),
+        )
+        if key == self._key:
+            return self.layout
+        cfg = self.config
+        layout = dp_buffer_layout(
+            *key, rank=self.rank, dp_size=cfg.dp_size, max_tokens_per_rank=cfg.max_tokens_per_rank
+        )
+        self.layout = layout
+        self._global_GD = _prefix(
+            self._global_views, self._global_full_GD, layout.global_dp_buffer_len
+        )
+        self._local_LD = _prefix(self._local_views, self._local_full_LD, layout.local_dp_buffer_len)
+        self._key = key
+        return layout
+
+    def set_from_plan(self, plan: Any) -> DPBufferLayout:
+        """``set_dp_buffer_len`` with a StepPlan's values (read by attribute name)."""
+        return self.set_dp_buffer_len(
+            plan.global_dp_buffer_len,
+            plan.local_dp_buffer_lens[self.rank],
+            plan.padding is PaddingMode.MAX_LEN,
+            plan.global_num_tokens_cpu,
+        )
+
+    # -- views -----------------------------------------------------------------------------------
+    def get_global_buffer(self) -> torch.Tensor:
+        """The gathered buffer of this step: [G, D], a view of pool storage."""
+        return self._global_GD
+
+    def get_local_buffer(self) -> torch.Tensor:
+        """This rank's local buffer of this step: [L, D], a view of pool storage."""
+        return self._local_LD
+
+    @property
+    def global_dp_buffer_len(self) -> int:
+        return self.layout.global_dp_buffer_len
+
+    @property
+    def local_dp_buffer_len(self) -> int:
+        return self.layout.local_dp_buffer_len
+
+    @property
+    def is_max_len(self) -> bool:
+        return self.layout.is_max_len
+
+    @property
+    def offset(self) -> int:
+        """This rank's first row in the gathered buffer."""
+        return self.layout.offset
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Each rank's first row in the gathered buffer."""
+        return self.layout.offsets
+
+    @property
+    def global_num_tokens(self) -> tuple[int, ...]:
+        """Each rank's live rows this step."""
+        return self.layout.global_num_tokens
+
+    # -- data movement ---------------------------------------------------------------------------
+    def gather(self, local_TD: torch.Tensor) -> torch.Tensor:
+        """Gather every rank's rows into the global buffer; returns it ([G, D]).
+
+        ``local_TD``: this rank's live rows first, ``T <= global_num_tokens[rank]`` (the rest
+        of the rank's rows are sent as zeros). A collective over ``group``.
+        """
+        return dp_gather(self._global_GD, local_TD, self.layout, self.group)
+
+    def scatter(
+        self, global_GD: torch.Tensor | None = None, *, num_rows: int | None = None
+    ) -> torch.Tensor:
+        """This rank's rows of ``global_GD`` (default: the global buffer), copied into the local
+        buffer; returns ``[num_rows or global_num_tokens[rank], D]``. Not a collective.
+        """
+        out = dp_scatter(
+            self._global_GD if global_GD is None else global_GD,
+            self.layout,
+            out_TD=self._local_full_LD,
+        )
+        return out if num_rows is None else out[:num_rows]
+
+    def reduce_scatter(
+        self, global_GD: torch.Tensor, *, num_rows: int | None = None
+    ) -> torch.Tensor:
+        """Sum ``global_GD`` over ranks and return this rank's rows (in the local buffer).
+
+        A collective (the MoE combine). ``global_GD`` may be overwritten.
+        """
+        out = dp_reduce_scatter(global_GD, self.layout, self.group, out_TD=self._local_full_LD)
+        return out if num_rows is None else out[:num_rows]

@@ -1,0 +1,65 @@
+"""Routed experts of one MoE layer on one rank: grouped GEMM, or a dense loop where it is not.
+
+Shapes: T tokens, K experts per token, E experts, H hidden, I expert intermediate size.
+Weights: ``w13_E2IH`` (gate and up, stacked, nn.Linear layout) and ``w2_EHI``.
+
+Both paths are capturable (no host sync, static shapes) and deterministic: each token's K
+expert outputs are put back in (token, k) order and summed in float32, never scattered with
+atomics, so replay and eager reduce in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["grouped_mm_supported", "routed_experts"]
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` serves this device and dtype (CUDA sm90+, bf16)."""
+    if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16 or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _grouped(x_TH: torch.Tensor, ids_TK: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> torch.Tensor:
+    t, k = ids_TK.shape
+    e = w13_E2IH.shape[0]
+    flat = ids_TK.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (T*K,) rows grouped by expert
+    x_sorted = x_TH[order // k]
+    # Group ends: how many sorted rows have expert id <= e (searchsorted: no host sync).
+    offs = torch.searchsorted(flat[order], torch.arange(e, device=flat.device), right=True).to(torch.int32)
+    h = torch._grouped_mm(x_sorted, w13_E2IH.transpose(1, 2), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    y_sorted = torch._grouped_mm(F.silu(gate) * up, w2_EHI.transpose(1, 2), offs=offs)
+    return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(t, k, -1)
+
+
+def _dense(x_TH: torch.Tensor, ids_TK: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> torch.Tensor:
+    # Every expert on every token, the result kept only where routed: E times the work, for
+    # CPU tests and devices without grouped GEMM.
+    t, k = ids_TK.shape
+    out = x_TH.new_zeros((t, k, w2_EHI.shape[1]))
+    for e in range(w13_E2IH.shape[0]):
+        gate, up = (x_TH @ w13_E2IH[e].T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w2_EHI[e].T
+        out = torch.where((ids_TK == e)[..., None], y[:, None, :], out)
+    return out
+
+
+def routed_experts(
+    x_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    *,
+    use_grouped_mm: bool,
+) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` as (T, H) in ``x``'s dtype."""
+    if x_TH.shape[0] == 0:
+        return x_TH.new_zeros((0, w2_EHI.shape[1]))
+    per_k = (_grouped if use_grouped_mm else _dense)(x_TH, ids_TK, w13_E2IH, w2_EHI)
+    return (per_k.float() * weights_TK.float()[..., None]).sum(1).to(x_TH.dtype)

@@ -1,0 +1,105 @@
+"""ForwardBatch: what one forward of one rank reads (a minimal start; the model issue grows it).
+
+Tensor fields are named like the registry slots (buffers/builders.py), so ``registry.fill`` and
+``registry.view`` work on it by name. Shapes (T = tokens of this rank, B = requests):
+
+    input_ids (T,) int64           positions (T,) int64            out_cache_loc (T,) int64
+    req_pool_indices (B,) int64    seq_lens (B,) int64             seq_lens_cpu (B,) int64, CPU
+    extend_seq_lens (B,) int64     extend_prefix_lens (B,) int64   (EXTEND only)
+    mrope_positions (3, T) int64   input_embeds (T, hidden)        (optional inputs)
+
+``seq_lens`` counts the KV tokens of each request including this step's new ones.
+``global_num_tokens_cpu`` holds every DP rank's token count (``(T,)`` with one rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dp_runtime.forward_mode import ForwardMode
+
+__all__ = ["ForwardBatch", "capture_batch", "idle_batch"]
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    out_cache_loc: torch.Tensor | None = None
+    req_pool_indices: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
+    num_token_non_padded: torch.Tensor | None = None
+    global_num_tokens_cpu: tuple[int, ...] | None = None
+    global_num_tokens_gpu: torch.Tensor | None = None
+    global_num_tokens_for_logprob_cpu: tuple[int, ...] | None = None
+    global_num_tokens_for_logprob_gpu: torch.Tensor | None = None
+    extend_seq_lens: torch.Tensor | None = None
+    extend_prefix_lens: torch.Tensor | None = None
+    # Host copies of the extend lengths: attention backends plan on the host without a sync.
+    extend_seq_lens_cpu: tuple[int, ...] | None = None
+    extend_prefix_lens_cpu: tuple[int, ...] | None = None
+    input_embeds: torch.Tensor | None = None
+    mrope_positions: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of this rank in this forward (0 for IDLE)."""
+        for t in (self.input_ids, self.positions, self.input_embeds):
+            if t is not None:
+                return int(t.shape[0])
+        return 0
+
+
+def idle_batch(device: torch.device | str, global_num_tokens_cpu: tuple[int, ...]) -> ForwardBatch:
+    """An IDLE batch: no requests, every token field an empty tensor (not None), so a graph
+    replay or an eager fill sees the same inputs as a live batch and pads every row."""
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    counts = tuple(int(c) for c in global_num_tokens_cpu)
+    return ForwardBatch(
+        forward_mode=ForwardMode.IDLE,
+        batch_size=0,
+        input_ids=empty,
+        positions=empty,
+        out_cache_loc=empty,
+        req_pool_indices=empty,
+        seq_lens=empty,
+        seq_lens_cpu=torch.empty(0, dtype=torch.int64),
+        global_num_tokens_cpu=counts,
+        global_num_tokens_for_logprob_cpu=counts,
+    )
+
+
+def capture_batch(
+    bs: int,
+    num_tokens: int,
+    plan,
+    *,
+    device: torch.device | str,
+    forward_mode: ForwardMode = ForwardMode.DECODE,
+    seq_len_fill_value: int = 1,
+) -> ForwardBatch:
+    """A dummy batch of ``bs`` requests to capture a graph with (``GraphRunner.capture_batch``).
+
+    Every index points at the reserved padding targets (request row 0, KV slot 0) with length
+    ``seq_len_fill_value``, so the capture's warm-up runs read and write nothing live.
+    """
+    device = torch.device(device)
+    zeros_t = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    counts = tuple(int(c) for c in plan.global_num_tokens_cpu)
+    return ForwardBatch(
+        forward_mode=forward_mode,
+        batch_size=bs,
+        input_ids=zeros_t,
+        positions=zeros_t.clone(),
+        out_cache_loc=zeros_t.clone(),
+        req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=device),
+        seq_lens=torch.full((bs,), seq_len_fill_value, dtype=torch.int64, device=device),
+        seq_lens_cpu=torch.full((bs,), seq_len_fill_value, dtype=torch.int64),
+        global_num_tokens_cpu=counts,
+        global_num_tokens_for_logprob_cpu=counts,
+    )

@@ -1,0 +1,46 @@
+"""Hands out request rows and KV slots of a KVCache (row 0 and slot 0 stay reserved)."""
+
+from __future__ import annotations
+
+import torch
+
+from dp_runtime.kv_cache import KVCache
+
+__all__ = ["KVAllocator"]
+
+
+class KVAllocator:
+    """Free lists of request rows ``1..max_reqs`` and token slots ``1..num_slots`` (host side)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self._free_rows = list(range(cache.max_reqs, 0, -1))
+        self._free_slots = torch.arange(1, cache.num_slots + 1, dtype=torch.int64)
+
+    @property
+    def num_free_slots(self) -> int:
+        return int(self._free_slots.numel())
+
+    def alloc_row(self) -> int:
+        """A free request row. Raises ValueError when all ``max_reqs`` rows are taken."""
+        if not self._free_rows:
+            raise ValueError(
+                f"KVAllocator: all {self.cache.max_reqs} request rows (max_reqs) are in use"
+            )
+        return self._free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        self._free_rows.append(int(row))
+
+    def alloc_slots(self, n: int) -> torch.Tensor:
+        """``n`` free slots as an int64 tensor on the cache's device. Raises ValueError when
+        fewer than ``n`` are free (naming both)."""
+        if n > self._free_slots.numel():
+            raise ValueError(
+                f"KVAllocator: asked for {n} KV slots, {self._free_slots.numel()} of {self.cache.num_slots} are free"
+            )
+        slots, self._free_slots = self._free_slots[:n], self._free_slots[n:]
+        return slots.to(self.cache.device)
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        self._free_slots = torch.cat([self._free_slots, slots.to("cpu", torch.int64)])

@@ -1,0 +1,40 @@
+"""Elementwise layers of a Qwen3-style decoder: RMSNorm and rotary embedding (neox halves).
+
+Shapes: T tokens, H heads, D head dim. Both compute in float32 and return the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RotaryEmbedding", "rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dim (float32 inside), in ``x``'s dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+class RotaryEmbedding:
+    """A cos/sin table for positions ``[0, max_position)``; ``apply`` rotates q and k."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, device: torch.device | str) -> None:
+        if head_dim % 2:
+            raise ValueError(f"RotaryEmbedding: head_dim must be even, got {head_dim}")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float64, device=device), inv_freq)
+        self.cos_sin_PD = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+        self.max_position = max_position
+
+    @staticmethod
+    def _rotate(x_THD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x_THD.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_THD.dtype)
+
+    def apply(
+        self, q_THD: torch.Tensor, k_THD: torch.Tensor, positions_T: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_PD[positions_T].unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(q_THD, cos, sin), self._rotate(k_THD, cos, sin)

@@ -1,0 +1,25 @@
+"""What the runners read from a batch, as a Protocol (ForwardBatch lives in dp_runtime)."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from graph.forward_mode import ForwardMode
+
+__all__ = ["RunnerBatch"]
+
+
+@runtime_checkable
+class RunnerBatch(Protocol):
+    """A dataclass batch with registry-named tensor fields (``input_ids``, ``seq_lens``...) plus:
+
+    - ``batch_size``: live requests on this rank (0 for IDLE);
+    - ``num_tokens``: live tokens on this rank (0 for IDLE);
+    - ``forward_mode``: a ``graph.ForwardMode``.
+    """
+
+    batch_size: int
+    forward_mode: ForwardMode
+
+    @property
+    def num_tokens(self) -> int: ...

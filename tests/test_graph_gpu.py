@@ -1,0 +1,211 @@
+"""GraphRunner with real CUDA graphs (one GPU): replay equals eager, refills, one shared pool,
+both attention backends (the FlashInfer ones skip without flashinfer).
+
+FlashInfer JIT-compiles its kernels on first use (minutes on a fresh machine); the benchmark
+uses the same head dim and dtype, so running these first warms its cache.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from _graph_fixtures import (
+    SMALL_GPU,
+    agreed_plan,
+    assert_same_greedy,
+    graph_plan,
+    make_eager_runner,
+    make_graph_runner,
+    make_stack,
+)
+
+from dp_runtime.attention import KVLayout
+from dp_runtime.experts import routed_experts
+from dp_runtime.forward_batch import idle_batch
+from dp_runtime.forward_mode import ForwardMode
+from dp_runtime.synthetic_batch import add_requests, decode_batch, extend_batch
+from graph import capture_sizes
+
+pytestmark = pytest.mark.gpu
+
+BACKENDS = ["sdpa", "flashinfer"]
+SIZES = capture_sizes(32)  # 1, 2, 4, 8, 16, 24, 32
+
+
+def gpu_stack(backend: str, **kw):
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    torch.manual_seed(0)
+    return make_stack(
+        config=SMALL_GPU, device="cuda", dtype=torch.bfloat16, backend=backend,
+        max_reqs=320, max_context_len=256, num_slots=320 * 240, **kw,
+    )
+
+
+def live_batch(stack, n: int, seed: int, lo: int = 8, hi: int = 200):
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=gen).tolist()
+    ids = torch.randint(0, stack.config.vocab_size, (n,), generator=gen).tolist()
+    return decode_batch(stack.allocator, add_requests(stack.allocator, lens, seed=seed), ids)
+
+
+def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replay_equals_eager_for_every_bucket_and_between(backend):
+    stack = gpu_stack(backend)
+    runner = make_graph_runner(stack, SIZES)
+    runner.capture()
+    assert runner.use_cuda_graph
+    eager = make_eager_runner(stack, max_bs=32, max_num_tokens=32)
+    for live in sorted(set(SIZES) | {3, 5, 7, 12, 20, 30}):
+        batch = live_batch(stack, live, seed=live)
+        want = eager.run(batch).clone()
+        got = runner.replay(batch, agreed_plan(live, SIZES)).clone()
+        assert got.shape == want.shape == (live, stack.config.vocab_size)
+        assert_bf16_close(got, want)
+        assert_same_greedy(got, want)
+    runner.destroy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replay_after_refill_answers_for_the_new_batch(backend):
+    stack = gpu_stack(backend)
+    runner = make_graph_runner(stack, (4, 8))
+    runner.capture()
+    eager = make_eager_runner(stack, max_bs=8, max_num_tokens=8)
+    a, b = live_batch(stack, 6, seed=1), live_batch(stack, 6, seed=2)
+    out_a = runner.replay(a, graph_plan(8)).clone()
+    out_b = runner.replay(b, graph_plan(8)).clone()
+    assert_bf16_close(out_b, eager.run(b))
+    assert_bf16_close(out_a, eager.run(a))
+    assert not torch.allclose(out_a, out_b, atol=0.1)
+    c = live_batch(stack, 3, seed=3)  # another bucket, then back
+    assert_bf16_close(runner.replay(c, graph_plan(4)).clone(), eager.run(c))
+    assert_bf16_close(runner.replay(b, graph_plan(8)).clone(), out_b)
+    runner.destroy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_idle_rank_replays_with_zero_live_rows(backend):
+    stack = gpu_stack(backend)
+    runner = make_graph_runner(stack, (4, 8), dp_size=2)
+    runner.capture()
+    out = runner.replay(idle_batch("cuda", (0, 5)), graph_plan(8, (0, 5)))
+    assert out.shape == (0, stack.config.vocab_size)
+    runner.destroy()
+
+
+def test_all_buckets_share_one_pool():
+    stack = gpu_stack("sdpa")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved0 = torch.cuda.memory_reserved()
+    one = make_graph_runner(stack, (32,))
+    one.capture()
+    single_alloc, single_reserved = one.capture_memory_bytes, torch.cuda.memory_reserved() - reserved0
+    one.destroy()
+    reserved1 = torch.cuda.memory_reserved()
+    many = make_graph_runner(stack, SIZES)
+    many.capture()
+    many_alloc, many_reserved = many.capture_memory_bytes, torch.cuda.memory_reserved() - reserved1
+    print(
+        f"\ngraph memory, memory_allocated delta: 1 bucket {single_alloc} B, {len(SIZES)} buckets {many_alloc} B; "
+        f"memory_reserved delta: 1 bucket {single_reserved} B, {len(SIZES)} buckets {many_reserved} B"
+    )
+    assert many.graph_pool is not None
+    # One pool: the smaller graphs reuse the largest one's blocks instead of adding their own.
+    assert many_reserved <= 2 * single_reserved + (8 << 20)
+    many.destroy()
+    with pytest.raises(RuntimeError, match="not captured"):
+        many.replay(live_batch(stack, 2, seed=0), graph_plan(2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replay_does_not_sync_the_host(backend):
+    stack = gpu_stack(backend)
+    runner = make_graph_runner(stack, (8,))
+    runner.capture()
+    batch = live_batch(stack, 5, seed=4)
+    runner.replay(batch, graph_plan(8))  # first replay: lazy host-side setup
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            runner.replay(batch, graph_plan(8))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    print(f"\n{backend}: synchronizing calls in a replay: {syncs}")
+    if backend == "sdpa":
+        assert not syncs
+    runner.destroy()
+
+
+def test_flashinfer_layout_choice_is_the_same_at_capture_replay_and_eager(monkeypatch):
+    pytest.importorskip("flashinfer")
+    import dp_runtime.attention.flashinfer_backend as fb
+
+    calls = []
+    real = fb.choose_kv_layout
+
+    def recording(mode, *, deterministic):
+        layout = real(mode, deterministic=deterministic)  # the real function, recorded
+        calls.append((mode, deterministic, layout))
+        return layout
+
+    monkeypatch.setattr(fb, "choose_kv_layout", recording)
+    stack = gpu_stack("flashinfer")
+    runner = make_graph_runner(stack, (4, 8))
+    runner.capture()
+    decode = (ForwardMode.DECODE, False, KVLayout.PAGED)
+    assert calls == [decode, decode]  # one call per bucket, same inputs
+    calls.clear()
+    batch = live_batch(stack, 5, seed=5)
+    runner.replay(batch, agreed_plan(5, (4, 8)))
+    assert calls == [decode]
+    assert stack.backend.metadata.layout is KVLayout.PAGED
+    calls.clear()
+    make_eager_runner(stack).run(batch)
+    assert calls == [decode]
+    calls.clear()
+    reqs = add_requests(stack.allocator, [0, 9])
+    make_eager_runner(stack).run(extend_batch(stack.allocator, reqs, [4, 3], list(range(7))))
+    assert calls == [(ForwardMode.EXTEND, False, KVLayout.RAGGED)]
+    assert stack.backend.metadata.layout is KVLayout.RAGGED  # what the forward dispatches on
+    runner.destroy()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_flashinfer_matches_sdpa_on_extend_and_decode(deterministic):
+    fi = gpu_stack("flashinfer", deterministic=deterministic)
+    ref = gpu_stack("sdpa")
+    outs = []
+    for stack in (fi, ref):
+        runner = make_eager_runner(stack, max_bs=8, max_num_tokens=64)
+        reqs = add_requests(stack.allocator, [0, 30, 7, 0], seed=11)
+        ids = list(range(1, 42))
+        ext = runner.run(extend_batch(stack.allocator, reqs, [12, 5, 20, 4], ids)).clone()
+        dec = runner.run(decode_batch(stack.allocator, reqs, [3, 1, 4, 1])).clone()
+        outs.append((ext, dec))
+    assert_bf16_close(outs[0][0], outs[1][0])
+    assert_bf16_close(outs[0][1], outs[1][1])
+
+
+def test_grouped_mm_experts_match_dense_on_gpu():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t, h, i, e, k = 37, 256, 128, 16, 4
+    x = torch.randn(t, h, generator=gen, device="cuda").bfloat16()
+    w13 = (torch.randn(e, 2 * i, h, generator=gen, device="cuda") * h**-0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, generator=gen, device="cuda") * i**-0.5).bfloat16()
+    weights, ids = torch.randn(t, e, generator=gen, device="cuda").softmax(-1).topk(k, dim=-1)
+    if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm needs sm90+")
+    got = routed_experts(x, ids, weights, w13, w2, use_grouped_mm=True)
+    want = routed_experts(x, ids, weights, w13, w2, use_grouped_mm=False)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
