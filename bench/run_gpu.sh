@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: GPU tests, then benchmarks; logs under $OUT (or ./gpu-logs).
+#   bash bench/run_gpu.sh one     # one GPU: gpu tests, registry fill, decode graph
+#   bash bench/run_gpu.sh multi   # 2-4 GPUs: gpu2 tests, dp_sync and dispatch at 2 and 4 ranks
+# Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source .gpubundle/setup.sh
+export PYTHONPATH=$PWD:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
+log=${OUT:-gpu-logs}; mkdir -p "$log"
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+echo "commit $commit, $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
+step() { local name=$1; shift; echo "== $name: $*"; local t=$(date +%s); "$@" > "$log/$name.log" 2>&1; local rc=$?
+         echo "   rc=$rc in $(( $(date +%s) - t )) s"; tail -n "${TAIL:-25}" "$log/$name.log"; }
+ngpu=$(nvidia-smi -L | wc -l)
+case "${1:-one}" in
+  one)
+    step gpu_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
+    step registry_fill python bench/registry_fill.py
+    step decode_graph python bench/decode_graph.py ${DECODE_ARGS:-}
+    ;;
+  multi)
+    step gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs tests/
+    for n in 2 $ngpu; do
+      [ "$n" -le "$ngpu" ] || continue
+      step dp_sync_$n torchrun --standalone --nproc-per-node "$n" bench/dp_sync.py --device cuda
+      step dispatch_$n torchrun --standalone --nproc-per-node "$n" bench/dispatch.py ${DISPATCH_ARGS:-}
+      [ "$n" = "$ngpu" ] && break
+    done
+    ;;
+esac
