@@ -4,11 +4,19 @@ torch.compile(mode="reduce-overhead"), side by side in one run (one GPU).
     python bench/decode_graph.py                 # bs 1, 8, 32, 128, 256; about 4 minutes on an H100
     python bench/decode_graph.py --quick         # bs 1, 8, 32, fewer iterations
     python bench/decode_graph.py --skip-compile  # without the torch.compile peer (its compile is slow)
+    CUDA_LAUNCH_BLOCKING=1 python bench/decode_graph.py --check-indices --batch-sizes 1,8   # debugging
 
 The stack (dp_runtime/moe_stack.py, random weights): hidden 2048, 32 query / 4 KV heads of dim
 128, 128 experts, top-8, expert size 768, ``--layers`` layers (8), vocab 151936; attention
 through FlashInfer (or torch SDPA: ``--attention sdpa``), experts through torch._grouped_mm.
 Each request has about ``--context`` (512) tokens of KV.
+
+Every mode has its own attention backend instance over the one KV cache: the eager and no-copy
+runners share one (both eager), the graph runner has another (its captured wrappers and their
+fixed buffers), the torch.compile peer a third. No mode plans a FlashInfer wrapper, or sets
+metadata, that another mode's kernels read. The first step of each mode at each batch size is
+synchronized and checked, so a CUDA fault names the mode and batch size that raised it; the
+torch.compile peer runs last, after every other measurement.
 
 Columns, per batch size (median over ``--iters`` steps, CUDA events around each step, the
 GPU idle at its start):
@@ -16,8 +24,10 @@ GPU idle at its start):
 - eager / no-copy / graph / compile: step time in ms. ``eager`` goes through the registry
   (fill, view); ``no-copy`` hands the model the batch's own tensors; ``graph`` is
   ``GraphRunner.replay`` (fill, attention replay metadata, replay); ``compile`` is the model
-  under torch.compile(mode="reduce-overhead") with attention left eager (a graph break per
-  layer: FlashInfer's wrappers are not traceable), attention metadata planned eagerly.
+  under torch.compile(mode="reduce-overhead", dynamic=True) with attention left eager behind
+  ``torch.compiler.disable`` (a graph break per layer: FlashInfer's wrappers are not
+  traceable), on its own backend (``--compile-attention``, default the stack's), attention
+  metadata planned eagerly. The output says what the peer ran.
 - speedup: eager / graph.
 - host us, gpu ms, host %: a replayed step with the GPU kept busy (a device sleep) while the
   host enqueues it: host time to enqueue the whole step (fill + metadata + replay) vs the GPU
@@ -94,6 +104,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed steps per mode and bs (30; quick 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (5; quick 3)")
     p.add_argument("--attention", choices=("auto", "flashinfer", "sdpa"), default="auto")
+    p.add_argument(
+        "--compile-attention", choices=("same", "flashinfer", "sdpa"), default="same",
+        help="attention of the torch.compile peer (its own backend instance either way)",
+    )
+    p.add_argument(
+        "--check-indices", action="store_true",
+        help="FlashInfer backends verify every plan on the host (syncs: timings are not meaningful)",
+    )
     args = p.parse_args()
     if args.batch_sizes is None:
         args.batch_sizes = "1,8,32" if args.quick else "1,8,32,128,256"
@@ -196,10 +214,20 @@ def main() -> None:
             backend_name = "flashinfer"
         except ImportError:
             backend_name = "sdpa"
-    backend = FlashInferBackend(cache, **heads) if backend_name == "flashinfer" else TorchSDPABackend(cache, **heads)
-    model = MoEStack(cfg, backend, dtype=dtype, device=device)
+
+    def make_backend(name: str):
+        if name == "flashinfer":
+            return FlashInferBackend(cache, check_indices=args.check_indices, **heads)
+        return TorchSDPABackend(cache, **heads)
+
+    # One backend per mode (module docstring): eager + no-copy, graphs, the compile peer.
+    eager_backend = make_backend(backend_name)
+    graph_backend = make_backend(backend_name)
+    model = MoEStack(cfg, eager_backend, dtype=dtype, device=device)
+    graph_model = model.with_attention(graph_backend)  # the same weights
     print(describe_env(args, backend_name))
     print(f"experts via {'torch._grouped_mm' if model.use_grouped_mm else 'dense loop (no grouped GEMM here)'}")
+    print(f"attention backends: eager/no-copy and graph replay each on their own {backend_name} instance")
 
     gen = torch.Generator().manual_seed(0)
     lens = (args.context + torch.randint(-32, 33, (max_bs,), generator=gen)).tolist()
@@ -212,38 +240,40 @@ def main() -> None:
     pool = BufferPool()
     registry = build_decode_registry(max_bs, device, pool)
     runner = GraphRunner(
-        model, backend, registry, sizes,
+        graph_model, graph_backend, registry, sizes,
         capture_batch=functools.partial(capture_batch, device=device), capture_plan=plan_for,
     )
 
     def eager_registry(bs: int, tokens: int):
         return build_prefill_registry(bs, tokens, device, pool, register_input_embeds=False, user="eager")
 
-    eager = EagerRunner(model, backend, eager_registry, no_copy=False, max_bs=max_bs, max_num_tokens=max_bs)
-    no_copy = EagerRunner(model, backend, no_copy=True)
+    eager = EagerRunner(model, eager_backend, eager_registry, no_copy=False, max_bs=max_bs, max_num_tokens=max_bs)
+    no_copy = EagerRunner(model, eager_backend, no_copy=True)
     torch.cuda.synchronize()
     print(f"setup {time.perf_counter() - t_setup:.1f} s; capturing {sizes} (FlashInfer may JIT-compile kernels first)")
     t0 = time.perf_counter()
     runner.capture()
     print(f"capture {time.perf_counter() - t0:.1f} s, graph memory_allocated +{runner.capture_memory_bytes / 2**20:.1f} MiB")
 
-    compiled = None
-    if not args.skip_compile:
-        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-        compiled = torch.compile(model.with_attention(EagerAttention(backend)), mode="reduce-overhead", dynamic=True)
-
-    def compile_step(batch):
-        backend.init_forward_metadata(batch)
-        torch.compiler.cudagraph_mark_step_begin()
-        with torch.inference_mode():
-            return compiled(batch)
+    def first_step(label: str, bs: int, fn):
+        """The first step of a mode at a batch size, synchronized: a CUDA fault names its mode."""
+        try:
+            out = fn()
+            torch.cuda.synchronize()
+            return out
+        except Exception as e:
+            raise RuntimeError(
+                f"{label} at bs {bs} failed (the first failing mode; CUDA errors are sticky, so what "
+                f"follows may fail too): {type(e).__name__}: {e}"
+            ) from e
 
     cycles = sleep_cycles_per_ms()
     rows = []
     for bs in sizes:
         batch, plan = batches[bs], plan_for(bs)
-        want = eager.run(batch).argmax(-1)
-        got = runner.replay(batch, plan).argmax(-1)
+        want = first_step("eager", bs, lambda b=batch: eager.run(b).argmax(-1))
+        first_step("eager no-copy", bs, lambda b=batch: no_copy.run(b))
+        got = first_step("graph replay", bs, lambda b=batch, p=plan: runner.replay(b, p).argmax(-1))
         agree = int((want == got).sum())
         # Interleaved rounds, so drift (clocks, other tenants) hits every mode alike.
         samples: dict[str, list[float]] = {"eager": [], "no-copy": [], "graph": []}
@@ -253,19 +283,39 @@ def main() -> None:
             samples["graph"] += step_ms(lambda b=batch, p=plan: runner.replay(b, p), args.iters // 3 + 1, args.warmup)
         med = {k: statistics.median(v) for k, v in samples.items()}
         host_us, gpu_ms, late = host_vs_gpu(lambda b=batch, p=plan: runner.replay(b, p), args.iters, cycles)
-        comp = None
-        if compiled is not None:
+        rows.append([bs, med, None, host_us, gpu_ms, late, agree])
+        print(f"  bs {bs}: done (greedy tokens eager vs graph agree {agree}/{bs})")
+
+    if not args.skip_compile:
+        # Last, on its own backend: whatever it does cannot touch the numbers above.
+        peer_name = backend_name if args.compile_attention == "same" else args.compile_attention
+        compile_backend = make_backend(peer_name)
+        print(
+            f"compile peer: torch.compile(mode='reduce-overhead', dynamic=True) of the stack; attention {peer_name} "
+            f"on its own backend instance, run eagerly behind torch.compiler.disable (a graph break per layer), "
+            f"its metadata planned outside the compiled function"
+        )
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+        compiled = torch.compile(model.with_attention(EagerAttention(compile_backend)), mode="reduce-overhead", dynamic=True)
+
+        def compile_step(batch):
+            compile_backend.init_forward_metadata(batch)
+            torch.compiler.cudagraph_mark_step_begin()
+            with torch.inference_mode():
+                return compiled(batch)
+
+        for row in rows:
+            bs = row[0]
+            batch = batches[bs]
             try:
                 t0 = time.perf_counter()
-                compile_step(batch)
+                first_step("torch.compile peer", bs, lambda b=batch: compile_step(b))
                 first = time.perf_counter() - t0
-                comp = statistics.median(step_ms(lambda b=batch: compile_step(b), args.iters, args.warmup))
+                row[2] = statistics.median(step_ms(lambda b=batch: compile_step(b), args.iters, args.warmup))
                 print(f"  compile bs {bs}: first call {first:.1f} s")
             except Exception as e:  # the peer is informative, never fatal
                 print(f"  compile bs {bs} failed: {type(e).__name__}: {str(e)[:300]}")
-                compiled = None
-        rows.append((bs, med, comp, host_us, gpu_ms, late, agree))
-        print(f"  bs {bs}: done (greedy tokens eager vs graph agree {agree}/{bs})")
+                break
 
     print()
     head = f"{'bs':>4} {'eager ms':>9} {'no-copy':>9} {'graph ms':>9} {'compile':>9} {'speedup':>8} {'host us':>8} {'gpu ms':>8} {'host %':>7} {'reg %':>6}"

@@ -67,6 +67,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--methods", nargs="+", default=["all_gather", "all_to_all", "flashinfer", "raw"])
+    p.add_argument("--no-graph", action="store_true", help="skip the graph-replayed flashinfer/raw rounds")
     p.add_argument("--json", type=Path, help="rank 0 also writes the rows here")
     return p.parse_args()
 
@@ -122,6 +123,24 @@ def _time_rounds(ep: EPGroup, device: torch.device, fn: Callable[[], object], it
     med = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX, group=ep.cpu_group)
     return float(med.item())
+
+
+def _capture(fn: Callable[[], object], ep: EPGroup) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after warm-up runs on a side stream (all ranks together)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    dist.barrier(group=ep.cpu_group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier(group=ep.cpu_group)
+    return graph
 
 
 def _ours_round(d, x, ids, w, plan):
@@ -214,10 +233,19 @@ def main() -> None:
             row = {"hidden": hidden, "tokens_per_rank": tokens,
                    "ws_bytes_per_rank": flashinfer_workspace_bytes_per_rank(ep.size, tokens, hidden, args.top_k,
                                                                             torch.bfloat16)}
-            for name, d in ours.items():
-                row[name] = _time_rounds(ep, device, _ours_round(d, x, ids, w, plan), args.iters, args.warmup)
+            rounds = {name: _ours_round(d, x, ids, w, plan) for name, d in ours.items()}
             if raw is not None:
-                row["raw"] = _time_rounds(ep, device, _raw_round(raw, x, ids, w, tokens), args.iters, args.warmup)
+                rounds["raw"] = _raw_round(raw, x, ids, w, tokens)
+            for name, fn in rounds.items():
+                row[name] = _time_rounds(ep, device, fn, args.iters, args.warmup)
+            if on_gpu and not args.no_graph:
+                # The same rounds captured in CUDA graphs: device time with the host's launch cost
+                # taken out, which is what a captured decode step pays.
+                for name in ("flashinfer", "raw"):
+                    if name in rounds:
+                        graph = _capture(rounds[name], ep)
+                        row[f"{name}_graph"] = _time_rounds(ep, device, graph.replay, args.iters, args.warmup)
+                        del graph
             rows.append(row)
             if ep.rank == 0:
                 print("  " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
@@ -253,6 +281,10 @@ def _print_table(rows, methods, ep, device, notes, seconds, args) -> None:
         head.append("fi/raw")
     if "flashinfer" in cols and "all_to_all" in cols:
         head.append("a2a/fi")
+    graphs = [c for c in ("flashinfer_graph", "raw_graph") if rows and c in rows[0]]
+    head += graphs
+    if len(graphs) == 2:
+        head.append("fi/raw graph")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---:" for _ in head) + "|")
     for r in rows:
@@ -262,6 +294,9 @@ def _print_table(rows, methods, ep, device, notes, seconds, args) -> None:
             cells.append(f"{r['flashinfer'] / r['raw']:.2f}")
         if "a2a/fi" in head:
             cells.append(f"{r['all_to_all'] / r['flashinfer']:.2f}")
+        cells += [f"{r[c]:.1f}" for c in graphs]
+        if len(graphs) == 2:
+            cells.append(f"{r['flashinfer_graph'] / r['raw_graph']:.2f}")
         print("| " + " | ".join(cells) + " |")
 
 

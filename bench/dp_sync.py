@@ -14,7 +14,7 @@ time includes waiting for the slowest peer, as it does in the runtime.)
 
 Part 2, dp_gather of ``n`` tokens per rank on every rank (the same bytes as a raw
 ``all_gather_into_tensor`` of ``[n, hidden]`` per rank, which is timed in the same run):
-MAX_LEN (copy into the rank's slot + in-place all-gather), SUM_LEN (zero + copy + all-reduce)
+MAX_LEN (copy into the rank's slot + in-place all-gather), SUM_LEN (uneven all-gather on CUDA)
 and the graph-safe SUM_LEN by device counts. Bandwidth is the gathered buffer's bytes over the
 time (nccl-tests' "algbw"); "% raw" is raw time / mode time.
 

@@ -125,7 +125,7 @@ class AllGatherDispatcher:
         ids_NK = routing_NK2[:, :k]
         inputs = ExpertInputs(
             hidden_ND=gathered_ND,
-            local_expert_ids_NK=self.partition.local_ids(ids_NK, ep.rank),
+            expert_ids_NK=ids_NK,
             weights_NK=routing_NK2[:, k:].view(torch.float32),
             num_local_experts=self.partition.num_local(ep.rank),
             first_expert=self.partition.first(ep.rank),

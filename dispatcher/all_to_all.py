@@ -102,7 +102,7 @@ class AllToAllDispatcher:
         handle = AllToAllHandle(id(self), t, send_token_idx_S, send_counts, recv_counts, int(plan.fingerprint))
         inputs = ExpertInputs(
             hidden_ND=hidden_ND,
-            local_expert_ids_NK=self.partition.local_ids(ids_NK, ep.rank),
+            expert_ids_NK=ids_NK,
             weights_NK=weights_NK,
             num_local_experts=self.partition.num_local(ep.rank),
             first_expert=self.partition.first(ep.rank),

@@ -13,6 +13,7 @@ expert, ``K`` top-k, ``D`` hidden size, ``I`` expert intermediate size, ``E`` ex
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,8 +34,12 @@ class ExpertInputs:
 
     - ``hidden_ND``: received rows (may be a view into a communication workspace; may include
       padded rows, whose picks are all invalid).
-    - ``local_expert_ids_NK``: int32 rank-local expert id of each pick, or
-      ``partition.INVALID_EXPERT_ID`` (-1, never a local id) where the pick is another rank's expert or the row is padding.
+    - ``expert_ids_NK``: the global expert id of each pick as received (padded rows carry
+      ``partition.INVALID_EXPERT_ID``).
+    - ``local_expert_ids_NK`` (computed on first use, then cached): int32 rank-local expert id of
+      each pick, or ``INVALID_EXPERT_ID`` (-1, never a local id) where the pick is another rank's
+      expert or the row is padding. Lazy because dispatch itself never needs it: the conversion
+      is the experts' work, as with a raw MoeAlltoAll, and costs five small kernels.
     - ``weights_NK``: fp32 routing weight of each pick (meaningless where the id is invalid).
     - ``num_local_experts``: ``L``; ``first_expert``: global id of local expert 0.
 
@@ -43,10 +48,14 @@ class ExpertInputs:
     """
 
     hidden_ND: torch.Tensor
-    local_expert_ids_NK: torch.Tensor
+    expert_ids_NK: torch.Tensor
     weights_NK: torch.Tensor
     num_local_experts: int
     first_expert: int
+
+    @functools.cached_property
+    def local_expert_ids_NK(self) -> torch.Tensor:
+        return ExpertPartition.local_ids_of(self.expert_ids_NK, self.first_expert, self.num_local_experts)
 
     @property
     def num_rows(self) -> int:

@@ -208,7 +208,7 @@ class FlashInferDispatcher:
         ids_NK = ids_RPK.flatten(0, 1)
         inputs = ExpertInputs(
             hidden_ND=hidden_RPD.flatten(0, 1),
-            local_expert_ids_NK=self.partition.local_ids(ids_NK, ep.rank),
+            expert_ids_NK=ids_NK,
             weights_NK=weights_RPK.flatten(0, 1),
             num_local_experts=self.partition.num_local(ep.rank),
             first_expert=self.partition.first(ep.rank),

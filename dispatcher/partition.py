@@ -65,7 +65,11 @@ class ExpertPartition:
     def local_ids(self, expert_ids_NK: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank-local expert ids (int32): ``id - first(rank)`` where ``rank`` owns ``id``, else
         ``INVALID_EXPERT_ID``. Out-of-range and invalid ids map to ``INVALID_EXPERT_ID`` too."""
-        first = self.first(rank)
+        return self.local_ids_of(expert_ids_NK, self.first(rank), self.num_local(rank))
+
+    @staticmethod
+    def local_ids_of(expert_ids_NK: torch.Tensor, first: int, num_local: int) -> torch.Tensor:
+        """``local_ids`` for the rank whose experts are ``[first, first + num_local)``."""
         local = expert_ids_NK.to(torch.int32) - first
-        owned = (local >= 0) & (local < self.num_local(rank))
+        owned = (local >= 0) & (local < num_local)
         return local.masked_fill(~owned, INVALID_EXPERT_ID)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_into", "all_reduce_sum", "rank_of", "reduce_scatter_into", "world_of"]
+__all__ = ["all_gather_into", "all_gather_v", "all_reduce_sum", "rank_of", "reduce_scatter_into", "world_of"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -51,3 +51,13 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Any = None)
 def all_reduce_sum(t: torch.Tensor, group: Any = None) -> None:
     """In place: ``t`` = sum over ranks of ``t``."""
     dist.all_reduce(t, group=group)
+
+
+def all_gather_v(chunks: list[torch.Tensor], inp: torch.Tensor, group: Any = None) -> None:
+    """``chunks[r]`` = rank ``r``'s ``inp`` (chunks may differ in rows; views of one buffer).
+
+    With NCCL, torch runs an uneven ``all_gather`` as one group of broadcasts (one per source
+    rank, coalesced): each rank receives exactly the live rows of the others, written straight
+    into the views, no staging and no padding.
+    """
+    dist.all_gather(chunks, inp, group=group)

@@ -1,10 +1,23 @@
 """Attention with FlashInfer over the paged KV cache (page size 1; CUDA only).
 
-Decode uses ``BatchDecodeWithPagedKVCacheWrapper``; under graphs, one wrapper per bucket with
-``use_cuda_graph=True`` whose indptr / indices / last-page-length buffers are the leading
-rows of fixed buffers allocated in ``init_capture`` (one replay runs at a time). Extend runs
-eager with ``BatchPrefillWithRaggedKVCacheWrapper`` and/or ``BatchPrefillWithPagedKVCacheWrapper``
-as ``choose_kv_layout`` says.
+Decode uses ``BatchDecodeWithPagedKVCacheWrapper``. Extend runs eager with
+``BatchPrefillWithRaggedKVCacheWrapper`` and/or ``BatchPrefillWithPagedKVCacheWrapper`` as
+``choose_kv_layout`` says.
+
+Two sets of wrappers, never shared between the two runner modes:
+
+- eager (``init_forward_metadata``): one decode, one paged-prefill and one ragged-prefill
+  wrapper on the eager float workspace. FlashInfer sizes their index buffers at every plan;
+  the backend still refuses a batch beyond the cache's limits (``max_reqs`` requests,
+  ``max_context_len`` tokens each) with an error naming the limit and the value.
+- graphs (``init_capture`` / ``*_capture`` / ``*_replay``): one decode wrapper per bucket with
+  ``use_cuda_graph=True``, on a float workspace of their own, whose indptr / indices /
+  last-page-length buffers are the leading rows of fixed buffers sized in ``init_capture`` for
+  ``max_bs`` requests of ``max_context_len`` tokens (one replay runs at a time). A replay that
+  does not fit raises before FlashInfer is called.
+
+An eager plan therefore never rewrites what a captured graph reads, and a replay's plan never
+rewrites the eager wrappers' state.
 
 The layout is chosen by one function (``kv_layout.choose_kv_layout``) with the same inputs at
 capture, replay and eager, and stored in ``FlashInferMetadata``: the planner plans the
@@ -13,10 +26,21 @@ opinion. The decode planner takes the bucket ``bs`` it is given and reads ``[:bs
 buffers; index lists are built on the device from host-known lengths, so a replay enqueues
 without waiting for the GPU.
 
+FlashInfer semantics this relies on (0.7.2.post1, read in its source): ``plan`` takes int32
+host indptrs; a request's KV length is ``max(pages - 1, 0) * page_size + last_page_len`` (0 for
+a request with no pages); a causal mask is aligned to the end of the KV: query ``i`` of a
+request with ``qo_len`` queries and ``kv_len`` keys sees keys ``<= kv_len - qo_len + i``; the
+returned log-sum-exp is base 2, which is what ``merge_state`` takes.
+
 Hazard: FlashInfer's plan stages its scheduling metadata through a pinned host buffer per
 wrapper and copies it to the device asynchronously; the next plan of that wrapper rewrites it.
 The host must therefore not plan a wrapper again before the GPU has started the previous step's
 copy: a step loop that reads its sampled tokens every step (a sync) is safe.
+
+Debugging: ``check_indices=True`` (or ``DP_RUNTIME_FLASHINFER_CHECKS=1``) makes every plan
+outside a capture synchronize and verify, on the host, that the device lengths equal the host
+ones and that every KV index lies in the cache: what would otherwise be an illegal memory
+access inside a kernel becomes an error naming the batch.
 
 FlashInfer is imported when a backend is constructed, so this module imports without it.
 """
@@ -24,17 +48,39 @@ FlashInfer is imported when a backend is constructed, so this module imports wit
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dp_runtime.attention.kv_indices import build_kv_indices, host_indptr
+from dp_runtime.attention.kv_indices import (
+    build_kv_indices,
+    extend_plan_inputs,
+    host_indptr,
+    last_page_len,
+)
 from dp_runtime.attention.kv_layout import KVLayout, choose_kv_layout
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.kv_cache import KVCache
 
-__all__ = ["FlashInferBackend", "FlashInferMetadata"]
+__all__ = ["FLASHINFER_CHECKS", "FlashInferBackend", "FlashInferMetadata", "flashinfer_checks"]
+
+# To be merged into dp_runtime.env by its owner; nothing else here reads os.environ.
+FLASHINFER_CHECKS = "DP_RUNTIME_FLASHINFER_CHECKS"
+
+
+def flashinfer_checks(environ: Mapping[str, str] | None = None) -> bool:
+    """``DP_RUNTIME_FLASHINFER_CHECKS``: verify every FlashInfer plan on the host (syncs; for
+    debugging illegal memory accesses). Default off."""
+    raw = (os.environ if environ is None else environ).get(FLASHINFER_CHECKS, "")
+    value = raw.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"", "0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"{FLASHINFER_CHECKS}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
 
 
 def _import_flashinfer() -> Any:
@@ -65,8 +111,13 @@ class FlashInferBackend:
         deterministic: extend takes the PAGED layout (see ``choose_kv_layout``).
         use_tensor_cores: decode on the tensor-core (prefill) kernels; None for "when the GQA
             group is at least 4", where they are faster. Either way one FA2 module is JIT-built.
-        workspace_bytes: FlashInfer's float workspace (split-KV partial results).
+        workspace_bytes: FlashInfer's float workspace (split-KV partial results), one for the
+            eager wrappers and one more for the graph wrappers (allocated by ``init_capture``).
         scale: softmax scale, default ``1/sqrt(head_dim)``.
+        check_indices: verify every plan on the host (syncs; see the module docstring); None
+            reads ``DP_RUNTIME_FLASHINFER_CHECKS``.
+        flashinfer_module: the module providing the wrappers and ``merge_state``; None imports
+            ``flashinfer``. Tests pass a pure-torch emulation, which may run on CPU.
     """
 
     def __init__(
@@ -80,37 +131,107 @@ class FlashInferBackend:
         use_tensor_cores: bool | None = None,
         workspace_bytes: int = 256 << 20,
         scale: float | None = None,
+        check_indices: bool | None = None,
+        flashinfer_module: Any = None,
     ) -> None:
-        if kv_cache.device.type != "cuda":
+        if flashinfer_module is None and kv_cache.device.type != "cuda":
             raise ValueError(f"FlashInferBackend needs a CUDA KV cache, got {kv_cache.device}")
         if num_q_heads % num_kv_heads:
             raise ValueError(f"FlashInferBackend: num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-        self._fi = _import_flashinfer()
+        if (kv_cache.num_kv_heads, kv_cache.head_dim) != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"FlashInferBackend: cache has {kv_cache.num_kv_heads} KV heads of dim {kv_cache.head_dim}, "
+                f"backend was given {num_kv_heads} of dim {head_dim}"
+            )
+        self._fi = flashinfer_module if flashinfer_module is not None else _import_flashinfer()
         self.kv_cache = kv_cache
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.deterministic = deterministic
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        self.check_indices = flashinfer_checks() if check_indices is None else bool(check_indices)
         if use_tensor_cores is None:
             use_tensor_cores = num_q_heads // num_kv_heads >= 4
         self.use_tensor_cores = use_tensor_cores
+        self.workspace_bytes = int(workspace_bytes)
         device = kv_cache.device
-        # Shared by every wrapper: they run one after another on one stream.
-        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
+        # The eager wrappers share this workspace: they run one after another on one stream.
+        self.workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
         self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
         self._paged = self._fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self._ragged = self._fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         # Never rewritten after creation, so an asynchronous copy from it cannot race.
-        self._ones_host = torch.ones(kv_cache.max_reqs + 1, dtype=torch.int32, pin_memory=True)
+        self._ones_host = torch.ones(kv_cache.max_reqs + 1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        # Graph mode: its own workspace, wrappers and fixed buffers (init_capture).
+        self.graph_workspace: torch.Tensor | None = None
+        self._graph_max_bs = 0
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_layouts: dict[int, KVLayout] = {}
         self._graph_indptr: torch.Tensor | None = None
         self._graph_indices: torch.Tensor | None = None
         self._graph_last_page_len: torch.Tensor | None = None
         self.metadata: FlashInferMetadata | None = None
+
+    # -- limits and checks ---------------------------------------------------------------------
+    @property
+    def graph_indices_capacity(self) -> int:
+        """KV indices the graph wrappers' fixed buffer holds (0 before ``init_capture``)."""
+        return 0 if self._graph_indices is None else int(self._graph_indices.numel())
+
+    def _check_lens(self, where: str, bs: int, lens_cpu: torch.Tensor, *, max_bs: int, max_bs_name: str, min_len: int) -> None:
+        if bs > max_bs:
+            raise ValueError(f"FlashInferBackend ({where}): a batch of {bs} requests exceeds {max_bs_name}={max_bs}")
+        if int(lens_cpu.shape[0]) < bs:
+            raise ValueError(f"FlashInferBackend ({where}): {int(lens_cpu.shape[0])} host sequence lengths for {bs} requests")
+        if bs == 0:
+            return
+        lens = lens_cpu[:bs]
+        longest, shortest = int(lens.max()), int(lens.min())
+        limit = self.kv_cache.max_context_len
+        if longest > limit:
+            row = int(lens.argmax())
+            raise ValueError(
+                f"FlashInferBackend ({where}): request {row} has {longest} KV tokens, more than the cache's "
+                f"max_context_len={limit}"
+            )
+        if shortest < min_len:
+            row = int(lens.argmin())
+            raise ValueError(f"FlashInferBackend ({where}): request {row} has {shortest} KV tokens; at least {min_len} needed")
+
+    def _checking(self, t: torch.Tensor) -> bool:
+        return self.check_indices and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def _verify_lens(self, where: str, rows: torch.Tensor, lens: torch.Tensor, lens_cpu: torch.Tensor) -> None:
+        """Debugging check (``check_indices``), before the index list is built from them: the
+        device lengths are the host ones the plan is sized with, the rows exist. Syncs."""
+        if not self._checking(lens):
+            return
+        dev_lens = lens.detach().to("cpu", torch.int64)
+        host_lens = lens_cpu.to(torch.int64)
+        if not torch.equal(dev_lens, host_lens):
+            raise RuntimeError(
+                f"FlashInferBackend ({where}): device sequence lengths {dev_lens.tolist()} differ from the host "
+                f"copy {host_lens.tolist()} the plan was sized with"
+            )
+        rows_cpu = rows.detach().to("cpu", torch.int64)
+        max_row = self.kv_cache.req_to_token.shape[0] - 1
+        if rows_cpu.numel() and (int(rows_cpu.min()) < 0 or int(rows_cpu.max()) > max_row):
+            raise RuntimeError(f"FlashInferBackend ({where}): request rows {rows_cpu.tolist()} outside [0, {max_row}]")
+
+    def _verify_indices(self, where: str, indices: torch.Tensor) -> None:
+        """Debugging check (``check_indices``): every KV index lies in the cache. Syncs."""
+        if not self._checking(indices) or not indices.numel():
+            return
+        idx = indices.detach().to("cpu", torch.int64)
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi > self.kv_cache.num_slots:
+            raise RuntimeError(
+                f"FlashInferBackend ({where}): KV indices span [{lo}, {hi}], outside the cache's slots "
+                f"[0, {self.kv_cache.num_slots}]"
+            )
 
     # -- planning ------------------------------------------------------------------------------
     def _layout(self, forward_mode: ForwardMode) -> KVLayout:
@@ -121,36 +242,58 @@ class FlashInferBackend:
         dtype = self.kv_cache.dtype
         return {"q_data_type": dtype, "kv_data_type": dtype, "sm_scale": self.scale, "non_blocking": True}
 
-    def _last_page_len(self, lens_cpu: torch.Tensor) -> torch.Tensor:
-        # Page size 1: the last page holds 1 token, or 0 for a request with no tokens.
+    def _heads(self) -> tuple[int, int, int]:
+        return self.num_q_heads, self.num_kv_heads, self.head_dim
+
+    def _decode_last_page_len(self, lens_cpu: torch.Tensor) -> torch.Tensor:
+        # Decode lengths are >= 1 (checked): every last page holds 1 token.
         n = int(lens_cpu.shape[0])
-        if n <= self._ones_host.shape[0] and bool((lens_cpu > 0).all()):
-            return self._ones_host[:n]
-        out = torch.empty(n, dtype=torch.int32, pin_memory=True)
-        out.copy_(lens_cpu > 0)
-        return out
+        return self._ones_host[:n] if n <= self._ones_host.shape[0] else last_page_len(lens_cpu)
 
     def _plan_decode(
         self,
+        where: str,
         wrapper: Any,
         bs: int,
         req_pool_indices: torch.Tensor,
         seq_lens: torch.Tensor,
         seq_lens_cpu: torch.Tensor | None,
+        *,
+        max_bs: int,
+        max_bs_name: str,
+        indices_capacity: int | None,
     ) -> None:
         lens_cpu = seq_lens_cpu[:bs] if seq_lens_cpu is not None else seq_lens[:bs].cpu()
+        self._check_lens(where, bs, lens_cpu, max_bs=max_bs, max_bs_name=max_bs_name, min_len=1)
         indptr = host_indptr(lens_cpu)
-        indices = build_kv_indices(self.kv_cache.req_to_token, req_pool_indices[:bs], seq_lens[:bs], int(indptr[-1]))
-        wrapper.plan(indptr, indices, self._last_page_len(lens_cpu), *self._heads(), 1, **self._plan_kw())
+        total = int(indptr[-1])
+        if indices_capacity is not None and total > indices_capacity:
+            raise ValueError(
+                f"FlashInferBackend ({where}): {total} KV indices for bucket {bs} exceed the graph index buffer's "
+                f"{indices_capacity} (init_capture's max_bs x max_context_len)"
+            )
+        rows, lens = req_pool_indices[:bs], seq_lens[:bs]
+        self._verify_lens(where, rows, lens, lens_cpu)
+        indices = build_kv_indices(self.kv_cache.req_to_token, rows, lens, total)
+        self._verify_indices(where, indices)
+        wrapper.plan(indptr, indices, self._decode_last_page_len(lens_cpu), *self._heads(), 1, **self._plan_kw())
 
-    def _heads(self) -> tuple[int, int, int]:
-        return self.num_q_heads, self.num_kv_heads, self.head_dim
-
-    def _plan_paged(self, qo_indptr: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, lens_cpu: torch.Tensor, causal: bool) -> None:
-        kv_indptr = host_indptr(lens_cpu)
+    def _plan_paged(
+        self,
+        where: str,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_last_page_len: torch.Tensor,
+        rows: torch.Tensor,
+        lens: torch.Tensor,
+        lens_cpu: torch.Tensor,
+        causal: bool,
+    ) -> None:
+        self._verify_lens(where, rows, lens, lens_cpu)
         indices = build_kv_indices(self.kv_cache.req_to_token, rows, lens, int(kv_indptr[-1]))
+        self._verify_indices(where, indices)
         self._paged.plan(
-            qo_indptr, kv_indptr, indices, self._last_page_len(lens_cpu), *self._heads(), 1,
+            qo_indptr, kv_indptr, indices, kv_last_page_len, *self._heads(), 1,
             causal=causal, **self._plan_kw(),
         )
 
@@ -159,19 +302,24 @@ class FlashInferBackend:
         rows, seq_lens = batch.req_pool_indices[:bs], batch.seq_lens[:bs]
         seq_cpu = (batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu())[:bs]
         ext = batch.extend_seq_lens_cpu
-        ext_cpu = torch.tensor(ext, dtype=torch.int64) if ext is not None else batch.extend_seq_lens[:bs].cpu()
-        qo_indptr = host_indptr(ext_cpu)
+        ext_cpu = torch.tensor(ext[:bs], dtype=torch.int64) if ext is not None else batch.extend_seq_lens[:bs].cpu()
+        self._check_lens("extend", bs, seq_cpu, max_bs=self.kv_cache.max_reqs, max_bs_name="max_reqs", min_len=1)
+        p = extend_plan_inputs(ext_cpu, seq_cpu)
         if layout is KVLayout.PAGED:
-            self._plan_paged(qo_indptr, rows, seq_lens, seq_cpu, causal=True)
+            # The whole sequence from the cache (this step's K/V are written before the run),
+            # causal: FlashInfer aligns the mask to the end, so new token i sees prefix + i + 1 keys.
+            self._plan_paged("extend paged", p.qo_indptr, p.kv_indptr, p.kv_last_page_len, rows, seq_lens, seq_cpu, True)
             return FlashInferMetadata(layout, paged=self._paged)
-        self._ragged.plan(qo_indptr, qo_indptr, *self._heads(), causal=True, **self._plan_kw())
-        prefix_cpu = seq_cpu - ext_cpu
-        has_prefix = bool((prefix_cpu > 0).any())
-        if has_prefix:
+        # The new tokens among themselves (this step's k/v, causal), then the cached prefix
+        # (non-causal: every new token sees all of it), merged by log-sum-exp.
+        self._ragged.plan(p.qo_indptr, p.qo_indptr, *self._heads(), causal=True, **self._plan_kw())
+        if p.has_prefix:
             prefix = batch.extend_prefix_lens
             prefix = prefix[:bs] if prefix is not None else seq_lens - batch.extend_seq_lens[:bs]
-            self._plan_paged(qo_indptr, rows, prefix, prefix_cpu, causal=False)
-        return FlashInferMetadata(layout, paged=self._paged if has_prefix else None, ragged=self._ragged, has_prefix=has_prefix)
+            self._plan_paged(
+                "extend prefix", p.qo_indptr, p.prefix_indptr, p.prefix_last_page_len, rows, prefix, p.prefix_lens, False
+            )
+        return FlashInferMetadata(layout, paged=self._paged if p.has_prefix else None, ragged=self._ragged, has_prefix=p.has_prefix)
 
     # -- the protocol --------------------------------------------------------------------------
     def init_forward_metadata(self, batch: Any) -> None:
@@ -181,7 +329,10 @@ class FlashInferBackend:
         if mode is ForwardMode.IDLE or bs == 0:
             self.metadata = FlashInferMetadata(layout)
         elif mode is ForwardMode.DECODE:
-            self._plan_decode(self._decode, bs, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu)
+            self._plan_decode(
+                "eager decode", self._decode, bs, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu,
+                max_bs=self.kv_cache.max_reqs, max_bs_name="max_reqs", indices_capacity=None,
+            )
             self.metadata = FlashInferMetadata(layout, decode=self._decode)
         elif mode is ForwardMode.EXTEND:
             self.metadata = self._plan_extend(layout, batch)
@@ -189,7 +340,12 @@ class FlashInferBackend:
             raise ValueError(f"FlashInferBackend: unknown forward mode {mode!r}")
 
     def init_capture(self, max_bs: int, max_num_tokens: int) -> None:
+        if max_bs < 1:
+            raise ValueError(f"FlashInferBackend.init_capture: max_bs must be >= 1, got {max_bs}")
         device = self.kv_cache.device
+        if self.graph_workspace is None:
+            self.graph_workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
+        self._graph_max_bs = int(max_bs)
         self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=device)
         self._graph_indices = torch.zeros(max_bs * self.kv_cache.max_context_len, dtype=torch.int32, device=device)
@@ -206,10 +362,10 @@ class FlashInferBackend:
             )
         if self._graph_indptr is None or self._graph_indices is None or self._graph_last_page_len is None:
             raise RuntimeError("FlashInferBackend: init_capture() was not called")
-        if bs + 1 > self._graph_indptr.shape[0]:
-            raise ValueError(f"FlashInferBackend: bucket {bs} exceeds init_capture's max_bs {self._graph_indptr.shape[0] - 1}")
+        if bs > self._graph_max_bs:
+            raise ValueError(f"FlashInferBackend (capture): bucket {bs} exceeds init_capture's max_bs={self._graph_max_bs}")
         wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace,
+            self.graph_workspace,
             "NHD",
             use_cuda_graph=True,
             use_tensor_cores=self.use_tensor_cores,
@@ -217,7 +373,10 @@ class FlashInferBackend:
             paged_kv_indices_buffer=self._graph_indices,
             paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
         )
-        self._plan_decode(wrapper, bs, req_pool_indices, seq_lens, None)  # capture may sync
+        self._plan_decode(  # capture may sync (no host lengths here)
+            "capture", wrapper, bs, req_pool_indices, seq_lens, None,
+            max_bs=self._graph_max_bs, max_bs_name="init_capture's max_bs", indices_capacity=self.graph_indices_capacity,
+        )
         self._graph_wrappers[bs] = wrapper
         self._graph_layouts[bs] = layout
         self.metadata = FlashInferMetadata(layout, decode=wrapper)
@@ -244,8 +403,13 @@ class FlashInferBackend:
                 f"FlashInferBackend: bucket {bs} was captured for layout {self._graph_layouts[bs].name}, "
                 f"replay asks {layout.name}"
             )
+        if raw_bs > bs:
+            raise ValueError(f"FlashInferBackend (replay): {raw_bs} live requests exceed bucket {bs}")
         # Plan all bs rows: rows [raw_bs:bs) are padding (row 0, length 1) the graph still runs.
-        self._plan_decode(wrapper, bs, req_pool_indices, seq_lens, seq_lens_cpu)
+        self._plan_decode(
+            "replay", wrapper, bs, req_pool_indices, seq_lens, seq_lens_cpu,
+            max_bs=bs, max_bs_name="the bucket", indices_capacity=self.graph_indices_capacity,
+        )
         self.metadata = FlashInferMetadata(layout, decode=wrapper)
 
     # -- attention -----------------------------------------------------------------------------
@@ -253,6 +417,7 @@ class FlashInferBackend:
         t = q.shape[0]
         if t == 0:
             return q.new_empty((0, self.num_q_heads * self.head_dim))
+        # This step's K/V go into the cache first: the paged passes read them from there.
         self.kv_cache.set_kv(layer_id, batch.out_cache_loc, k, v)
         meta = self.metadata
         if meta is None:
