@@ -1,0 +1,251 @@
+"""FlashInferBackend on CPU, against a pure-torch emulation of flashinfer 0.7.2.post1
+(``flashinfer_emulator.py``): the plan inputs for an extend with and without cached prefixes
+(hand-computed), attention equal to SDPA on extend and decode in both layouts, the separation
+of eager and graph wrappers, and the limits a batch is checked against."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _graph_fixtures import TINY, Stack, agreed_plan, make_eager_runner, make_graph_runner
+from flashinfer_emulator import emulated_flashinfer
+
+from dp_runtime.attention import (
+    FlashInferBackend,
+    KVLayout,
+    TorchSDPABackend,
+    extend_plan_inputs,
+    last_page_len,
+)
+from dp_runtime.attention.flashinfer_backend import flashinfer_checks
+from dp_runtime.forward_batch import ForwardBatch
+from dp_runtime.forward_mode import ForwardMode
+from dp_runtime.kv_allocator import KVAllocator
+from dp_runtime.kv_cache import KVCache
+from dp_runtime.moe_stack import MoEStack
+from dp_runtime.synthetic_batch import add_requests, decode_batch, extend_batch
+
+HQ, HKV, D = 4, 2, 8
+PREFIXES, EXTENDS = [0, 30, 7, 0], [12, 5, 20, 4]  # the GPU test's batch
+
+
+def make_cache(max_reqs: int = 16, max_context_len: int = 64, num_slots: int = 1024, layers: int = 1) -> KVCache:
+    return KVCache(
+        num_layers=layers, num_kv_heads=HKV, head_dim=D, num_slots=num_slots, max_reqs=max_reqs,
+        max_context_len=max_context_len, dtype=torch.float32, device="cpu",
+    )
+
+
+def fi_backend(cache: KVCache, **kw) -> FlashInferBackend:
+    return FlashInferBackend(cache, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, flashinfer_module=emulated_flashinfer(), **kw)
+
+
+def qkv(t: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(t, HQ, D, generator=gen), torch.randn(t, HKV, D, generator=gen), torch.randn(t, HKV, D, generator=gen)
+
+
+# -- plan inputs ---------------------------------------------------------------------------------
+def test_extend_plan_inputs_for_prefixes_0_30_7_0_match_hand_computed_values():
+    seq = torch.tensor([p + e for p, e in zip(PREFIXES, EXTENDS, strict=True)])  # 12, 35, 27, 4
+    p = extend_plan_inputs(torch.tensor(EXTENDS), seq)
+    assert p.qo_indptr.tolist() == [0, 12, 17, 37, 41]
+    assert p.kv_indptr.tolist() == [0, 12, 47, 74, 78]  # PAGED: prefix + new tokens
+    assert p.kv_last_page_len.tolist() == [1, 1, 1, 1]
+    assert p.prefix_indptr.tolist() == [0, 0, 30, 37, 37]  # RAGGED's paged pass: the prefix only
+    assert p.prefix_last_page_len.tolist() == [0, 1, 1, 0]  # no pages: 0, or FlashInfer plans 1 token
+    assert p.prefix_lens.tolist() == PREFIXES
+    assert p.has_prefix
+    for t in (p.qo_indptr, p.kv_indptr, p.kv_last_page_len, p.prefix_indptr, p.prefix_last_page_len):
+        assert t.dtype == torch.int32 and t.device.type == "cpu"
+    assert not extend_plan_inputs(torch.tensor([3, 2]), torch.tensor([3, 2])).has_prefix
+
+
+def test_extend_plan_inputs_refuse_inconsistent_lengths():
+    with pytest.raises(ValueError, match="extend_len <= seq_len"):
+        extend_plan_inputs(torch.tensor([5]), torch.tensor([4]))
+    with pytest.raises(ValueError, match="extend_len <= seq_len"):
+        extend_plan_inputs(torch.tensor([0]), torch.tensor([4]))
+
+
+def test_last_page_len_is_zero_only_for_empty_requests():
+    assert last_page_len(torch.tensor([0, 1, 57, 0])).tolist() == [0, 1, 1, 0]
+
+
+# -- attention equals SDPA -----------------------------------------------------------------------
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_attention_matches_sdpa_on_extend_with_prefixes_then_decode(deterministic):
+    cache = make_cache()
+    alloc = KVAllocator(cache)
+    fi = fi_backend(cache, deterministic=deterministic, check_indices=True)
+    ref = TorchSDPABackend(cache, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    reqs = add_requests(alloc, PREFIXES, seed=11)
+    batch = extend_batch(alloc, reqs, EXTENDS, list(range(sum(EXTENDS))))
+    q, k, v = qkv(sum(EXTENDS), seed=1)
+    fi.init_forward_metadata(batch)
+    want_layout = KVLayout.PAGED if deterministic else KVLayout.RAGGED
+    assert fi.metadata.layout is want_layout
+    got = fi.forward(q, k, v, 0, batch)
+    ref.init_forward_metadata(batch)
+    want = ref.forward(q, k, v, 0, batch)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    dec = decode_batch(alloc, reqs, [3, 1, 4, 1])
+    q, k, v = qkv(4, seed=2)
+    fi.init_forward_metadata(dec)
+    got = fi.forward(q, k, v, 0, dec)
+    ref.init_forward_metadata(dec)
+    torch.testing.assert_close(got, ref.forward(q, k, v, 0, dec), atol=1e-5, rtol=1e-5)
+
+
+def test_ragged_and_paged_layouts_agree():
+    outs = []
+    for deterministic in (False, True):
+        cache = make_cache()
+        alloc = KVAllocator(cache)
+        fi = fi_backend(cache, deterministic=deterministic)
+        batch = extend_batch(alloc, add_requests(alloc, PREFIXES, seed=3), EXTENDS, list(range(sum(EXTENDS))))
+        q, k, v = qkv(sum(EXTENDS), seed=4)
+        fi.init_forward_metadata(batch)
+        outs.append(fi.forward(q, k, v, 0, batch))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def _model_stack(backend_name: str, deterministic: bool = False) -> Stack:
+    cache = KVCache(
+        num_layers=TINY.num_layers, num_kv_heads=TINY.num_kv_heads, head_dim=TINY.head_dim, num_slots=4096,
+        max_reqs=64, max_context_len=96, dtype=torch.float32, device="cpu",
+    )
+    heads = {"num_q_heads": TINY.num_q_heads, "num_kv_heads": TINY.num_kv_heads, "head_dim": TINY.head_dim}
+    if backend_name == "sdpa":
+        attn = TorchSDPABackend(cache, **heads)
+    else:
+        attn = FlashInferBackend(cache, deterministic=deterministic, flashinfer_module=emulated_flashinfer(), **heads)
+    model = MoEStack(TINY, attn, dtype=torch.float32, device="cpu", seed=0)
+    return Stack(TINY, cache, KVAllocator(cache), attn, model)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_model_logits_match_sdpa_through_the_eager_runner(deterministic):
+    outs = []
+    for name in ("flashinfer", "sdpa"):
+        stack = _model_stack(name, deterministic)
+        runner = make_eager_runner(stack, max_bs=8, max_num_tokens=64)
+        reqs = add_requests(stack.allocator, PREFIXES, seed=11)
+        ext = runner.run(extend_batch(stack.allocator, reqs, EXTENDS, list(range(1, 42)))).clone()
+        dec = runner.run(decode_batch(stack.allocator, reqs, [3, 1, 4, 1])).clone()
+        outs.append((ext, dec))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-4)
+
+
+def test_graph_runner_replays_match_eager_with_flashinfer_wrappers():
+    stack = _model_stack("flashinfer")
+    sizes = (1, 2, 4, 8)
+    runner = make_graph_runner(stack, sizes)
+    runner.capture()
+    eager = make_eager_runner(stack, max_bs=8, max_num_tokens=8)
+    gen = torch.Generator().manual_seed(0)
+    for live in (1, 3, 5, 8):
+        lens = torch.randint(4, 60, (live,), generator=gen).tolist()
+        batch = decode_batch(stack.allocator, add_requests(stack.allocator, lens, seed=live), list(range(live)))
+        want = eager.run(batch).clone()
+        got = runner.replay(batch, agreed_plan(live, sizes)).clone()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    runner.destroy()
+
+
+# -- eager and graph wrappers are separate --------------------------------------------------------
+def test_eager_plans_leave_graph_wrappers_and_buffers_alone():
+    cache = make_cache(max_reqs=32, max_context_len=64)
+    alloc = KVAllocator(cache)
+    fi = fi_backend(cache)
+    fi.init_capture(max_bs=8, max_num_tokens=8)
+    assert fi.graph_workspace is not None and fi.graph_workspace.data_ptr() != fi.workspace.data_ptr()
+    assert fi.graph_indices_capacity == 8 * 64  # max_bs x max_context_len
+    rows = torch.zeros(8, dtype=torch.int64)
+    fi.init_forward_metadata_capture(bs=8, num_tokens=8, req_pool_indices=rows, seq_lens=torch.ones(8, dtype=torch.int64), forward_mode=ForwardMode.DECODE)
+    a = decode_batch(alloc, add_requests(alloc, [10, 20, 30, 40, 50], seed=1), [0] * 5)
+    pad_rows = torch.cat([a.req_pool_indices, torch.zeros(3, dtype=torch.int64)])
+    pad_lens = torch.cat([a.seq_lens, torch.ones(3, dtype=torch.int64)])
+    fi.init_forward_metadata_replay(
+        bs=8, raw_bs=5, req_pool_indices=pad_rows, seq_lens=pad_lens, seq_lens_sum=int(pad_lens.sum()),
+        forward_mode=ForwardMode.DECODE, seq_lens_cpu=pad_lens,
+    )
+    graph_wrapper = fi.metadata.decode
+    snapshot = (fi._graph_indptr.clone(), fi._graph_indices.clone(), fi._graph_last_page_len.clone())
+    b = decode_batch(alloc, add_requests(alloc, [7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29], seed=2), [0] * 12)
+    fi.init_forward_metadata(b)  # an eager decode of 12 > 8 requests
+    assert fi.metadata.decode is not graph_wrapper
+    for before, after in zip(snapshot, (fi._graph_indptr, fi._graph_indices, fi._graph_last_page_len), strict=True):
+        assert torch.equal(before, after)
+
+
+# -- limits ---------------------------------------------------------------------------------------
+def _decode_batch_of(rows: list[int], lens: list[int], lens_cpu: list[int] | None = None) -> ForwardBatch:
+    n = len(rows)
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=n,
+        input_ids=torch.zeros(n, dtype=torch.int64), positions=torch.zeros(n, dtype=torch.int64),
+        out_cache_loc=torch.zeros(n, dtype=torch.int64),
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64), seq_lens=torch.tensor(lens, dtype=torch.int64),
+        seq_lens_cpu=torch.tensor(lens if lens_cpu is None else lens_cpu, dtype=torch.int64),
+    )
+
+
+def test_a_sequence_longer_than_the_cache_is_refused_by_name():
+    fi = fi_backend(make_cache(max_context_len=64))
+    with pytest.raises(ValueError, match=r"request 1 has 65 KV tokens.*max_context_len=64"):
+        fi.init_forward_metadata(_decode_batch_of([1, 2], [3, 65]))
+
+
+def test_an_eager_batch_beyond_max_reqs_is_refused_by_name():
+    fi = fi_backend(make_cache(max_reqs=4))
+    with pytest.raises(ValueError, match=r"batch of 5 requests exceeds max_reqs=4"):
+        fi.init_forward_metadata(_decode_batch_of([1] * 5, [2] * 5))
+
+
+def test_graph_limits_are_named():
+    fi = fi_backend(make_cache())
+    ones = torch.ones(16, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="init_capture"):
+        fi.init_forward_metadata_capture(bs=4, num_tokens=4, req_pool_indices=ones * 0, seq_lens=ones, forward_mode=ForwardMode.DECODE)
+    fi.init_capture(max_bs=4, max_num_tokens=4)
+    with pytest.raises(ValueError, match=r"bucket 8 exceeds init_capture's max_bs=4"):
+        fi.init_forward_metadata_capture(bs=8, num_tokens=8, req_pool_indices=ones * 0, seq_lens=ones, forward_mode=ForwardMode.DECODE)
+    fi.init_forward_metadata_capture(bs=4, num_tokens=4, req_pool_indices=ones * 0, seq_lens=ones, forward_mode=ForwardMode.DECODE)
+    with pytest.raises(ValueError, match=r"5 live requests exceed bucket 4"):
+        fi.init_forward_metadata_replay(
+            bs=4, raw_bs=5, req_pool_indices=ones * 0, seq_lens=ones, seq_lens_sum=4,
+            forward_mode=ForwardMode.DECODE, seq_lens_cpu=ones,
+        )
+    with pytest.raises(KeyError, match=r"no captured wrapper for bucket 2"):
+        fi.init_forward_metadata_replay(
+            bs=2, raw_bs=2, req_pool_indices=ones * 0, seq_lens=ones, seq_lens_sum=2,
+            forward_mode=ForwardMode.DECODE, seq_lens_cpu=ones,
+        )
+
+
+def test_checks_catch_host_device_length_mismatch_and_out_of_range_indices():
+    cache = make_cache(num_slots=100)
+    fi = fi_backend(cache, check_indices=True)
+    with pytest.raises(RuntimeError, match=r"device sequence lengths \[3, 4\] differ from the host copy \[3, 5\]"):
+        fi.init_forward_metadata(_decode_batch_of([1, 2], [3, 4], [3, 5]))
+    cache.req_to_token[2, :4] = torch.tensor([1, 2, 3, 500], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"KV indices span \[0, 500\], outside the cache's slots \[0, 100\]"):
+        fi.init_forward_metadata(_decode_batch_of([1, 2], [3, 4]))
+    unchecked = fi_backend(cache, check_indices=False)
+    unchecked.init_forward_metadata(_decode_batch_of([1, 2], [3, 4]))  # planned; the kernel would fault
+
+
+def test_checks_flag_reads_the_environment():
+    assert flashinfer_checks({}) is False
+    assert flashinfer_checks({"DP_RUNTIME_FLASHINFER_CHECKS": "1"}) is True
+    with pytest.raises(ValueError, match="DP_RUNTIME_FLASHINFER_CHECKS"):
+        flashinfer_checks({"DP_RUNTIME_FLASHINFER_CHECKS": "maybe"})
+
+
+def test_a_real_flashinfer_backend_still_needs_cuda():
+    with pytest.raises(ValueError, match="CUDA KV cache"):
+        FlashInferBackend(make_cache(), num_q_heads=HQ, num_kv_heads=HKV, head_dim=D)
+
