@@ -260,7 +260,16 @@ def _assert_close_but_routing_flips(got, want, routes_got, routes_want, what: st
         print(f"\n{what}: rows with a different expert choice (excluded): {rows}")
     assert len(rows) <= 2, f"{what}: {len(rows)} rows changed experts: {rows}"
     keep = ~flipped
-    assert_bf16_close(got[keep], want[keep])
+    assert_bf16_rel_close(got[keep], want[keep])
+
+
+def assert_bf16_rel_close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-2) -> None:
+    """Whole-model bf16 logits from two attention kernels: an elementwise bound is the wrong
+    measure (a logit near zero differs by a few bf16 ulps of its inputs), so compare the relative
+    error of the whole tensor, ||got - want|| / ||want||, which bf16 keeps between 1e-3 and 1e-2."""
+    assert torch.isfinite(got).all()
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert rel < tol, f"relative error {rel:.3g} >= {tol}"
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
