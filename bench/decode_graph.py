@@ -104,6 +104,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed steps per mode and bs (30; quick 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (5; quick 3)")
     p.add_argument("--attention", choices=("auto", "flashinfer", "sdpa"), default="auto")
+    p.add_argument("--profile-replay", action="store_true", help="cProfile the host side of replays")
     p.add_argument(
         "--compile-attention", choices=("same", "flashinfer", "sdpa"), default="same",
         help="attention of the torch.compile peer (its own backend instance either way)",
@@ -186,6 +187,24 @@ def describe_env(args, backend_name: str) -> str:
         f"stack: Qwen3-30B-A3B layer shape x {args.layers} layers, vocab {args.vocab}, attention {backend_name}, "
         f"context ~{args.context}, iters {args.iters} (warm-up {args.warmup})"
     )
+
+
+def profile_host(fn, what: str, iters: int = 50) -> None:
+    """Where the host time of ``fn`` goes: cProfile over ``iters`` calls, top functions by
+    cumulative time (the GPU is kept busy so no call waits on it)."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # long enough for the whole loop: the host never blocks
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"\nhost profile, {what}, {iters} calls (cumulative s):")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
 
 
 def main() -> None:
@@ -285,6 +304,8 @@ def main() -> None:
         host_us, gpu_ms, late = host_vs_gpu(lambda b=batch, p=plan: runner.replay(b, p), args.iters, cycles)
         rows.append([bs, med, None, host_us, gpu_ms, late, agree])
         print(f"  bs {bs}: done (greedy tokens eager vs graph agree {agree}/{bs})")
+        if args.profile_replay:
+            profile_host(lambda b=batch, p=plan: runner.replay(b, p), f"replay bs {bs}")
 
     if not args.skip_compile:
         # Last, on its own backend: whatever it does cannot touch the numbers above.
