@@ -26,6 +26,9 @@ dp_padding                            None / "auto" (the rule) / "max_len" / "su
 dp_sync_exchange                      "auto" (same node: shm, else gloo) / "shm" / "gloo"  env or auto
 dp_sync_timeout_s                     > 0                                                  (120)
 dp_sync_shm_dir                       a directory                                          env, /dev/shm
+eager_input_no_copy                   bool / "auto": the eager runner's no-copy escape       env, False
+                                      hatch (the batch's own tensors, no registry)
+flashinfer_checks                     bool / "auto": host checks of every FlashInfer plan    env, False
 dtype                                 a torch.dtype or a name: bfloat16, bf16, float16,   (bfloat16)
                                       fp16, float32, fp32
 device                                anything ``torch.device`` takes                     cuda if
@@ -104,6 +107,8 @@ class RuntimeConfig:
     dp_sync_exchange: str = "auto"
     dp_sync_timeout_s: float = 120.0
     dp_sync_shm_dir: str = "auto"
+    eager_input_no_copy: bool | str = "auto"
+    flashinfer_checks: bool | str = "auto"
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -167,6 +172,13 @@ class RuntimeConfig:
                 "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             )
         out["dp_sync_shm_dir"] = shm_dir
+        for name in ("eager_input_no_copy", "flashinfer_checks"):
+            value = getattr(self, name)
+            if value == "auto":
+                value = bool(getattr(env, name))
+            elif not isinstance(value, bool):
+                raise _fail(f'{name} must be a bool or "auto"', **{name: value})
+            out[name] = value
         return out
 
     def _validate(self) -> None:

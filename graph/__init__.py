@@ -8,7 +8,6 @@ from graph.attention_protocol import AttentionMetadataBackend
 from graph.capture_record import CaptureRecord
 from graph.capture_sizes import bucket_for, capture_sizes, default_capture_sizes
 from graph.eager_runner import EagerRunner, next_power_of_two
-from graph.env_flags import eager_input_no_copy
 from graph.forward_mode import ForwardMode
 from graph.graph_runner import GraphRunner
 from graph.runner_batch import RunnerBatch
@@ -25,7 +24,6 @@ __all__ = [
     "bucket_for",
     "capture_sizes",
     "default_capture_sizes",
-    "eager_input_no_copy",
     "next_power_of_two",
     "padding_name",
 ]

@@ -11,7 +11,8 @@ reallocates materialized storage, so the factory must take growth from a pool th
 room (one sized up front, or a pool of the eager runner's own); growth it cannot serve raises
 the pool's error, with the sizes asked for.
 
-Escape hatch: ``no_copy`` (or ``DP_RUNTIME_EAGER_INPUT_NO_COPY=1``) hands the model the batch's
+Escape hatch: ``no_copy`` (``RuntimeConfig.eager_input_no_copy``, or
+``DP_RUNTIME_EAGER_INPUT_NO_COPY=1`` through it) hands the model the batch's
 own tensors via ``dataclasses.replace`` and copies nothing. Computed slots
 (``num_token_non_padded``, ``global_num_tokens_gpu``...) are then whatever the batch carries.
 """
@@ -26,7 +27,6 @@ import torch
 
 from buffers import BufferRegistry
 from graph.attention_protocol import AttentionMetadataBackend
-from graph.env_flags import eager_input_no_copy
 from graph.runner_batch import RunnerBatch
 
 __all__ = ["EagerRunner", "next_power_of_two"]
@@ -46,7 +46,7 @@ class EagerRunner:
         forward: ``forward(batch) -> output``.
         backend: the attention backend; ``init_forward_metadata(view)`` runs before each forward.
         registry_factory: ``(max_bs, max_num_tokens) -> BufferRegistry``; unused with no_copy.
-        no_copy: skip the registry; None reads ``graph.env_flags.eager_input_no_copy()``.
+        no_copy: skip the registry (the caller passes ``RuntimeConfig.eager_input_no_copy``).
         max_bs, max_num_tokens: the initial capacity (built at construction).
     """
 
@@ -56,13 +56,13 @@ class EagerRunner:
         backend: AttentionMetadataBackend,
         registry_factory: RegistryFactory | None = None,
         *,
-        no_copy: bool | None = None,
+        no_copy: bool = False,
         max_bs: int = 1,
         max_num_tokens: int = 1,
     ) -> None:
         self.forward = forward
         self.backend = backend
-        self.no_copy = eager_input_no_copy() if no_copy is None else bool(no_copy)
+        self.no_copy = bool(no_copy)
         self._factory = registry_factory
         self.registry: BufferRegistry | None = None
         self.growths = 0  # registry rebuilds after the first (for tests and reports)

@@ -8,10 +8,11 @@ import torch
 from _graph_fixtures import make_eager_runner, make_stack
 
 from buffers import BufferPool, build_prefill_registry
+from dp_runtime.config import RuntimeConfig
+from dp_runtime.env import read_env
 from dp_runtime.forward_batch import idle_batch
 from dp_runtime.synthetic_batch import add_requests, decode_batch, extend_batch
-from graph import EagerRunner, eager_input_no_copy, next_power_of_two
-from graph.env_flags import EAGER_INPUT_NO_COPY
+from graph import EagerRunner, next_power_of_two
 
 
 class Seen:
@@ -67,30 +68,34 @@ def test_no_copy_hands_the_model_the_batch_tensors():
     torch.testing.assert_close(out, ref)
 
 
-def test_no_copy_from_the_environment(monkeypatch):
+def test_no_copy_from_the_environment_reaches_the_runner_through_the_config(monkeypatch):
     stack = make_stack()
-    monkeypatch.setenv(EAGER_INPUT_NO_COPY, "1")
-    assert EagerRunner(stack.model, stack.backend).no_copy
-    monkeypatch.setenv(EAGER_INPUT_NO_COPY, "0")
+    monkeypatch.setenv("DP_RUNTIME_EAGER_INPUT_NO_COPY", "1")
+    cfg = RuntimeConfig(device="cpu")
+    assert cfg.eager_input_no_copy is True
+    assert EagerRunner(stack.model, stack.backend, no_copy=cfg.eager_input_no_copy).no_copy
+    monkeypatch.setenv("DP_RUNTIME_EAGER_INPUT_NO_COPY", "0")
+    assert RuntimeConfig(device="cpu").eager_input_no_copy is False
     with pytest.raises(ValueError, match="registry_factory is needed"):
-        EagerRunner(stack.model, stack.backend)
-    monkeypatch.setenv(EAGER_INPUT_NO_COPY, "maybe")
+        EagerRunner(stack.model, stack.backend, no_copy=False)
+    monkeypatch.setenv("DP_RUNTIME_EAGER_INPUT_NO_COPY", "maybe")
     with pytest.raises(ValueError, match="DP_RUNTIME_EAGER_INPUT_NO_COPY='maybe'"):
-        EagerRunner(stack.model, stack.backend)
+        RuntimeConfig(device="cpu")
 
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("1", True), ("true", True), ("ON", True), (" yes ", True), ("0", False), ("", False), ("off", False)],
+    [("1", True), ("true", True), ("ON", True), (" yes ", True), ("0", False), ("", None), ("off", False)],
 )
 def test_env_flag_parsing(value, expected):
-    assert eager_input_no_copy({EAGER_INPUT_NO_COPY: value}) is expected
-    assert eager_input_no_copy({}) is False
+    assert read_env({"DP_RUNTIME_EAGER_INPUT_NO_COPY": value}).eager_input_no_copy is expected
+    assert read_env({}).eager_input_no_copy is None
 
 
-def test_explicit_flag_overrides_the_environment(monkeypatch):
+def test_explicit_config_value_overrides_the_environment(monkeypatch):
+    monkeypatch.setenv("DP_RUNTIME_EAGER_INPUT_NO_COPY", "1")
+    assert RuntimeConfig(device="cpu", eager_input_no_copy=False).eager_input_no_copy is False
     stack = make_stack()
-    monkeypatch.setenv(EAGER_INPUT_NO_COPY, "1")
     runner = make_eager_runner(stack, no_copy=False)
     assert not runner.no_copy and runner.registry is not None
 

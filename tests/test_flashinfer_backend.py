@@ -17,7 +17,7 @@ from dp_runtime.attention import (
     extend_plan_inputs,
     last_page_len,
 )
-from dp_runtime.attention.flashinfer_backend import flashinfer_checks
+from dp_runtime.env import read_env
 from dp_runtime.forward_batch import ForwardBatch
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.kv_allocator import KVAllocator
@@ -239,10 +239,10 @@ def test_checks_catch_host_device_length_mismatch_and_out_of_range_indices():
 
 
 def test_checks_flag_reads_the_environment():
-    assert flashinfer_checks({}) is False
-    assert flashinfer_checks({"DP_RUNTIME_FLASHINFER_CHECKS": "1"}) is True
+    assert read_env({}).flashinfer_checks is None
+    assert read_env({"DP_RUNTIME_FLASHINFER_CHECKS": "1"}).flashinfer_checks is True
     with pytest.raises(ValueError, match="DP_RUNTIME_FLASHINFER_CHECKS"):
-        flashinfer_checks({"DP_RUNTIME_FLASHINFER_CHECKS": "maybe"})
+        read_env({"DP_RUNTIME_FLASHINFER_CHECKS": "maybe"})
 
 
 def test_a_real_flashinfer_backend_still_needs_cuda():

@@ -37,7 +37,8 @@ wrapper and copies it to the device asynchronously; the next plan of that wrappe
 The host must therefore not plan a wrapper again before the GPU has started the previous step's
 copy: a step loop that reads its sampled tokens every step (a sync) is safe.
 
-Debugging: ``check_indices=True`` (or ``DP_RUNTIME_FLASHINFER_CHECKS=1``) makes every plan
+Debugging: ``check_indices=True`` (``RuntimeConfig.flashinfer_checks``, or
+``DP_RUNTIME_FLASHINFER_CHECKS=1`` through it) makes every plan
 outside a capture synchronize and verify, on the host, that the device lengths equal the host
 ones and that every KV index lies in the cache: what would otherwise be an illegal memory
 access inside a kernel becomes an error naming the batch.
@@ -48,8 +49,6 @@ FlashInfer is imported when a backend is constructed, so this module imports wit
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,23 +64,7 @@ from dp_runtime.attention.kv_layout import KVLayout, choose_kv_layout
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.kv_cache import KVCache
 
-__all__ = ["FLASHINFER_CHECKS", "FlashInferBackend", "FlashInferMetadata", "flashinfer_checks"]
-
-# To be merged into dp_runtime.env by its owner; nothing else here reads os.environ.
-FLASHINFER_CHECKS = "DP_RUNTIME_FLASHINFER_CHECKS"
-
-
-def flashinfer_checks(environ: Mapping[str, str] | None = None) -> bool:
-    """``DP_RUNTIME_FLASHINFER_CHECKS``: verify every FlashInfer plan on the host (syncs; for
-    debugging illegal memory accesses). Default off."""
-    raw = (os.environ if environ is None else environ).get(FLASHINFER_CHECKS, "")
-    value = raw.strip().lower()
-    if value in {"1", "true", "yes", "on"}:
-        return True
-    if value in {"", "0", "false", "no", "off"}:
-        return False
-    raise ValueError(f"{FLASHINFER_CHECKS}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
-
+__all__ = ["FlashInferBackend", "FlashInferMetadata"]
 
 def _import_flashinfer() -> Any:
     try:
@@ -131,7 +114,7 @@ class FlashInferBackend:
         use_tensor_cores: bool | None = None,
         workspace_bytes: int = 256 << 20,
         scale: float | None = None,
-        check_indices: bool | None = None,
+        check_indices: bool = False,
         flashinfer_module: Any = None,
     ) -> None:
         if flashinfer_module is None and kv_cache.device.type != "cuda":
@@ -150,7 +133,7 @@ class FlashInferBackend:
         self.head_dim = head_dim
         self.deterministic = deterministic
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-        self.check_indices = flashinfer_checks() if check_indices is None else bool(check_indices)
+        self.check_indices = bool(check_indices)
         if use_tensor_cores is None:
             use_tensor_cores = num_q_heads // num_kv_heads >= 4
         self.use_tensor_cores = use_tensor_cores
