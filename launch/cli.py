@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from dp_runtime.version import __version__
+from launch import cli_bench, cli_plan, cli_run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="dp-runtime: DP attention + EP MoE runtime.")
 
@@ -20,6 +21,11 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ) -> None:
     """Data-parallel attention and expert-parallel MoE runtime."""
+
+
+app.command("run")(cli_run.run)
+app.command("bench")(cli_bench.bench)
+app.command("plan")(cli_plan.plan)
 
 
 def main() -> None:

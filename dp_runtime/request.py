@@ -1,0 +1,91 @@
+"""Requests in, results out: what a rank's queue takes and what it hands back.
+
+``Request`` and ``RequestResult`` are frozen and picklable: they cross Ray calls and torchrun's
+object gathers as they are. Times in a result are seconds on the rank's ``time.perf_counter``
+clock, measured from the moment the rank accepted the request (``submit``), so they compare
+across ranks without a shared clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["FINISH_REASONS", "Request", "RequestResult", "SamplingParams"]
+
+FINISH_REASONS = ("length", "stop")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request's tokens are chosen and when it stops.
+
+    ``temperature == 0`` is greedy (argmax); above it, tokens are drawn from the softmax at that
+    temperature restricted to the smallest set whose mass reaches ``top_p``, with a generator
+    seeded by ``seed`` (the same request draws the same tokens on any rank). A request stops
+    after ``max_new_tokens`` tokens (reason "length") or at one of ``stop_token_ids`` (reason
+    "stop"; the stop token is part of the output).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: an id unique within a run, the prompt's token ids, sampling."""
+
+    rid: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.rid!r}: the prompt is empty")
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+
+    @property
+    def max_total_tokens(self) -> int:
+        """KV tokens the request may hold at its end (prompt + every new token but the last,
+        whose K/V is never written)."""
+        return len(self.prompt_ids) + self.sampling.max_new_tokens - 1
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """A finished request: its tokens, why it stopped, which DP rank ran it, and timings.
+
+    ``queued_s``: from submit to the first forward that touched it; ``ttft_s``: from submit to its
+    first new token; ``latency_s``: from submit to its last token. ``decode_steps`` counts the
+    decode forwards it took part in.
+    """
+
+    rid: str
+    prompt_len: int
+    output_ids: tuple[int, ...]
+    finish_reason: str
+    rank: int
+    queued_s: float
+    ttft_s: float
+    latency_s: float
+    decode_steps: int
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (0 for a single token)."""
+        n = len(self.output_ids)
+        return (self.latency_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
