@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["grouped_mm_supported", "routed_experts"]
+__all__ = ["grouped_mm_supported", "local_expert_sum", "routed_experts"]
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -63,3 +63,37 @@ def routed_experts(
         return x_TH.new_zeros((0, w2_EHI.shape[1]))
     per_k = (_grouped if use_grouped_mm else _dense)(x_TH, ids_TK, w13_E2IH, w2_EHI)
     return (per_k.float() * weights_TK.float()[..., None]).sum(1).to(x_TH.dtype)
+
+
+def local_expert_sum(
+    x_ND: torch.Tensor,
+    local_ids_NK: torch.Tensor,
+    weights_NK: torch.Tensor,
+    w13_L2IH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    *,
+    use_grouped_mm: bool,
+    out_ND: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The rank-local half of an EP MoE layer: ``sum_k w[n, k] * expert_{id[n, k]}(x[n])`` over the
+    picks this rank serves, for rows a dispatcher delivered (``dispatcher.ExpertInputs``).
+
+    ``local_ids_NK`` holds rank-local expert ids, or a negative id where the pick belongs to
+    another rank or the row is padding; those picks add nothing. Invalid picks are routed to a
+    sink group ``L`` past the last expert (the grouped GEMM never computes it, the dense loop
+    never visits it) and their terms are *selected* away, not multiplied by zero: rows that
+    padding or a communication workspace left uninitialised may hold NaN. Writes ``out_ND`` when
+    given (a dispatcher's expert output buffer) and returns it; capturable, no host sync.
+    """
+    n = x_ND.shape[0]
+    if out_ND is None:
+        out_ND = x_ND.new_empty((n, w2_LHI.shape[1]))
+    if n == 0:
+        return out_ND
+    num_local = w13_L2IH.shape[0]
+    valid_NK = local_ids_NK >= 0
+    ids_NK = torch.where(valid_NK, local_ids_NK.long(), num_local)
+    per_k = (_grouped if use_grouped_mm else _dense)(x_ND, ids_NK, w13_L2IH, w2_LHI).float()
+    terms = torch.where(valid_NK[..., None], per_k * weights_NK.float()[..., None], 0.0)
+    out_ND.copy_(terms.sum(1))
+    return out_ND

@@ -10,11 +10,13 @@ Tensor fields are named like the registry slots (buffers/builders.py), so ``regi
 
 ``seq_lens`` counts the KV tokens of each request including this step's new ones.
 ``global_num_tokens_cpu`` holds every DP rank's token count (``(T,)`` with one rank).
+``dispatch_plan`` is not a registry slot: ``registry.view`` carries it over from the batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +47,9 @@ class ForwardBatch:
     extend_prefix_lens_cpu: tuple[int, ...] | None = None
     input_embeds: torch.Tensor | None = None
     mrope_positions: torch.Tensor | None = None
+    # What the MoE dispatcher lays its buffers out for (dispatcher.StepPlanLike): the step's
+    # StepPlan when eager, the bucket on every rank for a graph (what the capture saw).
+    dispatch_plan: Any = None
 
     @property
     def num_tokens(self) -> int:

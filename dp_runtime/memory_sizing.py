@@ -2,22 +2,84 @@
 with them (launch/planner.py), so a plan cannot drift from what is allocated.
 
 No function here touches a GPU or reads a file; each takes shapes and returns bytes or counts.
+Pool-backed sizes (DP buffers, graph inputs) are computed by building the runtime's own users of
+the pool on the ``meta`` device, which allocates nothing: the bytes come from the same
+declarations the runtime makes, not from a copy of their shapes.
+
+Two components have no allocator function: the CUDA-graph memory pool and the eager activation
+peak. ``graph_pool_bytes_estimate`` and ``activation_peak_bytes_estimate`` are documented
+*estimates* of them (``dp-runtime plan --measure`` prints them beside measured values). CUDA
+context and NCCL overheads are constants with their provenance (``CUDA_CONTEXT_BYTES``,
+``NCCL_COMMUNICATOR_BYTES``).
+
+Legend: ``T`` tokens of a forward, ``R`` logit rows, ``H`` hidden, ``E`` experts, ``K`` top-k,
+``I`` expert intermediate size, ``V`` vocab, ``Hq``/``Hkv`` heads, ``D`` head dim, ``e`` bytes
+per element of the model dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from buffers.builders import build_decode_registry, build_prefill_registry
+from buffers.pool import BufferPool
+from dispatcher.sizing import (
+    all_gather_buffer_bytes,
+    all_to_all_buffer_bytes,
+    flashinfer_workspace_bytes_per_rank,
+)
+from dp_runtime.config import RuntimeConfig
+from dp_runtime.dp_buffer import DPBufferService, dp_buffer_layout
 from dp_runtime.model.model_config import ModelConfig
 from dp_runtime.model.weights import expected_shapes
+from dp_runtime.padding_mode import PaddingMode
 
 __all__ = [
+    "CAPTURABLE_DISPATCHERS",
+    "CUDA_CONTEXT_BYTES",
+    "NCCL_COMMUNICATOR_BYTES",
+    "TRANSIENT_WORKSPACE_DISPATCHERS",
+    "activation_peak_bytes_estimate",
+    "cuda_context_bytes",
+    "dispatcher_step_bytes",
+    "dispatcher_workspace_bytes",
+    "dp_buffer_bytes",
+    "dp_gathered_rows",
     "dtype_bytes",
+    "forward_peak_bytes_estimate",
+    "graph_input_bytes",
+    "graph_input_bytes_by_name",
+    "graph_pool_bytes_estimate",
     "kv_bytes_per_token",
     "kv_cache_bytes",
     "kv_slots_for_budget",
+    "nccl_communicators",
+    "nccl_overhead_bytes",
     "weight_bytes_per_rank",
 ]
+
+_MIB = 1 << 20
+_FP32 = 4
+_INT64 = 8
+# Estimated device memory one process loses to its CUDA context before torch allocates
+# anything: the context itself, lazily loaded kernel modules (CUDA_MODULE_LOADING=LAZY, the
+# default since CUDA 11.7) and cuBLAS/cuBLASLt workspaces. ~0.5 GiB is what nvidia-smi shows for
+# a torch process on an H100 that has run a few GEMMs and attention kernels; it is an estimate,
+# not something torch reports (memory_allocated() never sees it).
+CUDA_CONTEXT_BYTES = 512 * _MIB
+# Estimated device memory of one NCCL communicator on one rank, NVLS (multicast) off as on our
+# GPU machines (NCCL_NVLS_ENABLE=0; NVLS adds buffers of its own, ~1 GiB+). NCCL's default
+# NCCL_BUFFSIZE is 4 MiB per channel and direction; with up to 32 channels on NVLink nodes that
+# is 4 MiB x 32 x 2 = 256 MiB, plus small work FIFOs. P2P (all-to-all) buffers are allocated
+# per peer on first use and are included in this round figure only roughly.
+NCCL_COMMUNICATOR_BYTES = 256 * _MIB
+# Dispatchers that a CUDA graph can capture: all_to_all reads its split sizes on the host.
+CAPTURABLE_DISPATCHERS = ("all_gather", "flashinfer")
+# Dispatchers whose ``workspace_bytes_per_rank()`` is the peak of buffers allocated per step
+# (live only during a step's MoE section), not memory held between steps as FlashInfer's is.
+TRANSIENT_WORKSPACE_DISPATCHERS = ("all_gather", "all_to_all")
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -52,3 +114,193 @@ def kv_slots_for_budget(cfg: ModelConfig, dtype: torch.dtype, budget_bytes: int,
     table = (max_reqs + 1) * max_context_len * 4
     slots = (budget_bytes - table) // kv_bytes_per_token(cfg, dtype) - 1
     return max(0, int(slots))
+
+
+# -- pool-backed sizes (the runtime's own declarations, on the meta device) ----------------------
+def _device_bytes_by_name(pool: BufferPool) -> dict[str, int]:
+    # Host-side slots (seq_lens_cpu) live in CPU memory: not GPU bytes.
+    return {e.name: e.nbytes for e in pool.report() if e.device.type != "cpu"}
+
+
+def dp_buffer_bytes(config: RuntimeConfig) -> int:
+    """Device bytes the rank's ``DPBufferService`` requests from its pool: the gathered buffer
+    (``max_global_tokens x H``) and the local one (``max_tokens_per_rank x H``), in
+    ``config.dtype``. Built on the meta device with the service itself, so nothing is allocated.
+    """
+    pool = BufferPool()
+    DPBufferService(config, pool, rank=0, device="meta")
+    return sum(_device_bytes_by_name(pool).values())
+
+
+def dp_gathered_rows(num_tokens_per_rank: Sequence[int], padding: PaddingMode,
+                     max_tokens_per_rank: int) -> int:
+    """Rows of the gathered DP buffer a step uses, by the layout rule of ``dp_buffer_layout``.
+
+    Takes each rank's token count, the padding mode and the per-rank limit; returns
+    ``global_dp_buffer_len``: MAX_LEN ``max(n) * dp_size`` (every rank padded to the longest),
+    SUM_LEN ``sum(n)``. The values are checked by ``dp_buffer_layout`` (ValueError over a limit).
+    """
+    counts = tuple(int(n) for n in num_tokens_per_rank)
+    dp = len(counts)
+    if padding is PaddingMode.MAX_LEN:
+        local = max(counts)
+        global_len = local * dp
+    else:
+        local, global_len = counts[0], sum(counts)
+    layout = dp_buffer_layout(global_len, local, padding is PaddingMode.MAX_LEN, counts, rank=0,
+                              dp_size=dp, max_tokens_per_rank=max_tokens_per_rank)
+    return layout.global_dp_buffer_len
+
+
+def graph_input_bytes_by_name(config: RuntimeConfig, *, decode_graphs: bool = True,
+                              input_embeds: bool = False) -> dict[str, int]:
+    """Device bytes of the rank's pooled graph-input buffers, per pool name.
+
+    The decode registry (``max_bs`` = the largest ``cuda_graph_bs``; only when ``decode_graphs``
+    and there are capture sizes) and the eager/prefill registry (``max_bs`` =
+    ``max_running_requests``, ``max_num_tokens`` = ``max_tokens_per_rank``; with
+    ``input_embeds``, a ``max_num_tokens x H`` slot of ``config.dtype``, which the rank worker's
+    eager registry does not register) share storage by name in one pool, so each name costs the
+    largest of its declarations. Each registry is built by its builder into a meta pool of its own and the
+    per-name maxima are taken, which is what one shared pool materializes whatever the order.
+
+    Difference from CUDA, bounded: there a registry packs its computed per-step counters
+    (``num_token_non_padded``, ``global_num_tokens*_gpu``) into one block per registry instead
+    of sharing them by name, which adds ``4 * (1 + 2 * dp_size)`` bytes.
+    """
+    prefill_pool = BufferPool()
+    build_prefill_registry(
+        config.max_running_requests, config.max_tokens_per_rank, "meta", prefill_pool,
+        hidden_size=config.hidden_size, embed_dtype=config.dtype, dp_size=config.dp_size,
+        register_input_embeds=input_embeds,
+    )
+    per_registry = [prefill_pool]
+    if decode_graphs and config.cuda_graph_bs:
+        decode_pool = BufferPool()
+        build_decode_registry(config.cuda_graph_bs[-1], "meta", decode_pool, dp_size=config.dp_size)
+        per_registry.append(decode_pool)
+    out: dict[str, int] = {}
+    for pool in per_registry:
+        for name, nbytes in _device_bytes_by_name(pool).items():
+            out[name] = max(out.get(name, 0), nbytes)
+    return out
+
+
+def graph_input_bytes(config: RuntimeConfig, *, decode_graphs: bool = True,
+                      input_embeds: bool = False) -> int:
+    """The sum of ``graph_input_bytes_by_name``: device bytes of the pooled graph inputs."""
+    by_name = graph_input_bytes_by_name(config, decode_graphs=decode_graphs, input_embeds=input_embeds)
+    return sum(by_name.values())
+
+
+# -- dispatcher -----------------------------------------------------------------------------------
+def dispatcher_workspace_bytes(kind: str, ep_size: int, max_tokens_per_rank: int, hidden_size: int,
+                               top_k: int, dtype: torch.dtype) -> int:
+    """What the dispatcher's ``workspace_bytes_per_rank()`` reports, by kind, from dispatcher/sizing.
+
+    ``flashinfer``: the MoeAlltoAll workspace, allocated once and kept. ``all_gather`` /
+    ``all_to_all`` (``TRANSIENT_WORKSPACE_DISPATCHERS``): the peak of the buffers one step
+    allocates at full capacity, live only during the MoE section of a full step (so the same
+    bytes are part of the activation peak). Raises ValueError for another kind.
+    """
+    args = (ep_size, max_tokens_per_rank, hidden_size, top_k, dtype)
+    if kind == "flashinfer":
+        return flashinfer_workspace_bytes_per_rank(*args)
+    if kind == "all_gather":
+        return all_gather_buffer_bytes(*args)
+    if kind == "all_to_all":
+        return all_to_all_buffer_bytes(*args)
+    raise ValueError(f"unknown dispatcher kind {kind!r}; expected all_gather, all_to_all or flashinfer")
+
+
+def dispatcher_step_bytes(kind: str, ep_size: int, num_tokens: int, hidden_size: int,
+                          top_k: int, dtype: torch.dtype) -> int:
+    """Transient bytes one dispatch + combine allocates at ``num_tokens`` per rank, outside any
+    persistent workspace: ``all_gather`` / ``all_to_all``: their step buffers at that size (the
+    sizing functions at ``max_tokens_per_rank = num_tokens``); ``flashinfer``: 0 (payloads live
+    in the persistent workspace; the combined output is the layer's MoE output, which the
+    forward estimate counts). 0 tokens: 0. Raises ValueError for another kind.
+    """
+    if kind == "flashinfer":
+        return 0
+    if kind not in TRANSIENT_WORKSPACE_DISPATCHERS:
+        raise ValueError(f"unknown dispatcher kind {kind!r}; expected all_gather, all_to_all or flashinfer")
+    if num_tokens <= 0:
+        return 0
+    return dispatcher_workspace_bytes(kind, ep_size, num_tokens, hidden_size, top_k, dtype)
+
+
+# -- estimates (checked by `dp-runtime plan --measure`) -------------------------------------------
+def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int,
+                                num_logit_rows: int) -> int:
+    """ESTIMATE of the largest set of intermediate tensors live at once in one forward.
+
+    Takes the model, its dtype, ``T`` tokens and ``R`` rows that reach the LM head. Returns
+    ``max(layer, head)`` bytes, where (see the module legend)::
+
+        residual  = 2*T*H*e                      hidden stream + its normed copy
+        attention = T*(Hq + 2*Hkv)*D*e           fused qkv
+                  + T*Hq*D*e                     attention output
+        moe       = T*E*4                        router probabilities (fp32)
+                  + T*K*(4 + 8)                  top-k weights (fp32) and ids (int64)
+                  + T*K*H*e                      token rows sorted by expert
+                  + T*K*2I*e + T*K*I*e           gate/up rows, activated rows
+                  + T*K*H*4                      per-(token, k) expert outputs in fp32
+        layer     = residual + max(attention, moe)      (a layer's attention and MoE
+                                                         intermediates are not live together)
+        head      = T*H*e + R*V*(e + 4)          normed hidden + logits in dtype and fp32
+
+    An estimate: the caching allocator rounds blocks, and kernels take workspaces of their own.
+    """
+    t, r = int(num_tokens), int(num_logit_rows)
+    e = dtype_bytes(dtype)
+    h, k, i = cfg.hidden_size, cfg.top_k, cfg.moe_intermediate_size
+    residual = 2 * t * h * e
+    attention = t * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * e
+    attention += t * cfg.num_heads * cfg.head_dim * e
+    moe = t * cfg.num_experts * _FP32 + t * k * (_FP32 + _INT64)
+    moe += t * k * h * e + t * k * 2 * i * e + t * k * i * e + t * k * h * _FP32
+    head = t * h * e + r * cfg.vocab_size * (e + _FP32)
+    return max(residual + max(attention, moe), head)
+
+
+def graph_pool_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, max_graph_bs: int,
+                              dispatcher_step_bytes: int = 0) -> int:
+    """ESTIMATE of the CUDA-graph memory pool: graphs are captured largest first into one
+    shared pool, so it is about one decode forward at the largest bucket ``B`` (``T = R = B``:
+    every decode row is sampled) plus the dispatcher's step buffers inside the graph
+    (``dispatcher_step_bytes(kind, ep, B, ...)``). 0 without graphs (``B == 0``).
+    """
+    if max_graph_bs <= 0:
+        return 0
+    return forward_peak_bytes_estimate(cfg, dtype, max_graph_bs, max_graph_bs) + dispatcher_step_bytes
+
+
+def activation_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, max_tokens_per_rank: int,
+                                   max_running_requests: int, dispatcher_step_bytes: int = 0) -> int:
+    """ESTIMATE of the eager activation peak: the largest eager step, ``T = max_tokens_per_rank``
+    tokens (a full prefill chunk, or a decode batch of ``max_running_requests``), with logits for
+    the last token of each request only (``R = min(max_running_requests, T)``), plus the
+    dispatcher's transient step buffers at ``T`` (``dispatcher_step_bytes(kind, ep, T, ...)``):
+    what the rank worker measures as the allocation growth over one eager step.
+    """
+    t = int(max_tokens_per_rank)
+    return forward_peak_bytes_estimate(cfg, dtype, t, min(int(max_running_requests), t)) + dispatcher_step_bytes
+
+
+# -- fixed overheads --------------------------------------------------------------------------------
+def cuda_context_bytes(device_type: str = "cuda") -> int:
+    """``CUDA_CONTEXT_BYTES`` for one process on a CUDA device (0 elsewhere). An estimate."""
+    return CUDA_CONTEXT_BYTES if device_type == "cuda" else 0
+
+
+def nccl_communicators(dp_size: int, ep_size: int) -> int:
+    """NCCL communicators one rank holds: the world/DP device group when ``dp_size > 1``, and an
+    EP subgroup when ``1 < ep_size < dp_size`` (an EP group as large as the world is the world
+    group). World size 1 has no process group, hence none."""
+    return int(dp_size > 1) + int(1 < ep_size < dp_size)
+
+
+def nccl_overhead_bytes(dp_size: int, ep_size: int) -> int:
+    """``nccl_communicators(...) * NCCL_COMMUNICATOR_BYTES``: an estimate (see the constant)."""
+    return nccl_communicators(dp_size, ep_size) * NCCL_COMMUNICATOR_BYTES

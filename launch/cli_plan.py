@@ -1,10 +1,246 @@
-"""`dp-runtime plan` (in progress this session)."""
+"""`dp-runtime plan`: the capacity planner on the command line (a table, or --json).
+
+``--measure`` (one CUDA GPU) builds the planned rank with ``RankWorker`` and prints predicted
+beside measured bytes for every component it reports (``planner.compare_measured``).
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import typer
 
+from launch.planner import (
+    GIB,
+    GPUS,
+    CapacityPlan,
+    ComparisonRow,
+    PlanInput,
+    compare_measured,
+    gpu_spec,
+    plan_capacity,
+)
 
-def plan() -> None:
-    """Not written yet."""
-    raise typer.Exit(2)
+__all__ = ["MEASURE_SCHEMA", "measure_workload", "parse_graph_sizes", "plan"]
+
+MEASURE_SCHEMA = "dp-runtime.plan-measure/1"
+_EXIT_USAGE = 2
+
+
+def parse_graph_sizes(text: str) -> tuple[int, ...] | str:
+    """``"auto"`` -> ``"auto"``; ``"none"`` or ``""`` -> ``()`` (no graphs); ``"1,2,4"`` -> sizes.
+
+    Raises typer.BadParameter naming the value otherwise.
+    """
+    value = text.strip().lower()
+    if value == "auto":
+        return "auto"
+    if value in ("", "none", "0"):
+        return ()
+    try:
+        return tuple(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not 'auto', 'none' or a comma list of ints",
+                                 param_hint="--cuda-graph-bs") from None
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(_EXIT_USAGE)
+
+
+def plan(
+    model: str = typer.Option("qwen3-30b-a3b", "--model", help="Preset (tiny, qwen3-30b-a3b), checkpoint dir or its config.json."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32."),
+    dp: int = typer.Option(1, "--dp", help="DP size (ranks = GPUs)."),
+    ep: int | None = typer.Option(None, "--ep", help="EP size; must divide the world size (default: the world size)."),
+    gpu: str | None = typer.Option(None, "--gpu", help=f"GPU name: {', '.join(GPUS)}."),
+    gpu_mem_gib: float | None = typer.Option(None, "--gpu-mem-gib", help="Usable GPU memory in GiB (overrides --gpu's)."),
+    nvlink: bool | None = typer.Option(None, "--nvlink/--no-nvlink", help="GPUs on NVLink (default: from --gpu, else yes)."),
+    max_running_requests: int = typer.Option(256, "--max-running-requests", help="Requests running at once per rank."),
+    chunked_prefill_size: int = typer.Option(8192, "--chunked-prefill-size", help="Tokens of one prefill chunk."),
+    cuda_graph_bs: str = typer.Option("auto", "--cuda-graph-bs", help="Capture sizes: auto, none, or a comma list."),
+    context_len: int | None = typer.Option(None, "--context-len", help="Longest prompt + output (default: min(model limit, 4096))."),
+    dispatcher: str = typer.Option("auto", "--dispatcher", help="auto | all_gather | all_to_all | flashinfer."),
+    no_graphs: bool = typer.Option(False, "--no-graphs", help="Eager only (no CUDA graphs)."),
+    kv_tokens_per_request: int | None = typer.Option(
+        None, "--kv-tokens-per-request", help="KV tokens guaranteed per running request (default: --context-len)."),
+    headroom_frac: float = typer.Option(0.05, "--headroom-frac", help="Memory kept free, as a fraction of the GPU's."),
+    headroom_min_gib: float = typer.Option(1.0, "--headroom-min-gib", help="...and at least this many GiB."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema dp-runtime.plan/1)."),
+    measure: bool = typer.Option(False, "--measure", help="Build the rank on this CUDA GPU; print predicted vs measured."),
+) -> None:
+    """Plan one rank's memory: every component, the KV cache that fits, and the verdict."""
+    if measure:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise _fail("--measure builds the rank on a CUDA GPU and none is visible "
+                        "(torch.cuda.is_available() is False); run without --measure to plan")
+        if dp != 1 or (ep or 1) != 1:
+            raise _fail("--measure builds one rank without a process group: use --dp 1 --ep 1")
+    try:
+        inp = _plan_input(model, dtype, dp, ep, gpu, gpu_mem_gib, nvlink, max_running_requests,
+                          chunked_prefill_size, parse_graph_sizes(cuda_graph_bs), context_len, dispatcher,
+                          no_graphs, kv_tokens_per_request, headroom_frac, headroom_min_gib, measure)
+        result = plan_capacity(inp)
+    except (ValueError, FileNotFoundError) as exc:
+        raise _fail(str(exc)) from None
+    rows = None
+    if measure:
+        rows = compare_measured(result, _measure(inp, result))
+    if json_out:
+        doc = result.to_dict()
+        if rows is not None:
+            doc = {"schema": MEASURE_SCHEMA, "plan": doc, "comparison": [vars(r) for r in rows]}
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    _print_plan(result)
+    if rows is not None:
+        _print_comparison(rows)
+
+
+def _plan_input(model, dtype, dp, ep, gpu, gpu_mem_gib, nvlink, mrr, chunk, graph_bs, context_len,
+                dispatcher, no_graphs, kv_tokens_per_request, headroom_frac, headroom_min_gib,
+                measure) -> PlanInput:
+    name, mem, link = None, None, True
+    if gpu is not None:
+        spec = gpu_spec(gpu)
+        name, mem, link = spec.name, spec.mem_bytes, spec.nvlink
+    if gpu_mem_gib is not None:
+        if gpu_mem_gib <= 0:
+            raise ValueError(f"--gpu-mem-gib must be > 0, got {gpu_mem_gib}")
+        mem, name = round(gpu_mem_gib * GIB), name or f"{gpu_mem_gib:g} GiB"
+    if mem is None and measure:
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        name, mem = props.name, props.total_memory  # plan the GPU being measured
+    if mem is None:
+        default = GPUS["h100"]
+        name, mem, link = default.name, default.mem_bytes, default.nvlink
+    return PlanInput(
+        model=model, dtype=dtype, dp_size=dp, ep_size=ep, gpu_mem_bytes=mem, gpu_name=name,
+        nvlink=link if nvlink is None else nvlink, max_running_requests=mrr, chunked_prefill_size=chunk,
+        cuda_graph_bs=graph_bs, context_len=context_len, dispatcher=dispatcher,
+        use_cuda_graph=False if no_graphs else None, kv_tokens_per_request=kv_tokens_per_request,
+        headroom_fraction=headroom_frac, headroom_min_bytes=round(headroom_min_gib * GIB),
+    )
+
+
+def measure_workload(result: CapacityPlan) -> list:
+    """Requests whose prefill fills one eager step of ``chunked_prefill_size`` tokens (the
+    largest prefill step), one new token each, within the planned KV slots and the context
+    length: what makes the worker's measured ``activation_peak`` comparable with the estimate."""
+    from dp_runtime.request import Request, SamplingParams
+
+    rt, vocab = result.runtime, result.model.vocab_size
+    tokens = max(1, min(rt.chunked_prefill_size, result.kv.slots - 1))
+    length = max(1, min(result.context_len - 1, tokens))
+    count = min(rt.max_running_requests, -(-tokens // length))
+    once = SamplingParams(max_new_tokens=1)
+    return [Request(f"measure-{i}", tuple((i * length + j) % vocab for j in range(length)), once)
+            for i in range(count)]
+
+
+def _measure(inp: PlanInput, result: CapacityPlan) -> dict[str, int]:
+    """Build the planned rank on CUDA (KV sized to the planned slots, so both sides hold the same
+    cache), run one full prefill step (``measure_workload``) and return
+    ``RankWorker.memory_report()``."""
+    try:
+        from dp_runtime.rank_worker import RankWorker
+    except ImportError as exc:
+        raise _fail(f"--measure needs dp_runtime.rank_worker ({exc})") from None
+    if result.kv.slots < 1:
+        raise _fail(f"the plan leaves no memory for the KV cache ({result.reason}); nothing to measure")
+    spec = inp.rank_spec(device="cuda", kv_cache_tokens=result.kv.slots)
+    worker = RankWorker(spec, rank=0, world_size=1)
+    try:
+        worker.generate(measure_workload(result))
+        return {k: int(v) for k, v in worker.memory_report().items()}
+    finally:
+        worker.close()
+
+
+# -- output ---------------------------------------------------------------------------------------
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.3f}"
+
+
+def _sources(p: CapacityPlan) -> dict[str, str]:
+    rt = p.runtime
+    bucket = rt.cuda_graph_bs[-1] if p.cuda_graphs else 0
+    graph_note = f"estimate: decode forward at bucket {bucket}" if p.cuda_graphs else f"no graphs ({p.cuda_graphs_reason})"
+    ws = "transient, inside activation_peak" if p.components.dispatcher_workspace_transient else "persistent"
+    return {
+        "weights": f"weight_bytes_per_rank (EP rank {p.ep_rank}: {p.local_experts} experts)",
+        "kv_cache": f"kv_cache_bytes ({p.kv.slots} slots, {rt.max_running_requests} request rows)",
+        "dp_buffers": f"DPBufferService ({rt.max_global_tokens} + {rt.max_tokens_per_rank} rows)",
+        "dispatcher_workspace": f"dispatcher.sizing, {p.dispatcher} ({ws})",
+        "graph_inputs": "decode + eager registries, pooled by name",
+        "graph_pool": graph_note,
+        "activation_peak": f"estimate: eager step of {rt.max_tokens_per_rank} tokens",
+        "nccl": "estimate: communicators x 256 MiB",
+        "cuda_context": "estimate: ~0.5 GiB per process",
+    }
+
+
+def _console():
+    from rich.console import Console
+
+    # Wide enough for the source column when output is not a terminal (tests, pipes).
+    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120, highlight=False)
+
+
+def _print_plan(p: CapacityPlan) -> None:
+    from rich.table import Table
+
+    console, rt = _console(), p.runtime
+    console.print(
+        f"[bold]{p.input.model}[/] {str(rt.dtype).removeprefix('torch.')}, dp={rt.dp_size} ep={rt.ep_size}, "
+        f"GPU {p.input.gpu_name} ({_gib(p.gpu_mem_bytes)} GiB), max_running_requests={rt.max_running_requests}, "
+        f"chunked_prefill_size={rt.chunked_prefill_size}, context_len={p.context_len}, "
+        f"dispatcher={p.dispatcher}, graphs={'on' if p.cuda_graphs else 'off'}"
+    )
+    table = Table(title="per rank")
+    for col, justify in (("component", "left"), ("GiB", "right"), ("bytes", "right"), ("from", "left")):
+        table.add_column(col, justify=justify)
+    sources = _sources(p)
+    for name, nbytes in p.components.as_dict().items():
+        table.add_row(name, _gib(nbytes), f"{nbytes:,}", sources[name])
+    table.add_section()
+    table.add_row("total", _gib(p.total_bytes), f"{p.total_bytes:,}", "")
+    table.add_row("headroom", _gib(p.headroom_bytes), f"{p.headroom_bytes:,}", "kept free")
+    table.add_row("free", _gib(p.free_bytes), f"{p.free_bytes:,}", "GPU - total")
+    console.print(table)
+
+    modes = Table(title="gathered DP buffer per step (rows / MiB)")
+    for col in ("padding", "one rank full, others idle", "every rank full"):
+        modes.add_column(col)
+    for m in p.dp_buffer_modes:
+        modes.add_row(m.padding, f"{m.one_rank_full_rows} / {m.one_rank_full_bytes / 2**20:.1f}",
+                      f"{m.all_ranks_full_rows} / {m.all_ranks_full_bytes / 2**20:.1f}")
+    console.print(modes)
+
+    kv = p.kv
+    console.print(f"KV cache: {kv.bytes_per_token:,} bytes/token, {kv.slots:,} token slots, "
+                  f"{kv.requests_at_full_context} requests at full context; needed "
+                  f"{rt.max_running_requests} x {p.kv_tokens_per_request} = {kv.needed_slots:,}")
+    verdict = "[bold green]FITS[/]" if p.fits else "[bold red]DOES NOT FIT[/]"
+    console.print(f"{verdict}: {p.reason}")
+    console.print(f"largest max_running_requests that fits: {p.largest_max_running_requests}")
+
+
+def _print_comparison(rows: list[ComparisonRow]) -> None:
+    from rich.table import Table
+
+    table = Table(title="predicted vs measured (this GPU)")
+    for col, justify in (("component", "left"), ("predicted GiB", "right"), ("measured GiB", "right"),
+                         ("error %", "right")):
+        table.add_column(col, justify=justify)
+    for r in rows:
+        measured = "-" if r.measured_bytes is None else _gib(r.measured_bytes)
+        error = "-" if r.error_pct is None else f"{r.error_pct:+.1f}"
+        table.add_row(r.component, _gib(r.predicted_bytes), measured, error)
+    _console().print(table)

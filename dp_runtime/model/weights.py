@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from dispatcher.partition import ExpertPartition
 from dp_runtime.model.model_config import ModelConfig
 
-__all__ = ["checkpoint_index", "expected_shapes", "load_weights", "random_weights"]
+__all__ = ["checkpoint_index", "expected_shapes", "iter_checkpoint", "iter_random", "load_weights", "random_weights"]
 
 
 def expected_shapes(cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> dict[str, tuple[int, ...]]:
@@ -81,18 +82,21 @@ def checkpoint_index(path: str | Path) -> dict[str, Path]:
     return files
 
 
-def load_weights(
+def iter_checkpoint(
     path: str | Path,
     cfg: ModelConfig,
     ep_rank: int = 0,
     ep_size: int = 1,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> dict[str, torch.Tensor]:
-    """Read this rank's tensors from a Hugging Face safetensors checkpoint directory.
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor rank ``ep_rank`` holds, read from a Hugging Face
+    safetensors checkpoint directory one file at a time (a consumer that copies each tensor into
+    its own storage never holds more than one extra tensor).
 
-    Raises KeyError naming the tensor and the directory when one is missing, and ValueError
-    naming the tensor, the file, and both shapes when one is mis-shaped.
+    Checks every name and shape before the first tensor is read: raises KeyError naming the
+    tensor and the directory when one is missing, and ValueError naming the tensor, the file and
+    both shapes when one is mis-shaped.
     """
     from safetensors import safe_open
 
@@ -105,7 +109,6 @@ def load_weights(
     by_file: dict[Path, list[str]] = {}
     for name in want:
         by_file.setdefault(files[name], []).append(name)
-    out: dict[str, torch.Tensor] = {}
     for file, names in by_file.items():
         with safe_open(str(file), "pt", device="cpu") as f:
             for name in names:
@@ -114,8 +117,46 @@ def load_weights(
                     raise ValueError(
                         f"tensor {name!r} in {file.name!r} has shape {shape}; the config needs {want[name]}"
                     )
-                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-    return out
+    for file, names in by_file.items():
+        with safe_open(str(file), "pt", device="cpu") as f:
+            for name in names:
+                yield name, f.get_tensor(name).to(device=device, dtype=dtype)
+
+
+def load_weights(
+    path: str | Path,
+    cfg: ModelConfig,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Read this rank's tensors from a Hugging Face safetensors checkpoint directory into a dict
+    (errors: ``iter_checkpoint``)."""
+    return dict(iter_checkpoint(path, cfg, ep_rank, ep_size, dtype, device))
+
+
+def iter_random(
+    cfg: ModelConfig,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield deterministic random weights: each tensor is seeded by (seed, its name), so an
+    expert has the same values on whichever rank holds it, and ranks agree with a world-size-1
+    model. Drawn on ``device`` (a CUDA generator on GPU: a 30B-parameter model initialises in
+    seconds), so values differ between a CPU and a GPU run of one seed."""
+    device = torch.device(device)
+    for name, shape in expected_shapes(cfg, ep_rank, ep_size).items():
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            t = t.mul_(0.1).add_(1.0)
+        else:
+            t = t.mul_(shape[-1] ** -0.5)
+        yield name, t.to(dtype)
 
 
 def random_weights(
@@ -126,15 +167,5 @@ def random_weights(
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Deterministic random weights: each tensor is seeded by (seed, its name), so an expert has
-    the same values on whichever rank holds it, and ranks agree with a world-size-1 model."""
-    out = {}
-    for name, shape in expected_shapes(cfg, ep_rank, ep_size).items():
-        gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        if name.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        else:
-            fan_in = shape[-1]
-            t = torch.randn(shape, generator=gen) * fan_in**-0.5
-        out[name] = t.to(device=device, dtype=dtype)
-    return out
+    """``iter_random`` into a dict."""
+    return dict(iter_random(cfg, ep_rank, ep_size, dtype, device, seed))

@@ -1,0 +1,233 @@
+"""The reference Qwen3-MoE model of one DP rank: DP attention on the rank's own requests, EP MoE
+through a dispatcher.
+
+Per decoder layer (Hugging Face ``Qwen3MoeForCausalLM`` arithmetic):
+
+    x = rms_norm(h);  q, k, v = x @ [Wq; Wk; Wv]   (one fused GEMM)
+    q, k = rms_norm per head (q_norm, k_norm);  q, k = RoPE(q, k, positions)
+    h = h + attention(q, k, v) @ Wo                 (the backend writes this step's K/V)
+    x = rms_norm(h)
+    sparse layer: softmax router, top-k, optional renormalisation; dispatch -> the rank's experts
+                  (SwiGLU, grouped GEMM on CUDA sm90+ bf16, a dense loop elsewhere) -> combine
+    dense layer (``mlp_only_layers`` / ``decoder_sparse_step``): a SwiGLU MLP on the rank
+    h = h + moe_or_mlp(x)
+
+then a final RMSNorm and the LM head. ``forward(batch)`` returns float32 logits of the rows that
+sample: every token of a decode batch (one per request), the last token of each request of an
+extend batch. The forward never syncs with the host on the decode path, so it can be captured.
+
+Every EP rank calls dispatch and combine in every sparse layer of every step, IDLE ranks with
+zero rows included: the step loop makes sure an IDLE rank still runs this forward.
+
+The dispatch plan is ``batch.dispatch_plan`` (``dispatcher.StepPlanLike``): for a graph bucket it
+is the bucket on every rank (what the capture saw); for an eager step, the step's StepPlan.
+
+Shapes: T tokens, H hidden, Hq/Hkv heads, D head dim, K top-k, N rows delivered to this rank's
+experts, L local experts, I expert size, V vocab, B requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dispatcher.partition import ExpertPartition
+from dispatcher.plan import FixedPlan
+from dp_runtime.experts import grouped_mm_supported, local_expert_sum
+from dp_runtime.forward_mode import ForwardMode
+from dp_runtime.layers import RotaryEmbedding, rms_norm
+from dp_runtime.model.model_config import ModelConfig
+from dp_runtime.model.weights import expected_shapes
+
+__all__ = ["Qwen3MoeModel"]
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    w_qkv: torch.Tensor  # (Hq*D + 2*Hkv*D, H)
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    w_o: torch.Tensor
+    mlp_norm: torch.Tensor
+    sparse: bool
+    w_router: torch.Tensor | None = None  # (E, H)
+    w13: torch.Tensor | None = None  # sparse: (L, 2I, H) local experts; dense: (2I, H)
+    w2: torch.Tensor | None = None  # sparse: (L, H, I); dense: (H, I)
+
+
+class Qwen3MoeModel:
+    """The model of one rank (module docstring).
+
+    Args:
+        cfg: the model's shape.
+        weights: ``(name, tensor)`` pairs with Hugging Face names, covering exactly
+            ``expected_shapes(cfg, ep_rank, ep_size)`` (``dp_runtime.model.weights.iter_*``).
+            Each is copied into the model's own storage, so a generator holds one at a time.
+        attention: the attention backend (``dp_runtime.attention``).
+        dispatcher: the EP dispatcher (``dispatcher.make_dispatcher``); its EP group decides
+            which experts this rank holds.
+        dtype, device: of the weights and hidden states.
+        use_grouped_mm: None for "when supported" (CUDA sm90+, bf16), else forced.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        attention,
+        dispatcher,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        use_grouped_mm: bool | None = None,
+    ) -> None:
+        device = torch.device(device)
+        self.cfg, self.attention, self.dispatcher = cfg, attention, dispatcher
+        self.dtype, self.device = dtype, device
+        ep_rank, ep_size = dispatcher.ep.rank, dispatcher.ep.size
+        self.partition = ExpertPartition(cfg.num_experts, ep_size)
+        self.first_expert = self.partition.first(ep_rank)
+        self.num_local_experts = self.partition.num_local(ep_rank)
+        self.use_grouped_mm = grouped_mm_supported(device, dtype) if use_grouped_mm is None else use_grouped_mm
+        self._allocate()
+        want = expected_shapes(cfg, ep_rank, ep_size)
+        seen: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in want:
+                    raise KeyError(f"weight {name!r} is not a tensor of this rank's model (EP rank {ep_rank} of {ep_size})")
+                if tuple(tensor.shape) != want[name]:
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}; the config needs {want[name]}")
+                self._target(name).copy_(tensor)
+                seen.add(name)
+        missing = sorted(set(want) - seen)
+        if missing:
+            raise KeyError(f"weights are missing {len(missing)} tensors, first {missing[0]!r}")
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
+
+    # -- storage ---------------------------------------------------------------------------------
+    def _empty(self, *shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _allocate(self) -> None:
+        c = self.cfg
+        h, d = c.hidden_size, c.head_dim
+        self.embed = self._empty(c.vocab_size, h)
+        self.final_norm = self._empty(h)
+        self.lm_head = self.embed if c.tie_word_embeddings else self._empty(c.vocab_size, h)
+        self.layers: list[_Layer] = []
+        for i in range(c.num_layers):
+            layer = _Layer(
+                attn_norm=self._empty(h),
+                w_qkv=self._empty((c.num_heads + 2 * c.num_kv_heads) * d, h),
+                q_norm=self._empty(d),
+                k_norm=self._empty(d),
+                w_o=self._empty(h, c.num_heads * d),
+                mlp_norm=self._empty(h),
+                sparse=c.is_sparse(i),
+            )
+            if layer.sparse:
+                i_size = c.moe_intermediate_size
+                layer.w_router = self._empty(c.num_experts, h)
+                layer.w13 = self._empty(self.num_local_experts, 2 * i_size, h)
+                layer.w2 = self._empty(self.num_local_experts, h, i_size)
+            else:
+                layer.w13 = self._empty(2 * c.intermediate_size, h)
+                layer.w2 = self._empty(h, c.intermediate_size)
+            self.layers.append(layer)
+
+    def _target(self, name: str) -> torch.Tensor:
+        """The slice of model storage that the Hugging Face tensor ``name`` fills."""
+        c = self.cfg
+        if name == "model.embed_tokens.weight":
+            return self.embed
+        if name == "model.norm.weight":
+            return self.final_norm
+        if name == "lm_head.weight":
+            return self.lm_head
+        parts = name.split(".")  # model.layers.{i}.{module}...
+        layer = self.layers[int(parts[2])]
+        rest = ".".join(parts[3:])
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        simple = {
+            "input_layernorm.weight": layer.attn_norm,
+            "post_attention_layernorm.weight": layer.mlp_norm,
+            "self_attn.q_norm.weight": layer.q_norm,
+            "self_attn.k_norm.weight": layer.k_norm,
+            "self_attn.o_proj.weight": layer.w_o,
+            "self_attn.q_proj.weight": layer.w_qkv[:q],
+            "self_attn.k_proj.weight": layer.w_qkv[q : q + kv],
+            "self_attn.v_proj.weight": layer.w_qkv[q + kv :],
+            "mlp.gate.weight": layer.w_router,
+        }
+        if rest in simple:
+            return simple[rest]
+        if rest.startswith("mlp.experts."):  # mlp.experts.{e}.{gate|up|down}_proj.weight
+            e = int(parts[5]) - self.first_expert
+            half = c.moe_intermediate_size
+            which = parts[6]
+        else:  # dense MLP: mlp.{gate|up|down}_proj.weight
+            e, half, which = None, c.intermediate_size, parts[4]
+        w13 = layer.w13 if e is None else layer.w13[e]
+        w2 = layer.w2 if e is None else layer.w2[e]
+        return {"gate_proj": w13[:half], "up_proj": w13[half:], "down_proj": w2}[which]
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (``memory_sizing.weight_bytes_per_rank`` predicts it)."""
+        tensors = [self.embed, self.final_norm] + ([] if self.cfg.tie_word_embeddings else [self.lm_head])
+        for layer in self.layers:
+            tensors += [t for t in (layer.attn_norm, layer.w_qkv, layer.q_norm, layer.k_norm, layer.w_o,
+                                    layer.mlp_norm, layer.w_router, layer.w13, layer.w2) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _moe(self, layer: _Layer, x_TH: torch.Tensor, plan) -> torch.Tensor:
+        probs_TE = torch.softmax((x_TH @ layer.w_router.T).float(), dim=-1)
+        weights_TK, ids_TK = torch.topk(probs_TE, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        # Hugging Face rounds the routing weights to the model dtype before weighting.
+        weights_TK = weights_TK.to(x_TH.dtype).float()
+        d = self.dispatcher
+        handle, inputs = d.dispatch(x_TH, ids_TK.to(torch.int32), weights_TK, plan)
+        out_ND = local_expert_sum(
+            inputs.hidden_ND, inputs.local_expert_ids_NK, inputs.weights_NK, layer.w13, layer.w2,
+            use_grouped_mm=self.use_grouped_mm, out_ND=d.expert_output_buffer(handle),
+        )
+        return d.combine(out_ND, handle)
+
+    @staticmethod
+    def _mlp(layer: _Layer, x_TH: torch.Tensor) -> torch.Tensor:
+        gate, up = (x_TH @ layer.w13.T).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ layer.w2.T
+
+    def _logit_rows(self, batch, h_TH: torch.Tensor) -> torch.Tensor:
+        if batch.forward_mode is ForwardMode.EXTEND:
+            last_B = torch.cumsum(batch.extend_seq_lens[: batch.batch_size], 0) - 1
+            return h_TH[last_B]
+        return h_TH
+
+    def forward(self, batch) -> torch.Tensor:
+        """Logits (float32) of the sampling rows of ``batch`` (module docstring): (B, V)."""
+        c = self.cfg
+        ids_T, pos_T = batch.input_ids, batch.positions
+        t = ids_T.shape[0]
+        plan = batch.dispatch_plan if batch.dispatch_plan is not None else FixedPlan.from_counts((t,))
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        h_TH = self.embed[ids_T]
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h_TH, layer.attn_norm, c.rms_norm_eps)
+            q, k, v = (x @ layer.w_qkv.T).split([q_size, kv_size, kv_size], dim=-1)
+            q = rms_norm(q.reshape(t, c.num_heads, c.head_dim), layer.q_norm, c.rms_norm_eps)
+            k = rms_norm(k.reshape(t, c.num_kv_heads, c.head_dim), layer.k_norm, c.rms_norm_eps)
+            q, k = self.rotary.apply(q, k, pos_T)
+            o = self.attention.forward(q, k, v.reshape(t, c.num_kv_heads, c.head_dim), i, batch)
+            h_TH = h_TH + o.to(h_TH.dtype) @ layer.w_o.T
+            x = rms_norm(h_TH, layer.mlp_norm, c.rms_norm_eps)
+            h_TH = h_TH + (self._moe(layer, x, plan) if layer.sparse else self._mlp(layer, x))
+        h_BH = self._logit_rows(batch, h_TH)
+        return (rms_norm(h_BH, self.final_norm, c.rms_norm_eps) @ self.lm_head.T).float()

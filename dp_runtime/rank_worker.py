@@ -1,0 +1,398 @@
+"""RankWorker: one DP rank end to end — requests in, tokens out — with DP sync every step.
+
+Built from a RankSpec (the same object on every rank). Construction is collective when
+``world_size > 1`` (the step sync, the dispatcher and the graph capture all talk to the peers),
+so every rank constructs its worker together, after ``torch.distributed`` is initialised
+(``launch/process_group.py``; under torchrun the test fixture or the entry point does it).
+
+One step (``step()``), the same sequence on every rank::
+
+    scheduler.next_step()        the rank's batch: a prefill chunk, a decode batch, or nothing
+    sync.sync(LocalStepInfo)     the one exchange of counts; every rank gets the same StepPlan
+    plan.skip                    every rank had nothing: all return here, together
+    dp_buffers.set_from_plan     set_dp_buffer_len for the step
+    graph replay                 when the plan has a bucket (DECODE on every busy rank, fits)
+    or eager                     otherwise (prefill, SUM_LEN, a batch over the largest graph)
+    sample, scheduler.advance    only on a rank with a batch; an IDLE rank ran the forward
+                                 with zero rows (it joins the dispatcher's collectives) and
+                                 discards the empty logits
+
+The host waits for each step's tokens before planning the next (sampling reads them), so it
+never runs a step ahead of the GPU: FlashInfer's plan state, staged in host buffers that the
+next plan overwrites, is safe.
+
+Teardown (``close``): graphs first, then the dispatcher, then the step sync; the process group
+belongs to whoever created it and is destroyed after.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from buffers import BufferPool, build_decode_registry, build_prefill_registry
+from dispatcher import (
+    DispatcherConfig,
+    EPGroup,
+    FixedPlan,
+    make_dispatcher,
+    resolve_dispatcher_kind,
+)
+from dp_runtime import memory_sizing
+from dp_runtime.dp_buffer import DPBufferService
+from dp_runtime.exchange import LocalExchange
+from dp_runtime.forward_batch import capture_batch, idle_batch
+from dp_runtime.kv_allocator import KVAllocator
+from dp_runtime.kv_cache import KVCache
+from dp_runtime.model.qwen3_moe import Qwen3MoeModel
+from dp_runtime.model.weights import iter_checkpoint, iter_random
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.request import Request, RequestResult
+from dp_runtime.sampling import sample_tokens
+from dp_runtime.scheduler import ScheduledStep, Scheduler
+from dp_runtime.step_plan import StepPlan, plan_step
+from dp_runtime.step_sync import NCOLS, DPStepSync
+from dp_runtime.step_table import LocalStepInfo, StepTable
+from graph import EagerRunner, GraphRunner
+
+__all__ = ["RankWorker"]
+
+logger = logging.getLogger("dp_runtime")
+
+_CPU_MAX_KV_TOKENS = 65536
+
+
+class RankWorker:
+    """One DP rank (module docstring).
+
+    Args:
+        spec: the RankSpec every rank shares.
+        rank, world_size: this rank and the DP world (``spec.runtime.dp_size`` must equal it).
+        group: the device process group (default: the world group when world_size > 1).
+        show_progress: a progress bar while graphs are captured.
+        keep_logits: keep a CPU copy of every sampled logits row in ``sampled_logits[rid]``
+            (for comparisons against a reference; costs a device-to-host copy per step).
+    """
+
+    def __init__(self, spec: RankSpec, *, rank: int = 0, world_size: int = 1, group: Any = None,
+                 show_progress: bool = False, keep_logits: bool = False) -> None:
+        cfg = spec.runtime
+        if cfg.dp_size != world_size:
+            raise ValueError(f"RankWorker: spec.runtime.dp_size={cfg.dp_size} but world_size={world_size}")
+        if cfg.attn_tp_size != 1:
+            raise ValueError(f"RankWorker: the reference model runs attn_tp_size=1, got {cfg.attn_tp_size}")
+        if cfg.ep_size != world_size:
+            raise ValueError(f"RankWorker: the reference model spreads experts over every rank: ep_size must be "
+                             f"{world_size}, got {cfg.ep_size}")
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        self.model_config = spec.model_config()
+        device = torch.device(cfg.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self._lock = threading.Lock()
+        self._finished: list[RequestResult] = []
+        self._counters = dict(steps=0, graph_steps=0, eager_steps=0, idle_steps=0, skipped_steps=0,
+                              extend_steps=0, decode_steps=0, generated_tokens=0, prefill_tokens=0,
+                              finished_requests=0)
+        self._memory: dict[str, int] = {}
+        self._show_progress = show_progress
+        self.sampled_logits: dict[str, list[torch.Tensor]] | None = {} if keep_logits else None
+        self.graphs: GraphRunner | None = None
+        self.dispatcher = None
+        self.sync: DPStepSync | None = None
+        try:
+            self._build(group)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction ----------------------------------------------------------------------------
+    def _groups(self, group: Any) -> tuple[Any, Any]:
+        if self.world_size == 1:
+            return None, None
+        if not dist.is_initialized() or dist.get_world_size(group) != self.world_size:
+            raise RuntimeError(f"RankWorker: world_size={self.world_size} needs an initialised process group of that size")
+        group = group if group is not None else dist.group.WORLD
+        if str(dist.get_backend(group)) == "gloo" or "cpu:gloo" in str(dist.get_backend(group)):
+            return group, group
+        return group, dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
+
+    def _mem_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def _build(self, group: Any) -> None:
+        spec, cfg, mc, dev = self.spec, self.spec.runtime, self.model_config, self.device
+        device_group, cpu_group = self._groups(group)
+        exchange = LocalExchange(NCOLS) if self.world_size == 1 else None
+        self.sync = DPStepSync(cfg, cpu_group, exchange=exchange)
+        ep = EPGroup.local() if self.world_size == 1 else EPGroup.from_torch(device_group, cpu_group)
+
+        kind = resolve_dispatcher_kind(spec.dispatcher, ep, dev).kind
+        want_graphs = spec.use_cuda_graph if spec.use_cuda_graph is not None else dev.type == "cuda"
+        if want_graphs and kind == "all_to_all" and dev.type == "cuda":
+            if spec.dispatcher == "all_to_all":
+                raise ValueError("RankWorker: the all_to_all dispatcher reads counts on the host and cannot be "
+                                 "captured in a CUDA graph; pick all_gather or flashinfer, or use_cuda_graph=False")
+            kind = "all_gather"  # "auto" resolved to all_to_all: take the capturable backend
+        self.dispatcher_kind = kind
+        dcfg = DispatcherConfig.for_runtime(
+            num_experts=mc.num_experts, top_k=mc.top_k, hidden_size=mc.hidden_size, dtype=cfg.dtype,
+            chunked_prefill_size=cfg.chunked_prefill_size, max_running_requests=cfg.max_running_requests,
+            check_expert_ids=False,  # the router's top-k ids are in range by construction
+        )
+        before = self._mem_allocated()
+        self.dispatcher = make_dispatcher(kind, dcfg, ep=ep, device=dev)
+        self._memory["dispatcher_workspace"] = self.dispatcher.workspace_bytes_per_rank()
+
+        pool = BufferPool()
+        self.pool = pool
+        before = self._mem_allocated()
+        self.dp_buffers = DPBufferService(cfg, pool, self.rank, group=device_group, device=dev)
+        self._memory["dp_buffers"] = self._mem_allocated() - before if dev.type == "cuda" else (
+            (cfg.max_global_tokens + cfg.max_tokens_per_rank) * cfg.hidden_size * memory_sizing.dtype_bytes(cfg.dtype))
+
+        before = self._mem_allocated()
+        if spec.is_preset:
+            weights = iter_random(mc, ep.rank, ep.size, cfg.dtype, dev, spec.seed)
+        else:
+            weights = iter_checkpoint(spec.model, mc, ep.rank, ep.size, cfg.dtype, dev)
+        self.model = Qwen3MoeModel(mc, weights, attention=None, dispatcher=self.dispatcher, dtype=cfg.dtype, device=dev)
+        self._memory["weights"] = self.model.weight_bytes()
+
+        self.kv_cache = KVCache(
+            num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            num_slots=self._kv_slots(), max_reqs=cfg.max_running_requests, max_context_len=spec.context_len,
+            dtype=cfg.dtype, device=dev,
+        )
+        self._memory["kv_cache"] = self.kv_cache.nbytes()
+        self.attention = self._attention_backend()
+        self.model.attention = self.attention
+        self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
+                                   chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank)
+        self.dispatcher.warmup()
+
+        # Registries share the pool by name. The eager one is built first: it is the larger on
+        # every axis (max_running_requests >= cuda_graph_max_bs), and storage never grows.
+        before = self._mem_allocated()
+
+        def eager_registry(bs: int, tokens: int):
+            return build_prefill_registry(bs, tokens, dev, pool, dp_size=cfg.dp_size,
+                                          register_input_embeds=False, user="eager")
+
+        self.eager = EagerRunner(self.model.forward, self.attention, eager_registry, no_copy=cfg.eager_input_no_copy,
+                                 max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
+        sizes = cfg.cuda_graph_bs
+        self._bucket_plans = {b: FixedPlan.uniform(cfg.dp_size, b) for b in sizes}
+        if want_graphs and sizes:
+            registry = build_decode_registry(sizes[-1], dev, pool, dp_size=cfg.dp_size, user="decode_graph")
+            self._memory["graph_inputs"] = self._mem_allocated() - before if dev.type == "cuda" else pool.total_bytes()
+            self.graphs = GraphRunner(
+                self.model.forward, self.attention, registry, sizes,
+                capture_batch=self._capture_batch, capture_plan=self._capture_plan,
+                set_plan=self.dp_buffers.set_from_plan, use_cuda_graph=dev.type == "cuda",
+                show_progress=self._show_progress,
+            )
+            self.graphs.capture()
+            self._memory["graph_pool"] = self.graphs.capture_memory_bytes
+        else:
+            self._memory["graph_inputs"] = self._mem_allocated() - before if dev.type == "cuda" else pool.total_bytes()
+            self._memory["graph_pool"] = 0
+        self._memory["activation_peak"] = 0
+
+    def _kv_slots(self) -> int:
+        spec, cfg, mc = self.spec, self.spec.runtime, self.model_config
+        if spec.kv_cache_tokens is not None:
+            return spec.kv_cache_tokens
+        if self.device.type != "cuda":
+            return min(cfg.max_running_requests * spec.context_len, _CPU_MAX_KV_TOKENS)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = int(free * spec.kv_mem_fraction)
+        slots = memory_sizing.kv_slots_for_budget(mc, cfg.dtype, budget, cfg.max_running_requests, spec.context_len)
+        if slots < spec.context_len:
+            raise RuntimeError(
+                f"RankWorker: {free / 2**30:.2f} GiB free after the weights gives {slots} KV slots "
+                f"(kv_mem_fraction={spec.kv_mem_fraction}); one request of max_context_len={spec.context_len} needs more"
+            )
+        return slots
+
+    def _attention_backend(self):
+        from dp_runtime.attention import FlashInferBackend, TorchSDPABackend
+
+        mc, kind = self.model_config, self.spec.attention
+        heads = dict(num_q_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+        if kind == "auto":
+            kind = "sdpa"
+            if self.device.type == "cuda":
+                try:
+                    import flashinfer  # noqa: F401
+
+                    kind = "flashinfer"
+                except ImportError:
+                    pass
+        self.attention_kind = kind
+        if kind == "flashinfer":
+            return FlashInferBackend(self.kv_cache, check_indices=self.spec.runtime.flashinfer_checks, **heads)
+        return TorchSDPABackend(self.kv_cache, **heads)
+
+    def _capture_plan(self, bucket: int) -> StepPlan:
+        cfg = self.spec.runtime
+        return plan_step(StepTable.from_counts([bucket] * cfg.dp_size, can_run_graph=True), cfg)
+
+    def _capture_batch(self, bs: int, num_tokens: int, plan: StepPlan):
+        batch = capture_batch(bs, num_tokens, plan, device=self.device)
+        batch.dispatch_plan = self._bucket_plans[bs]
+        return batch
+
+    # -- requests --------------------------------------------------------------------------------
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queue requests on this rank (ValueError, all or none, for one that can never fit)."""
+        with self._lock:
+            self.scheduler.submit(requests)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def pop_finished(self) -> list[RequestResult]:
+        """Results finished since the last call (thread-safe)."""
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def metrics(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+        out.update(rank=self.rank, waiting=self.scheduler.num_waiting, running=len(self.scheduler.running),
+                   dispatcher=self.dispatcher_kind, attention=self.attention_kind,
+                   graphs=self.graphs is not None, kv_slots=self.kv_cache.num_slots,
+                   free_kv_slots=self.scheduler.allocator.num_free_slots)
+        return out
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes per component as allocated (weights, kv_cache, dp_buffers, dispatcher_workspace,
+        graph_inputs, graph_pool, activation_peak: the largest allocation growth over one eager
+        step so far, CUDA only)."""
+        return dict(self._memory)
+
+    # -- the step loop ---------------------------------------------------------------------------
+    def _local_info(self, step: ScheduledStep | None) -> LocalStepInfo:
+        if step is None:
+            return LocalStepInfo(0)
+        bs = step.batch.batch_size
+        graph_ok = (self.graphs is not None and not step.is_extend and bs <= self.graphs.sizes[-1])
+        return LocalStepInfo(step.num_tokens, can_run_graph=graph_ok, is_extend=step.is_extend)
+
+    def step(self) -> StepPlan:
+        """One DP step (module docstring): a collective that every rank calls the same number of
+        times. Returns the step's plan (``plan.skip``: every rank had nothing to do)."""
+        with self._lock:
+            scheduled = self.scheduler.next_step()
+        plan = self.sync.sync(self._local_info(scheduled))
+        c = self._counters
+        if plan.skip:
+            c["skipped_steps"] += 1
+            return plan
+        self.dp_buffers.set_from_plan(plan)
+        counts = plan.global_num_tokens_cpu
+        batch = scheduled.batch if scheduled is not None else idle_batch(self.device, counts)
+        batch.global_num_tokens_cpu = counts
+        batch.global_num_tokens_for_logprob_cpu = counts
+        if plan.graph_bucket is not None and self.graphs is not None:
+            batch.dispatch_plan = self._bucket_plans[self.graphs.bucket_for(plan)]
+            logits = self.graphs.replay(batch, plan)
+            c["graph_steps"] += 1
+        else:
+            batch.dispatch_plan = plan
+            logits = self._eager(batch)
+            c["eager_steps"] += 1
+        c["steps"] += 1
+        if scheduled is None:
+            c["idle_steps"] += 1
+            return plan
+        self._finish_step(scheduled, logits)
+        return plan
+
+    def _eager(self, batch) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return self.eager.run(batch)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        logits = self.eager.run(batch)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self._memory["activation_peak"] = max(self._memory["activation_peak"], int(peak))
+        return logits
+
+    def _finish_step(self, scheduled: ScheduledStep, logits_BV: torch.Tensor) -> None:
+        reqs = scheduled.reqs
+        picked = [i for i, s in enumerate(scheduled.samples) if s]
+        tokens: list[int | None] = [None] * len(reqs)
+        if picked:
+            rows = logits_BV if len(picked) == len(reqs) else logits_BV[picked]
+            drawn = sample_tokens(rows, [reqs[i].request.sampling for i in picked],
+                                  [reqs[i].generator for i in picked])
+            for i, tok in zip(picked, drawn, strict=True):
+                tokens[i] = tok
+            if self.sampled_logits is not None:
+                for i, row in zip(picked, rows.float().cpu(), strict=True):
+                    self.sampled_logits.setdefault(reqs[i].request.rid, []).append(row)
+        c = self._counters
+        with self._lock:
+            finished = self.scheduler.advance(scheduled, tokens)
+            self._finished.extend(finished)
+            c["finished_requests"] += len(finished)
+            c["generated_tokens"] += len(picked)
+            if scheduled.is_extend:
+                c["extend_steps"] += 1
+                c["prefill_tokens"] += scheduled.num_tokens
+            else:
+                c["decode_steps"] += 1
+
+    def run_until_idle(self, stop: threading.Event | None = None, max_steps: int | None = None) -> int:
+        """Step until a step in which every rank had nothing (a collective; every rank returns
+        after the same step). ``stop`` (checked between steps) must be set on every rank alike.
+        Returns the number of steps taken."""
+        n = 0
+        while stop is None or not stop.is_set():
+            plan = self.step()
+            n += 1
+            if plan.skip or (max_steps is not None and n >= max_steps):
+                break
+        return n
+
+    def generate(self, requests: Iterable[Request]) -> list[RequestResult]:
+        """Submit ``requests``, run until every rank is idle, return this rank's results in
+        submission order. A collective (every rank calls it, with its own requests)."""
+        reqs = list(requests)
+        self.submit(reqs)
+        t0 = time.perf_counter()
+        self.run_until_idle()
+        self.wall_s = time.perf_counter() - t0
+        by_rid = {r.rid: r for r in self.pop_finished()}
+        return [by_rid[r.rid] for r in reqs]
+
+    # -- teardown --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release graphs, then the dispatcher, then the step sync (idempotent; not a collective).
+        The process group is the caller's to destroy, after this."""
+        if self.graphs is not None:
+            self.graphs.destroy()
+            self.graphs = None
+        if self.dispatcher is not None:
+            self.dispatcher.close()
+            self.dispatcher = None
+        if self.sync is not None:
+            self.sync.close()
+            self.sync = None
+
+    def __enter__(self) -> RankWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

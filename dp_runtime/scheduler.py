@@ -1,0 +1,272 @@
+"""The scheduler of one rank: a request queue, continuous batching, and the ForwardBatch of
+each step.
+
+Each step is either a prefill (extend) step or a decode step, never a mix:
+
+- **Extend** whenever there is prefill work: first the request whose prompt is partly prefilled,
+  then new requests admitted from the queue, each taking up to what is left of the
+  ``chunked_prefill_size`` token budget. A prompt longer than the budget is prefilled in chunks
+  over several steps; only the chunk that completes a prompt samples (its first output token).
+- **Decode** otherwise: one token for every running request.
+
+Admission (back-pressure, never an overwrite): a request joins the running set only while
+fewer than ``max_running_requests`` run and the KV slots that every running request may still
+need at its end (``Request.max_total_tokens``) fit the cache. So a running request can always
+allocate the slot of its next token; a request waits in the queue until one finishes. A request
+that could never fit (longer than ``max_context_len`` or than the whole cache) is refused at
+``submit`` with both numbers.
+
+Slots are allocated when a token is scheduled and freed when the request finishes. Times are
+``time.perf_counter`` seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from dp_runtime.forward_batch import ForwardBatch
+from dp_runtime.forward_mode import ForwardMode
+from dp_runtime.kv_allocator import KVAllocator
+from dp_runtime.request import Request, RequestResult
+
+__all__ = ["ScheduledStep", "Scheduler"]
+
+
+@dataclass(eq=False)
+class _Req:
+    """A request on this rank, with the scheduler's bookkeeping."""
+
+    request: Request
+    t_submit: float
+    row: int = -1  # req_to_token row once admitted
+    kv_len: int = 0  # tokens whose K/V are in the cache
+    output: list[int] = field(default_factory=list)
+    t_first_forward: float | None = None
+    t_first_token: float | None = None
+    decode_steps: int = 0
+    generator: torch.Generator | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.kv_len >= self.prompt_len
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """One step's batch and what the scheduler needs back: for each request of the batch (in
+    batch order) the tokens it runs, and whether its logits row samples a token."""
+
+    batch: ForwardBatch
+    reqs: tuple[_Req, ...]
+    num_new: tuple[int, ...]
+    samples: tuple[bool, ...]
+
+    @property
+    def is_extend(self) -> bool:
+        return self.batch.forward_mode is ForwardMode.EXTEND
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+
+class Scheduler:
+    """Continuous batching over one rank's KV cache (see the module docstring).
+
+    Args:
+        allocator: the rank's KVAllocator (its cache gives the device and the slot count).
+        max_running_requests, chunked_prefill_size: from the RuntimeConfig.
+        rank: the DP rank, recorded in results.
+    """
+
+    def __init__(self, allocator: KVAllocator, *, max_running_requests: int, chunked_prefill_size: int,
+                 rank: int = 0) -> None:
+        cache = allocator.cache
+        if max_running_requests > cache.max_reqs:
+            raise ValueError(
+                f"Scheduler: max_running_requests={max_running_requests} exceeds the KV cache's max_reqs={cache.max_reqs}"
+            )
+        self.allocator, self.cache = allocator, cache
+        self.max_running_requests = max_running_requests
+        self.chunked_prefill_size = chunked_prefill_size
+        self.rank = rank
+        self.waiting: deque[_Req] = deque()
+        self.running: list[_Req] = []
+        self._reserved = 0  # KV slots the running requests may hold at their end
+        self._rids: set[str] = set()
+
+    # -- requests in -----------------------------------------------------------------------------
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queue ``requests``. All or none: raises ValueError naming the request, the limit and the
+        value when one can never run here or its rid is already queued or running."""
+        reqs = list(requests)
+        seen = set(self._rids)
+        for r in reqs:
+            if r.rid in seen:
+                raise ValueError(f"request {r.rid!r} is already queued or running on rank {self.rank}")
+            seen.add(r.rid)
+            need = r.max_total_tokens
+            if need > self.cache.max_context_len:
+                raise ValueError(
+                    f"request {r.rid!r} needs {need} KV tokens (prompt {len(r.prompt_ids)} + "
+                    f"max_new_tokens {r.sampling.max_new_tokens} - 1); max_context_len is {self.cache.max_context_len}"
+                )
+            if need > self.cache.num_slots:
+                raise ValueError(
+                    f"request {r.rid!r} needs {need} KV tokens; the whole KV cache holds {self.cache.num_slots}"
+                )
+        now = time.perf_counter()
+        for r in reqs:
+            gen = None if r.sampling.greedy else torch.Generator().manual_seed(r.sampling.seed)
+            self.waiting.append(_Req(r, now, generator=gen))
+            self._rids.add(r.rid)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- batches out -----------------------------------------------------------------------------
+    def _admissible(self, r: _Req) -> bool:
+        return (
+            len(self.running) < self.max_running_requests
+            and self._reserved + r.request.max_total_tokens <= self.cache.num_slots
+        )
+
+    def next_step(self) -> ScheduledStep | None:
+        """The batch of this rank's next step, or None when it has nothing to run now."""
+        budget = self.chunked_prefill_size
+        picks: list[tuple[_Req, int]] = []
+        for r in self.running:
+            if not r.prefilled and budget > 0:
+                take = min(r.prompt_len - r.kv_len, budget)
+                picks.append((r, take))
+                budget -= take
+        while self.waiting and budget > 0 and self._admissible(self.waiting[0]):
+            r = self.waiting.popleft()
+            r.row = self.allocator.alloc_row()
+            self._reserved += r.request.max_total_tokens
+            self.running.append(r)
+            take = min(r.prompt_len, budget)
+            picks.append((r, take))
+            budget -= take
+        if picks:
+            return self._extend(picks)
+        if self.running:
+            return self._decode(self.running)
+        return None
+
+    def _stamp(self, reqs: Iterable[_Req]) -> None:
+        now = time.perf_counter()
+        for r in reqs:
+            if r.t_first_forward is None:
+                r.t_first_forward = now
+
+    def _extend(self, picks: list[tuple[_Req, int]]) -> ScheduledStep:
+        dev = self.cache.device
+        reqs = tuple(r for r, _ in picks)
+        takes = tuple(n for _, n in picks)
+        total = sum(takes)
+        slots = self.allocator.alloc_slots(total)
+        ids, pos, rows = [], [], []
+        for r, n in picks:
+            ids.extend(r.request.prompt_ids[r.kv_len : r.kv_len + n])
+            pos.extend(range(r.kv_len, r.kv_len + n))
+            rows.extend([r.row] * n)
+        pos_t = torch.tensor(pos, dtype=torch.int64)
+        self.cache.req_to_token[torch.tensor(rows, device=dev), pos_t.to(dev)] = slots.to(torch.int32)
+        prefix = tuple(r.kv_len for r in reqs)
+        seq_lens = torch.tensor([p + n for p, n in zip(prefix, takes, strict=True)], dtype=torch.int64)
+        self._stamp(reqs)
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=len(reqs),
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev),
+            positions=pos_t.to(dev),
+            out_cache_loc=slots,
+            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64).to(dev),
+            seq_lens=seq_lens.to(dev),
+            seq_lens_cpu=seq_lens,
+            extend_seq_lens=torch.tensor(takes, dtype=torch.int64).to(dev),
+            extend_prefix_lens=torch.tensor(prefix, dtype=torch.int64).to(dev),
+            extend_seq_lens_cpu=takes,
+            extend_prefix_lens_cpu=prefix,
+        )
+        samples = tuple(r.kv_len + n == r.prompt_len for r, n in picks)
+        return ScheduledStep(batch, reqs, takes, samples)
+
+    def _decode(self, running: list[_Req]) -> ScheduledStep:
+        dev = self.cache.device
+        reqs = tuple(running)
+        bs = len(reqs)
+        slots = self.allocator.alloc_slots(bs)
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        self.cache.req_to_token[rows.to(dev), pos.to(dev)] = slots.to(torch.int32)
+        seq_lens = pos + 1
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64).to(dev),
+            positions=pos.to(dev),
+            out_cache_loc=slots,
+            req_pool_indices=rows.to(dev),
+            seq_lens=seq_lens.to(dev),
+            seq_lens_cpu=seq_lens,
+        )
+        return ScheduledStep(batch, reqs, (1,) * bs, (True,) * bs)
+
+    # -- results ---------------------------------------------------------------------------------
+    def advance(self, step: ScheduledStep, tokens: list[int | None]) -> list[RequestResult]:
+        """Record the step: K/V lengths grow, sampled tokens are appended (``tokens[i]`` for the
+        i-th request of the step; None where it did not sample). Returns the requests that
+        finished, whose rows and slots are freed."""
+        now = time.perf_counter()
+        finished = []
+        for r, n, samples, tok in zip(step.reqs, step.num_new, step.samples, tokens, strict=True):
+            r.kv_len += n
+            if not step.is_extend:
+                r.decode_steps += 1
+            if not samples:
+                continue
+            r.output.append(int(tok))
+            if r.t_first_token is None:
+                r.t_first_token = now
+            sp = r.request.sampling
+            reason = "stop" if tok in sp.stop_token_ids else "length" if len(r.output) >= sp.max_new_tokens else None
+            if reason is not None:
+                finished.append(self._finish(r, reason, now))
+        if finished:
+            done = {res.rid for res in finished}
+            self.running = [r for r in self.running if r.request.rid not in done]
+        return finished
+
+    def _finish(self, r: _Req, reason: str, now: float) -> RequestResult:
+        slots = self.cache.req_to_token[r.row, : r.kv_len].to(torch.int64)
+        self.allocator.free_slots(slots)
+        self.allocator.free_row(r.row)
+        self._reserved -= r.request.max_total_tokens
+        self._rids.discard(r.request.rid)
+        return RequestResult(
+            rid=r.request.rid,
+            prompt_len=r.prompt_len,
+            output_ids=tuple(r.output),
+            finish_reason=reason,
+            rank=self.rank,
+            queued_s=(r.t_first_forward or now) - r.t_submit,
+            ttft_s=(r.t_first_token or now) - r.t_submit,
+            latency_s=now - r.t_submit,
+            decode_steps=r.decode_steps,
+        )

@@ -1,0 +1,543 @@
+"""The capacity planner: what one rank of a DP-attention / EP-MoE job allocates, and whether it fits.
+
+``plan_capacity(PlanInput) -> CapacityPlan``. Every number comes from the sizing functions the
+runtime allocates with (``dp_runtime.memory_sizing``, ``dispatcher.sizing``, the registry
+builders and the DP buffer service on the meta device); the graph pool and the activation peak
+are documented estimates that ``dp-runtime plan --measure`` checks on a GPU. The inputs go
+through ``RankSpec.create`` (and so ``RuntimeConfig``): an invalid combination raises the
+runtime's own ValueError.
+
+The rank planned is EP rank 0, which holds the most experts when they do not divide evenly
+(``ExpertPartition`` gives the remainder to the first ranks). The KV cache takes what is left
+after every other component and the headroom, sized with ``kv_slots_for_budget``. (The rank
+worker, given no ``kv_cache_tokens``, budgets ``kv_mem_fraction`` of the memory free after its
+weights instead; ``--measure`` passes the planned slots as ``kv_cache_tokens``.)
+
+Fit rule: the plan fits when the other components and the headroom leave room for a KV cache of
+at least ``max_running_requests * kv_tokens_per_request`` token slots (default
+``kv_tokens_per_request = context_len``: every running request can reach its full context at
+once, with no preemption). ``largest_max_running_requests`` is the largest value for which that
+holds with every other input unchanged, found by bisection (the rule is monotone: a larger
+max_running_requests needs more KV and never less of anything else).
+
+JSON: ``CapacityPlan.to_dict()`` / ``to_json()``, schema ``dp-runtime.plan/1`` (keys:
+docs/planner.md).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from dispatcher.partition import ExpertPartition
+from dp_runtime import memory_sizing as ms
+from dp_runtime.config import RuntimeConfig
+from dp_runtime.model.model_config import PRESETS, ModelConfig
+from dp_runtime.padding_mode import PaddingMode
+from dp_runtime.rank_spec import RankSpec
+
+__all__ = [
+    "COMPONENTS",
+    "GPUS",
+    "MEASURED_COMPONENTS",
+    "SCHEMA",
+    "CapacityPlan",
+    "ComparisonRow",
+    "Components",
+    "GatheredRows",
+    "GpuSpec",
+    "KVCapacity",
+    "PlanInput",
+    "compare_measured",
+    "gpu_spec",
+    "largest_max_running_requests",
+    "plan_capacity",
+    "resolve_cuda_graphs",
+    "resolve_dispatcher",
+]
+
+SCHEMA = "dp-runtime.plan/1"
+GIB = 1 << 30
+# The components RankWorker.memory_report() measures, under the same names.
+MEASURED_COMPONENTS = (
+    "weights", "kv_cache", "dp_buffers", "dispatcher_workspace", "graph_inputs", "graph_pool",
+    "activation_peak",
+)
+COMPONENTS = (*MEASURED_COMPONENTS, "nccl", "cuda_context")
+
+
+# -- GPUs -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GpuSpec:
+    """A GPU model: the memory torch reports as its total (``total_memory``), and whether its
+    GPUs talk over NVLink (what ``dispatcher="auto"`` needs to pick FlashInfer)."""
+
+    name: str
+    mem_bytes: int
+    nvlink: bool
+
+
+def _gib(x: float) -> int:
+    return round(x * GIB)
+
+
+# Usable memory = torch.cuda.get_device_properties(i).total_memory, which is below the marketing
+# size (e.g. an "80GB" H100 reports ~79.1 GiB: "total capacity of 79.1x GiB" in OOM messages).
+# Rounded figures; pass --gpu-mem-gib for an exact one.
+GPUS: dict[str, GpuSpec] = {
+    "h100": GpuSpec("H100 80GB SXM", _gib(79.1), True),
+    "h100-pcie": GpuSpec("H100 80GB PCIe", _gib(79.1), False),
+    "h200": GpuSpec("H200 141GB SXM", _gib(139.8), True),
+    "a100-80gb": GpuSpec("A100 80GB SXM", _gib(79.15), True),
+    "a100-40gb": GpuSpec("A100 40GB SXM", _gib(39.39), True),
+    "l40s": GpuSpec("L40S 48GB", _gib(44.39), False),
+    "rtx-4090": GpuSpec("RTX 4090 24GB", _gib(23.6), False),
+}
+_GPU_ALIASES = {"h100-sxm": "h100", "h100-80gb": "h100", "h200-141gb": "h200", "a100": "a100-80gb",
+                "4090": "rtx-4090"}
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """The GpuSpec of ``name`` (case, spaces and underscores ignored: "H100", "a100_80gb").
+
+    Raises ValueError listing the known names.
+    """
+    key = name.strip().lower().replace(" ", "-").replace("_", "-")
+    key = _GPU_ALIASES.get(key, key)
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)} (or give --gpu-mem-gib)")
+    return GPUS[key]
+
+
+# -- input ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanInput:
+    """What the planner takes.
+
+    - ``model``: a preset (``tiny``, ``qwen3-30b-a3b``), a checkpoint directory, or its
+      ``config.json``.
+    - ``dtype``: of weights, KV and hidden states (a RuntimeConfig dtype name).
+    - ``dp_size``; ``ep_size`` (None: the world size).
+    - ``gpu_mem_bytes``: usable memory of one GPU; ``gpu_name`` for display; ``nvlink``: whether
+      the GPUs are NVLink-connected (``dispatcher="auto"`` picks FlashInfer only then).
+    - ``max_running_requests``, ``chunked_prefill_size``, ``cuda_graph_bs`` (``"auto"`` or
+      sizes; ``()`` for no graphs), ``context_len`` (None: the runtime's default),
+      ``dispatcher`` (``auto`` | ``all_gather`` | ``all_to_all`` | ``flashinfer``),
+      ``use_cuda_graph`` (None: on, as the rank worker on CUDA; False: eager only).
+    - ``kv_tokens_per_request``: KV tokens to guarantee each running request (None:
+      ``context_len``); the fit rule in the module docstring.
+    - ``headroom_fraction`` of the GPU memory, at least ``headroom_min_bytes``: kept free.
+    """
+
+    model: str = "qwen3-30b-a3b"
+    dtype: str = "bfloat16"
+    dp_size: int = 1
+    ep_size: int | None = None
+    gpu_mem_bytes: int = GPUS["h100"].mem_bytes
+    gpu_name: str | None = GPUS["h100"].name
+    nvlink: bool = True
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 8192
+    cuda_graph_bs: tuple[int, ...] | str = "auto"
+    context_len: int | None = None
+    dispatcher: str = "auto"
+    use_cuda_graph: bool | None = None
+    kv_tokens_per_request: int | None = None
+    headroom_fraction: float = 0.05
+    headroom_min_bytes: int = GIB
+
+    def __post_init__(self) -> None:
+        if self.gpu_mem_bytes <= 0:
+            raise ValueError(f"PlanInput.gpu_mem_bytes must be > 0, got {self.gpu_mem_bytes}")
+        if not 0 <= self.headroom_fraction < 1:
+            raise ValueError(f"PlanInput.headroom_fraction must be in [0, 1), got {self.headroom_fraction}")
+        if self.headroom_min_bytes < 0:
+            raise ValueError(f"PlanInput.headroom_min_bytes must be >= 0, got {self.headroom_min_bytes}")
+        if self.kv_tokens_per_request is not None and self.kv_tokens_per_request < 1:
+            raise ValueError(f"PlanInput.kv_tokens_per_request must be >= 1, got {self.kv_tokens_per_request}")
+
+    def rank_spec(self, max_running_requests: int | None = None, *, device: str = "cpu",
+                  kv_cache_tokens: int | None = None) -> RankSpec:
+        """The RankSpec these inputs describe (validated by RankSpec and RuntimeConfig), with
+        ``max_running_requests`` replaced when given. ``device`` only matters to a real rank."""
+        graph_kwargs: dict[str, Any] = {"cuda_graph_bs": "auto", "cuda_graph_max_bs": "auto"}
+        if not isinstance(self.cuda_graph_bs, str):
+            sizes = tuple(int(s) for s in self.cuda_graph_bs)
+            graph_kwargs = {"cuda_graph_bs": sizes, "cuda_graph_max_bs": sizes[-1] if sizes else 0}
+        elif self.cuda_graph_bs != "auto":
+            raise ValueError(f'PlanInput.cuda_graph_bs must be "auto" or sizes, got {self.cuda_graph_bs!r}')
+        return RankSpec.create(
+            _model_ref(self.model), dispatcher=self.dispatcher, use_cuda_graph=self.use_cuda_graph,
+            kv_cache_tokens=kv_cache_tokens, max_context_len=self.context_len,
+            dp_size=self.dp_size, ep_size="auto" if self.ep_size is None else self.ep_size,
+            max_running_requests=self.max_running_requests if max_running_requests is None else max_running_requests,
+            chunked_prefill_size=self.chunked_prefill_size, dtype=self.dtype, device=device,
+            **graph_kwargs,
+        )
+
+
+def _model_ref(model: str) -> str:
+    """A preset name or a checkpoint directory (a path to its config.json gives the directory)."""
+    if model in PRESETS:
+        return model
+    path = Path(model)
+    if path.name == "config.json" and path.is_file():
+        return str(path.parent)
+    if path.is_file():
+        raise ValueError(f"model {model!r} is a file; give a preset, a checkpoint directory or its config.json")
+    if not path.exists():
+        raise ValueError(f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing path")
+    return model
+
+
+# -- results --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Components:
+    """Device bytes of one rank, by component (names: ``COMPONENTS``)."""
+
+    weights_bytes: int
+    kv_cache_bytes: int
+    dp_buffers_bytes: int
+    dispatcher_workspace_bytes: int
+    graph_inputs_bytes: int
+    graph_pool_bytes: int
+    activation_peak_bytes: int
+    nccl_bytes: int
+    cuda_context_bytes: int
+    # all_gather / all_to_all: the workspace is the peak of per-step buffers, live only inside a
+    # step, and so already part of activation_peak (and graph_pool at the bucket size).
+    dispatcher_workspace_transient: bool = False
+
+    def as_dict(self) -> dict[str, int]:
+        """``{component name: bytes}`` in ``COMPONENTS`` order."""
+        return {f.name.removesuffix("_bytes"): getattr(self, f.name) for f in fields(self)
+                if f.name.endswith("_bytes")}
+
+    @property
+    def total_bytes(self) -> int:
+        """Every component, a transient dispatcher workspace counted once (in activation_peak)."""
+        total = sum(self.as_dict().values())
+        return total - (self.dispatcher_workspace_bytes if self.dispatcher_workspace_transient else 0)
+
+
+@dataclass(frozen=True)
+class GatheredRows:
+    """Rows (and bytes) of the gathered DP buffer one step uses under one padding mode, for a
+    step where one rank is full and the others idle, and one where every rank is full (the
+    per-step worst case: the allocated buffer). MAX_LEN pads every rank to the longest."""
+
+    padding: str
+    one_rank_full_rows: int
+    one_rank_full_bytes: int
+    all_ranks_full_rows: int
+    all_ranks_full_bytes: int
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """The KV cache the remaining memory holds (page size 1: one slot per token)."""
+
+    bytes_per_token: int
+    slots: int
+    requests_at_full_context: int
+    needed_slots: int  # max_running_requests * kv_tokens_per_request
+
+    @property
+    def tokens(self) -> int:
+        return self.slots
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """The plan of one rank (see the module docstring); ``to_dict`` is the JSON schema."""
+
+    input: PlanInput
+    runtime: RuntimeConfig
+    model: ModelConfig
+    world_size: int
+    ep_rank: int
+    local_experts: int
+    dispatcher: str
+    dispatcher_reason: str
+    cuda_graphs: bool
+    cuda_graphs_reason: str
+    context_len: int
+    kv_tokens_per_request: int
+    components: Components
+    dp_buffer_modes: tuple[GatheredRows, ...]
+    kv: KVCapacity
+    headroom_bytes: int
+    fits: bool
+    reason: str
+    largest_max_running_requests: int
+
+    @property
+    def gpu_mem_bytes(self) -> int:
+        return self.input.gpu_mem_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.components.total_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """GPU memory left after every component (the headroom lies in it); negative: over."""
+        return self.gpu_mem_bytes - self.total_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON values, schema ``SCHEMA`` (keys documented in docs/planner.md)."""
+        inp, rt = self.input, self.runtime
+        graph_bs = inp.cuda_graph_bs if isinstance(inp.cuda_graph_bs, str) else list(inp.cuda_graph_bs)
+        return {
+            "schema": SCHEMA,
+            "input": {
+                "model": inp.model, "dtype": inp.dtype, "dp_size": inp.dp_size, "ep_size": inp.ep_size,
+                "gpu": inp.gpu_name, "gpu_mem_bytes": inp.gpu_mem_bytes, "nvlink": inp.nvlink,
+                "max_running_requests": inp.max_running_requests,
+                "chunked_prefill_size": inp.chunked_prefill_size, "cuda_graph_bs": graph_bs,
+                "context_len": inp.context_len, "dispatcher": inp.dispatcher,
+                "use_cuda_graph": inp.use_cuda_graph, "kv_tokens_per_request": inp.kv_tokens_per_request,
+                "headroom_fraction": inp.headroom_fraction, "headroom_min_bytes": inp.headroom_min_bytes,
+            },
+            "resolved": {
+                "world_size": self.world_size, "ep_size": rt.ep_size, "ep_rank": self.ep_rank,
+                "local_experts": self.local_experts, "dtype": str(rt.dtype).removeprefix("torch."),
+                "dispatcher": self.dispatcher, "dispatcher_reason": self.dispatcher_reason,
+                "dispatcher_workspace_transient": self.components.dispatcher_workspace_transient,
+                "cuda_graphs": self.cuda_graphs, "cuda_graphs_reason": self.cuda_graphs_reason,
+                "cuda_graph_bs": list(rt.cuda_graph_bs), "max_tokens_per_rank": rt.max_tokens_per_rank,
+                "max_global_tokens": rt.max_global_tokens, "context_len": self.context_len,
+                "kv_tokens_per_request": self.kv_tokens_per_request,
+            },
+            "components_bytes": self.components.as_dict(),
+            "dp_buffer_modes": {
+                m.padding: {k: v for k, v in vars(m).items() if k != "padding"} for m in self.dp_buffer_modes
+            },
+            "kv": {
+                "bytes_per_token": self.kv.bytes_per_token, "slots": self.kv.slots, "tokens": self.kv.tokens,
+                "requests_at_full_context": self.kv.requests_at_full_context,
+                "needed_slots": self.kv.needed_slots,
+            },
+            "gpu_mem_bytes": self.gpu_mem_bytes,
+            "total_bytes": self.total_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "free_bytes": self.free_bytes,
+            "fits": self.fits,
+            "reason": self.reason,
+            "largest_max_running_requests": self.largest_max_running_requests,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+# -- resolution rules -------------------------------------------------------------------------------
+def resolve_cuda_graphs(use_cuda_graph: bool | None, capture_sizes: tuple[int, ...]) -> tuple[bool, bool, str]:
+    """``(graphs wanted, graphs captured, reason)`` for a CUDA rank, by the rank worker's rule:
+    wanted unless ``use_cuda_graph`` is False; captured when wanted and there are capture sizes."""
+    want = True if use_cuda_graph is None else bool(use_cuda_graph)
+    if not want:
+        return False, False, "use_cuda_graph is False"
+    if not capture_sizes:
+        return True, False, "no capture sizes"
+    return True, True, f"largest bucket {capture_sizes[-1]}"
+
+
+def resolve_dispatcher(kind: str, world_size: int, nvlink: bool, want_graphs: bool) -> tuple[str, str]:
+    """``(backend, reason)`` by the runtime's rules: ``auto`` is all_to_all at world size 1 (no
+    process group, dispatcher.factory) or without NVLink, else flashinfer; then, as the rank
+    worker does, an ``auto`` that gave all_to_all becomes all_gather when graphs are wanted
+    (all_to_all reads counts on the host: not capturable). An explicit all_to_all with graphs
+    wanted is a ValueError, as in the worker."""
+    if kind != "auto":
+        if want_graphs and kind not in ms.CAPTURABLE_DISPATCHERS:
+            raise ValueError(f"the {kind} dispatcher reads counts on the host and cannot be captured in "
+                             f"a CUDA graph; pick {' or '.join(ms.CAPTURABLE_DISPATCHERS)}, or no graphs")
+        return kind, "configured"
+    if world_size == 1:
+        chosen, why = "all_to_all", "auto: world size 1 has no process group (FlashInfer needs one)"
+    elif not nvlink:
+        chosen, why = "all_to_all", "auto: the GPUs have no NVLink"
+    else:
+        return "flashinfer", "auto: one NVLink node (assumes flashinfer imports on every rank)"
+    if want_graphs:
+        return "all_gather", why + "; all_to_all is eager-only, so graphs take all_gather"
+    return chosen, why
+
+
+def _gib_text(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+# -- the plan ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Fixed:
+    """What does not depend on max_running_requests, computed once per plan."""
+
+    cfg: ModelConfig
+    kv_bytes_per_token: int
+    ep_rank: int
+    local_experts: int
+    weights_bytes: int
+    context_len: int
+    kv_tokens_per_request: int
+
+
+def _fixed(inp: PlanInput) -> _Fixed:
+    spec = inp.rank_spec()
+    cfg, rt = spec.model_config(), spec.runtime
+    part = ExpertPartition(cfg.num_experts, rt.ep_size)
+    # The rank with the most experts (the first ones when they do not divide evenly).
+    ep_rank = max(range(rt.ep_size), key=part.num_local)
+    ctx = spec.context_len
+    tpr = ctx if inp.kv_tokens_per_request is None else inp.kv_tokens_per_request
+    if tpr > ctx:
+        raise ValueError(f"kv_tokens_per_request={tpr} exceeds context_len={ctx}")
+    return _Fixed(cfg, ms.kv_bytes_per_token(cfg, rt.dtype), ep_rank, part.num_local(ep_rank),
+                  ms.weight_bytes_per_rank(cfg, rt.dtype, ep_rank, rt.ep_size), ctx, tpr)
+
+
+def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> CapacityPlan:
+    """The plan at ``max_running_requests`` (largest_max_running_requests left at -1)."""
+    rt = inp.rank_spec(max_running_requests).runtime
+    cfg, mrr, ctx = fixed.cfg, rt.max_running_requests, fixed.context_len
+    want_graphs, graphs, graphs_reason = resolve_cuda_graphs(inp.use_cuda_graph, rt.cuda_graph_bs)
+    dispatcher, dispatcher_reason = resolve_dispatcher(inp.dispatcher, rt.world_size, inp.nvlink, want_graphs)
+    max_bucket = rt.cuda_graph_bs[-1] if graphs else 0
+    moe = (cfg.hidden_size, cfg.top_k, rt.dtype)
+    step_at_bucket = ms.dispatcher_step_bytes(dispatcher, rt.ep_size, max_bucket, *moe)
+    step_at_max = ms.dispatcher_step_bytes(dispatcher, rt.ep_size, rt.max_tokens_per_rank, *moe)
+    fixed_parts = dict(
+        weights_bytes=fixed.weights_bytes,
+        dp_buffers_bytes=ms.dp_buffer_bytes(rt),
+        dispatcher_workspace_bytes=ms.dispatcher_workspace_bytes(dispatcher, rt.ep_size, rt.max_tokens_per_rank, *moe),
+        graph_inputs_bytes=ms.graph_input_bytes(rt, decode_graphs=graphs),
+        graph_pool_bytes=ms.graph_pool_bytes_estimate(cfg, rt.dtype, max_bucket, step_at_bucket),
+        activation_peak_bytes=ms.activation_peak_bytes_estimate(cfg, rt.dtype, rt.max_tokens_per_rank, mrr,
+                                                                step_at_max),
+        nccl_bytes=ms.nccl_overhead_bytes(rt.dp_size, rt.ep_size),
+        cuda_context_bytes=ms.cuda_context_bytes("cuda"),
+    )
+    transient = dispatcher in ms.TRANSIENT_WORKSPACE_DISPATCHERS
+    gpu = inp.gpu_mem_bytes
+    headroom = max(round(inp.headroom_fraction * gpu), inp.headroom_min_bytes)
+    # A transient dispatcher workspace is part of the activation peak: count it once.
+    non_kv = sum(fixed_parts.values()) - (fixed_parts["dispatcher_workspace_bytes"] if transient else 0)
+    budget = gpu - headroom - non_kv
+    slots = ms.kv_slots_for_budget(cfg, rt.dtype, budget, mrr, ctx) if budget > 0 else 0
+    kv_bytes = ms.kv_cache_bytes(cfg, rt.dtype, slots, mrr, ctx) if slots > 0 else 0
+    kv = KVCapacity(fixed.kv_bytes_per_token, slots, slots // ctx, mrr * fixed.kv_tokens_per_request)
+    components = Components(kv_cache_bytes=kv_bytes, dispatcher_workspace_transient=transient, **fixed_parts)
+    fits, reason = _verdict(components, kv, gpu, headroom, fixed, mrr)
+    return CapacityPlan(
+        input=inp, runtime=rt, model=cfg, world_size=rt.world_size, ep_rank=fixed.ep_rank,
+        local_experts=fixed.local_experts, dispatcher=dispatcher, dispatcher_reason=dispatcher_reason,
+        cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, context_len=ctx,
+        kv_tokens_per_request=fixed.kv_tokens_per_request, components=components,
+        dp_buffer_modes=_dp_buffer_modes(rt), kv=kv, headroom_bytes=headroom, fits=fits,
+        reason=reason, largest_max_running_requests=-1,
+    )
+
+
+def _verdict(c: Components, kv: KVCapacity, gpu: int, headroom: int, fixed: _Fixed,
+             mrr: int) -> tuple[bool, str]:
+    others = {k: v for k, v in c.as_dict().items() if k != "kv_cache"}
+    if c.dispatcher_workspace_transient:
+        others.pop("dispatcher_workspace")
+    if c.weights_bytes + headroom > gpu:
+        return False, (f"weights alone are {_gib_text(c.weights_bytes)} on EP rank "
+                       f"{fixed.ep_rank} ({fixed.local_experts} experts), over the GPU's "
+                       f"{_gib_text(gpu)} less {_gib_text(headroom)} headroom")
+    if kv.slots < 1 or kv.slots < kv.needed_slots:
+        largest = max(others, key=others.__getitem__)
+        return False, (f"the KV cache gets {kv.slots} token slots, "
+                       f"max_running_requests {mrr} x {fixed.kv_tokens_per_request} tokens needs "
+                       f"{kv.needed_slots} (other components {_gib_text(sum(others.values()))}, "
+                       f"largest: {largest} {_gib_text(others[largest])}; headroom {_gib_text(headroom)})")
+    return True, (f"the KV cache holds {kv.slots} tokens ({kv.requests_at_full_context} requests "
+                  f"at full context {fixed.context_len}); {kv.needed_slots} needed")
+
+
+def _dp_buffer_modes(rt: RuntimeConfig) -> tuple[GatheredRows, ...]:
+    p, dp = rt.max_tokens_per_rank, rt.dp_size
+    row_bytes = rt.hidden_size * ms.dtype_bytes(rt.dtype)
+    one_full, all_full = (p,) + (0,) * (dp - 1), (p,) * dp
+    out = []
+    for mode in (PaddingMode.MAX_LEN, PaddingMode.SUM_LEN):
+        one = ms.dp_gathered_rows(one_full, mode, p)
+        every = ms.dp_gathered_rows(all_full, mode, p)
+        out.append(GatheredRows(mode.name.lower(), one, one * row_bytes, every, every * row_bytes))
+    return tuple(out)
+
+
+def _search_floor(inp: PlanInput) -> int:
+    # Explicit capture sizes need max_running_requests >= the largest (RuntimeConfig's rule).
+    if isinstance(inp.cuda_graph_bs, str) or not inp.cuda_graph_bs:
+        return 1
+    return max(1, max(inp.cuda_graph_bs))
+
+
+def _largest(inp: PlanInput, fixed: _Fixed) -> int:
+    lo = _search_floor(inp)
+    if not _evaluate(inp, fixed, lo).fits:
+        return 0
+    # Past this the needed KV alone exceeds the GPU: certainly does not fit.
+    hi = inp.gpu_mem_bytes // (fixed.kv_tokens_per_request * fixed.kv_bytes_per_token) + 1
+    while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        if _evaluate(inp, fixed, mid).fits:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def largest_max_running_requests(inp: PlanInput) -> int:
+    """The largest max_running_requests that fits (the module docstring's rule) with every other
+    input of ``inp`` unchanged; 0 when none does."""
+    return _largest(inp, _fixed(inp))
+
+
+def plan_capacity(inp: PlanInput) -> CapacityPlan:
+    """The capacity plan of one rank for ``inp``.
+
+    Raises ValueError (RankSpec's or RuntimeConfig's message) for an invalid combination, and
+    FileNotFoundError for a checkpoint directory without config.json.
+    """
+    fixed = _fixed(inp)
+    plan = _evaluate(inp, fixed, inp.max_running_requests)
+    return replace(plan, largest_max_running_requests=_largest(inp, fixed))
+
+
+
+
+# -- predicted vs measured ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ComparisonRow:
+    """One component: predicted and measured bytes; ``error_pct = 100 * (predicted - measured) /
+    measured`` (None when it cannot be computed: not measured, or measured 0 with predicted > 0)."""
+
+    component: str
+    predicted_bytes: int
+    measured_bytes: int | None
+    error_pct: float | None
+
+
+def compare_measured(plan: CapacityPlan, measured: Mapping[str, int]) -> list[ComparisonRow]:
+    """Rows for ``MEASURED_COMPONENTS`` in order, from the plan and a ``{component: bytes}``
+    mapping (``RankWorker.memory_report()``); a missing component has ``measured_bytes=None``."""
+    predicted = plan.components.as_dict()
+    rows = []
+    for name in MEASURED_COMPONENTS:
+        want, got = predicted[name], measured.get(name)
+        if got is None:
+            error = None
+        elif got == 0:
+            error = 0.0 if want == 0 else None
+        else:
+            error = 100.0 * (want - got) / got
+        rows.append(ComparisonRow(name, want, None if got is None else int(got), error))
+    return rows

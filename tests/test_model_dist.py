@@ -1,0 +1,70 @@
+"""The reference model on every rank of a torchrun job (DP = EP = world size, gloo): each rank
+serves its own prompts and must produce transformers' greedy tokens, with each CPU dispatcher,
+with and without the graph runner, while ranks with fewer requests run IDLE steps."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.rank_worker import RankWorker
+from dp_runtime.request import Request, SamplingParams
+from tests.hf_reference import greedy_reference, load_reference, write_tiny_checkpoint
+
+pytestmark = pytest.mark.dist
+pytest.importorskip("transformers")
+
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def setup(dist_group):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # One directory for the job, made by rank 0 (not tmp_path_factory: ranks share pytest's
+    # numbered base directory and one rank's cleanup can remove another's files). Every rank
+    # calls save_pretrained, which writes on rank 0 only when torch.distributed is initialised.
+    tmp = tempfile.TemporaryDirectory(prefix="dp_runtime_tiny_") if rank == 0 else None
+    name = [tmp.name if tmp is not None else None]
+    dist.broadcast_object_list(name, src=0)
+    ckpt = write_tiny_checkpoint(Path(name[0]))
+    dist.barrier()
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 19, 9, 33, 2, 14, 27, 8, 12][: 2 * world + 1]  # rank 0 gets one more: the others idle
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
+    mine = [(i, p) for i, p in enumerate(prompts) if i % world == rank]
+    hf = load_reference(ckpt)
+    refs = {i: greedy_reference(hf, p, NEW)[0] for i, p in mine}
+    yield ckpt, rank, world, mine, refs
+    dist.barrier()
+    if tmp is not None:
+        tmp.cleanup()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-runner"])
+@pytest.mark.parametrize("dispatcher", ["all_gather", "all_to_all"])
+def test_every_rank_matches_transformers(setup, dispatcher, graphs):
+    ckpt, rank, world, mine, refs = setup
+    spec = RankSpec.create(str(ckpt), dp_size=world, max_running_requests=2, chunked_prefill_size=12,
+                           dtype="float32", device="cpu", max_context_len=64, dispatcher=dispatcher,
+                           use_cuda_graph=graphs)
+    with RankWorker(spec, rank=rank, world_size=world) as w:
+        assert w.dispatcher.ep.size == world
+        results = w.generate([Request(f"p{i}", p, SamplingParams(max_new_tokens=NEW)) for i, p in mine])
+        m = w.metrics()
+        w.sync.verify()  # the last plan's fingerprint agrees on every rank
+    # Every rank gathers every rank's verdict before asserting: a rank that failed alone would
+    # leave the others waiting in the next test's collectives.
+    mine_bad = [(res.rid, res.output_ids, tuple(refs[int(res.rid[1:])])) for res in results
+                if res.output_ids != tuple(refs[int(res.rid[1:])]) or res.rank != rank]
+    report = [None] * world
+    dist.all_gather_object(report, (mine_bad, m["steps"], m["skipped_steps"], m["idle_steps"], m["graph_steps"]))
+    assert all(not bad for bad, *_ in report), [bad for bad, *_ in report]
+    assert len({(steps, skipped) for _, steps, skipped, _, _ in report}) == 1  # the same steps everywhere
+    assert all(idle > 0 for _, _, _, idle, _ in report[1:])  # rank 0 had one request more: the others idled
+    if graphs:
+        assert all(g > 0 for *_, g in report)
