@@ -2,6 +2,8 @@
 # One call on a lent GPU machine: GPU tests, then benchmarks; logs under $OUT (or ./gpu-logs).
 #   bash bench/run_gpu.sh one     # one GPU: gpu tests, registry fill, decode graph
 #   bash bench/run_gpu.sh multi   # 2-4 GPUs: gpu2 tests, dp_sync and dispatch at 2 and 4 ranks
+#   bash bench/run_gpu.sh model1  # one GPU: model tests, serve_step (DP 1), plan --measure
+#   bash bench/run_gpu.sh model2  # two GPUs: model gpu2 tests, serve_step (DP 2, EP 2)
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,5 +29,16 @@ case "${1:-one}" in
       step dispatch_$n torchrun --standalone --nproc-per-node "$n" bench/dispatch.py ${DISPATCH_ARGS:-}
       [ "$n" = "$ngpu" ] && break
     done
+    ;;
+  model1)
+    step model_gpu_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_model_gpu.py
+    step serve_step_1 python bench/serve_step.py ${SERVE_ARGS:-}
+    step plan_measure python -m launch.cli plan --model qwen3-30b-a3b --dp 1 --ep 1 --max-running-requests 32 \
+      --context-len 4096 --measure
+    ;;
+  model2)
+    step model_gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs \
+      tests/test_model_gpu2.py ${MODEL2_TESTS:-}
+    step serve_step_2 torchrun --standalone --nproc-per-node 2 bench/serve_step.py ${SERVE_ARGS:-}
     ;;
 esac

@@ -103,6 +103,9 @@ class RankWorker:
                               finished_requests=0)
         self._memory: dict[str, int] = {}
         self._show_progress = show_progress
+        # Benchmarks compare graph and eager steps on one worker; set it alike on every rank
+        # (it only changes what this rank reports, so the plan stays rank-invariant anyway).
+        self.graph_enabled = True
         self.sampled_logits: dict[str, list[torch.Tensor]] | None = {} if keep_logits else None
         self.graphs: GraphRunner | None = None
         self.dispatcher = None
@@ -286,7 +289,8 @@ class RankWorker:
         if step is None:
             return LocalStepInfo(0)
         bs = step.batch.batch_size
-        graph_ok = (self.graphs is not None and not step.is_extend and bs <= self.graphs.sizes[-1])
+        graph_ok = (self.graphs is not None and self.graph_enabled and not step.is_extend
+                    and bs <= self.graphs.sizes[-1])
         return LocalStepInfo(step.num_tokens, can_run_graph=graph_ok, is_extend=step.is_extend)
 
     def step(self) -> StepPlan:

@@ -1,0 +1,176 @@
+"""Decode throughput and step latency of the rank worker: the qwen3-30b-a3b preset (random
+weights), graphs on and off, side by side in one run, with each row's fraction of the HBM floor.
+
+    python bench/serve_step.py                                   # one GPU (DP 1)
+    torchrun --standalone --nproc-per-node 2 bench/serve_step.py # two GPUs (DP 2, EP 2)
+    python bench/serve_step.py --layers 8 --batch-sizes 1,32     # a shorter stack, quicker
+
+Each rank runs its own ``bs`` requests (prompt ``--prompt-len`` tokens) to the end of their
+prefill, then ``--iters`` timed decode steps through ``RankWorker.step`` (DP sync, replay or
+eager forward, sampling: the host waits for the tokens every step, as serving does). The graph
+and eager rows use one worker, toggling ``graph_enabled`` on every rank alike.
+
+Columns per (bs, mode): step ms (median), tokens/s per GPU (bs / step), and ``floor %``: the
+HBM floor over the measured step, where the floor is the weight bytes one step must read on
+this rank (attention, norms, router and LM head of every layer, plus the experts the step's
+tokens route to: with uniform routing, ``L * (1 - (1 - K/E)^(bs * dp))`` of the rank's ``L``
+experts per layer) divided by the device's copy bandwidth, measured here (a 1 GiB
+device-to-device copy: read + write bytes over time). KV reads are left out: at the default
+context (~100 tokens) they are < 1% of the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+
+from dp_runtime import memory_sizing
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.rank_worker import RankWorker
+from dp_runtime.request import Request, SamplingParams
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's 48 layers")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--dispatcher", default="auto")
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+    return args
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * n * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def touched_weight_bytes(spec: RankSpec, bs: int, dp: int, ep_rank: int) -> float:
+    """Weight bytes one decode step reads on this rank (module docstring)."""
+    cfg, rt = spec.model_config(), spec.runtime
+    elt = memory_sizing.dtype_bytes(rt.dtype)
+    total = memory_sizing.weight_bytes_per_rank(cfg, rt.dtype, ep_rank, rt.ep_size)
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * elt
+    sparse = sum(cfg.is_sparse(i) for i in range(cfg.num_layers))
+    local = -(-cfg.num_experts // rt.ep_size)
+    all_experts = sparse * local * expert
+    embed = cfg.vocab_size * cfg.hidden_size * elt  # rows are gathered, not read whole
+    hit = 1 - (1 - cfg.top_k / cfg.num_experts) ** (bs * dp)
+    return total - all_experts - embed + sparse * local * hit * expert
+
+
+def timed_decode(worker: RankWorker, bs: int, args, tag: str, rank: int) -> list[float]:
+    new = 1 + args.warmup + args.iters
+    g = torch.Generator().manual_seed(bs)
+    vocab = worker.model_config.vocab_size
+    worker.submit([Request(f"{tag}{bs}-{rank}-{i}", torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist(),
+                           SamplingParams(max_new_tokens=new)) for i in range(bs)])
+    # Prefill every request (other ranks step along: every rank has the same bs).
+    while any(not r.prefilled for r in worker.scheduler.running) or worker.scheduler.num_waiting:
+        worker.step()
+    times = []
+    for i in range(args.warmup + args.iters):
+        t0 = time.perf_counter()
+        plan = worker.step()
+        dt = time.perf_counter() - t0
+        if i >= args.warmup:
+            times.append(dt * 1e3)
+        assert not plan.skip and not plan.is_extend
+    worker.run_until_idle()
+    worker.pop_finished()
+    return times
+
+
+def main() -> None:
+    args = parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(seconds=600))
+    device = torch.device("cuda", torch.cuda.current_device())
+    overrides = {"num_layers": args.layers} if args.layers else None
+    mrr = max(args.batch_sizes)
+    spec = RankSpec.create(
+        "qwen3-30b-a3b", model_overrides=overrides, dp_size=world, max_running_requests=mrr,
+        chunked_prefill_size=8192, cuda_graph_bs=tuple(args.batch_sizes), dtype="bfloat16", device="cuda",
+        dispatcher=args.dispatcher, attention=args.attention, max_context_len=args.prompt_len + 64,
+        kv_cache_tokens=mrr * (args.prompt_len + 64),
+    )
+    t0 = time.perf_counter()
+    worker = RankWorker(spec, rank=rank, world_size=world, show_progress=rank == 0)
+    build_s = time.perf_counter() - t0
+    bw = copy_bandwidth(device)
+    rows = []
+    for bs in args.batch_sizes:
+        for mode in ("graph", "eager"):
+            worker.graph_enabled = mode == "graph"
+            before = worker.metrics()["graph_steps"]
+            times = timed_decode(worker, bs, args, mode, rank)
+            replayed = worker.metrics()["graph_steps"] - before
+            ms = statistics.median(times)
+            floor_ms = touched_weight_bytes(spec, bs, world, rank) / bw * 1e3
+            rows.append(dict(bs=bs, mode=mode, step_ms=ms, tok_s_per_gpu=bs / ms * 1e3,
+                             floor_pct=100 * floor_ms / ms, floor_ms=floor_ms, graph_steps=replayed))
+    m = worker.metrics()
+    worker.close()
+    all_rows = [rows]
+    if world > 1:
+        all_rows = [None] * world
+        dist.all_gather_object(all_rows, rows)
+        dist.destroy_process_group()
+    if rank != 0:
+        return
+    # Per (bs, mode): the slowest rank's step (ranks step together; they differ by noise).
+    merged = []
+    for i, row in enumerate(rows):
+        worst = max((r[i] for r in all_rows), key=lambda r: r["step_ms"])
+        merged.append(worst)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip() or "unknown"
+    head = (f"date {datetime.date.today()}  GPU {torch.cuda.get_device_name()} x{world}  torch {torch.__version__}  "
+            f"commit {commit}\ncommand: {' '.join(sys.argv)} (world {world})\n"
+            f"model qwen3-30b-a3b{f' ({args.layers} layers)' if args.layers else ''}, random bf16 weights; "
+            f"dispatcher {m['dispatcher']}, attention {m['attention']}; prompt {args.prompt_len}; "
+            f"build {build_s:.0f} s; copy bandwidth {bw / 1e12:.2f} TB/s; iters {args.iters}")
+    if args.json:
+        print(json.dumps(dict(header=head, rows=merged)))
+        return
+    print(head)
+    print(f"{'bs':>5} {'mode':>6} {'step ms':>9} {'tok/s/GPU':>10} {'floor ms':>9} {'floor %':>8} {'graph/eager':>12}")
+    by = {(r["bs"], r["mode"]): r for r in merged}
+    for r in merged:
+        ratio = by[(r["bs"], "eager")]["step_ms"] / by[(r["bs"], "graph")]["step_ms"] if r["mode"] == "graph" else None
+        print(f"{r['bs']:>5} {r['mode']:>6} {r['step_ms']:>9.2f} {r['tok_s_per_gpu']:>10.0f} {r['floor_ms']:>9.2f} "
+              f"{r['floor_pct']:>7.1f}% {'' if ratio is None else f'{ratio:.2f}x':>12}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The reference model on one GPU in bf16: transformers' greedy reference, FlashInfer and SDPA
+attention, identical tokens with CUDA graphs and without."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.hf_reference import greedy_reference, load_reference, write_tiny_checkpoint
+from tests.model_gpu_checks import NEW, compare_to_reference, prompts_for, run
+
+pytestmark = pytest.mark.gpu
+
+ATTENTION = ["sdpa"] + (["flashinfer"] if importlib.util.find_spec("flashinfer") else [])
+
+
+@pytest.fixture(scope="module")
+def ckpt_and_refs(tmp_path_factory):
+    pytest.importorskip("transformers")
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_gpu"))
+    hf = load_reference(ckpt)
+    return ckpt, {f"p{i}": greedy_reference(hf, p, NEW) for i, p in prompts_for(0, 1)}
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_bf16_graphs_and_eager_agree_and_match_transformers(ckpt_and_refs, attention):
+    ckpt, refs = ckpt_and_refs
+    eager = run(ckpt, rank=0, world=1, graphs=False, attention=attention, dispatcher="all_gather")
+    graph = run(ckpt, rank=0, world=1, graphs=True, attention=attention, dispatcher="all_gather")
+    assert graph[2]["graph_steps"] > 0 and eager[2]["graph_steps"] == 0
+    assert graph[2]["attention"] == attention
+    assert graph[0] == eager[0]  # identical greedy tokens with graphs and without
+    assert compare_to_reference(*graph[:2], refs) == []
+    assert compare_to_reference(*eager[:2], refs) == []
