@@ -149,10 +149,7 @@ def main() -> None:
     if rank != 0:
         return
     # Per (bs, mode): the slowest rank's step (ranks step together; they differ by noise).
-    merged = []
-    for i, row in enumerate(rows):
-        worst = max((r[i] for r in all_rows), key=lambda r: r["step_ms"])
-        merged.append(worst)
+    merged = [max(per_rank, key=lambda r: r["step_ms"]) for per_rank in zip(*all_rows, strict=True)]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             check=False).stdout.strip() or "unknown"
     head = (f"date {datetime.date.today()}  GPU {torch.cuda.get_device_name()} x{world}  torch {torch.__version__}  "

@@ -27,6 +27,7 @@ belongs to whoever created it and is destroyed after.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import threading
 import time
@@ -66,6 +67,7 @@ __all__ = ["RankWorker"]
 logger = logging.getLogger("dp_runtime")
 
 _CPU_MAX_KV_TOKENS = 65536
+_FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 class RankWorker:
@@ -228,17 +230,22 @@ class RankWorker:
     def _attention_backend(self):
         from dp_runtime.attention import FlashInferBackend, TorchSDPABackend
 
-        mc, kind = self.model_config, self.spec.attention
+        mc, kind, dtype = self.model_config, self.spec.attention, self.spec.runtime.dtype
         heads = dict(num_q_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+        # FlashInfer's kernels exist for 16-bit K/V and head dims 64, 128 and 256 only.
+        unsupported = []
+        if self.device.type != "cuda":
+            unsupported.append(f"device {self.device} is not CUDA")
+        if dtype not in (torch.bfloat16, torch.float16):
+            unsupported.append(f"dtype {dtype} is not bf16/fp16")
+        if mc.head_dim not in _FLASHINFER_HEAD_DIMS:
+            unsupported.append(f"head_dim {mc.head_dim} is not one of {_FLASHINFER_HEAD_DIMS}")
+        if kind == "flashinfer" and unsupported:
+            raise ValueError("RankSpec.attention='flashinfer' cannot run here: " + "; ".join(unsupported))
         if kind == "auto":
             kind = "sdpa"
-            if self.device.type == "cuda":
-                try:
-                    import flashinfer  # noqa: F401
-
-                    kind = "flashinfer"
-                except ImportError:
-                    pass
+            if not unsupported and importlib.util.find_spec("flashinfer") is not None:
+                kind = "flashinfer"
         self.attention_kind = kind
         if kind == "flashinfer":
             return FlashInferBackend(self.kv_cache, check_indices=self.spec.runtime.flashinfer_checks, **heads)

@@ -18,7 +18,7 @@ ATTENTION = ["sdpa"] + (["flashinfer"] if importlib.util.find_spec("flashinfer")
 @pytest.fixture(scope="module")
 def ckpt_and_refs(tmp_path_factory):
     pytest.importorskip("transformers")
-    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_gpu"))
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_gpu"), head_dim=64)
     hf = load_reference(ckpt)
     return ckpt, {f"p{i}": greedy_reference(hf, p, NEW) for i, p in prompts_for(0, 1)}
 

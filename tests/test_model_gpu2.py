@@ -4,6 +4,7 @@ identical tokens with CUDA graphs and without, for the FlashInfer and all-gather
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -23,7 +24,7 @@ def setup(dist_group, tmp_path_factory):
     rank, world = dist.get_rank(), dist.get_world_size()
     name = [str(tmp_path_factory.mktemp("tiny_gpu2")) if rank == 0 else None]
     dist.broadcast_object_list(name, src=0)
-    ckpt = write_tiny_checkpoint(__import__("pathlib").Path(name[0]))  # saves on rank 0 only
+    ckpt = write_tiny_checkpoint(Path(name[0]), head_dim=64)  # saves on rank 0 only
     dist.barrier()
     hf = load_reference(ckpt)
     refs = {f"p{i}": greedy_reference(hf, p, NEW) for i, p in prompts_for(rank, world)}

@@ -1,0 +1,55 @@
+"""launch_local: world size 1 in this process, no Ray and no process group.
+
+The same RankSession as a Ray actor holds, polled the same way (so the CLI's progress bar and
+report work alike); there is no gang to restart: an error in the step loop is raised here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.request import Request
+from launch.rank_session import DONE, ERROR, RankSession
+from launch.run_report import PollEvent, RunReport
+
+__all__ = ["launch_local"]
+
+
+def launch_local(spec: RankSpec, requests: Sequence[Request], *, poll_interval_s: float = 0.1,
+                 on_poll: Callable[[PollEvent], None] | None = None, show_progress: bool = False,
+                 worker_factory: Callable[[RankSpec, int, int], Any] | None = None) -> RunReport:
+    """Run ``requests`` on one in-process rank (``spec.runtime.world_size`` must be 1); returns
+    the RunReport. Raises ValueError for a multi-rank spec or a request that never fits, and
+    RuntimeError carrying the rank's traceback when its step loop raises."""
+    if spec.runtime.world_size != 1:
+        raise ValueError(f"the local launcher runs world size 1, the spec has {spec.runtime.world_size} "
+                         f"(use the Ray launcher or torchrun for more ranks)")
+    t0 = time.perf_counter()
+    session = RankSession(spec, 0, 1, show_progress=show_progress, worker_factory=worker_factory)
+    try:
+        setup_s = time.perf_counter() - t0
+        session.submit(list(requests))
+        session.start()
+        results: dict[str, Any] = {}
+        while True:
+            st = session.collect()
+            for res in st.results:
+                results.setdefault(res.rid, res)
+            if on_poll is not None:
+                on_poll(PollEvent(0, len(results), len(requests), (), (st,)))
+            if st.state == ERROR:
+                raise RuntimeError(f"rank 0: the step loop raised:\n{st.error}")
+            if st.state == DONE:
+                break
+            time.sleep(poll_interval_s)
+    finally:
+        session.close()
+    order = [r.rid for r in requests if r.rid in results]
+    return RunReport(
+        results=tuple(results[rid] for rid in order), world_size=1, launcher="local",
+        device=spec.runtime.device.type, wall_s=time.perf_counter() - t0, run_s=st.loop_s, setup_s=setup_s,
+        rank_metrics=(dict(st.metrics),),
+    )

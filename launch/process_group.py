@@ -1,0 +1,174 @@
+"""The default torch.distributed process group of one rank: backend choice, rendezvous, teardown.
+
+Backends: ``gloo`` when the rank runs on CPU; ``cpu:gloo,cuda:nccl`` on CUDA, because the DP step
+sync and object gathers use CPU tensors (gloo) while the dispatcher's collectives move CUDA
+tensors (NCCL). On CUDA the device is set BEFORE the group is created, so NCCL binds the
+communicator to the rank's own GPU rather than to GPU 0 of every process.
+
+Two ways in: ``init_process_group(rank, world, addr, port, ...)`` for a launcher that chose the
+rendezvous itself (the Ray actors: rank 0 publishes its node IP and a free port), and
+``init_from_env`` for torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK).
+Teardown is ``destroy_process_group()``, called after the worker that used the group is closed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "GroupInfo",
+    "backend_for",
+    "destroy_process_group",
+    "free_port",
+    "init_from_env",
+    "init_process_group",
+    "local_cuda_index",
+    "node_ip",
+    "resolve_device",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What one rank knows after joining: its rank, the world size, backend and device."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; ``cpu``/``cuda`` pass through.
+
+    Raises ValueError for ``cuda`` on a machine without a visible GPU, or for another value.
+    """
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA GPU (use --device cpu)")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return device
+
+
+def backend_for(device: str) -> str:
+    """The process-group backend for ranks on ``device`` (``cpu`` or ``cuda``)."""
+    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+
+
+def local_cuda_index(gpu_ids: Sequence[int | str], visible: str | None) -> int:
+    """The torch device index of the first GPU in ``gpu_ids`` (ids as the cluster numbers them).
+
+    ``visible`` is CUDA_VISIBLE_DEVICES: Ray narrows it to the actor's GPUs, so the assigned GPU
+    is usually index 0; when it lists more (or is unset), the index is the id's position in it
+    (or the id itself). Raises ValueError when the id is not visible.
+    """
+    if not gpu_ids:
+        raise ValueError("no GPU was assigned to this rank (the placement bundle has no GPU)")
+    gid = str(gpu_ids[0])
+    if not visible:
+        return int(gid)
+    listed = [v.strip() for v in visible.split(",") if v.strip()]
+    if gid not in listed:
+        raise ValueError(f"assigned GPU {gid} is not in CUDA_VISIBLE_DEVICES={visible!r}")
+    return listed.index(gid)
+
+
+def node_ip() -> str:
+    """This node's IP as other nodes reach it (the address of the default route), or loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            # No packet is sent: connect() on UDP only picks the outgoing interface.
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port free on this node right now (the OS picks it; a small race remains until the
+    store binds it, which a gang restart covers)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    *,
+    device: str = "cpu",
+    cuda_index: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> GroupInfo:
+    """Join the default process group at ``tcp://master_addr:master_port`` (collective).
+
+    ``device`` is ``cpu`` or ``cuda``; on ``cuda`` the current device becomes ``cuda_index``
+    (default 0) first. ``timeout_s`` bounds the rendezvous and every later collective, so a
+    rank whose peer died errors out instead of waiting forever. Returns the GroupInfo.
+    Raises ValueError for a bad rank/world, RuntimeError when a group already exists.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if dist.is_initialized():
+        raise RuntimeError("a default process group already exists in this process; destroy it first")
+    if device == "cuda":
+        torch.cuda.set_device(cuda_index or 0)
+    backend = backend_for(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{_bracket(master_addr)}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return GroupInfo(rank, world_size, backend, device)
+
+
+def init_from_env(
+    *, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, environ: Mapping[str, str] | None = None
+) -> GroupInfo:
+    """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK).
+
+    World size 1 creates no group (the worker runs without one). On ``cuda`` the device is
+    LOCAL_RANK modulo the visible GPUs. Raises ValueError naming a missing variable.
+    """
+    env = os.environ if environ is None else environ
+    missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
+    if missing:
+        raise ValueError(f"not under torchrun: {', '.join(missing)} unset (run with torchrun --nproc-per-node N)")
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    cuda_index = None
+    if device == "cuda":
+        cuda_index = int(env.get("LOCAL_RANK", rank)) % max(torch.cuda.device_count(), 1)
+    if world == 1:
+        if device == "cuda":
+            torch.cuda.set_device(cuda_index or 0)
+        return GroupInfo(0, 1, "none", device)
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        if key not in env:
+            raise ValueError(f"torchrun did not set {key}")
+    return init_process_group(rank, world, env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                              device=device, cuda_index=cuda_index, timeout_s=timeout_s)
+
+
+def destroy_process_group() -> None:
+    """Destroy the default group if there is one (after every user of it is closed)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _bracket(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr

@@ -1,0 +1,158 @@
+"""RankSession: one rank's RankWorker plus the background thread that drives its step loop.
+
+The same object serves every launcher: the Ray rank actor holds one, the local (world size 1)
+launcher holds one in-process, and the torchrun entry drives the same worker. The launcher talks
+to it only between steps (submit, start, collect, stop); the step loop itself never waits on
+the launcher, because a Ray round trip (~2 ms) must not be paid per step.
+
+States: ``ready`` (built, not started) -> ``running`` (``run_until_idle`` in the thread) ->
+``done`` (it returned: every rank was idle) or ``error`` (it raised; the traceback is kept) ->
+``closed``. ``submit`` + ``start`` may follow ``done`` for another round of work.
+
+Progress for hang detection is ``metrics()["steps"]``, reported by every ``collect``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.request import Request, RequestResult
+
+__all__ = ["RankSession", "RankStatus"]
+
+READY, RUNNING, DONE, ERROR, CLOSED = "ready", "running", "done", "error", "closed"
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """What ``collect`` returns: the rank's state, its step counter, results finished since the
+    previous collect, the traceback when the loop raised, the worker's metrics, and ``loop_s``:
+    seconds the latest step loop has run (to its end once done), timed on the rank so the
+    launcher's poll interval does not blur throughput."""
+
+    rank: int
+    state: str
+    steps: int
+    results: tuple[RequestResult, ...] = ()
+    error: str | None = None
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    loop_s: float = 0.0
+
+
+def _default_worker(spec: RankSpec, rank: int, world_size: int, show_progress: bool) -> Any:
+    from dp_runtime.rank_worker import RankWorker
+
+    return RankWorker(spec, rank=rank, world_size=world_size, show_progress=show_progress)
+
+
+class RankSession:
+    """Builds the rank's worker (collective when ``world_size > 1``: every rank constructs its
+    session together, after the default process group exists).
+
+    ``show_progress``: RankWorker's progress bar while it captures graphs (stderr).
+    ``worker_factory(spec, rank, world_size)`` replaces RankWorker (a test seam; it must offer
+    submit / run_until_idle / pop_finished / metrics / close).
+    """
+
+    def __init__(self, spec: RankSpec, rank: int, world_size: int, *, show_progress: bool = False,
+                 worker_factory: Callable[[RankSpec, int, int], Any] | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        if worker_factory is not None:
+            self._worker = worker_factory(spec, rank, world_size)
+        else:
+            self._worker = _default_worker(spec, rank, world_size, show_progress)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._state = READY
+        self._error: str | None = None
+        self._lock = threading.Lock()  # guards _state/_error between the loop thread and callers
+        self._t_start = self._t_end = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def submit(self, requests: Sequence[Request]) -> int:
+        """Queue ``requests`` on this rank (before ``start``); returns how many were queued.
+        Raises ValueError (from the worker) for a request that can never fit."""
+        self._require(READY, DONE, action="submit")
+        self._worker.submit(list(requests))
+        return len(requests)
+
+    def start(self) -> None:
+        """Run ``run_until_idle`` in a background thread; returns at once."""
+        with self._lock:
+            self._require(READY, DONE, action="start")
+            self._state = RUNNING
+            self._stop.clear()
+            self._t_start = self._t_end = time.perf_counter()
+        self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-steps", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            self._worker.run_until_idle(stop=self._stop)
+        except BaseException:
+            with self._lock:
+                self._state, self._error = ERROR, traceback.format_exc()
+                self._t_end = time.perf_counter()
+        else:
+            with self._lock:
+                self._state = DONE
+                self._t_end = time.perf_counter()
+
+    def run(self) -> RankStatus:
+        """``start`` and wait for the loop to end (torchrun: nothing to poll); returns the final
+        ``collect`` (its ``state`` is ``done`` or ``error``)."""
+        self.start()
+        assert self._thread is not None
+        self._thread.join()
+        return self.collect()
+
+    def collect(self) -> RankStatus:
+        """Results finished since the last collect, with state, step counter and metrics."""
+        with self._lock:
+            state, error = self._state, self._error
+            loop_s = (time.perf_counter() if state == RUNNING else self._t_end) - self._t_start
+        if state == CLOSED:
+            return RankStatus(self.rank, state, 0)
+        # Results are popped after the state was read: a loop that finished in between leaves
+        # its last results for the next collect, which the launcher makes once "done" is seen.
+        results = tuple(self._worker.pop_finished())
+        metrics = dict(self._worker.metrics())
+        # Every step counts as progress, skipped ones too (a skip ends the loop on every rank).
+        progress = int(metrics.get("steps", 0)) + int(metrics.get("skipped_steps", 0))
+        return RankStatus(self.rank, state, progress, results, error, metrics, loop_s)
+
+    def state(self) -> str:
+        with self._lock:
+            return self._state
+
+    def close(self, timeout_s: float = 10.0) -> str:
+        """Stop the loop (if it runs) and release the worker; returns the final state.
+
+        Setting the stop flag on one rank alone leaves its peers blocked in the next collective
+        (they time out on their own); launchers close every rank together, or kill them.
+        Raises TimeoutError when the loop does not stop within ``timeout_s`` (the worker is then
+        left open: it is still in use).
+        """
+        if self._state == CLOSED:
+            return CLOSED
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"rank {self.rank}: the step loop did not stop within {timeout_s} s")
+        final = self._state
+        self._worker.close()
+        with self._lock:
+            self._state = CLOSED
+        return final
+
+    def _require(self, *states: str, action: str) -> None:
+        if self._state not in states:
+            raise RuntimeError(f"rank {self.rank}: cannot {action} in state {self._state!r} (needs {' or '.join(states)})")

@@ -1,0 +1,148 @@
+"""What a run hands back: results by request, failures by rank, and the summary people read.
+
+``RunReport`` is frozen: results in submission order (each rid exactly once), the failures seen
+(which rank, what kind, why), the number of gang restarts, times, and each rank's last metrics.
+``summarize`` turns it into the numbers the CLI prints (throughput, TTFT and latency
+percentiles, per-rank counts); ``RunSummary.as_dict`` is the ``--json`` object.
+
+Failure kinds: ``died`` (the rank's actor or process is gone), ``error`` (its step loop raised;
+``detail`` holds the traceback), ``unresponsive`` (a lifecycle call went unanswered),
+``hung`` (running, but no step completed within the hang timeout), ``setup`` (building the
+group or the worker failed). ``secondary`` marks failures that followed another rank's
+(a peer of a dead rank that timed out in a collective).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dp_runtime.request import RequestResult
+
+__all__ = ["GangFailedError", "PollEvent", "RankFailure", "RunReport", "RunSummary", "percentile", "summarize"]
+
+FAILURE_KINDS = ("died", "error", "unresponsive", "hung", "setup")
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's failure in one attempt (attempt 0 is the first launch)."""
+
+    attempt: int
+    rank: int
+    kind: str
+    message: str
+    node_ip: str = ""
+    secondary: bool = False
+    detail: str = ""
+
+    def describe(self) -> str:
+        where = f" on {self.node_ip}" if self.node_ip else ""
+        tag = " (after another rank failed)" if self.secondary else ""
+        return f"attempt {self.attempt}: rank {self.rank}{where} {self.kind}{tag}: {self.message}"
+
+
+class GangFailedError(RuntimeError):
+    """Every allowed restart was used and the gang failed again. ``failures`` lists every
+    failure of every attempt; ``report`` holds the results finished before giving up."""
+
+    def __init__(self, message: str, failures: Sequence[RankFailure], report: RunReport | None = None) -> None:
+        super().__init__(message)
+        self.failures = tuple(failures)
+        self.report = report
+
+
+@dataclass(frozen=True)
+class PollEvent:
+    """Handed to ``on_poll`` after every poll: progress, and the live gang's actors by rank
+    (tests use them to kill a rank)."""
+
+    attempt: int
+    finished: int
+    total: int
+    actors: tuple[Any, ...]
+    statuses: tuple[Any, ...]  # RankStatus per rank, None where the call failed
+
+
+@dataclass(frozen=True)
+class RunReport:
+    results: tuple[RequestResult, ...]
+    world_size: int
+    launcher: str
+    device: str
+    wall_s: float
+    run_s: float
+    setup_s: float = 0.0
+    restarts: int = 0
+    failures: tuple[RankFailure, ...] = ()
+    rank_metrics: tuple[Mapping[str, Any], ...] = ()
+
+    def by_rid(self) -> dict[str, RequestResult]:
+        return {r.rid: r for r in self.results}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    requests: int
+    output_tokens: int
+    wall_s: float
+    run_s: float
+    setup_s: float
+    throughput_tok_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    latency_p50_s: float
+    latency_p99_s: float
+    per_rank_requests: dict[int, int]
+    per_rank_tokens: dict[int, int]
+    world_size: int
+    launcher: str
+    device: str
+    restarts: int
+    failures: tuple[str, ...] = ()
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["per_rank_requests"] = {str(k): v for k, v in self.per_rank_requests.items()}
+        d["per_rank_tokens"] = {str(k): v for k, v in self.per_rank_tokens.items()}
+        d["failures"] = list(self.failures)
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
+
+
+def summarize(report: RunReport) -> RunSummary:
+    """The CLI's numbers. Throughput is output tokens over ``run_s`` (step loops running; model
+    build and graph capture are ``setup_s``)."""
+    res = report.results
+    tokens = sum(len(r.output_ids) for r in res)
+    per_req: dict[int, int] = {r: 0 for r in range(report.world_size)}
+    per_tok: dict[int, int] = {r: 0 for r in range(report.world_size)}
+    reasons: dict[str, int] = {}
+    for r in res:
+        per_req[r.rank] = per_req.get(r.rank, 0) + 1
+        per_tok[r.rank] = per_tok.get(r.rank, 0) + len(r.output_ids)
+        reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
+    ttft = [r.ttft_s for r in res]
+    lat = [r.latency_s for r in res]
+    return RunSummary(
+        requests=len(res), output_tokens=tokens, wall_s=report.wall_s, run_s=report.run_s,
+        setup_s=report.setup_s, throughput_tok_s=tokens / report.run_s if report.run_s > 0 else math.nan,
+        ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+        latency_p50_s=percentile(lat, 50), latency_p99_s=percentile(lat, 99),
+        per_rank_requests=per_req, per_rank_tokens=per_tok, world_size=report.world_size,
+        launcher=report.launcher, device=report.device, restarts=report.restarts,
+        failures=tuple(f.describe() for f in report.failures), finish_reasons=reasons,
+    )

@@ -1,0 +1,56 @@
+"""The pure parts of placement and the process group: bundles, strategy, rank order, backend,
+device index."""
+
+from __future__ import annotations
+
+import pytest
+
+from launch.placement import assign_ranks, bundle_for, check_fits, choose_strategy
+from launch.process_group import backend_for, free_port, local_cuda_index
+
+
+def test_bundles():
+    assert bundle_for("cuda") == {"CPU": 1.0, "GPU": 1.0}
+    assert bundle_for("cpu", 2) == {"CPU": 2.0}
+    with pytest.raises(ValueError, match="cpus_per_rank must be > 0"):
+        bundle_for("cpu", 0)
+
+
+def test_strategy_strict_pack_when_one_node_holds_every_rank():
+    gpu = bundle_for("cuda")
+    one_big = [{"CPU": 64.0, "GPU": 8.0}, {"CPU": 64.0, "GPU": 2.0}]
+    assert choose_strategy(one_big, gpu, 8) == "STRICT_PACK"
+    assert choose_strategy(one_big, gpu, 9) == "PACK"
+    assert choose_strategy([{"CPU": 4.0}], bundle_for("cpu"), 2) == "STRICT_PACK"
+
+
+def test_check_fits_names_the_need():
+    check_fits([{"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}], bundle_for("cuda"), 2)
+    with pytest.raises(ValueError, match=r"cannot place 2 ranks of .*GPU.*room for 0.*GPU=0"):
+        check_fits([{"CPU": 4.0}], bundle_for("cuda"), 2)
+
+
+def test_ranks_follow_node_then_gpu():
+    locations = [
+        {"node_ip": "10.0.0.2", "gpu_ids": ["1"]},
+        {"node_ip": "10.0.0.10", "gpu_ids": ["0"]},
+        {"node_ip": "10.0.0.2", "gpu_ids": ["0"]},
+        {"node_ip": "10.0.0.10", "gpu_ids": ["3"]},
+    ]
+    # 10.0.0.2 < 10.0.0.10 numerically (not as strings); then GPU ids within a node.
+    assert assign_ranks(locations) == [1, 2, 0, 3]
+    cpu = [{"node_ip": "1.1.1.1", "gpu_ids": []}] * 3
+    assert assign_ranks(cpu) == [0, 1, 2]
+
+
+def test_backend_and_device_index():
+    assert backend_for("cpu") == "gloo"
+    assert backend_for("cuda") == "cpu:gloo,cuda:nccl"
+    assert local_cuda_index(["3"], "3") == 0  # Ray narrowed the visible devices to the one GPU
+    assert local_cuda_index([2], "0,1,2,3") == 2
+    assert local_cuda_index(["5"], None) == 5
+    with pytest.raises(ValueError, match="not in CUDA_VISIBLE_DEVICES"):
+        local_cuda_index(["4"], "0,1")
+    with pytest.raises(ValueError, match="no GPU was assigned"):
+        local_cuda_index([], "0")
+    assert 0 < free_port() < 65536

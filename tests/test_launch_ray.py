@@ -1,0 +1,178 @@
+"""The Ray launcher on a local CPU cluster (one per module): 2 ranks over gloo give the tokens of
+world size 1; a killed rank actor is restarted with the gang and every request finishes exactly
+once; a hung or failing rank is named; the CLI's Ray path."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from launch.cli import app  # noqa: E402
+from launch.local_launcher import launch_local  # noqa: E402
+from launch.ray_launcher import LaunchOptions, launch_ray  # noqa: E402
+from launch.run_config import RunConfig  # noqa: E402
+from launch.run_report import GangFailedError  # noqa: E402
+
+# Long enough that a kill lands mid-run: each rank runs 16 requests 2 at a time, 8 waves of 32
+# decode steps, while the first results arrive after the first wave.
+CFG = RunConfig(dp=2, requests=32, prompt_len=12, max_new_tokens=32, max_running_requests=2,
+                chunked_prefill_size=64, dp_sync_timeout_s=10.0)
+FAST = dict(poll_interval_s=0.05, rpc_timeout_s=20.0, setup_timeout_s=60.0, pg_timeout_s=30.0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Tokens of every request at world size 1, in this process."""
+    one = RunConfig(**{**CFG.__dict__, "dp": 1, "max_running_requests": 32})
+    report = launch_local(one.spec("cpu"), one.load_requests())
+    return {r.rid: r.output_ids for r in report.results}
+
+
+def test_two_ranks_give_the_tokens_of_one(cluster, reference):
+    cfg = RunConfig(**{**CFG.__dict__, "requests": 8, "max_new_tokens": 8, "max_running_requests": 8})
+    requests = cfg.load_requests()
+    report = launch_ray(cfg.spec("cpu"), requests, LaunchOptions(max_restarts=0, **FAST))
+    assert [r.rid for r in report.results] == [r.rid for r in requests]
+    assert {r.rank for r in report.results} == {0, 1}
+    # Greedy decoding of the same model: same tokens whatever the world size (a prefix of the
+    # reference's 32 tokens, since only 8 were asked for here).
+    for r in report.results:
+        assert r.output_ids == reference[r.rid][:8], r.rid
+    assert report.restarts == 0 and report.failures == ()
+    assert all(m["finished_requests"] == 4 for m in report.rank_metrics)
+
+
+def test_killed_rank_restarts_the_gang_and_every_request_finishes_once(cluster, reference):
+    killed = {}
+
+    def on_poll(event):
+        if not killed and event.finished >= 2:
+            killed["pid"] = ray.get(event.actors[1].health.remote())["pid"]
+            killed["finished"] = event.finished
+            ray.kill(event.actors[1], no_restart=True)  # a real actor death
+
+    requests = CFG.load_requests()
+    t = time.perf_counter()
+    report = launch_ray(CFG.spec("cpu"), requests, LaunchOptions(max_restarts=2, **FAST), on_poll=on_poll)
+    assert killed, "the run ended before the kill"
+    assert killed["finished"] < len(requests), "the kill came after the last result"
+    assert report.restarts == 1
+    primary = [f for f in report.failures if not f.secondary]
+    assert [(f.attempt, f.rank, f.kind) for f in primary] == [(0, 1, "died")]
+    assert "ray.kill" in primary[0].message
+    # Exactly once, in request order, with the undisturbed tokens.
+    assert [r.rid for r in report.results] == [r.rid for r in requests]
+    assert {r.rid: r.output_ids for r in report.results} == reference
+    print(f"kill test: {time.perf_counter() - t:.1f} s, failures: {[f.describe() for f in report.failures]}")
+
+
+def _fake_factory(mode: str):
+    """A worker factory shipped to the actors by value (defined in a function, so cloudpickle
+    does not need this test module on the actors' path). Rank 1 hangs or raises; rank 0
+    finishes its requests with one token each."""
+    import threading
+
+    from dp_runtime.request import RequestResult
+
+    class Fake:
+        def __init__(self, rank):
+            self.rank, self.queue, self.done, self.steps = rank, [], [], 0
+
+        def submit(self, requests):
+            self.queue.extend(requests)
+
+        def run_until_idle(self, stop=None):
+            if self.rank == 1 and mode == "hang":
+                threading.Event().wait()  # never returns; the launcher kills the actor
+            if self.rank == 1 and mode == "raise":
+                raise RuntimeError("rank 1 exploded")
+            for r in self.queue:
+                self.steps += 1
+                self.done.append(RequestResult(r.rid, len(r.prompt_ids), (7,), "length", self.rank, 0, 0, 0, 0))
+
+        def pop_finished(self):
+            out, self.done = self.done, []
+            return out
+
+        def metrics(self):
+            return {"steps": self.steps}
+
+        def close(self):
+            pass
+
+    def make(spec, rank, world):
+        if rank == 1 and mode == "setup":
+            raise MemoryError("rank 1 cannot build its worker")
+        return Fake(rank)
+
+    return make
+
+
+def test_hung_rank_is_named(cluster):
+    opts = LaunchOptions(max_restarts=0, hang_timeout_s=1.5, worker_factory=_fake_factory("hang"), **FAST)
+    requests = CFG.load_requests()[:4]
+    with pytest.raises(GangFailedError, match=r"rank 1 .*hung: no step completed for 1.5 s") as info:
+        launch_ray(CFG.spec("cpu"), requests, opts)
+    (failure,) = info.value.failures
+    assert (failure.rank, failure.kind, failure.secondary) == (1, "hung", False)
+    # Rank 0's finished results are kept in the error's report.
+    assert [r.rid for r in info.value.report.results] == ["r0000", "r0002"]
+
+
+def test_failing_rank_is_retried_then_reported(cluster):
+    opts = LaunchOptions(max_restarts=1, worker_factory=_fake_factory("raise"), **FAST)
+    requests = CFG.load_requests()[:4]
+    with pytest.raises(GangFailedError, match=r"failed 2 times.*RuntimeError: rank 1 exploded") as info:
+        launch_ray(CFG.spec("cpu"), requests, opts)
+    assert [(f.attempt, f.rank, f.kind) for f in info.value.failures] == [(0, 1, "error"), (1, 1, "error")]
+    assert "Traceback" in info.value.failures[0].detail
+    # Attempt 0 finished r0000/r0002 on rank 0; attempt 1 got only r0001/r0003, split over both
+    # ranks, and rank 0 finished r0001: nothing lost, nothing twice.
+    assert [r.rid for r in info.value.report.results] == ["r0000", "r0001", "r0002"]
+
+
+def test_setup_failure_is_named(cluster):
+    opts = LaunchOptions(max_restarts=0, worker_factory=_fake_factory("setup"), **FAST)
+    with pytest.raises(GangFailedError, match=r"rank 1 .*setup: setup: MemoryError: rank 1 cannot build") as info:
+        launch_ray(CFG.spec("cpu"), CFG.load_requests()[:2], opts)
+    assert [(f.rank, f.kind) for f in info.value.failures] == [(1, "setup")]
+    assert info.value.report.results == ()
+
+
+def test_cli_run_uses_the_connected_cluster(cluster):
+    res = CliRunner().invoke(app, ["run", "--requests", "4", "--max-new-tokens", "4", "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(next(ln for ln in res.output.splitlines() if ln.startswith("{")))
+    assert out["launcher"] == "ray" and out["world_size"] == 2 and out["requests"] == 4
+    assert out["per_rank_requests"] == {"0": 2, "1": 2}
+    assert ray.is_initialized()  # the CLI did not shut down a cluster it did not start
+
+
+@pytest.mark.gpu
+def test_two_gpu_ranks_give_the_tokens_of_one(cluster):
+    """On a machine with 2+ GPUs: {GPU: 1} bundles, NCCL + gloo, each actor on its own GPU."""
+    import torch
+
+    if torch.cuda.device_count() < 2 or ray.cluster_resources().get("GPU", 0) < 2:
+        pytest.skip("needs 2 CUDA GPUs visible to Ray")
+    cfg = RunConfig(dp=2, requests=8, prompt_len=12, max_new_tokens=8, max_running_requests=8,
+                    chunked_prefill_size=64, dtype="float32", dp_sync_timeout_s=30.0)
+    requests = cfg.load_requests()
+    report = launch_ray(cfg.spec("cuda"), requests, LaunchOptions(max_restarts=0, **FAST))
+    one = RunConfig(**{**cfg.__dict__, "dp": 1})
+    reference = launch_local(one.spec("cuda"), requests)
+    assert report.device == "cuda" and {r.rank for r in report.results} == {0, 1}
+    assert {r.rid: r.output_ids for r in report.results} == {r.rid: r.output_ids for r in reference.results}
