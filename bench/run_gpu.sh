@@ -3,7 +3,8 @@
 #   bash bench/run_gpu.sh one     # one GPU: gpu tests, registry fill, decode graph
 #   bash bench/run_gpu.sh multi   # 2-4 GPUs: gpu2 tests, dp_sync and dispatch at 2 and 4 ranks
 #   bash bench/run_gpu.sh model1  # one GPU: model tests, serve_step (DP 1), plan --measure
-#   bash bench/run_gpu.sh model2  # two GPUs: model gpu2 tests, serve_step (DP 2, EP 2)
+#   bash bench/run_gpu.sh model2  # two GPUs: model gpu/gpu2 tests, Ray actors on 2 GPUs
+#   bash bench/run_gpu.sh serve2  # two GPUs: serve_step (DP 2, EP 2)
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,8 +38,12 @@ case "${1:-one}" in
       --context-len 4096 --measure
     ;;
   model2)
+    step model_gpu_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_model_gpu.py
     step model_gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs \
-      tests/test_model_gpu2.py ${MODEL2_TESTS:-}
+      tests/test_model_gpu2.py
+    step ray_gpu_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_launch_ray.py
+    ;;
+  serve2)
     step serve_step_2 torchrun --standalone --nproc-per-node 2 bench/serve_step.py ${SERVE_ARGS:-}
     ;;
 esac
