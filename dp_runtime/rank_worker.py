@@ -112,6 +112,7 @@ class RankWorker:
         self.graphs: GraphRunner | None = None
         self.dispatcher = None
         self.sync: DPStepSync | None = None
+        self._own_cpu_group = None
         try:
             self._build(group)
         except BaseException:
@@ -125,9 +126,12 @@ class RankWorker:
         if not dist.is_initialized() or dist.get_world_size(group) != self.world_size:
             raise RuntimeError(f"RankWorker: world_size={self.world_size} needs an initialised process group of that size")
         group = group if group is not None else dist.group.WORLD
-        if str(dist.get_backend(group)) == "gloo" or "cpu:gloo" in str(dist.get_backend(group)):
+        if str(dist.get_backend(group)) == "gloo":
             return group, group
-        return group, dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
+        # A pure gloo twin for the host-side exchanges (step sync, dispatcher counts): the
+        # dispatcher insists on one, and a "cpu:gloo,cuda:nccl" group is not. Collective.
+        self._own_cpu_group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
+        return group, self._own_cpu_group
 
     def _mem_allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -401,6 +405,9 @@ class RankWorker:
         if self.sync is not None:
             self.sync.close()
             self.sync = None
+        if self._own_cpu_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._own_cpu_group)
+            self._own_cpu_group = None
 
     def __enter__(self) -> RankWorker:
         return self
