@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 source .gpubundle/setup.sh
 export PYTHONPATH=$PWD:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
 log=${OUT:-gpu-logs}; mkdir -p "$log"
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+commit=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export BENCH_COMMIT=$commit  # a lent machine gets the tree without .git: pass it in
 echo "commit $commit, $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
 step() { local name=$1; shift; echo "== $name: $*"; local t=$(date +%s); "$@" > "$log/$name.log" 2>&1; local rc=$?
          echo "   rc=$rc in $(( $(date +%s) - t )) s"; tail -n "${TAIL:-25}" "$log/$name.log"; }

@@ -150,8 +150,8 @@ def main() -> None:
         return
     # Per (bs, mode): the slowest rank's step (ranks step together; they differ by noise).
     merged = [max(per_rank, key=lambda r: r["step_ms"]) for per_rank in zip(*all_rows, strict=True)]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            check=False).stdout.strip() or "unknown"
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip() or "unknown"
     head = (f"date {datetime.date.today()}  GPU {torch.cuda.get_device_name()} x{world}  torch {torch.__version__}  "
             f"commit {commit}\ncommand: {' '.join(sys.argv)} (world {world})\n"
             f"model qwen3-30b-a3b{f' ({args.layers} layers)' if args.layers else ''}, random bf16 weights; "

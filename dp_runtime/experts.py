@@ -32,8 +32,12 @@ def _grouped(x_TH: torch.Tensor, ids_TK: torch.Tensor, w13_E2IH: torch.Tensor, w
     # Group ends: how many sorted rows have expert id <= e (searchsorted: no host sync).
     offs = torch.searchsorted(flat[order], torch.arange(e, device=flat.device), right=True).to(torch.int32)
     h = torch._grouped_mm(x_sorted, w13_E2IH.transpose(1, 2), offs=offs)
+    del x_sorted  # intermediates go as soon as they are used: this runs on T*K rows
     gate, up = h.chunk(2, dim=-1)
-    y_sorted = torch._grouped_mm(F.silu(gate) * up, w2_EHI.transpose(1, 2), offs=offs)
+    act = F.silu(gate).mul_(up)
+    del h, gate, up
+    y_sorted = torch._grouped_mm(act, w2_EHI.transpose(1, 2), offs=offs)
+    del act
     return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(t, k, -1)
 
 
@@ -93,7 +97,9 @@ def local_expert_sum(
     num_local = w13_L2IH.shape[0]
     valid_NK = local_ids_NK >= 0
     ids_NK = torch.where(valid_NK, local_ids_NK.long(), num_local)
-    per_k = (_grouped if use_grouped_mm else _dense)(x_ND, ids_NK, w13_L2IH, w2_LHI).float()
-    terms = torch.where(valid_NK[..., None], per_k * weights_NK.float()[..., None], 0.0)
-    out_ND.copy_(terms.sum(1))
+    # One (N, K, H) fp32 tensor, weighted and masked in place: at a full prefill chunk each
+    # extra copy costs N*K*H*4 bytes (0.5 GiB for 8192 tokens of Qwen3-30B-A3B).
+    terms_NKH = (_grouped if use_grouped_mm else _dense)(x_ND, ids_NK, w13_L2IH, w2_LHI).float()
+    terms_NKH.mul_(weights_NK.float()[..., None]).masked_fill_(~valid_NK[..., None], 0.0)
+    out_ND.copy_(terms_NKH.sum(1))
     return out_ND

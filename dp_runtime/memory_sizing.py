@@ -243,9 +243,10 @@ def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens
                   + T*Hq*D*e                     attention output
         moe       = T*E*4                        router probabilities (fp32)
                   + T*K*(4 + 8)                  top-k weights (fp32) and ids (int64)
-                  + T*K*H*e                      token rows sorted by expert
-                  + T*K*2I*e + T*K*I*e           gate/up rows, activated rows
-                  + T*K*H*4                      per-(token, k) expert outputs in fp32
+                  + max(T*K*(H + 2I)*e,          grouped GEMM: sorted rows + gate/up rows,
+                        T*K*H*(e + e + 4))       or its outputs (sorted, put back) + the
+                                                 fp32 per-(token, k) terms
+                  (``dp_runtime.experts.local_expert_sum`` frees each intermediate when used)
         layer     = residual + max(attention, moe)      (a layer's attention and MoE
                                                          intermediates are not live together)
         head      = T*H*e + R*V*(e + 4)          normed hidden + logits in dtype and fp32
@@ -259,7 +260,7 @@ def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens
     attention = t * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * e
     attention += t * cfg.num_heads * cfg.head_dim * e
     moe = t * cfg.num_experts * _FP32 + t * k * (_FP32 + _INT64)
-    moe += t * k * h * e + t * k * 2 * i * e + t * k * i * e + t * k * h * _FP32
+    moe += max(t * k * (h + 2 * i) * e, t * k * h * (2 * e + _FP32))
     head = t * h * e + r * cfg.vocab_size * (e + _FP32)
     return max(residual + max(attention, moe), head)
 
