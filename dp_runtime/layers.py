@@ -1,4 +1,5 @@
-"""Elementwise layers of a Qwen3-style decoder: RMSNorm and rotary embedding (neox halves).
+"""Layers of a Qwen3-style decoder: RMSNorm, rotary embedding (neox halves), and the attention
+block with per-head q/k norm that the reference model and the benchmark stack share.
 
 Shapes: T tokens, H heads, D head dim. Both compute in float32 and return the input dtype.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RotaryEmbedding", "rms_norm"]
+__all__ = ["RotaryEmbedding", "qk_norm_attention", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,3 +39,32 @@ class RotaryEmbedding:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_PD[positions_T].unsqueeze(1).chunk(2, dim=-1)
         return self._rotate(q_THD, cos, sin), self._rotate(k_THD, cos, sin)
+
+
+def qk_norm_attention(
+    x_TH: torch.Tensor,
+    w_qkv: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    w_o: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+    rotary: RotaryEmbedding,
+    attention,
+    layer_id: int,
+    batch,
+) -> torch.Tensor:
+    """Qwen3's attention block on normed hidden states ``x_TH``: fused QKV projection, RMSNorm
+    per head of q and k, RoPE at ``batch.positions``, the backend's attention (which writes this
+    step's K/V), output projection. Returns (T, H) in ``x_TH``'s dtype."""
+    t = x_TH.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = (x_TH @ w_qkv.T).split([q_size, kv_size, kv_size], dim=-1)
+    q = rms_norm(q.reshape(t, num_heads, head_dim), q_norm, eps)
+    k = rms_norm(k.reshape(t, num_kv_heads, head_dim), k_norm, eps)
+    q, k = rotary.apply(q, k, batch.positions)
+    o = attention.forward(q, k, v.reshape(t, num_kv_heads, head_dim), layer_id, batch)
+    return o.to(x_TH.dtype) @ w_o.T

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from dp_runtime.experts import grouped_mm_supported, routed_experts
-from dp_runtime.layers import RotaryEmbedding, rms_norm
+from dp_runtime.layers import RotaryEmbedding, qk_norm_attention, rms_norm
 
 __all__ = ["MoEStack", "MoEStackConfig"]
 
@@ -137,17 +137,12 @@ class MoEStack(nn.Module):
 
     def forward(self, batch: Any) -> torch.Tensor:
         c = self.config
-        ids_T, pos_T = batch.input_ids, batch.positions
-        t = ids_T.shape[0]
-        q_size, kv_size = c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        h_TH = self.embed[ids_T]
+        h_TH = self.embed[batch.input_ids]
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h_TH, layer.attn_norm, c.rms_eps)
-            q, k, v = (x @ layer.w_qkv.T).split([q_size, kv_size, kv_size], dim=-1)
-            q = rms_norm(q.reshape(t, c.num_q_heads, c.head_dim), layer.q_norm, c.rms_eps)
-            k = rms_norm(k.reshape(t, c.num_kv_heads, c.head_dim), layer.k_norm, c.rms_eps)
-            q, k = self.rotary.apply(q, k, pos_T)
-            o = self.attention.forward(q, k, v.reshape(t, c.num_kv_heads, c.head_dim), i, batch)
-            h_TH = h_TH + o.to(h_TH.dtype) @ layer.w_o.T
+            h_TH = h_TH + qk_norm_attention(
+                rms_norm(h_TH, layer.attn_norm, c.rms_eps), layer.w_qkv, layer.q_norm, layer.k_norm, layer.w_o,
+                num_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_eps,
+                rotary=self.rotary, attention=self.attention, layer_id=i, batch=batch,
+            )
             h_TH = h_TH + self._moe(layer, rms_norm(h_TH, layer.moe_norm, c.rms_eps))
         return (rms_norm(h_TH, self.final_norm, c.rms_eps) @ self.lm_head.T).float()

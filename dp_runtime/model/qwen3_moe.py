@@ -38,7 +38,7 @@ from dispatcher.partition import ExpertPartition
 from dispatcher.plan import FixedPlan
 from dp_runtime.experts import grouped_mm_supported, local_expert_sum
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.layers import RotaryEmbedding, rms_norm
+from dp_runtime.layers import RotaryEmbedding, qk_norm_attention, rms_norm
 from dp_runtime.model.model_config import ModelConfig
 from dp_runtime.model.weights import expected_shapes
 
@@ -214,19 +214,15 @@ class Qwen3MoeModel:
     def forward(self, batch) -> torch.Tensor:
         """Logits (float32) of the sampling rows of ``batch`` (module docstring): (B, V)."""
         c = self.cfg
-        ids_T, pos_T = batch.input_ids, batch.positions
-        t = ids_T.shape[0]
+        t = batch.input_ids.shape[0]
         plan = batch.dispatch_plan if batch.dispatch_plan is not None else FixedPlan.from_counts((t,))
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        h_TH = self.embed[ids_T]
+        h_TH = self.embed[batch.input_ids]
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h_TH, layer.attn_norm, c.rms_norm_eps)
-            q, k, v = (x @ layer.w_qkv.T).split([q_size, kv_size, kv_size], dim=-1)
-            q = rms_norm(q.reshape(t, c.num_heads, c.head_dim), layer.q_norm, c.rms_norm_eps)
-            k = rms_norm(k.reshape(t, c.num_kv_heads, c.head_dim), layer.k_norm, c.rms_norm_eps)
-            q, k = self.rotary.apply(q, k, pos_T)
-            o = self.attention.forward(q, k, v.reshape(t, c.num_kv_heads, c.head_dim), i, batch)
-            h_TH = h_TH + o.to(h_TH.dtype) @ layer.w_o.T
+            h_TH = h_TH + qk_norm_attention(
+                rms_norm(h_TH, layer.attn_norm, c.rms_norm_eps), layer.w_qkv, layer.q_norm, layer.k_norm,
+                layer.w_o, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                eps=c.rms_norm_eps, rotary=self.rotary, attention=self.attention, layer_id=i, batch=batch,
+            )
             x = rms_norm(h_TH, layer.mlp_norm, c.rms_norm_eps)
             h_TH = h_TH + (self._moe(layer, x, plan) if layer.sparse else self._mlp(layer, x))
         h_BH = self._logit_rows(batch, h_TH)
