@@ -12,7 +12,8 @@ Per decoder layer (Hugging Face ``Qwen3MoeForCausalLM`` arithmetic):
     dense layer (``mlp_only_layers`` / ``decoder_sparse_step``): a SwiGLU MLP on the rank
     h = h + moe_or_mlp(x)
 
-then a final RMSNorm and the LM head. ``forward(batch)`` returns float32 logits of the rows that
+then a final RMSNorm and the LM head. RMSNorm and RoPE run as FlashInfer's fused kernels on
+CUDA in bf16/fp16 (``dp_runtime.elementwise_ops``), as torch ops elsewhere. ``forward(batch)`` returns float32 logits of the rows that
 sample: every token of a decode batch (one per request), the last token of each request of an
 extend batch. The forward never syncs with the host on the decode path, so it can be captured.
 
@@ -36,9 +37,10 @@ import torch.nn.functional as F
 
 from dispatcher.partition import ExpertPartition
 from dispatcher.plan import FixedPlan
+from dp_runtime.elementwise_ops import elementwise_ops
 from dp_runtime.experts import grouped_mm_supported, local_expert_sum
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.layers import RotaryEmbedding, qk_norm_attention, rms_norm
+from dp_runtime.layers import RotaryEmbedding, qk_norm_attention
 from dp_runtime.model.model_config import ModelConfig
 from dp_runtime.model.weights import expected_shapes
 
@@ -108,6 +110,7 @@ class Qwen3MoeModel:
         if missing:
             raise KeyError(f"weights are missing {len(missing)} tensors, first {missing[0]!r}")
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
+        self.ops = elementwise_ops(device, dtype)
 
     # -- storage ---------------------------------------------------------------------------------
     def _empty(self, *shape: int) -> torch.Tensor:
@@ -216,14 +219,16 @@ class Qwen3MoeModel:
         c = self.cfg
         t = batch.input_ids.shape[0]
         plan = batch.dispatch_plan if batch.dispatch_plan is not None else FixedPlan.from_counts((t,))
+        norm = self.ops.rms_norm
         h_TH = self.embed[batch.input_ids]
         for i, layer in enumerate(self.layers):
             h_TH = h_TH + qk_norm_attention(
-                rms_norm(h_TH, layer.attn_norm, c.rms_norm_eps), layer.w_qkv, layer.q_norm, layer.k_norm,
+                norm(h_TH, layer.attn_norm, c.rms_norm_eps), layer.w_qkv, layer.q_norm, layer.k_norm,
                 layer.w_o, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                 eps=c.rms_norm_eps, rotary=self.rotary, attention=self.attention, layer_id=i, batch=batch,
+                ops=self.ops,
             )
-            x = rms_norm(h_TH, layer.mlp_norm, c.rms_norm_eps)
+            x = norm(h_TH, layer.mlp_norm, c.rms_norm_eps)
             h_TH = h_TH + (self._moe(layer, x, plan) if layer.sparse else self._mlp(layer, x))
         h_BH = self._logit_rows(batch, h_TH)
-        return (rms_norm(h_BH, self.final_norm, c.rms_norm_eps) @ self.lm_head.T).float()
+        return (norm(h_BH, self.final_norm, c.rms_norm_eps) @ self.lm_head.T).float()
