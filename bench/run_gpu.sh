@@ -5,6 +5,8 @@
 #   bash bench/run_gpu.sh model1  # one GPU: model tests, serve_step (DP 1), plan --measure
 #   bash bench/run_gpu.sh model2  # two GPUs: model gpu/gpu2 tests, Ray actors on 2 GPUs
 #   bash bench/run_gpu.sh serve2  # two GPUs: serve_step (DP 2, EP 2)
+#   bash bench/run_gpu.sh tests2  # two GPUs: every gpu and gpu2 test
+#   bash bench/run_gpu.sh serve   # two GPUs: serve_step at DP 1 and DP 2, plan --measure
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,5 +48,15 @@ case "${1:-one}" in
     ;;
   serve2)
     step serve_step_2 torchrun --standalone --nproc-per-node 2 bench/serve_step.py ${SERVE_ARGS:-}
+    ;;
+  tests2)  # every GPU test tier on a 2-GPU machine
+    step gpu_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
+    step gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs tests/
+    ;;
+  serve)  # the rank worker's benchmark on 1 and 2 GPUs, and the planner against a real rank
+    step serve_step_1 python bench/serve_step.py ${SERVE_ARGS:-}
+    step serve_step_2 torchrun --standalone --nproc-per-node 2 bench/serve_step.py ${SERVE_ARGS:-}
+    step plan_measure python -m launch.cli plan --model qwen3-30b-a3b --dp 1 --ep 1 --max-running-requests 32 \
+      --context-len 4096 --measure
     ;;
 esac
