@@ -46,6 +46,8 @@ class FlashInferOps:
         self._rope = flashinfer.rope.apply_rope_with_cos_sin_cache_inplace
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.shape[0] == 0:  # an IDLE rank's eager forward: the kernel refuses an empty grid
+            return torch.empty_like(x)
         # q and k arrive as strided views of the fused QKV output: the kernel wants rows.
         return self._norm(x.contiguous(), weight, eps)
 
@@ -53,6 +55,8 @@ class FlashInferOps:
              positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, k = q_THD.contiguous(), k_THD.contiguous()
         t, d = q.shape[0], q.shape[-1]
+        if t == 0:
+            return q, k
         self._rope(positions_T, q.view(t, -1), k.view(t, -1), d, rotary.cos_sin_PD, is_neox=True)
         return q, k
 

@@ -52,3 +52,6 @@ def test_flashinfer_elementwise_ops_match_torch():
     q, k = x[:, :4], x[:, 4:]  # strided views, as the fused QKV split gives them
     for a, b in zip(fused.rope(rotary, q, k, pos), ref.rope(rotary, q, k, pos), strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    # An IDLE rank's eager forward has zero rows: both must return empty tensors, not fail.
+    assert fused.rms_norm(x[:0], w, 1e-6).shape == (0, 6, 128)
+    assert [t.shape for t in fused.rope(rotary, q[:0], k[:0], pos[:0])] == [(0, 4, 128), (0, 2, 128)]
