@@ -244,8 +244,8 @@ def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens
         moe       = T*E*4                        router probabilities (fp32)
                   + T*K*(4 + 8)                  top-k weights (fp32) and ids (int64)
                   + max(T*K*(H + 2I)*e,          grouped GEMM: sorted rows + gate/up rows,
-                        T*K*H*(e + e + 4))       or its outputs (sorted, put back) + the
-                                                 fp32 per-(token, k) terms
+                        T*K*H*(e + 4))           or its output put back in (token, k) order
+                                                 while its fp32 copy (the weighted terms) is made
                   (``dp_runtime.experts.local_expert_sum`` frees each intermediate when used)
         layer     = residual + max(attention, moe)      (a layer's attention and MoE
                                                          intermediates are not live together)
@@ -260,21 +260,33 @@ def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens
     attention = t * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * e
     attention += t * cfg.num_heads * cfg.head_dim * e
     moe = t * cfg.num_experts * _FP32 + t * k * (_FP32 + _INT64)
-    moe += max(t * k * (h + 2 * i) * e, t * k * h * (2 * e + _FP32))
+    moe += max(t * k * (h + 2 * i) * e, t * k * h * (e + _FP32))
     head = t * h * e + r * cfg.vocab_size * (e + _FP32)
     return max(residual + max(attention, moe), head)
 
 
+# FlashInfer's decode wrapper allocates an 8 MiB int workspace on the device
+# (flashinfer/decode.py, BatchDecodeWithPagedKVCacheWrapper.__init__); the graph runner creates
+# one wrapper per captured bucket, during capture.
+FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES = 8 << 20
+
+
 def graph_pool_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, max_graph_bs: int,
-                              dispatcher_step_bytes: int = 0) -> int:
-    """ESTIMATE of the CUDA-graph memory pool: graphs are captured largest first into one
-    shared pool, so it is about one decode forward at the largest bucket ``B`` (``T = R = B``:
+                              dispatcher_step_bytes: int = 0, capture_sizes: tuple[int, ...] = (),
+                              per_bucket_bytes: int = FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES) -> int:
+    """ESTIMATE of the memory that graph capture adds: graphs are captured largest first into
+    one shared pool, so about one decode forward at the largest bucket ``B`` (``T = R = B``:
     every decode row is sampled) plus the dispatcher's step buffers inside the graph
-    (``dispatcher_step_bytes(kind, ep, B, ...)``). 0 without graphs (``B == 0``).
+    (``dispatcher_step_bytes(kind, ep, B, ...)``); then what each bucket keeps for as long as its
+    graph lives: its float32 logits output (``bucket x V x 4``; outputs are not shared between
+    buckets) and ``per_bucket_bytes`` of attention-wrapper state (FlashInfer's int workspace).
+    0 without graphs (``B == 0``).
     """
     if max_graph_bs <= 0:
         return 0
-    return forward_peak_bytes_estimate(cfg, dtype, max_graph_bs, max_graph_bs) + dispatcher_step_bytes
+    sizes = tuple(capture_sizes) or (max_graph_bs,)
+    kept = sum(sizes) * cfg.vocab_size * _FP32 + len(sizes) * per_bucket_bytes
+    return forward_peak_bytes_estimate(cfg, dtype, max_graph_bs, max_graph_bs) + dispatcher_step_bytes + kept
 
 
 def activation_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, max_tokens_per_rank: int,

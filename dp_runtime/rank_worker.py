@@ -67,7 +67,6 @@ __all__ = ["RankWorker"]
 logger = logging.getLogger("dp_runtime")
 
 _CPU_MAX_KV_TOKENS = 65536
-_FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 class RankWorker:
@@ -233,17 +232,11 @@ class RankWorker:
 
     def _attention_backend(self):
         from dp_runtime.attention import FlashInferBackend, TorchSDPABackend
+        from dp_runtime.attention.backend import flashinfer_unsupported
 
         mc, kind, dtype = self.model_config, self.spec.attention, self.spec.runtime.dtype
         heads = dict(num_q_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
-        # FlashInfer's kernels exist for 16-bit K/V and head dims 64, 128 and 256 only.
-        unsupported = []
-        if self.device.type != "cuda":
-            unsupported.append(f"device {self.device} is not CUDA")
-        if dtype not in (torch.bfloat16, torch.float16):
-            unsupported.append(f"dtype {dtype} is not bf16/fp16")
-        if mc.head_dim not in _FLASHINFER_HEAD_DIMS:
-            unsupported.append(f"head_dim {mc.head_dim} is not one of {_FLASHINFER_HEAD_DIMS}")
+        unsupported = flashinfer_unsupported(self.device.type, dtype, mc.head_dim)
         if kind == "flashinfer" and unsupported:
             raise ValueError("RankSpec.attention='flashinfer' cannot run here: " + "; ".join(unsupported))
         if kind == "auto":

@@ -34,6 +34,7 @@ from typing import Any
 
 from dispatcher.partition import ExpertPartition
 from dp_runtime import memory_sizing as ms
+from dp_runtime.attention.backend import flashinfer_unsupported
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.padding_mode import PaddingMode
@@ -415,7 +416,9 @@ def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> Capac
         dp_buffers_bytes=ms.dp_buffer_bytes(rt),
         dispatcher_workspace_bytes=ms.dispatcher_workspace_bytes(dispatcher, rt.ep_size, rt.max_tokens_per_rank, *moe),
         graph_inputs_bytes=ms.graph_input_bytes(rt, decode_graphs=graphs),
-        graph_pool_bytes=ms.graph_pool_bytes_estimate(cfg, rt.dtype, max_bucket, step_at_bucket),
+        graph_pool_bytes=ms.graph_pool_bytes_estimate(
+            cfg, rt.dtype, max_bucket, step_at_bucket, capture_sizes=tuple(rt.cuda_graph_bs) if graphs else (),
+            per_bucket_bytes=ms.FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES if not flashinfer_unsupported("cuda", rt.dtype, cfg.head_dim) else 0),
         activation_peak_bytes=ms.activation_peak_bytes_estimate(cfg, rt.dtype, rt.max_tokens_per_rank, mrr,
                                                                 step_at_max),
         nccl_bytes=ms.nccl_overhead_bytes(rt.dp_size, rt.ep_size),

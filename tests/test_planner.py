@@ -138,11 +138,15 @@ def test_forward_estimate_by_hand_and_graph_pool():
     t, r, e = 16, 4, 2
     residual = 2 * t * 64 * e
     # router fp32 + top-k (fp32 weights, int64 ids) + max(GEMM inputs, GEMM outputs + fp32 terms)
-    moe = t * 8 * 4 + t * 2 * 12 + max(t * 2 * (64 + 2 * 32) * e, t * 2 * 64 * (2 * e + 4))
+    moe = t * 8 * 4 + t * 2 * 12 + max(t * 2 * (64 + 2 * 32) * e, t * 2 * 64 * (e + 4))
     head = t * 64 * e + r * 256 * (e + 4)
     assert ms.forward_peak_bytes_estimate(tiny, BF16, t, r) == max(residual + moe, head)
     assert ms.graph_pool_bytes_estimate(tiny, BF16, 0, 123) == 0
-    assert ms.graph_pool_bytes_estimate(tiny, BF16, 8, 10) == ms.forward_peak_bytes_estimate(tiny, BF16, 8, 8) + 10
+    fwd8 = ms.forward_peak_bytes_estimate(tiny, BF16, 8, 8)
+    # each bucket keeps its fp32 logits (bucket x vocab x 4) and one wrapper workspace
+    assert ms.graph_pool_bytes_estimate(tiny, BF16, 8, 10, per_bucket_bytes=0) == fwd8 + 10 + 8 * 256 * 4
+    assert ms.graph_pool_bytes_estimate(tiny, BF16, 8, 10, capture_sizes=(1, 4, 8), per_bucket_bytes=100) == (
+        fwd8 + 10 + 13 * 256 * 4 + 300)
 
 
 def test_graphs_off_have_no_pool_and_no_decode_registry():

@@ -8,7 +8,10 @@ import torch
 
 from graph.attention_protocol import AttentionMetadataBackend
 
-__all__ = ["AttentionBackend"]
+__all__ = ["FLASHINFER_HEAD_DIMS", "AttentionBackend", "flashinfer_unsupported"]
+
+# FlashInfer builds its attention kernels for 16-bit K/V and these head dims only.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 @runtime_checkable
@@ -20,3 +23,16 @@ class AttentionBackend(AttentionMetadataBackend, Protocol):
         ``q`` (T, q_heads, D) with the metadata of the last ``init_forward_metadata*`` call.
         Returns (T, q_heads * D)."""
         ...
+
+
+def flashinfer_unsupported(device_type: str, dtype: torch.dtype, head_dim: int) -> list[str]:
+    """Why FlashInfer attention cannot run this geometry (empty when it can). Shared by the rank
+    worker's "auto" choice and the planner, so both pick the same backend."""
+    reasons = []
+    if device_type != "cuda":
+        reasons.append(f"device {device_type} is not CUDA")
+    if dtype not in (torch.bfloat16, torch.float16):
+        reasons.append(f"dtype {dtype} is not bf16/fp16")
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        reasons.append(f"head_dim {head_dim} is not one of {FLASHINFER_HEAD_DIMS}")
+    return reasons
