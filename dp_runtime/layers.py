@@ -44,8 +44,8 @@ class RotaryEmbedding:
 def qk_norm_attention(
     x_TH: torch.Tensor,
     w_qkv: torch.Tensor,
-    q_norm: torch.Tensor,
-    k_norm: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
     w_o: torch.Tensor,
     *,
     num_heads: int,
@@ -67,8 +67,9 @@ def qk_norm_attention(
     norm = rms_norm if ops is None else ops.rms_norm
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = (x_TH @ w_qkv.T).split([q_size, kv_size, kv_size], dim=-1)
-    q = norm(q.reshape(t, num_heads, head_dim), q_norm, eps)
-    k = norm(k.reshape(t, num_kv_heads, head_dim), k_norm, eps)
+    q, k = q.reshape(t, num_heads, head_dim), k.reshape(t, num_kv_heads, head_dim)
+    if q_norm is not None:  # Qwen3's per-head norm; Mixtral has none
+        q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
     if ops is None:
         q, k = rotary.apply(q, k, batch.positions)
     else:

@@ -1,4 +1,5 @@
-"""A tiny Qwen3-MoE checkpoint written by Hugging Face transformers, and its greedy reference.
+"""A tiny Qwen3-MoE (or Mixtral) checkpoint written by Hugging Face transformers, and its greedy
+reference.
 
 The checkpoint has the ``tiny`` preset's shape, one dense (``mlp_only_layers``) layer besides
 the sparse ones, and weights re-drawn at ``1/sqrt(fan_in)`` scale (transformers' default 0.02
@@ -20,12 +21,23 @@ TINY = dict(
 )
 
 
-def write_tiny_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
-    """Save a seeded tiny Qwen3MoeForCausalLM to ``path``; returns ``path``."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+TINY_MIXTRAL = dict(
+    vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, rope_theta=10000.0,
+    max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
+)
 
+
+def write_tiny_checkpoint(path: Path, seed: int = 0, *, family: str = "qwen3_moe", **overrides) -> Path:
+    """Save a seeded tiny Qwen3MoeForCausalLM (or MixtralForCausalLM) to ``path``; returns it."""
+    import transformers
+
+    if family == "mixtral":
+        config_cls, model_cls, base = transformers.MixtralConfig, transformers.MixtralForCausalLM, TINY_MIXTRAL
+    else:
+        config_cls, model_cls, base = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, TINY
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY, **overrides})).eval()
+    model = model_cls(config_cls(**{**base, **overrides})).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -39,9 +51,9 @@ def write_tiny_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
 
 
 def load_reference(path: Path):
-    from transformers import Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    return Qwen3MoeForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:

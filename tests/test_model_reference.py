@@ -140,3 +140,24 @@ def test_missing_checkpoint_and_mismatched_spec_are_clear_errors(tmp_path, ckpt)
         RankWorker(spec, world_size=2)
     with pytest.raises(ValueError, match=r"runtime\.hidden_size=32 but model"):
         dataclasses.replace(spec, runtime=spec.runtime.replace(hidden_size=32))
+
+
+def test_mixtral_checkpoint_matches_transformers(tmp_path, prompts):
+    ckpt = write_tiny_checkpoint(tmp_path, family="mixtral")
+    hf = load_reference(ckpt)
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    with RankWorker(_spec(ckpt), keep_logits=True) as w:
+        assert w.model_config.family == "mixtral" and not w.model_config.qk_norm
+        results = w.generate(_requests(prompts))
+    for res, prompt in zip(results, prompts, strict=True):
+        tokens, logits = greedy_reference(hf, prompt, NEW)
+        assert res.output_ids == tuple(tokens), res.rid
+        torch.testing.assert_close(torch.stack(w.sampled_logits[res.rid]), logits, rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_model_type_is_named():
+    from dp_runtime.model.model_config import ModelConfig
+
+    with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
+        ModelConfig.from_hf({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
+                             "num_attention_heads": 1, "num_experts_per_tok": 1})

@@ -1,4 +1,5 @@
-"""ModelConfig: the shape of a Qwen3-MoE-style model, from a Hugging Face config or a preset.
+"""ModelConfig: the shape of a Qwen3-MoE-style model (or Mixtral), from a Hugging Face config or
+a preset.
 
 Presets: ``tiny`` (CPU tests: a few layers, a handful of experts) and ``qwen3-30b-a3b`` (the
 dimensions of Qwen3-30B-A3B, for GPU benchmarks with random weights).
@@ -33,6 +34,8 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     max_position_embeddings: int = 40960
+    family: str = "qwen3_moe"  # tensor names: dp_runtime.model.tensor_names
+    qk_norm: bool = True  # per-head RMSNorm of q and k (Qwen3; not Mixtral)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts", "top_k", "moe_intermediate_size")
@@ -43,6 +46,8 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.family not in ("qwen3_moe", "mixtral"):
+            raise ValueError(f"ModelConfig.family must be 'qwen3_moe' or 'mixtral', got {self.family!r}")
         if self.decoder_sparse_step <= 0:
             raise ValueError(f"decoder_sparse_step must be > 0, got {self.decoder_sparse_step}")
 
@@ -52,29 +57,39 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """From a Hugging Face Qwen3-MoE ``config.json`` dict."""
+        """From a Hugging Face Qwen3-MoE or Mixtral ``config.json`` dict (by ``model_type``)."""
         rope = hf.get("rope_theta")
         if rope is None:
             rope = (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("rope_theta", 1_000_000.0)
         heads = hf["num_attention_heads"]
-        return cls(
+        common = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads", heads),
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            num_experts=hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"],
             top_k=hf["num_experts_per_tok"],
-            moe_intermediate_size=hf["moe_intermediate_size"],
-            intermediate_size=hf.get("intermediate_size", 0),
-            norm_topk_prob=hf.get("norm_topk_prob", False),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            max_position_embeddings=hf.get("max_position_embeddings", 40960),
+        )
+        model_type = hf.get("model_type", "qwen3_moe")
+        if model_type == "mixtral":
+            # Every layer sparse; the softmax over the top-k logits equals renormalised top-k.
+            return cls(**common, num_experts=hf["num_local_experts"], moe_intermediate_size=hf["intermediate_size"],
+                       norm_topk_prob=True, family="mixtral", qk_norm=False)
+        if model_type != "qwen3_moe":
+            raise ValueError(f"config.json model_type {model_type!r} is not supported (qwen3_moe, mixtral)")
+        return cls(
+            **common,
+            num_experts=hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            intermediate_size=hf.get("intermediate_size", 0),
+            norm_topk_prob=hf.get("norm_topk_prob", False),
             decoder_sparse_step=hf.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-            max_position_embeddings=hf.get("max_position_embeddings", 40960),
         )
 
     @classmethod

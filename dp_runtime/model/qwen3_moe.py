@@ -1,5 +1,6 @@
 """The reference Qwen3-MoE model of one DP rank: DP attention on the rank's own requests, EP MoE
-through a dispatcher.
+through a dispatcher. Mixtral is the same computation without the q/k norm (its family in
+``ModelConfig``; tensor names in ``tensor_names``).
 
 Per decoder layer (Hugging Face ``Qwen3MoeForCausalLM`` arithmetic):
 
@@ -42,6 +43,7 @@ from dp_runtime.experts import grouped_mm_supported, local_expert_sum
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.layers import RotaryEmbedding, qk_norm_attention
 from dp_runtime.model.model_config import ModelConfig
+from dp_runtime.model.tensor_names import expert_names, layer_names
 from dp_runtime.model.weights import expected_shapes
 
 __all__ = ["Qwen3MoeModel"]
@@ -51,8 +53,8 @@ __all__ = ["Qwen3MoeModel"]
 class _Layer:
     attn_norm: torch.Tensor
     w_qkv: torch.Tensor  # (Hq*D + 2*Hkv*D, H)
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    q_norm: torch.Tensor | None  # None: the family has no q/k norm (Mixtral)
+    k_norm: torch.Tensor | None
     w_o: torch.Tensor
     mlp_norm: torch.Tensor
     sparse: bool
@@ -117,67 +119,54 @@ class Qwen3MoeModel:
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _allocate(self) -> None:
+        """Model storage, and ``self._targets``: each Hugging Face tensor name mapped to the slice
+        of storage it fills (QKV fused, local experts stacked)."""
         c = self.cfg
         h, d = c.hidden_size, c.head_dim
         self.embed = self._empty(c.vocab_size, h)
         self.final_norm = self._empty(h)
         self.lm_head = self.embed if c.tie_word_embeddings else self._empty(c.vocab_size, h)
+        targets = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
+        if not c.tie_word_embeddings:
+            targets["lm_head.weight"] = self.lm_head
+        q, kv = c.num_heads * d, c.num_kv_heads * d
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             layer = _Layer(
                 attn_norm=self._empty(h),
-                w_qkv=self._empty((c.num_heads + 2 * c.num_kv_heads) * d, h),
-                q_norm=self._empty(d),
-                k_norm=self._empty(d),
-                w_o=self._empty(h, c.num_heads * d),
+                w_qkv=self._empty(q + 2 * kv, h),
+                q_norm=self._empty(d) if c.qk_norm else None,
+                k_norm=self._empty(d) if c.qk_norm else None,
+                w_o=self._empty(h, q),
                 mlp_norm=self._empty(h),
                 sparse=c.is_sparse(i),
             )
+            size = c.moe_intermediate_size if layer.sparse else c.intermediate_size
             if layer.sparse:
-                i_size = c.moe_intermediate_size
                 layer.w_router = self._empty(c.num_experts, h)
-                layer.w13 = self._empty(self.num_local_experts, 2 * i_size, h)
-                layer.w2 = self._empty(self.num_local_experts, h, i_size)
+                layer.w13 = self._empty(self.num_local_experts, 2 * size, h)
+                layer.w2 = self._empty(self.num_local_experts, h, size)
+                for local in range(self.num_local_experts):
+                    gate, up, down = expert_names(c, i, self.first_expert + local)
+                    targets[gate], targets[up] = layer.w13[local, :size], layer.w13[local, size:]
+                    targets[down] = layer.w2[local]
             else:
-                layer.w13 = self._empty(2 * c.intermediate_size, h)
-                layer.w2 = self._empty(h, c.intermediate_size)
+                layer.w13 = self._empty(2 * size, h)
+                layer.w2 = self._empty(h, size)
+            by_role = {
+                "attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "q_norm": layer.q_norm,
+                "k_norm": layer.k_norm, "o_proj": layer.w_o, "q_proj": layer.w_qkv[:q],
+                "k_proj": layer.w_qkv[q : q + kv], "v_proj": layer.w_qkv[q + kv :], "router": layer.w_router,
+                "mlp_gate": layer.w13[:size], "mlp_up": layer.w13[size:], "mlp_down": layer.w2,
+            }
+            for role, name in layer_names(c, i).items():
+                targets[name] = by_role[role]
             self.layers.append(layer)
+        self._targets = targets
 
     def _target(self, name: str) -> torch.Tensor:
         """The slice of model storage that the Hugging Face tensor ``name`` fills."""
-        c = self.cfg
-        if name == "model.embed_tokens.weight":
-            return self.embed
-        if name == "model.norm.weight":
-            return self.final_norm
-        if name == "lm_head.weight":
-            return self.lm_head
-        parts = name.split(".")  # model.layers.{i}.{module}...
-        layer = self.layers[int(parts[2])]
-        rest = ".".join(parts[3:])
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        simple = {
-            "input_layernorm.weight": layer.attn_norm,
-            "post_attention_layernorm.weight": layer.mlp_norm,
-            "self_attn.q_norm.weight": layer.q_norm,
-            "self_attn.k_norm.weight": layer.k_norm,
-            "self_attn.o_proj.weight": layer.w_o,
-            "self_attn.q_proj.weight": layer.w_qkv[:q],
-            "self_attn.k_proj.weight": layer.w_qkv[q : q + kv],
-            "self_attn.v_proj.weight": layer.w_qkv[q + kv :],
-            "mlp.gate.weight": layer.w_router,
-        }
-        if rest in simple:
-            return simple[rest]
-        if rest.startswith("mlp.experts."):  # mlp.experts.{e}.{gate|up|down}_proj.weight
-            e = int(parts[5]) - self.first_expert
-            half = c.moe_intermediate_size
-            which = parts[6]
-        else:  # dense MLP: mlp.{gate|up|down}_proj.weight
-            e, half, which = None, c.intermediate_size, parts[4]
-        w13 = layer.w13 if e is None else layer.w13[e]
-        w2 = layer.w2 if e is None else layer.w2[e]
-        return {"gate_proj": w13[:half], "up_proj": w13[half:], "down_proj": w2}[which]
+        return self._targets[name]
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights (``memory_sizing.weight_bytes_per_rank`` predicts it)."""

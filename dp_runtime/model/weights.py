@@ -20,6 +20,7 @@ import torch
 
 from dispatcher.partition import ExpertPartition
 from dp_runtime.model.model_config import ModelConfig
+from dp_runtime.model.tensor_names import expert_names, layer_names
 
 __all__ = ["checkpoint_index", "expected_shapes", "iter_checkpoint", "iter_random", "load_weights", "random_weights"]
 
@@ -32,27 +33,20 @@ def expected_shapes(cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> dic
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, h)
     first, n_local = part.first(ep_rank), part.num_local(ep_rank)
+    q, kv, i_moe = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.moe_intermediate_size
+    role_shapes = {
+        "attn_norm": (h,), "mlp_norm": (h,), "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h),
+        "o_proj": (h, q), "q_norm": (hd,), "k_norm": (hd,), "router": (cfg.num_experts, h),
+        "mlp_gate": (cfg.intermediate_size, h), "mlp_up": (cfg.intermediate_size, h),
+        "mlp_down": (h, cfg.intermediate_size),
+    }
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (h,)
-        out[p + "post_attention_layernorm.weight"] = (h,)
-        out[p + "self_attn.q_proj.weight"] = (cfg.num_heads * hd, h)
-        out[p + "self_attn.k_proj.weight"] = (cfg.num_kv_heads * hd, h)
-        out[p + "self_attn.v_proj.weight"] = (cfg.num_kv_heads * hd, h)
-        out[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * hd)
-        out[p + "self_attn.q_norm.weight"] = (hd,)
-        out[p + "self_attn.k_norm.weight"] = (hd,)
+        for role, name in layer_names(cfg, i).items():
+            out[name] = role_shapes[role]
         if cfg.is_sparse(i):
-            out[p + "mlp.gate.weight"] = (cfg.num_experts, h)
             for e in range(first, first + n_local):
-                q = f"{p}mlp.experts.{e}."
-                out[q + "gate_proj.weight"] = (cfg.moe_intermediate_size, h)
-                out[q + "up_proj.weight"] = (cfg.moe_intermediate_size, h)
-                out[q + "down_proj.weight"] = (h, cfg.moe_intermediate_size)
-        else:
-            out[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
-            out[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
-            out[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+                gate, up, down = expert_names(cfg, i, e)
+                out[gate], out[up], out[down] = (i_moe, h), (i_moe, h), (h, i_moe)
     return out
 
 
