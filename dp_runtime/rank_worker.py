@@ -132,9 +132,6 @@ class RankWorker:
         self._own_cpu_group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
         return group, self._own_cpu_group
 
-    def _mem_allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-
     def _build(self, group: Any) -> None:
         spec, cfg, mc, dev = self.spec, self.spec.runtime, self.model_config, self.device
         device_group, cpu_group = self._groups(group)
@@ -155,18 +152,14 @@ class RankWorker:
             chunked_prefill_size=cfg.chunked_prefill_size, max_running_requests=cfg.max_running_requests,
             check_expert_ids=False,  # the router's top-k ids are in range by construction
         )
-        before = self._mem_allocated()
         self.dispatcher = make_dispatcher(kind, dcfg, ep=ep, device=dev)
         self._memory["dispatcher_workspace"] = self.dispatcher.workspace_bytes_per_rank()
 
         pool = BufferPool()
         self.pool = pool
-        before = self._mem_allocated()
         self.dp_buffers = DPBufferService(cfg, pool, self.rank, group=device_group, device=dev)
-        self._memory["dp_buffers"] = self._mem_allocated() - before if dev.type == "cuda" else (
-            (cfg.max_global_tokens + cfg.max_tokens_per_rank) * cfg.hidden_size * memory_sizing.dtype_bytes(cfg.dtype))
+        self._memory["dp_buffers"] = pool.total_bytes()  # the pool's first tenant
 
-        before = self._mem_allocated()
         if spec.is_preset:
             weights = iter_random(mc, ep.rank, ep.size, cfg.dtype, dev, spec.seed)
         else:
@@ -188,7 +181,7 @@ class RankWorker:
 
         # Registries share the pool by name. The eager one is built first: it is the larger on
         # every axis (max_running_requests >= cuda_graph_max_bs), and storage never grows.
-        before = self._mem_allocated()
+        pool_before = pool.total_bytes()
 
         def eager_registry(bs: int, tokens: int):
             return build_prefill_registry(bs, tokens, dev, pool, dp_size=cfg.dp_size,
@@ -200,7 +193,6 @@ class RankWorker:
         self._bucket_plans = {b: FixedPlan.uniform(cfg.dp_size, b) for b in sizes}
         if want_graphs and sizes:
             registry = build_decode_registry(sizes[-1], dev, pool, dp_size=cfg.dp_size, user="decode_graph")
-            self._memory["graph_inputs"] = self._mem_allocated() - before if dev.type == "cuda" else pool.total_bytes()
             self.graphs = GraphRunner(
                 self.model.forward, self.attention, registry, sizes,
                 capture_batch=self._capture_batch, capture_plan=self._capture_plan,
@@ -210,8 +202,8 @@ class RankWorker:
             self.graphs.capture()
             self._memory["graph_pool"] = self.graphs.capture_memory_bytes
         else:
-            self._memory["graph_inputs"] = self._mem_allocated() - before if dev.type == "cuda" else pool.total_bytes()
             self._memory["graph_pool"] = 0
+        self._memory["graph_inputs"] = pool.total_bytes() - pool_before
         self._memory["activation_peak"] = 0
 
     def _kv_slots(self) -> int:

@@ -161,3 +161,20 @@ def test_unsupported_model_type_is_named():
     with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
         ModelConfig.from_hf({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
                              "num_attention_heads": 1, "num_experts_per_tok": 1})
+
+
+def test_memory_report_matches_the_planners_sizing_functions():
+    """The planner predicts with the functions the worker allocates with: on CPU the exact
+    components must agree to the byte (graph inputs to the few bytes of packed counters)."""
+    from dp_runtime import memory_sizing as ms
+
+    spec = RankSpec.create("tiny", dp_size=1, max_running_requests=8, chunked_prefill_size=64, dtype="float32",
+                           device="cpu", max_context_len=64, use_cuda_graph=True, cuda_graph_bs=(1, 2, 4, 8))
+    with RankWorker(spec) as w:
+        m = w.memory_report()
+        slots = w.kv_cache.num_slots
+    cfg, rt = spec.model_config(), spec.runtime
+    assert m["weights"] == ms.weight_bytes_per_rank(cfg, rt.dtype)
+    assert m["kv_cache"] == ms.kv_cache_bytes(cfg, rt.dtype, slots, 8, 64)
+    assert m["dp_buffers"] == ms.dp_buffer_bytes(rt)
+    assert abs(m["graph_inputs"] - ms.graph_input_bytes(rt, decode_graphs=True)) <= 128
