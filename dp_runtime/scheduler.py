@@ -32,6 +32,7 @@ import torch
 from dp_runtime.forward_batch import ForwardBatch
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.kv_allocator import KVAllocator
+from dp_runtime.paged_batches import decode_forward_batch, extend_forward_batch
 from dp_runtime.request import Request, RequestResult
 
 __all__ = ["ScheduledStep", "Scheduler"]
@@ -175,58 +176,19 @@ class Scheduler:
                 r.t_first_forward = now
 
     def _extend(self, picks: list[tuple[_Req, int]]) -> ScheduledStep:
-        dev = self.cache.device
         reqs = tuple(r for r, _ in picks)
         takes = tuple(n for _, n in picks)
-        total = sum(takes)
-        slots = self.allocator.alloc_slots(total)
-        ids, pos, rows = [], [], []
-        for r, n in picks:
-            ids.extend(r.request.prompt_ids[r.kv_len : r.kv_len + n])
-            pos.extend(range(r.kv_len, r.kv_len + n))
-            rows.extend([r.row] * n)
-        pos_t = torch.tensor(pos, dtype=torch.int64)
-        self.cache.req_to_token[torch.tensor(rows, device=dev), pos_t.to(dev)] = slots.to(torch.int32)
-        prefix = tuple(r.kv_len for r in reqs)
-        seq_lens = torch.tensor([p + n for p, n in zip(prefix, takes, strict=True)], dtype=torch.int64)
+        ids = [t for r, n in picks for t in r.request.prompt_ids[r.kv_len : r.kv_len + n]]
+        batch = extend_forward_batch(self.allocator, [r.row for r in reqs], [r.kv_len for r in reqs], takes, ids)
         self._stamp(reqs)
-        batch = ForwardBatch(
-            forward_mode=ForwardMode.EXTEND,
-            batch_size=len(reqs),
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev),
-            positions=pos_t.to(dev),
-            out_cache_loc=slots,
-            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64).to(dev),
-            seq_lens=seq_lens.to(dev),
-            seq_lens_cpu=seq_lens,
-            extend_seq_lens=torch.tensor(takes, dtype=torch.int64).to(dev),
-            extend_prefix_lens=torch.tensor(prefix, dtype=torch.int64).to(dev),
-            extend_seq_lens_cpu=takes,
-            extend_prefix_lens_cpu=prefix,
-        )
         samples = tuple(r.kv_len + n == r.prompt_len for r, n in picks)
         return ScheduledStep(batch, reqs, takes, samples)
 
     def _decode(self, running: list[_Req]) -> ScheduledStep:
-        dev = self.cache.device
         reqs = tuple(running)
-        bs = len(reqs)
-        slots = self.allocator.alloc_slots(bs)
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
-        pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        self.cache.req_to_token[rows.to(dev), pos.to(dev)] = slots.to(torch.int32)
-        seq_lens = pos + 1
-        batch = ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=bs,
-            input_ids=torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64).to(dev),
-            positions=pos.to(dev),
-            out_cache_loc=slots,
-            req_pool_indices=rows.to(dev),
-            seq_lens=seq_lens.to(dev),
-            seq_lens_cpu=seq_lens,
-        )
-        return ScheduledStep(batch, reqs, (1,) * bs, (True,) * bs)
+        batch = decode_forward_batch(self.allocator, [r.row for r in reqs], [r.kv_len for r in reqs],
+                                     [r.output[-1] for r in reqs])
+        return ScheduledStep(batch, reqs, (1,) * len(reqs), (True,) * len(reqs))
 
     # -- results ---------------------------------------------------------------------------------
     def advance(self, step: ScheduledStep, tokens: list[int | None]) -> list[RequestResult]:

@@ -1,0 +1,98 @@
+"""Assembling a step's ForwardBatch over the paged KV cache: allocate the new tokens' slots,
+write them into ``req_to_token``, and return the batch. The scheduler and the synthetic batches
+of tests and benchmarks both build their batches here.
+
+Shapes: B requests, T new tokens. ``rows`` are ``req_to_token`` rows; ``prefix_lens`` the tokens
+each request already has in the cache (for decode: the position of its one new token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dp_runtime.forward_batch import ForwardBatch
+from dp_runtime.forward_mode import ForwardMode
+from dp_runtime.kv_allocator import KVAllocator
+
+__all__ = ["decode_forward_batch", "extend_forward_batch"]
+
+
+def _counts(n: int, global_num_tokens_cpu: Sequence[int] | None) -> tuple[int, ...]:
+    return tuple(int(c) for c in global_num_tokens_cpu) if global_num_tokens_cpu is not None else (n,)
+
+
+def decode_forward_batch(
+    allocator: KVAllocator,
+    rows: Sequence[int],
+    prefix_lens: Sequence[int],
+    input_ids: Sequence[int] | torch.Tensor,
+    *,
+    global_num_tokens_cpu: Sequence[int] | None = None,
+) -> ForwardBatch:
+    """A decode step: one new token per request, at position ``prefix_lens[i]`` of row ``rows[i]``."""
+    cache = allocator.cache
+    dev = cache.device
+    bs = len(rows)
+    slots = allocator.alloc_slots(bs)
+    rows_t = torch.tensor(list(rows), dtype=torch.int64)
+    pos = torch.tensor(list(prefix_lens), dtype=torch.int64)
+    cache.req_to_token[rows_t.to(dev), pos.to(dev)] = slots.to(torch.int32)
+    seq_lens = pos + 1
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=bs,
+        input_ids=torch.as_tensor(input_ids, dtype=torch.int64).to(dev),
+        positions=pos.to(dev),
+        out_cache_loc=slots,
+        req_pool_indices=rows_t.to(dev),
+        seq_lens=seq_lens.to(dev),
+        seq_lens_cpu=seq_lens,
+        global_num_tokens_cpu=_counts(bs, global_num_tokens_cpu),
+        global_num_tokens_for_logprob_cpu=_counts(bs, global_num_tokens_cpu),
+    )
+
+
+def extend_forward_batch(
+    allocator: KVAllocator,
+    rows: Sequence[int],
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+    input_ids: Sequence[int] | torch.Tensor,
+    *,
+    global_num_tokens_cpu: Sequence[int] | None = None,
+) -> ForwardBatch:
+    """An extend step: request ``i`` appends ``extend_lens[i]`` tokens after its ``prefix_lens[i]``
+    cached ones. Raises ValueError unless there is one extend length >= 1 per request."""
+    cache = allocator.cache
+    dev = cache.device
+    ext = tuple(int(e) for e in extend_lens)
+    prefix = tuple(int(p) for p in prefix_lens)
+    if len(ext) != len(rows) or len(prefix) != len(rows) or min(ext, default=1) < 1:
+        raise ValueError(
+            f"extend batch: need one extend length >= 1 and one prefix length per request, got extend {list(ext)}, "
+            f"prefix {list(prefix)} for {len(rows)} requests"
+        )
+    total = sum(ext)
+    slots = allocator.alloc_slots(total)
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext, strict=True)])
+    rows_t = torch.cat([torch.full((e,), int(r)) for r, e in zip(rows, ext, strict=True)])
+    cache.req_to_token[rows_t.to(dev), positions.to(dev)] = slots.to(torch.int32)
+    seq_lens = torch.tensor([p + e for p, e in zip(prefix, ext, strict=True)], dtype=torch.int64)
+    return ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=len(rows),
+        input_ids=torch.as_tensor(input_ids, dtype=torch.int64).to(dev),
+        positions=positions.to(dev),
+        out_cache_loc=slots,
+        req_pool_indices=torch.tensor(list(rows), dtype=torch.int64, device=dev),
+        seq_lens=seq_lens.to(dev),
+        seq_lens_cpu=seq_lens,
+        extend_seq_lens=torch.tensor(ext, dtype=torch.int64, device=dev),
+        extend_prefix_lens=torch.tensor(prefix, dtype=torch.int64, device=dev),
+        extend_seq_lens_cpu=ext,
+        extend_prefix_lens_cpu=prefix,
+        global_num_tokens_cpu=_counts(total, global_num_tokens_cpu),
+        global_num_tokens_for_logprob_cpu=_counts(total, global_num_tokens_cpu),
+    )
