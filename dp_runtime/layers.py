@@ -56,23 +56,19 @@ def qk_norm_attention(
     attention,
     layer_id: int,
     batch,
-    ops=None,
+    ops,
 ) -> torch.Tensor:
     """Qwen3's attention block on normed hidden states ``x_TH``: fused QKV projection, RMSNorm
     per head of q and k, RoPE at ``batch.positions``, the backend's attention (which writes this
     step's K/V), output projection. ``ops`` supplies ``rms_norm`` and ``rope``
-    (``dp_runtime.elementwise_ops``; None: the torch versions here). Returns (T, H) in
-    ``x_TH``'s dtype."""
+    (``dp_runtime.elementwise_ops``: torch's or FlashInfer's). Returns (T, H) in ``x_TH``'s
+    dtype."""
     t = x_TH.shape[0]
-    norm = rms_norm if ops is None else ops.rms_norm
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = (x_TH @ w_qkv.T).split([q_size, kv_size, kv_size], dim=-1)
     q, k = q.reshape(t, num_heads, head_dim), k.reshape(t, num_kv_heads, head_dim)
     if q_norm is not None:  # Qwen3's per-head norm; Mixtral has none
-        q, k = norm(q, q_norm, eps), norm(k, k_norm, eps)
-    if ops is None:
-        q, k = rotary.apply(q, k, batch.positions)
-    else:
-        q, k = ops.rope(rotary, q, k, batch.positions)
+        q, k = ops.rms_norm(q, q_norm, eps), ops.rms_norm(k, k_norm, eps)
+    q, k = ops.rope(rotary, q, k, batch.positions)
     o = attention.forward(q, k, v.reshape(t, num_kv_heads, head_dim), layer_id, batch)
     return o.to(x_TH.dtype) @ w_o.T

@@ -21,10 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from dp_runtime.elementwise_ops import TorchOps
 from dp_runtime.experts import grouped_mm_supported, routed_experts
 from dp_runtime.layers import RotaryEmbedding, qk_norm_attention, rms_norm
 
 __all__ = ["MoEStack", "MoEStackConfig"]
+
+# The benchmark stack keeps torch's norm and rotary (what its recorded numbers ran).
+_TORCH_OPS = TorchOps()
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,7 @@ class MoEStack(nn.Module):
             h_TH = h_TH + qk_norm_attention(
                 rms_norm(h_TH, layer.attn_norm, c.rms_eps), layer.w_qkv, layer.q_norm, layer.k_norm, layer.w_o,
                 num_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_eps,
-                rotary=self.rotary, attention=self.attention, layer_id=i, batch=batch,
+                rotary=self.rotary, attention=self.attention, layer_id=i, batch=batch, ops=_TORCH_OPS,
             )
             h_TH = h_TH + self._moe(layer, rms_norm(h_TH, layer.moe_norm, c.rms_eps))
         return (rms_norm(h_TH, self.final_norm, c.rms_eps) @ self.lm_head.T).float()
