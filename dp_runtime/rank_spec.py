@@ -25,6 +25,7 @@ Fields:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,11 @@ class RankSpec:
         return self.model in PRESETS
 
     def model_config(self) -> ModelConfig:
+        return self._model
+
+    @functools.cached_property
+    def _model(self) -> ModelConfig:
+        # A checkpoint's config.json is read once per spec, not at every question about it.
         return _model_config(self.model, self.model_overrides)
 
     @property
