@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 
 from buffers.pool import BufferPool
-from dp_runtime.collectives import all_gather_into, rank_of, world_of
 from dp_runtime.config import RuntimeConfig
-from dp_runtime.dp_buffer import DPBufferService, dp_buffer_layout
-from dp_runtime.dp_gather import dp_gather, dp_gather_by_counts
-from dp_runtime.step_sync import DPStepSync
-from dp_runtime.step_table import LocalStepInfo
+from dp_runtime.sync.collectives import all_gather_into, rank_of, world_of
+from dp_runtime.sync.dp_buffer import DPBufferService, dp_buffer_layout
+from dp_runtime.sync.dp_gather import dp_gather, dp_gather_by_counts
+from dp_runtime.sync.step_sync import DPStepSync
+from dp_runtime.sync.step_table import LocalStepInfo
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

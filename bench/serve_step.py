@@ -38,7 +38,7 @@ import torch.distributed as dist
 from dp_runtime import memory_sizing
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
-from dp_runtime.request import Request, SamplingParams
+from dp_runtime.serving.request import Request, SamplingParams
 
 
 def parse_args() -> argparse.Namespace:

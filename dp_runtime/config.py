@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from dp_runtime.env import read_env
-from dp_runtime.padding_mode import PaddingMode
+from dp_runtime.sync.padding_mode import PaddingMode
 from graph.capture_sizes import capture_sizes
 
 __all__ = ["RuntimeConfig", "align_up"]

@@ -31,10 +31,10 @@ from dispatcher.sizing import (
     flashinfer_workspace_bytes_per_rank,
 )
 from dp_runtime.config import RuntimeConfig
-from dp_runtime.dp_buffer import DPBufferService, dp_buffer_layout
 from dp_runtime.model.model_config import ModelConfig
 from dp_runtime.model.weights import expected_shapes
-from dp_runtime.padding_mode import PaddingMode
+from dp_runtime.sync.dp_buffer import DPBufferService, dp_buffer_layout
+from dp_runtime.sync.padding_mode import PaddingMode
 
 __all__ = [
     "CAPTURABLE_DISPATCHERS",
@@ -246,7 +246,7 @@ def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens
                   + max(T*K*(H + 2I)*e,          grouped GEMM: sorted rows + gate/up rows,
                         T*K*H*(e + 4))           or its output put back in (token, k) order
                                                  while its fp32 copy (the weighted terms) is made
-                  (``dp_runtime.experts.local_expert_sum`` frees each intermediate when used)
+                  (``dp_runtime.model.experts.local_expert_sum`` frees each intermediate when used)
         layer     = residual + max(attention, moe)      (a layer's attention and MoE
                                                          intermediates are not live together)
         head      = T*H*e + R*V*(e + 4)          normed hidden + logits in dtype and fp32

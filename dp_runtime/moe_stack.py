@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dp_runtime.elementwise_ops import TorchOps
-from dp_runtime.experts import grouped_mm_supported, routed_experts
-from dp_runtime.layers import RotaryEmbedding, qk_norm_attention, rms_norm
+from dp_runtime.model.elementwise_ops import TorchOps
+from dp_runtime.model.experts import grouped_mm_supported, routed_experts
+from dp_runtime.model.layers import RotaryEmbedding, qk_norm_attention, rms_norm
 
 __all__ = ["MoEStack", "MoEStackConfig"]
 

@@ -46,20 +46,20 @@ from dispatcher import (
     resolve_dispatcher_kind,
 )
 from dp_runtime import memory_sizing
-from dp_runtime.dp_buffer import DPBufferService
-from dp_runtime.exchange import LocalExchange
-from dp_runtime.forward_batch import capture_batch, idle_batch
-from dp_runtime.kv_allocator import KVAllocator
-from dp_runtime.kv_cache import KVCache
 from dp_runtime.model.qwen3_moe import Qwen3MoeModel
 from dp_runtime.model.weights import iter_checkpoint, iter_random
 from dp_runtime.rank_spec import RankSpec
-from dp_runtime.request import Request, RequestResult
-from dp_runtime.sampling import sample_tokens
-from dp_runtime.scheduler import ScheduledStep, Scheduler
-from dp_runtime.step_plan import StepPlan, plan_step
-from dp_runtime.step_sync import NCOLS, DPStepSync
-from dp_runtime.step_table import LocalStepInfo, StepTable
+from dp_runtime.serving.forward_batch import capture_batch, idle_batch
+from dp_runtime.serving.kv_allocator import KVAllocator
+from dp_runtime.serving.kv_cache import KVCache
+from dp_runtime.serving.request import Request, RequestResult
+from dp_runtime.serving.sampling import sample_tokens
+from dp_runtime.serving.scheduler import ScheduledStep, Scheduler
+from dp_runtime.sync.dp_buffer import DPBufferService
+from dp_runtime.sync.exchange import LocalExchange
+from dp_runtime.sync.step_plan import StepPlan, plan_step
+from dp_runtime.sync.step_sync import NCOLS, DPStepSync
+from dp_runtime.sync.step_table import LocalStepInfo, StepTable
 from graph import EagerRunner, GraphRunner
 
 __all__ = ["RankWorker"]

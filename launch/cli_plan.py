@@ -133,7 +133,7 @@ def measure_workload(result: CapacityPlan) -> list:
     """Requests whose prefill fills one eager step of ``chunked_prefill_size`` tokens (the
     largest prefill step), one new token each, within the planned KV slots and the context
     length: what makes the worker's measured ``activation_peak`` comparable with the estimate."""
-    from dp_runtime.request import Request, SamplingParams
+    from dp_runtime.serving.request import Request, SamplingParams
 
     rt, vocab = result.runtime, result.model.vocab_size
     tokens = max(1, min(rt.chunked_prefill_size, result.kv.slots - 1))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dp_runtime.rank_spec import RankSpec
-from dp_runtime.request import Request
+from dp_runtime.serving.request import Request
 from launch.placement import assign_ranks, create_placement_group
 from launch.process_group import DEFAULT_TIMEOUT_S
 from launch.rank_actor import RankActor

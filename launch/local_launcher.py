@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dp_runtime.rank_spec import RankSpec
-from dp_runtime.request import Request
+from dp_runtime.serving.request import Request
 from launch.rank_session import DONE, ERROR, RankSession
 from launch.run_report import PollEvent, RunReport
 

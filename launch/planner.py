@@ -36,8 +36,8 @@ from dp_runtime import memory_sizing as ms
 from dp_runtime.attention.backend import flashinfer_unsupported
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import PRESETS, ModelConfig
-from dp_runtime.padding_mode import PaddingMode
 from dp_runtime.rank_spec import RankSpec
+from dp_runtime.sync.padding_mode import PaddingMode
 from launch.gpu_specs import GIB, GPUS, GpuSpec, gpu_spec
 from launch.plan_result import (
     COMPONENTS,

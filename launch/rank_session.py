@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dp_runtime.rank_spec import RankSpec
-from dp_runtime.request import Request, RequestResult
+from dp_runtime.serving.request import Request, RequestResult
 
 __all__ = ["RankSession", "RankStatus"]
 

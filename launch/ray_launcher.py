@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dp_runtime.rank_spec import RankSpec
-from dp_runtime.request import Request, RequestResult
+from dp_runtime.serving.request import Request, RequestResult
 from launch.gang import UNANSWERED, Gang, GangOptions, GangSetupError, describe_error
 from launch.process_group import DEFAULT_TIMEOUT_S
 from launch.rank_session import DONE, ERROR, RUNNING, RankStatus

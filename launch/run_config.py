@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.rank_spec import RankSpec
-from dp_runtime.request import Request, SamplingParams
+from dp_runtime.serving.request import Request, SamplingParams
 from launch.workload import SyntheticWorkload, load_jsonl
 
 __all__ = ["RunConfig"]

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dp_runtime.request import RequestResult
+from dp_runtime.serving.request import RequestResult
 
 __all__ = ["GangFailedError", "PollEvent", "RankFailure", "RunReport", "RunSummary", "percentile", "summarize"]
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from dp_runtime.rank_spec import RankSpec
-from dp_runtime.request import Request
+from dp_runtime.serving.request import Request
 from launch import process_group
 from launch.rank_session import ERROR, RankSession
 from launch.run_config import RunConfig

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from dp_runtime.request import Request, SamplingParams
+from dp_runtime.serving.request import Request, SamplingParams
 
 __all__ = ["SyntheticWorkload", "WorkloadError", "load_jsonl", "split_round_robin"]
 

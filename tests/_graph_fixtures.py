@@ -15,10 +15,10 @@ import torch
 
 from buffers import BufferPool, build_decode_registry, build_prefill_registry
 from dp_runtime.attention import TorchSDPABackend
-from dp_runtime.forward_batch import capture_batch
-from dp_runtime.kv_allocator import KVAllocator
-from dp_runtime.kv_cache import KVCache
 from dp_runtime.moe_stack import MoEStack, MoEStackConfig
+from dp_runtime.serving.forward_batch import capture_batch
+from dp_runtime.serving.kv_allocator import KVAllocator
+from dp_runtime.serving.kv_cache import KVCache
 from graph import EagerRunner, GraphRunner, bucket_for
 
 

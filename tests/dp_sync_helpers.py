@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from dp_runtime.shm_exchange import ShmExchange
+from dp_runtime.sync.shm_exchange import ShmExchange
 
 NCOLS = 8
 

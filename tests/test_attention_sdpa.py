@@ -10,7 +10,7 @@ from _graph_fixtures import make_stack
 
 from dp_runtime.attention import KVLayout, build_kv_indices, choose_kv_layout, host_indptr
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.synthetic_batch import add_requests, decode_batch, extend_batch
+from tests.support.synthetic_batch import add_requests, decode_batch, extend_batch
 
 HQ, HKV, D = 4, 2, 8
 

@@ -9,7 +9,7 @@ import torch
 
 from dp_runtime.config import RuntimeConfig, align_up
 from dp_runtime.env import read_env
-from dp_runtime.padding_mode import PaddingMode
+from dp_runtime.sync.padding_mode import PaddingMode
 
 
 def test_defaults_resolve_every_auto():

@@ -7,12 +7,12 @@ import torch
 
 from buffers.pool import BufferPool
 from dp_runtime.config import RuntimeConfig
-from dp_runtime.dp_buffer import DPBufferService, dp_buffer_layout
-from dp_runtime.dp_step import DPRankStep
-from dp_runtime.padding_mode import PaddingMode
-from dp_runtime.step_plan import plan_step
-from dp_runtime.step_sync import DPStepSync
-from dp_runtime.step_table import LocalStepInfo, StepTable
+from dp_runtime.sync.dp_buffer import DPBufferService, dp_buffer_layout
+from dp_runtime.sync.padding_mode import PaddingMode
+from dp_runtime.sync.step_plan import plan_step
+from dp_runtime.sync.step_sync import DPStepSync
+from dp_runtime.sync.step_table import LocalStepInfo, StepTable
+from tests.support.dp_step import DPRankStep
 
 D = 8
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dp_runtime.dp_buffer import dp_buffer_layout
-from dp_runtime.dp_gather import (
+from dp_runtime.sync.dp_buffer import dp_buffer_layout
+from dp_runtime.sync.dp_gather import (
     dp_gather,
     dp_gather_by_counts,
     dp_reduce_scatter,

@@ -20,16 +20,16 @@ import torch.distributed as dist
 
 from buffers.pool import BufferPool
 from dp_runtime.config import RuntimeConfig
-from dp_runtime.dp_buffer import DPBufferService, dp_buffer_layout
-from dp_runtime.dp_gather import (
+from dp_runtime.sync.dp_buffer import DPBufferService, dp_buffer_layout
+from dp_runtime.sync.dp_gather import (
     dp_gather,
     dp_gather_by_counts,
     dp_reduce_scatter,
     dp_scatter_by_counts,
 )
-from dp_runtime.dp_step import DPRankStep
-from dp_runtime.step_sync import DPStepSync
-from dp_runtime.step_table import LocalStepInfo
+from dp_runtime.sync.step_sync import DPStepSync
+from dp_runtime.sync.step_table import LocalStepInfo
+from tests.support.dp_step import DPRankStep
 
 D = 64
 CAP = 16  # rows per rank of the captured buffers

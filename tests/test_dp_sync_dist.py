@@ -22,20 +22,20 @@ import torch.distributed as dist
 
 from buffers.pool import BufferPool
 from dp_runtime.config import RuntimeConfig
-from dp_runtime.dp_buffer import DPBufferService, dp_buffer_layout
-from dp_runtime.dp_gather import (
+from dp_runtime.sync.dp_buffer import DPBufferService, dp_buffer_layout
+from dp_runtime.sync.dp_gather import (
     dp_gather,
     dp_gather_by_counts,
     dp_reduce_scatter,
     dp_scatter,
     dp_scatter_by_counts,
 )
-from dp_runtime.dp_step import DPRankStep
-from dp_runtime.errors import DPPlanMismatchError, DPSyncTimeoutError
-from dp_runtime.padding_mode import PaddingMode
-from dp_runtime.step_plan import plan_step
-from dp_runtime.step_sync import DPStepSync
-from dp_runtime.step_table import LocalStepInfo, StepTable
+from dp_runtime.sync.errors import DPPlanMismatchError, DPSyncTimeoutError
+from dp_runtime.sync.padding_mode import PaddingMode
+from dp_runtime.sync.step_plan import plan_step
+from dp_runtime.sync.step_sync import DPStepSync
+from dp_runtime.sync.step_table import LocalStepInfo, StepTable
+from tests.support.dp_step import DPRankStep
 
 pytestmark = pytest.mark.dist
 
@@ -295,7 +295,7 @@ def test_a_silent_rank_is_named_within_the_timeout(dist_group):
 
 def test_ranks_on_several_hosts_take_the_gloo_path(dist_group, monkeypatch):
     world, rank = dist.get_world_size(), dist.get_rank()
-    monkeypatch.setattr("dp_runtime.exchange.socket.gethostname", lambda: f"node{rank % 2}")
+    monkeypatch.setattr("dp_runtime.sync.exchange.socket.gethostname", lambda: f"node{rank % 2}")
     with DPStepSync(cfg(world, "auto"), dist_group) as sync:
         kind = sync.exchange_kind
         sync.sync(LocalStepInfo(rank))
@@ -309,7 +309,7 @@ def test_ranks_on_several_hosts_take_the_gloo_path(dist_group, monkeypatch):
 
 
 def test_a_rank_that_cannot_attach_makes_every_rank_fall_back(dist_group, monkeypatch):
-    import dp_runtime.exchange as exchange_module
+    import dp_runtime.sync.exchange as exchange_module
 
     world = dist.get_world_size()
     real = exchange_module.ShmExchange

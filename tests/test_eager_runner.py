@@ -10,9 +10,9 @@ from _graph_fixtures import make_eager_runner, make_stack
 from buffers import BufferPool, build_prefill_registry
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.env import read_env
-from dp_runtime.forward_batch import idle_batch
-from dp_runtime.synthetic_batch import add_requests, decode_batch, extend_batch
+from dp_runtime.serving.forward_batch import idle_batch
 from graph import EagerRunner, next_power_of_two
+from tests.support.synthetic_batch import add_requests, decode_batch, extend_batch
 
 
 class Seen:

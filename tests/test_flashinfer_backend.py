@@ -18,12 +18,12 @@ from dp_runtime.attention import (
     last_page_len,
 )
 from dp_runtime.env import read_env
-from dp_runtime.forward_batch import ForwardBatch
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.kv_allocator import KVAllocator
-from dp_runtime.kv_cache import KVCache
 from dp_runtime.moe_stack import MoEStack
-from dp_runtime.synthetic_batch import add_requests, decode_batch, extend_batch
+from dp_runtime.serving.forward_batch import ForwardBatch
+from dp_runtime.serving.kv_allocator import KVAllocator
+from dp_runtime.serving.kv_cache import KVCache
+from tests.support.synthetic_batch import add_requests, decode_batch, extend_batch
 
 HQ, HKV, D = 4, 2, 8
 PREFIXES, EXTENDS = [0, 30, 7, 0], [12, 5, 20, 4]  # the GPU test's batch

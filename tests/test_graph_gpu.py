@@ -22,11 +22,11 @@ from _graph_fixtures import (
 )
 
 from dp_runtime.attention import KVLayout
-from dp_runtime.experts import routed_experts
-from dp_runtime.forward_batch import idle_batch
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.synthetic_batch import add_requests, decode_batch, extend_batch
+from dp_runtime.model.experts import routed_experts
+from dp_runtime.serving.forward_batch import idle_batch
 from graph import capture_sizes
+from tests.support.synthetic_batch import add_requests, decode_batch, extend_batch
 
 pytestmark = pytest.mark.gpu
 

@@ -19,10 +19,10 @@ from _graph_fixtures import (
 )
 
 from dp_runtime.attention import TorchSDPABackend
-from dp_runtime.forward_batch import ForwardBatch, idle_batch
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.synthetic_batch import add_requests, decode_batch, extend_batch
+from dp_runtime.serving.forward_batch import ForwardBatch, idle_batch
 from graph import AttentionMetadataBackend, GraphRunner
+from tests.support.synthetic_batch import add_requests, decode_batch, extend_batch
 
 
 class RecordingBackend:

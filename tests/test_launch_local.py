@@ -9,7 +9,7 @@ import threading
 import pytest
 from typer.testing import CliRunner
 
-from dp_runtime.request import RequestResult
+from dp_runtime.serving.request import RequestResult
 from launch.cli import app
 from launch.local_launcher import launch_local
 from launch.rank_session import RankSession

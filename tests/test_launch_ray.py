@@ -85,7 +85,7 @@ def _fake_factory(mode: str):
     finishes its requests with one token each."""
     import threading
 
-    from dp_runtime.request import RequestResult
+    from dp_runtime.serving.request import RequestResult
 
     class Fake:
         def __init__(self, rank):

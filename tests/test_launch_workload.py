@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dp_runtime.request import SamplingParams
+from dp_runtime.serving.request import SamplingParams
 from launch.workload import SyntheticWorkload, WorkloadError, load_jsonl, split_round_robin
 
 

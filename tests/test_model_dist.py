@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
-from dp_runtime.request import Request, SamplingParams
+from dp_runtime.serving.request import Request, SamplingParams
 from tests.hf_reference import greedy_reference, load_reference, write_tiny_checkpoint
 
 pytestmark = pytest.mark.dist

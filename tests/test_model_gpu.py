@@ -39,8 +39,8 @@ def test_flashinfer_elementwise_ops_match_torch():
     pytest.importorskip("flashinfer")
     import torch
 
-    from dp_runtime.elementwise_ops import FlashInferOps, TorchOps
-    from dp_runtime.layers import RotaryEmbedding
+    from dp_runtime.model.elementwise_ops import FlashInferOps, TorchOps
+    from dp_runtime.model.layers import RotaryEmbedding
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(37, 6, 128, device="cuda", generator=g).to(torch.bfloat16)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dp_runtime.experts import routed_experts
-from dp_runtime.layers import RotaryEmbedding, rms_norm
+from dp_runtime.model.experts import routed_experts
+from dp_runtime.model.layers import RotaryEmbedding, rms_norm
 
 
 def _experts(t=9, h=32, i=16, e=4, k=2, dtype=torch.float32, seed=0):

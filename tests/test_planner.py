@@ -17,7 +17,7 @@ from dispatcher.sizing import all_gather_buffer_bytes, flashinfer_workspace_byte
 from dp_runtime import memory_sizing as ms
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import ModelConfig
-from dp_runtime.padding_mode import PaddingMode
+from dp_runtime.sync.padding_mode import PaddingMode
 from launch.planner import (
     GIB,
     GPUS,

@@ -12,8 +12,8 @@ import time
 import pytest
 from dp_sync_helpers import NCOLS, open_ranks, run_ranks, shm_path_fixture  # noqa: F401 (fixture)
 
-from dp_runtime.errors import DPSyncError, DPSyncTimeoutError
-from dp_runtime.shm_exchange import ShmExchange, pid_alive, shm_file_size
+from dp_runtime.sync.errors import DPSyncError, DPSyncTimeoutError
+from dp_runtime.sync.shm_exchange import ShmExchange, pid_alive, shm_file_size
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -11,9 +11,9 @@ import pytest
 
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.padding_mode import PaddingMode, choose_padding_mode
-from dp_runtime.step_plan import StepPlan, plan_step
-from dp_runtime.step_table import MODE_CODES, LocalStepInfo, StepTable
+from dp_runtime.sync.padding_mode import PaddingMode, choose_padding_mode
+from dp_runtime.sync.step_plan import StepPlan, plan_step
+from dp_runtime.sync.step_table import MODE_CODES, LocalStepInfo, StepTable
 
 MAX, SUM = PaddingMode.MAX_LEN, PaddingMode.SUM_LEN
 
@@ -255,7 +255,7 @@ def test_fingerprint_is_the_same_in_another_process():
     here = plan_step(table, cfg()).fingerprint
     code = (
         "from tests.test_step_plan import cfg;"
-        "from dp_runtime.step_plan import plan_step; from dp_runtime.step_table import StepTable;"
+        "from dp_runtime.sync.step_plan import plan_step; from dp_runtime.sync.step_table import StepTable;"
         "print(plan_step(StepTable.from_counts([3, 0, 5, 2], can_run_graph=True), cfg()).fingerprint)"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

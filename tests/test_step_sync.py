@@ -11,11 +11,11 @@ import pytest
 from dp_sync_helpers import open_ranks, run_ranks, shm_path_fixture  # noqa: F401 (fixture)
 
 from dp_runtime.config import RuntimeConfig
-from dp_runtime.errors import DPPlanMismatchError, DPSyncError
-from dp_runtime.exchange import LocalExchange
-from dp_runtime.step_plan import plan_step
-from dp_runtime.step_sync import NCOLS, DPStepSync
-from dp_runtime.step_table import LocalStepInfo, StepTable
+from dp_runtime.sync.errors import DPPlanMismatchError, DPSyncError
+from dp_runtime.sync.exchange import LocalExchange
+from dp_runtime.sync.step_plan import plan_step
+from dp_runtime.sync.step_sync import NCOLS, DPStepSync
+from dp_runtime.sync.step_table import LocalStepInfo, StepTable
 
 WORLD = 3
 

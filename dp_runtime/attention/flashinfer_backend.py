@@ -62,7 +62,7 @@ from dp_runtime.attention.kv_indices import (
 )
 from dp_runtime.attention.kv_layout import KVLayout, choose_kv_layout
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.kv_cache import KVCache
+from dp_runtime.serving.kv_cache import KVCache
 
 __all__ = ["FlashInferBackend", "FlashInferMetadata"]
 

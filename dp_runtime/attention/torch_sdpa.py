@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.kv_cache import KVCache
+from dp_runtime.serving.kv_cache import KVCache
 
 __all__ = ["TorchSDPABackend"]
 

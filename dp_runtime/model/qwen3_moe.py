@@ -14,7 +14,7 @@ Per decoder layer (Hugging Face ``Qwen3MoeForCausalLM`` arithmetic):
     h = h + moe_or_mlp(x)
 
 then a final RMSNorm and the LM head. RMSNorm and RoPE run as FlashInfer's fused kernels on
-CUDA in bf16/fp16 (``dp_runtime.elementwise_ops``), as torch ops elsewhere. ``forward(batch)`` returns float32 logits of the rows that
+CUDA in bf16/fp16 (``dp_runtime.model.elementwise_ops``), as torch ops elsewhere. ``forward(batch)`` returns float32 logits of the rows that
 sample: every token of a decode batch (one per request), the last token of each request of an
 extend batch. The forward never syncs with the host on the decode path, so it can be captured.
 
@@ -38,10 +38,10 @@ import torch.nn.functional as F
 
 from dispatcher.partition import ExpertPartition
 from dispatcher.plan import FixedPlan
-from dp_runtime.elementwise_ops import elementwise_ops
-from dp_runtime.experts import grouped_mm_supported, local_expert_sum
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.layers import RotaryEmbedding, qk_norm_attention
+from dp_runtime.model.elementwise_ops import elementwise_ops
+from dp_runtime.model.experts import grouped_mm_supported, local_expert_sum
+from dp_runtime.model.layers import RotaryEmbedding, qk_norm_attention
 from dp_runtime.model.model_config import ModelConfig
 from dp_runtime.model.tensor_names import expert_names, layer_names
 from dp_runtime.model.weights import expected_shapes

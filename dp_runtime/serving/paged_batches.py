@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from dp_runtime.forward_batch import ForwardBatch
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.kv_allocator import KVAllocator
+from dp_runtime.serving.forward_batch import ForwardBatch
+from dp_runtime.serving.kv_allocator import KVAllocator
 
 __all__ = ["decode_forward_batch", "extend_forward_batch"]
 

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dp_runtime.forward_batch import ForwardBatch
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.kv_allocator import KVAllocator
-from dp_runtime.paged_batches import decode_forward_batch, extend_forward_batch
-from dp_runtime.request import Request, RequestResult
+from dp_runtime.serving.forward_batch import ForwardBatch
+from dp_runtime.serving.kv_allocator import KVAllocator
+from dp_runtime.serving.paged_batches import decode_forward_batch, extend_forward_batch
+from dp_runtime.serving.request import Request, RequestResult
 
 __all__ = ["ScheduledStep", "Scheduler"]
 

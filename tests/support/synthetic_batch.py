@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dp_runtime.forward_batch import ForwardBatch
-from dp_runtime.kv_allocator import KVAllocator
-from dp_runtime.paged_batches import decode_forward_batch, extend_forward_batch
+from dp_runtime.serving.forward_batch import ForwardBatch
+from dp_runtime.serving.kv_allocator import KVAllocator
+from dp_runtime.serving.paged_batches import decode_forward_batch, extend_forward_batch
 
 __all__ = ["SyntheticRequest", "add_requests", "decode_batch", "extend_batch"]
 

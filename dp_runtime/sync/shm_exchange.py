@@ -43,7 +43,7 @@ import struct
 import time
 from collections.abc import Mapping, Sequence
 
-from dp_runtime.errors import DPSyncError, DPSyncTimeoutError
+from dp_runtime.sync.errors import DPSyncError, DPSyncTimeoutError
 
 __all__ = ["ShmExchange", "pid_alive", "shm_file_size"]
 

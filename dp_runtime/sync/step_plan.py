@@ -18,7 +18,7 @@ What ``plan_step`` decides, in order:
 4. Graph bucket: the smallest capture size >= the max aligned count, only when every rank that
    has work reports ``can_run_graph`` (an IDLE rank replays the graph with zero live rows) and
    the max fits the largest capture size; else None (eager).
-5. Padding: ``choose_padding_mode`` (rule table in ``dp_runtime.padding_mode``).
+5. Padding: ``choose_padding_mode`` (rule table in ``dp_runtime.sync.padding_mode``).
 6. Sizes: with a bucket ``B``: MAX_LEN, ``B`` rows per rank, ``global_dp_buffer_len = B * dp``,
    ``runtime_max_tokens_per_rank = B``. Eager MAX_LEN: ``M = max(aligned)`` rows per rank,
    ``M * dp`` global. SUM_LEN: each rank its aligned count, ``sum(aligned)`` global,
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from dp_runtime.config import RuntimeConfig, align_up
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.padding_mode import PaddingMode, choose_padding_mode
-from dp_runtime.step_table import CODE_MODES, MODE_CODES, StepTable
+from dp_runtime.sync.padding_mode import PaddingMode, choose_padding_mode
+from dp_runtime.sync.step_table import CODE_MODES, MODE_CODES, StepTable
 
 __all__ = ["StepPlan", "plan_step"]
 

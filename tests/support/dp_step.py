@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dp_runtime.dp_buffer import DPBufferService
-from dp_runtime.step_plan import StepPlan
-from dp_runtime.step_sync import DPStepSync
-from dp_runtime.step_table import LocalStepInfo
+from dp_runtime.sync.dp_buffer import DPBufferService
+from dp_runtime.sync.step_plan import StepPlan
+from dp_runtime.sync.step_sync import DPStepSync
+from dp_runtime.sync.step_table import LocalStepInfo
 
 __all__ = ["DPRankStep", "RankStepResult"]
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dp_runtime.request import SamplingParams
+from dp_runtime.serving.request import SamplingParams
 
 __all__ = ["sample_tokens", "top_p_probs"]
 

@@ -5,7 +5,7 @@ Three implementations of ``StepExchange`` (``exchange(row) -> rows of every rank
 - ``LocalExchange``: world size 1, no process group.
 - ``GlooExchange``: the general path, one ``all_gather_into_tensor`` over the DP CPU (gloo)
   group into preallocated tensors.
-- ``ShmExchange`` (dp_runtime.shm_exchange): the same-node fast path through shared memory.
+- ``ShmExchange`` (dp_runtime.sync.shm_exchange): the same-node fast path through shared memory.
 
 ``open_exchange(config, group)`` runs a handshake once at init (over the CPU group, with
 object collectives; every rank takes part and takes the same decision):
@@ -32,10 +32,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from dp_runtime.collectives import all_gather_into, rank_of, world_of
 from dp_runtime.config import RuntimeConfig
-from dp_runtime.errors import DPPlanMismatchError, DPSyncTimeoutError
-from dp_runtime.shm_exchange import ShmExchange
+from dp_runtime.sync.collectives import all_gather_into, rank_of, world_of
+from dp_runtime.sync.errors import DPPlanMismatchError, DPSyncTimeoutError
+from dp_runtime.sync.shm_exchange import ShmExchange
 
 __all__ = ["GlooExchange", "LocalExchange", "StepExchange", "open_exchange"]
 

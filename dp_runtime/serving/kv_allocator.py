@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dp_runtime.kv_cache import KVCache
+from dp_runtime.serving.kv_cache import KVCache
 
 __all__ = ["KVAllocator"]
 

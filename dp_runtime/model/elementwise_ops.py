@@ -14,7 +14,7 @@ import importlib.util
 
 import torch
 
-from dp_runtime.layers import RotaryEmbedding, rms_norm
+from dp_runtime.model.layers import RotaryEmbedding, rms_norm
 
 __all__ = ["FlashInferOps", "TorchOps", "elementwise_ops"]
 

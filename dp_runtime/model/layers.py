@@ -61,7 +61,7 @@ def qk_norm_attention(
     """Qwen3's attention block on normed hidden states ``x_TH``: fused QKV projection, RMSNorm
     per head of q and k, RoPE at ``batch.positions``, the backend's attention (which writes this
     step's K/V), output projection. ``ops`` supplies ``rms_norm`` and ``rope``
-    (``dp_runtime.elementwise_ops``: torch's or FlashInfer's). Returns (T, H) in ``x_TH``'s
+    (``dp_runtime.model.elementwise_ops``: torch's or FlashInfer's). Returns (T, H) in ``x_TH``'s
     dtype."""
     t = x_TH.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim

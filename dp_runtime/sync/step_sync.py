@@ -1,7 +1,7 @@
 """DPStepSync: the per-step agreement of the DP ranks — one exchange, then the pure plan.
 
 Each step, every rank calls ``sync(local)``. That is ONE exchange (an all-gather of one int64
-row per rank, over shared memory on one node or gloo otherwise: ``dp_runtime.exchange``) whose
+row per rank, over shared memory on one node or gloo otherwise: ``dp_runtime.sync.exchange``) whose
 row holds, in this order::
 
     num_tokens, num_tokens_for_logprob, can_run_graph, is_extend, forward_mode,   (the report)
@@ -28,10 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 from dp_runtime.config import RuntimeConfig
-from dp_runtime.errors import DPPlanMismatchError, DPSyncError
-from dp_runtime.exchange import StepExchange, open_exchange
-from dp_runtime.step_plan import StepPlan, plan_step
-from dp_runtime.step_table import ROW_WIDTH, LocalStepInfo, StepTable
+from dp_runtime.sync.errors import DPPlanMismatchError, DPSyncError
+from dp_runtime.sync.exchange import StepExchange, open_exchange
+from dp_runtime.sync.step_plan import StepPlan, plan_step
+from dp_runtime.sync.step_table import ROW_WIDTH, LocalStepInfo, StepTable
 
 __all__ = ["DPStepSync"]
 

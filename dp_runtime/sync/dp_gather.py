@@ -38,14 +38,14 @@ from typing import Any
 
 import torch
 
-from dp_runtime.collectives import (
+from dp_runtime.sync.collectives import (
     all_gather_into,
     all_gather_v,
     all_reduce_sum,
     reduce_scatter_into,
     world_of,
 )
-from dp_runtime.padding_mode import PaddingMode
+from dp_runtime.sync.padding_mode import PaddingMode
 
 __all__ = [
     "dp_gather",

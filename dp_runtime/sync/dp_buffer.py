@@ -31,8 +31,8 @@ import torch
 
 from buffers.pool import BufferPool
 from dp_runtime.config import RuntimeConfig
-from dp_runtime.dp_gather import dp_gather, dp_reduce_scatter, dp_scatter
-from dp_runtime.padding_mode import PaddingMode
+from dp_runtime.sync.dp_gather import dp_gather, dp_reduce_scatter, dp_scatter
+from dp_runtime.sync.padding_mode import PaddingMode
 
 __all__ = ["DPBufferLayout", "DPBufferService", "dp_buffer_layout"]
 
