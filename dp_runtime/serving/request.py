@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["FINISH_REASONS", "Request", "RequestResult", "SamplingParams"]
 
-FINISH_REASONS = ("length", "stop")
+FINISH_REASONS = ("length", "stop", "error")
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,14 @@ class RequestResult:
     ttft_s: float
     latency_s: float
     decode_steps: int
+    # Set when the request was refused or failed on its own (bad input, or a bug that hit it
+    # alone): its output is then what it had produced, finish_reason "error". Final: a launcher
+    # never retries it.
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
     @property
     def tpot_s(self) -> float:
