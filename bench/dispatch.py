@@ -42,13 +42,14 @@ import torch
 import torch.distributed as dist
 
 from dispatcher import (
-    AllGatherDispatcher,
     AllToAllDispatcher,
     DispatcherConfig,
     EPGroup,
     FixedPlan,
+    make_dispatcher,
 )
 from dispatcher.sizing import flashinfer_workspace_bytes_per_rank
+from tests.support.gather_buffers import gather_buffers, lay_out
 
 GPU_TOKENS = tuple(2**i for i in range(14))  # 1 .. 8192
 GPU_QUICK = (1, 8, 64, 512, 4096)
@@ -144,6 +145,9 @@ def _capture(fn: Callable[[], object], ep: EPGroup) -> torch.cuda.CUDAGraph:
 
 
 def _ours_round(d, x, ids, w, plan):
+    if d.kind == "all_gather":
+        lay_out(d.buffers, plan)  # MAX_LEN slots, as a decode step's set_dp_buffer_len gives them
+
     def run():
         handle, inputs = d.dispatch(x, ids, w, plan)
         out = d.expert_output_buffer(handle)
@@ -214,7 +218,8 @@ def main() -> None:
         ours = {}
         t0 = time.monotonic()
         if "all_gather" in methods:
-            ours["all_gather"] = AllGatherDispatcher(cfg, ep, device=device)
+            ours["all_gather"] = make_dispatcher("all_gather", cfg, ep=ep, device=device,
+                                                 buffers=gather_buffers(cfg, ep, device))
         if "all_to_all" in methods:
             ours["all_to_all"] = AllToAllDispatcher(cfg, ep, device=device)
         if "flashinfer" in methods:

@@ -42,7 +42,7 @@ from buffers.pool import BufferPool
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.sync.collectives import all_gather_into, rank_of, world_of
 from dp_runtime.sync.dp_buffer import DPBufferService, dp_buffer_layout
-from dp_runtime.sync.dp_gather import dp_gather, dp_gather_by_counts
+from dp_runtime.sync.dp_gather import dp_gather
 from dp_runtime.sync.step_sync import DPStepSync
 from dp_runtime.sync.step_table import LocalStepInfo
 
@@ -199,7 +199,6 @@ def bench_gather(args, group, device, hidden, dtype) -> list[tuple]:
         sum_lay = dp_buffer_layout(
             g, n, False, counts, rank=rank, dp_size=world, max_tokens_per_rank=max_n
         )
-        counts_R = torch.tensor(counts, dtype=torch.int32, device=device)
 
         def raw(raw_out=raw_out, local=local):
             if world > 1:
@@ -220,16 +219,8 @@ def bench_gather(args, group, device, hidden, dtype) -> list[tuple]:
             device,
             group,
         )
-        t_cnt = timed(
-            lambda glob=glob, local=local, c=counts_R: dp_gather_by_counts(
-                glob, local, c, rank, group
-            ),
-            iters,
-            device,
-            group,
-        )
         nbytes = g * hidden * dtype.itemsize
-        rows.append((n, nbytes, t_raw, t_max, t_sum, t_cnt))
+        rows.append((n, nbytes, t_raw, t_max, t_sum))
     return rows
 
 
@@ -268,14 +259,13 @@ def main() -> None:
         print("GB/s = gathered buffer bytes / time; %raw = raw time / time")
         head = (
             f"{'tok/rank':>8} {'MiB':>8} {'raw_us':>9} {'raw_GB/s':>9} {'max_len_us':>10} {'%raw':>5} "
-            f"{'sum_len_us':>10} {'%raw':>5} {'by_counts_us':>12} {'%raw':>5}"
+            f"{'sum_len_us':>10} {'%raw':>5}"
         )
         print(head)
-        for n, nbytes, t_raw, t_max, t_sum, t_cnt in gather_rows:
+        for n, nbytes, t_raw, t_max, t_sum in gather_rows:
             print(
                 f"{n:>8} {nbytes / 2**20:>8.2f} {t_raw * 1e6:>9.1f} {nbytes / t_raw / 1e9:>9.2f} "
-                f"{t_max * 1e6:>10.1f} {100 * t_raw / t_max:>5.0f} {t_sum * 1e6:>10.1f} {100 * t_raw / t_sum:>5.0f} "
-                f"{t_cnt * 1e6:>12.1f} {100 * t_raw / t_cnt:>5.0f}"
+                f"{t_max * 1e6:>10.1f} {100 * t_raw / t_max:>5.0f} {t_sum * 1e6:>10.1f} {100 * t_raw / t_sum:>5.0f}"
             )
         sys.stdout.flush()
     if dist.is_initialized():

@@ -1,10 +1,10 @@
-"""buffers/: the process-wide input-buffer pool and the graph input registry (torch only).
+"""buffers/: the per-rank input-buffer pool and the graph input registry (torch only).
 
 This layer knows no model and no ForwardBatch class: it works on any dataclass by field name.
 """
 
 from buffers.builders import build_decode_registry, build_prefill_registry
-from buffers.pool import BufferNeed, BufferPool, PoolEntry, process_pool
+from buffers.pool import BufferNeed, BufferPool, PoolEntry
 from buffers.registry import BufferRegistry
 from buffers.share import share_input_buffers_in
 from buffers.slot import KEEP, ZERO, Axis, FillSizes, Padding, Slot, fill, fill_once
@@ -24,6 +24,5 @@ __all__ = [
     "build_prefill_registry",
     "fill",
     "fill_once",
-    "process_pool",
     "share_input_buffers_in",
 ]

@@ -23,6 +23,10 @@ global_num_tokens_gpu              none    computed     per-rank token counts fr
 global_num_tokens_for_logprob_gpu  none    computed     idem, for logprob rows
 =================================  ======  ===========  ===========================================
 
+The two ``global_num_tokens*`` slots exist only with ``register_global_num_tokens=True``, for a
+graph-safe path that needs device-side counts; dp_runtime has none (its graphs gather under
+MAX_LEN, the same layout at every replay), so its registries do not register them.
+
 ``source=obj`` binds the same-named attributes of an existing object (a missing one raises
 AttributeError naming it); ``source=None`` allocates every slot from the pool.
 """
@@ -134,7 +138,7 @@ def build_decode_registry(
     num_tokens_per_bs: int = 1,
     dp_size: int = 1,
     seq_len_fill_value: int = 1,
-    register_global_num_tokens: bool = True,
+    register_global_num_tokens: bool = False,
     mrope: bool = False,
     source: Any = None,
     user: str = "decode",
@@ -154,7 +158,7 @@ def build_prefill_registry(
     embed_dtype: torch.dtype = torch.bfloat16,
     dp_size: int = 1,
     seq_len_fill_value: int = 1,
-    register_global_num_tokens: bool = True,
+    register_global_num_tokens: bool = False,
     register_input_embeds: bool = True,
     mrope: bool = False,
     source: Any = None,

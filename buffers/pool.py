@@ -20,12 +20,11 @@ not share one pool between ranks or between concurrently running streams.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BufferNeed", "BufferPool", "PoolEntry", "process_pool"]
+__all__ = ["BufferNeed", "BufferPool", "PoolEntry"]
 
 
 @dataclass(frozen=True)
@@ -227,19 +226,3 @@ class BufferPool:
         """Drop every declaration and storage. Call only after graphs that point into it are gone."""
         self._needs.clear()
         self._storage.clear()
-
-
-# The one documented piece of process-wide state: the pool every runner of this process's rank
-# shares. One process hosts one rank, so one pool per process is one pool per rank. Tests and
-# tools that want isolation construct their own BufferPool and pass it explicitly.
-_PROCESS_POOL: BufferPool | None = None
-_PROCESS_POOL_LOCK = threading.Lock()
-
-
-def process_pool() -> BufferPool:
-    """The process-wide pool shared by every runner of this process's rank."""
-    global _PROCESS_POOL
-    with _PROCESS_POOL_LOCK:
-        if _PROCESS_POOL is None:
-            _PROCESS_POOL = BufferPool()
-        return _PROCESS_POOL

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -35,6 +36,32 @@ from buffers.pool import BufferPool
 from buffers.slot import Axis, FillSizes, Slot
 
 __all__ = ["BufferRegistry"]
+
+# Entries each per-size cache keeps (least recently used go first).
+PER_SIZE_CACHE = 256
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class BoundedCache(OrderedDict, Generic[K, V]):
+    """A dict that keeps its ``capacity`` most recently used entries."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def get(self, key: K, default: V | None = None) -> V | None:  # type: ignore[override]
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        return default
+
+    def __setitem__(self, key: K, value: V) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        if len(self) > self.capacity:
+            self.popitem(last=False)
 
 
 @dataclass
@@ -125,8 +152,10 @@ class BufferRegistry:
         self.user = user
         self._pool = pool
         self._buffers: dict[str, torch.Tensor] = {}
-        self._plans: dict[tuple[int, int, int | None, int | None], _FillPlan] = {}
-        self._padded: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        # Per-size caches, bounded: an eager runner sees every prefill size from 1 to the chunk,
+        # and each entry holds views; the hot sizes of a serving loop stay, the rest are evicted.
+        self._plans: BoundedCache[tuple[int, int, int | None, int | None], _FillPlan] = BoundedCache(PER_SIZE_CACHE)
+        self._padded: BoundedCache[tuple[int, int], dict[str, torch.Tensor]] = BoundedCache(PER_SIZE_CACHE)
         self._pad_sources: dict[str, torch.Tensor] = {}
         self._packs = []
         self._once_done: set[str] = set()

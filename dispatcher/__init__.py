@@ -1,10 +1,10 @@
 """dispatcher/: MoE token dispatch and combine over the EP group, and their buffer sizing.
 
-Backends: all-gather + reduce-scatter, variable-split all-to-all (torch.distributed), and
+Backends: local (world size 1), all-gather + reduce-scatter through the DP buffer service, variable-split all-to-all (torch.distributed), and
 FlashInfer's MoeAlltoAll (imported lazily). See docs/dispatcher.md.
 """
 
-from dispatcher.all_gather import AllGatherDispatcher, AllGatherHandle, GatherFn
+from dispatcher.all_gather import AllGatherDispatcher, AllGatherHandle, GatherBuffers
 from dispatcher.all_to_all import AllToAllDispatcher, AllToAllHandle
 from dispatcher.config import DispatcherConfig
 from dispatcher.experts import (
@@ -14,18 +14,13 @@ from dispatcher.experts import (
     reference_moe,
     run_local_experts,
 )
-from dispatcher.factory import (
-    DISPATCHER_KINDS,
-    KindChoice,
-    make_dispatcher,
-    resolve_dispatcher_kind,
-)
+from dispatcher.factory import DISPATCHER_KINDS, flashinfer_dispatch_verdict, make_dispatcher
 from dispatcher.groups import EPGroup
+from dispatcher.local import LocalDispatcher, LocalHandle
 from dispatcher.partition import INVALID_EXPERT_ID, ExpertPartition
 from dispatcher.plan import FixedPlan, StepPlanLike
 from dispatcher.protocol import Dispatcher, DispatchResult, moe_forward
 from dispatcher.sizing import (
-    all_gather_buffer_bytes,
     all_to_all_buffer_bytes,
     flashinfer_workspace_bytes_per_rank,
     flashinfer_workspace_bytes_total,
@@ -49,20 +44,20 @@ __all__ = [
     "ExpertInputs",
     "ExpertPartition",
     "FixedPlan",
-    "GatherFn",
-    "KindChoice",
+    "GatherBuffers",
+    "LocalDispatcher",
+    "LocalHandle",
     "StepPlanLike",
     "SwiGLUExperts",
-    "all_gather_buffer_bytes",
     "all_to_all_buffer_bytes",
     "barrier_with_timeout",
+    "flashinfer_dispatch_verdict",
     "flashinfer_workspace_bytes_per_rank",
     "flashinfer_workspace_bytes_total",
     "make_dispatcher",
     "max_tokens_per_rank",
     "moe_forward",
     "reference_moe",
-    "resolve_dispatcher_kind",
     "run_local_experts",
     "verify_plan_agreement",
 ]

@@ -14,23 +14,90 @@ Legend: ``T`` local tokens, ``R`` EP ranks, ``S`` rows sent (token, destination)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from dispatcher.collectives import all_to_all_rows, exchange_counts
 from dispatcher.config import DispatcherConfig
 from dispatcher.experts import ExpertInputs
 from dispatcher.groups import EPGroup, default_device
-from dispatcher.packing import RowLayout
 from dispatcher.partition import ExpertPartition
 from dispatcher.plan import StepPlanLike
 from dispatcher.protocol import DispatchResult
-from dispatcher.sizing import all_to_all_buffer_bytes
+from dispatcher.sizing import all_to_all_buffer_bytes, dtype_bytes
 from dispatcher.startup import FirstStepGuard, warmup_round
 from dispatcher.validate import check_combine_input, check_step
 
-__all__ = ["AllToAllDispatcher", "AllToAllHandle"]
+__all__ = ["AllToAllDispatcher", "AllToAllHandle", "RowLayout"]
+
+
+# -- packed rows: a token's hidden row and routing in one byte row, so one collective carries both.
+# Row layout (bytes): [ids: K x int32 | weights: K x fp32 | hidden: D x dtype | pad to 16]. Routing
+# goes first so every field starts at an offset its dtype divides, whatever D; the row length is a
+# multiple of 16 so dtype views of a [S, B] byte tensor are legal.
+_ROW_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Byte layout of a packed row for ``hidden_size`` in ``dtype`` and ``top_k`` picks."""
+
+    hidden_size: int
+    top_k: int
+    dtype: torch.dtype
+
+    @property
+    def hidden_offset(self) -> int:
+        return 8 * self.top_k
+
+    @property
+    def row_bytes(self) -> int:
+        raw = self.hidden_offset + self.hidden_size * dtype_bytes(self.dtype)
+        return (raw + _ROW_ALIGN - 1) // _ROW_ALIGN * _ROW_ALIGN
+
+    def empty(self, rows: int, device: torch.device) -> torch.Tensor:
+        """An uninitialized ``[rows, B]`` uint8 buffer."""
+        return torch.empty((rows, self.row_bytes), dtype=torch.uint8, device=device)
+
+    def views(self, rows_SB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Typed views ``(hidden_SD, ids_SK int32, weights_SK fp32)`` into packed rows."""
+        k, off = self.top_k, self.hidden_offset
+        end = off + self.hidden_size * dtype_bytes(self.dtype)
+        ids_SK = rows_SB[:, : 4 * k].view(torch.int32)
+        weights_SK = rows_SB[:, 4 * k: off].view(torch.float32)
+        hidden_SD = rows_SB[:, off:end].view(self.dtype)
+        return hidden_SD, ids_SK, weights_SK
+
+    def pack(self, hidden_SD: torch.Tensor, ids_SK: torch.Tensor, weights_SK: torch.Tensor) -> torch.Tensor:
+        """New ``[S, B]`` uint8 rows holding the given hidden rows, ids and weights."""
+        rows_SB = self.empty(hidden_SD.shape[0], hidden_SD.device)
+        h, i, w = self.views(rows_SB)
+        h.copy_(hidden_SD)
+        i.copy_(ids_SK)
+        w.copy_(weights_SK)
+        return rows_SB
+
+
+# -- row collectives over the EP group (world size 1: a copy)
+def all_to_all_rows(out_NX: torch.Tensor, src_SX: torch.Tensor, out_splits: Sequence[int],
+                    in_splits: Sequence[int], ep: EPGroup) -> None:
+    """Variable-split all-to-all of rows: ``in_splits[r]`` rows of ``src_SX`` go to rank ``r``,
+    ``out_splits[r]`` rows arrive from rank ``r`` (both rank-major)."""
+    if not ep.distributed:
+        out_NX.copy_(src_SX)
+        return
+    dist.all_to_all_single(out_NX, src_SX.contiguous(), list(out_splits), list(in_splits), group=ep.group)
+
+
+def exchange_counts(send_counts_R: torch.Tensor, ep: EPGroup) -> torch.Tensor:
+    """Each rank's row count for this rank: one small all-to-all of an int64 ``[R]`` tensor."""
+    if not ep.distributed:
+        return send_counts_R.clone()
+    recv_counts_R = torch.empty_like(send_counts_R)
+    dist.all_to_all_single(recv_counts_R, send_counts_R.contiguous(), group=ep.group)
+    return recv_counts_R
 
 
 @dataclass(frozen=True)

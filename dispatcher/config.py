@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dispatcher.sizing import max_tokens_per_rank as _max_tokens_per_rank
-
 __all__ = ["DispatcherConfig"]
 
 
@@ -46,12 +44,3 @@ class DispatcherConfig:
             raise ValueError(f"DispatcherConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
         if self.first_step_timeout_s <= 0:
             raise ValueError(f"DispatcherConfig.first_step_timeout_s must be > 0, got {self.first_step_timeout_s}")
-
-    @classmethod
-    def for_runtime(cls, *, num_experts: int, top_k: int, hidden_size: int, dtype: torch.dtype,
-                    chunked_prefill_size: int, max_running_requests: int, **kwargs) -> DispatcherConfig:
-        """Config sized from the runtime's limits: ``max_tokens_per_rank = max(chunked_prefill_size,
-        max_running_requests)`` (never multiplied by ``ep_size``: sizing applies that once)."""
-        return cls(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, dtype=dtype,
-                   max_tokens_per_rank=_max_tokens_per_rank(chunked_prefill_size, max_running_requests),
-                   **kwargs)

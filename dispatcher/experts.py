@@ -52,9 +52,13 @@ class ExpertInputs:
     weights_NK: torch.Tensor
     num_local_experts: int
     first_expert: int
+    # Set by a dispatcher that already holds the local ids (the local one: they are the ids).
+    given_local_ids_NK: torch.Tensor | None = None
 
     @functools.cached_property
     def local_expert_ids_NK(self) -> torch.Tensor:
+        if self.given_local_ids_NK is not None:
+            return self.given_local_ids_NK
         return ExpertPartition.local_ids_of(self.expert_ids_NK, self.first_expert, self.num_local_experts)
 
     @property

@@ -28,7 +28,6 @@ __all__ = [
     "FLASHINFER_ALIGNMENT",
     "FLASHINFER_MAX_RANKS",
     "FLASHINFER_MAX_TOP_K",
-    "all_gather_buffer_bytes",
     "all_to_all_buffer_bytes",
     "dtype_bytes",
     "flashinfer_aux_bytes",
@@ -64,14 +63,17 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def max_tokens_per_rank(chunked_prefill_size: int, max_running_requests: int) -> int:
+def max_tokens_per_rank(chunked_prefill_size: int, max_running_requests: int, attn_tp_size: int = 1) -> int:
     """The largest step one rank can issue: a prefill chunk or one decode token per request.
 
-    Takes the runtime's two limits and returns ``max(chunked_prefill_size, max_running_requests)``:
-    the ``max_num_tokens`` every dispatcher workspace is sized for, per rank.
+    Takes the runtime's limits and returns ``max(chunked_prefill_size, max_running_requests)``
+    aligned up to ``attn_tp_size``: the ``max_num_tokens`` every dispatcher workspace and the DP
+    buffers are sized for, per rank. The one definition (RuntimeConfig's property calls it).
     """
-    _check_positive(chunked_prefill_size=chunked_prefill_size, max_running_requests=max_running_requests)
-    return max(chunked_prefill_size, max_running_requests)
+    _check_positive(chunked_prefill_size=chunked_prefill_size, max_running_requests=max_running_requests,
+                    attn_tp_size=attn_tp_size)
+    most = max(chunked_prefill_size, max_running_requests)
+    return -(-most // attn_tp_size) * attn_tp_size
 
 
 def routing_bytes_per_token(top_k: int) -> int:
@@ -162,24 +164,6 @@ def flashinfer_workspace_bytes_total(ep_size: int, max_tokens_per_rank: int, hid
         ep_size, max_tokens_per_rank, hidden_size, top_k, dtype,
         extra_payload_bytes_per_token, eplb_stats_num_experts,
     )
-
-
-def all_gather_buffer_bytes(ep_size: int, max_tokens_per_rank: int, hidden_size: int, top_k: int,
-                            dtype: torch.dtype) -> int:
-    """Peak bytes one rank allocates for an all-gather dispatch + combine at full capacity.
-
-    Gathered hidden states and expert outputs (``R*P x D`` each, in ``dtype``), the gathered routing
-    (``R*P x K`` ids and weights) and the local fp32 accumulator of expert outputs (``R*P x D``),
-    plus the padded local send rows (``P x D``) and the reduced result (``P x D``).
-    """
-    _check_positive(ep_size=ep_size, max_tokens_per_rank=max_tokens_per_rank,
-                    hidden_size=hidden_size, top_k=top_k)
-    rows = ep_size * max_tokens_per_rank
-    elt = dtype_bytes(dtype)
-    gathered = rows * hidden_size * elt + rows * routing_bytes_per_token(top_k)
-    expert_out = rows * hidden_size * elt + rows * hidden_size * 4
-    local = 2 * max_tokens_per_rank * hidden_size * elt + max_tokens_per_rank * routing_bytes_per_token(top_k)
-    return gathered + expert_out + local
 
 
 def all_to_all_buffer_bytes(ep_size: int, max_tokens_per_rank: int, hidden_size: int, top_k: int,

@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from dispatcher.sizing import max_tokens_per_rank
 from dp_runtime.env import read_env
 from dp_runtime.sync.padding_mode import PaddingMode
 from graph.capture_sizes import capture_sizes
@@ -249,10 +250,9 @@ class RuntimeConfig:
 
     @property
     def max_tokens_per_rank(self) -> int:
-        """The most tokens one rank can bring to a step (prefill chunk or decode batch), aligned."""
-        return align_up(
-            max(self.chunked_prefill_size, self.max_running_requests), self.attn_tp_size
-        )
+        """The most tokens one rank can bring to a step (prefill chunk or decode batch), aligned
+        (``dispatcher.sizing.max_tokens_per_rank``, the one definition)."""
+        return max_tokens_per_rank(self.chunked_prefill_size, self.max_running_requests, self.attn_tp_size)
 
     @property
     def max_global_tokens(self) -> int:

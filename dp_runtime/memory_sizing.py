@@ -26,7 +26,6 @@ import torch
 from buffers.builders import build_decode_registry, build_prefill_registry
 from buffers.pool import BufferPool
 from dispatcher.sizing import (
-    all_gather_buffer_bytes,
     all_to_all_buffer_bytes,
     flashinfer_workspace_bytes_per_rank,
 )
@@ -37,12 +36,12 @@ from dp_runtime.sync.dp_buffer import DPBufferService, dp_buffer_layout
 from dp_runtime.sync.padding_mode import PaddingMode
 
 __all__ = [
-    "CAPTURABLE_DISPATCHERS",
     "CUDA_CONTEXT_BYTES",
     "NCCL_COMMUNICATOR_BYTES",
     "TRANSIENT_WORKSPACE_DISPATCHERS",
     "activation_peak_bytes_estimate",
     "cuda_context_bytes",
+    "dispatcher_gathers",
     "dispatcher_step_bytes",
     "dispatcher_workspace_bytes",
     "dp_buffer_bytes",
@@ -75,11 +74,9 @@ CUDA_CONTEXT_BYTES = 512 * _MIB
 # is 4 MiB x 32 x 2 = 256 MiB, plus small work FIFOs. P2P (all-to-all) buffers are allocated
 # per peer on first use and are included in this round figure only roughly.
 NCCL_COMMUNICATOR_BYTES = 256 * _MIB
-# Dispatchers that a CUDA graph can capture: all_to_all reads its split sizes on the host.
-CAPTURABLE_DISPATCHERS = ("all_gather", "flashinfer")
 # Dispatchers whose ``workspace_bytes_per_rank()`` is the peak of buffers allocated per step
 # (live only during a step's MoE section), not memory held between steps as FlashInfer's is.
-TRANSIENT_WORKSPACE_DISPATCHERS = ("all_gather", "all_to_all")
+TRANSIENT_WORKSPACE_DISPATCHERS = ("all_to_all",)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -122,14 +119,23 @@ def _device_bytes_by_name(pool: BufferPool) -> dict[str, int]:
     return {e.name: e.nbytes for e in pool.report() if e.device.type != "cpu"}
 
 
-def dp_buffer_bytes(config: RuntimeConfig) -> int:
-    """Device bytes the rank's ``DPBufferService`` requests from its pool: the gathered buffer
-    (``max_global_tokens x H``) and the local one (``max_tokens_per_rank x H``), in
-    ``config.dtype``. Built on the meta device with the service itself, so nothing is allocated.
+def dp_buffer_bytes(config: RuntimeConfig, dispatcher: str, top_k: int) -> int:
+    """Device bytes the rank's ``DPBufferService`` requests from its pool with ``dispatcher``
+    (a resolved kind): for the gather-style ``all_gather``, the gathered hidden buffer
+    (``max_global_tokens x H``), the local one (``max_tokens_per_rank x H``) and the gathered
+    routing (``max_global_tokens x 2 top_k`` int32); for all-to-all dispatchers nothing. Built on
+    the meta device with the service itself, so nothing is allocated and nothing can drift.
     """
     pool = BufferPool()
-    DPBufferService(config, pool, rank=0, device="meta")
+    gathers = dispatcher_gathers(dispatcher)
+    DPBufferService(config, pool, rank=0, device="meta", allocate=gathers,
+                    routing_top_k=top_k if gathers else 0)
     return sum(_device_bytes_by_name(pool).values())
+
+
+def dispatcher_gathers(kind: str) -> bool:
+    """Whether the dispatcher ``kind`` gathers through the DP buffer service (only all_gather)."""
+    return kind == "all_gather"
 
 
 def dp_gathered_rows(num_tokens_per_rank: Sequence[int], padding: PaddingMode,
@@ -198,33 +204,36 @@ def dispatcher_workspace_bytes(kind: str, ep_size: int, max_tokens_per_rank: int
                                top_k: int, dtype: torch.dtype) -> int:
     """What the dispatcher's ``workspace_bytes_per_rank()`` reports, by kind, from dispatcher/sizing.
 
-    ``flashinfer``: the MoeAlltoAll workspace, allocated once and kept. ``all_gather`` /
-    ``all_to_all`` (``TRANSIENT_WORKSPACE_DISPATCHERS``): the peak of the buffers one step
-    allocates at full capacity, live only during the MoE section of a full step (so the same
-    bytes are part of the activation peak). Raises ValueError for another kind.
+    ``flashinfer``: the MoeAlltoAll workspace, allocated once and kept. ``all_gather``: 0 (its
+    gathered storage is the DP buffer service's, counted in ``dp_buffer_bytes``; the experts
+    write over the gathered rows). ``all_to_all`` (``TRANSIENT_WORKSPACE_DISPATCHERS``): the
+    peak of the buffers one step allocates at full capacity, live only during the MoE section of
+    a full step (so the same bytes are part of the activation peak). Raises ValueError for
+    another kind.
     """
     args = (ep_size, max_tokens_per_rank, hidden_size, top_k, dtype)
     if kind == "flashinfer":
         return flashinfer_workspace_bytes_per_rank(*args)
-    if kind == "all_gather":
-        return all_gather_buffer_bytes(*args)
+    if kind in ("local", "all_gather"):
+        return 0
     if kind == "all_to_all":
         return all_to_all_buffer_bytes(*args)
-    raise ValueError(f"unknown dispatcher kind {kind!r}; expected all_gather, all_to_all or flashinfer")
+    raise ValueError(f"unknown dispatcher kind {kind!r}; expected local, all_gather, all_to_all or flashinfer")
 
 
 def dispatcher_step_bytes(kind: str, ep_size: int, num_tokens: int, hidden_size: int,
                           top_k: int, dtype: torch.dtype) -> int:
     """Transient bytes one dispatch + combine allocates at ``num_tokens`` per rank, outside any
     persistent workspace: ``all_gather`` / ``all_to_all``: their step buffers at that size (the
-    sizing functions at ``max_tokens_per_rank = num_tokens``); ``flashinfer``: 0 (payloads live
+    sizing functions at ``max_tokens_per_rank = num_tokens``); ``local`` and ``all_gather``: 0
+    (nothing beyond the DP buffers, which the experts write over); ``flashinfer``: 0 (payloads live
     in the persistent workspace; the combined output is the layer's MoE output, which the
     forward estimate counts). 0 tokens: 0. Raises ValueError for another kind.
     """
-    if kind == "flashinfer":
+    if kind in ("local", "all_gather", "flashinfer"):
         return 0
     if kind not in TRANSIENT_WORKSPACE_DISPATCHERS:
-        raise ValueError(f"unknown dispatcher kind {kind!r}; expected all_gather, all_to_all or flashinfer")
+        raise ValueError(f"unknown dispatcher kind {kind!r}; expected local, all_gather, all_to_all or flashinfer")
     if num_tokens <= 0:
         return 0
     return dispatcher_workspace_bytes(kind, ep_size, num_tokens, hidden_size, top_k, dtype)

@@ -52,10 +52,10 @@ class RankSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from dispatcher.factory import DISPATCHER_KINDS
+        from dp_runtime.choices import DISPATCHERS
 
-        if self.dispatcher not in DISPATCHER_KINDS:
-            raise ValueError(f"RankSpec.dispatcher must be one of {DISPATCHER_KINDS}, got {self.dispatcher!r}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"RankSpec.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"RankSpec.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:

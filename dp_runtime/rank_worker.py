@@ -27,6 +27,7 @@ belongs to whoever created it and is destroyed after.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import threading
@@ -38,14 +39,9 @@ import torch
 import torch.distributed as dist
 
 from buffers import BufferPool, build_decode_registry, build_prefill_registry
-from dispatcher import (
-    DispatcherConfig,
-    EPGroup,
-    FixedPlan,
-    make_dispatcher,
-    resolve_dispatcher_kind,
-)
+from dispatcher import DispatcherConfig, EPGroup, flashinfer_dispatch_verdict, make_dispatcher
 from dp_runtime import memory_sizing
+from dp_runtime.choices import Choices, resolve_choices
 from dp_runtime.model.qwen3_moe import Qwen3MoeModel
 from dp_runtime.model.weights import iter_checkpoint, iter_random
 from dp_runtime.rank_spec import RankSpec
@@ -132,33 +128,43 @@ class RankWorker:
         self._own_cpu_group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
         return group, self._own_cpu_group
 
+    def _choices(self, ep: EPGroup) -> Choices:
+        spec, mc, dev = self.spec, self.model_config, self.device
+        verdict = (False, "not asked")
+        if spec.dispatcher == "auto" and self.world_size > 1:
+            verdict = flashinfer_dispatch_verdict(ep, dev)  # collective: every rank asks
+        return resolve_choices(
+            dispatcher=spec.dispatcher, use_cuda_graph=spec.use_cuda_graph, attention=spec.attention,
+            world_size=self.world_size, device_type=dev.type, dtype=spec.runtime.dtype, head_dim=mc.head_dim,
+            capture_sizes=spec.runtime.cuda_graph_bs, flashinfer_dispatch=verdict,
+            flashinfer_importable=importlib.util.find_spec("flashinfer") is not None,
+        )
+
     def _build(self, group: Any) -> None:
         spec, cfg, mc, dev = self.spec, self.spec.runtime, self.model_config, self.device
         device_group, cpu_group = self._groups(group)
         exchange = LocalExchange(NCOLS) if self.world_size == 1 else None
         self.sync = DPStepSync(cfg, cpu_group, exchange=exchange)
         ep = EPGroup.local() if self.world_size == 1 else EPGroup.from_torch(device_group, cpu_group)
+        self.choices = choices = self._choices(ep)
+        self.dispatcher_kind = choices.dispatcher
 
-        kind = resolve_dispatcher_kind(spec.dispatcher, ep, dev).kind
-        want_graphs = spec.use_cuda_graph if spec.use_cuda_graph is not None else dev.type == "cuda"
-        if want_graphs and kind == "all_to_all" and dev.type == "cuda":
-            if spec.dispatcher == "all_to_all":
-                raise ValueError("RankWorker: the all_to_all dispatcher reads counts on the host and cannot be "
-                                 "captured in a CUDA graph; pick all_gather or flashinfer, or use_cuda_graph=False")
-            kind = "all_gather"  # "auto" resolved to all_to_all: take the capturable backend
-        self.dispatcher_kind = kind
-        dcfg = DispatcherConfig.for_runtime(
-            num_experts=mc.num_experts, top_k=mc.top_k, hidden_size=mc.hidden_size, dtype=cfg.dtype,
-            chunked_prefill_size=cfg.chunked_prefill_size, max_running_requests=cfg.max_running_requests,
-            check_expert_ids=False,  # the router's top-k ids are in range by construction
-        )
-        self.dispatcher = make_dispatcher(kind, dcfg, ep=ep, device=dev)
-        self._memory["dispatcher_workspace"] = self.dispatcher.workspace_bytes_per_rank()
-
+        # The rank's one pool. Its first tenant is the DP buffer service, whose gathered
+        # storage exists only when the dispatcher gathers through it.
         pool = BufferPool()
         self.pool = pool
-        self.dp_buffers = DPBufferService(cfg, pool, self.rank, group=device_group, device=dev)
-        self._memory["dp_buffers"] = pool.total_bytes()  # the pool's first tenant
+        gathers = memory_sizing.dispatcher_gathers(choices.dispatcher)
+        self.dp_buffers = DPBufferService(cfg, pool, self.rank, group=device_group, device=dev,
+                                          allocate=gathers, routing_top_k=mc.top_k if gathers else 0)
+        self._memory["dp_buffers"] = pool.total_bytes()
+        dcfg = DispatcherConfig(
+            num_experts=mc.num_experts, top_k=mc.top_k, hidden_size=mc.hidden_size, dtype=cfg.dtype,
+            max_tokens_per_rank=cfg.max_tokens_per_rank,
+            check_expert_ids=False,  # the router's top-k ids are in range by construction
+        )
+        extra = {"buffers": self.dp_buffers} if gathers else {}
+        self.dispatcher = make_dispatcher(choices.dispatcher, dcfg, ep=ep, device=dev, **extra)
+        self._memory["dispatcher_workspace"] = self.dispatcher.workspace_bytes_per_rank()
 
         if spec.is_preset:
             weights = iter_random(mc, ep.rank, ep.size, cfg.dtype, dev, spec.seed)
@@ -173,6 +179,7 @@ class RankWorker:
             dtype=cfg.dtype, device=dev,
         )
         self._memory["kv_cache"] = self.kv_cache.nbytes()
+        self.attention_kind = choices.attention
         self.attention = self._attention_backend()
         self.model.attention = self.attention
         self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
@@ -184,15 +191,17 @@ class RankWorker:
         pool_before = pool.total_bytes()
 
         def eager_registry(bs: int, tokens: int):
-            return build_prefill_registry(bs, tokens, dev, pool, dp_size=cfg.dp_size,
-                                          register_input_embeds=False, user="eager")
+            return build_prefill_registry(bs, tokens, dev, pool, dp_size=cfg.dp_size, register_input_embeds=False,
+                                          register_global_num_tokens=False, user="eager")
 
         self.eager = EagerRunner(self.model.forward, self.attention, eager_registry, no_copy=cfg.eager_input_no_copy,
                                  max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
         sizes = cfg.cuda_graph_bs
-        self._bucket_plans = {b: FixedPlan.uniform(cfg.dp_size, b) for b in sizes}
-        if want_graphs and sizes:
-            registry = build_decode_registry(sizes[-1], dev, pool, dp_size=cfg.dp_size, user="decode_graph")
+        if choices.graphs:
+            # No graph path reads device-side counts (a graph always gathers MAX_LEN), so the
+            # registry holds no global_num_tokens_gpu slot.
+            registry = build_decode_registry(sizes[-1], dev, pool, dp_size=cfg.dp_size,
+                                             register_global_num_tokens=False, user="decode_graph")
             self.graphs = GraphRunner(
                 self.model.forward, self.attention, registry, sizes,
                 capture_batch=self._capture_batch, capture_plan=self._capture_plan,
@@ -224,19 +233,10 @@ class RankWorker:
 
     def _attention_backend(self):
         from dp_runtime.attention import FlashInferBackend, TorchSDPABackend
-        from dp_runtime.attention.backend import flashinfer_unsupported
 
-        mc, kind, dtype = self.model_config, self.spec.attention, self.spec.runtime.dtype
+        mc = self.model_config
         heads = dict(num_q_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
-        unsupported = flashinfer_unsupported(self.device.type, dtype, mc.head_dim)
-        if kind == "flashinfer" and unsupported:
-            raise ValueError("RankSpec.attention='flashinfer' cannot run here: " + "; ".join(unsupported))
-        if kind == "auto":
-            kind = "sdpa"
-            if not unsupported and importlib.util.find_spec("flashinfer") is not None:
-                kind = "flashinfer"
-        self.attention_kind = kind
-        if kind == "flashinfer":
+        if self.attention_kind == "flashinfer":
             return FlashInferBackend(self.kv_cache, check_indices=self.spec.runtime.flashinfer_checks, **heads)
         return TorchSDPABackend(self.kv_cache, **heads)
 
@@ -245,9 +245,7 @@ class RankWorker:
         return plan_step(StepTable.from_counts([bucket] * cfg.dp_size, can_run_graph=True), cfg)
 
     def _capture_batch(self, bs: int, num_tokens: int, plan: StepPlan):
-        batch = capture_batch(bs, num_tokens, plan, device=self.device)
-        batch.dispatch_plan = self._bucket_plans[bs]
-        return batch
+        return capture_batch(bs, num_tokens, plan, device=self.device)
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> None:
@@ -270,6 +268,7 @@ class RankWorker:
             out: dict[str, Any] = dict(self._counters)
         out.update(rank=self.rank, waiting=self.scheduler.num_waiting, running=len(self.scheduler.running),
                    dispatcher=self.dispatcher_kind, attention=self.attention_kind, elementwise=self.model.ops.name,
+                   choices=dataclasses.asdict(self.choices),
                    graphs=self.graphs is not None, kv_slots=self.kv_cache.num_slots,
                    free_kv_slots=self.scheduler.allocator.num_free_slots)
         return out
@@ -300,16 +299,15 @@ class RankWorker:
             c["skipped_steps"] += 1
             return plan
         self.dp_buffers.set_from_plan(plan)
-        counts = plan.global_num_tokens_cpu
-        batch = scheduled.batch if scheduled is not None else idle_batch(self.device, counts)
-        batch.global_num_tokens_cpu = counts
-        batch.global_num_tokens_for_logprob_cpu = counts
+        # The step's batch, built once: the scheduler's with the plan (never written in place).
+        if scheduled is None:
+            batch = idle_batch(self.device, plan)
+        else:
+            batch = dataclasses.replace(scheduled.batch, plan=plan)
         if plan.graph_bucket is not None and self.graphs is not None:
-            batch.dispatch_plan = self._bucket_plans[self.graphs.bucket_for(plan)]
             logits = self.graphs.replay(batch, plan)
             c["graph_steps"] += 1
         else:
-            batch.dispatch_plan = plan
             logits = self._eager(batch)
             c["eager_steps"] += 1
         c["steps"] += 1

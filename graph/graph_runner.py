@@ -54,6 +54,7 @@ class _Captured:
     record: CaptureRecord
     graph: torch.cuda.CUDAGraph | None  # None: the eager stand-in (no CUDA)
     output: Any  # the graph's output tensors (graph memory), None without CUDA
+    plan: Any  # the capture plan: the bucket on every rank, what the graph's gathers recorded
 
 
 @contextmanager
@@ -232,7 +233,7 @@ class GraphRunner:
             fields=self._fields(batch),
         )
         if stream is None:
-            return _Captured(record, None, None)
+            return _Captured(record, None, None, plan)
         view = self.registry.view(batch, bs, n)
         # Warm-up on the capture stream, after the fill that the current stream enqueued.
         stream.wait_stream(torch.cuda.current_stream(self.registry.device))
@@ -243,7 +244,7 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=stream):
             output = self.forward(view)
-        return _Captured(record, graph, output)
+        return _Captured(record, graph, output, plan)
 
     # -- replay --------------------------------------------------------------------------------
     def _fields(self, batch: Any) -> frozenset[str]:
@@ -333,9 +334,12 @@ class GraphRunner:
             captured.graph.replay()
             output = captured.output
         else:
-            view = self.registry.view(batch, bucket, n)
-            if batch.forward_mode is not self.forward_mode:  # an IDLE batch runs the captured mode
-                view = dataclasses.replace(view, forward_mode=self.forward_mode)
+            # The stand-in runs what the capture recorded: the captured mode (an IDLE batch too)
+            # and the capture plan, with the DP buffers laid out for it.
+            view = dataclasses.replace(self.registry.view(batch, bucket, n), forward_mode=self.forward_mode,
+                                       plan=captured.plan)
+            if self._set_plan is not None:
+                self._set_plan(captured.plan)
             with torch.inference_mode():
                 output = self.forward(view)
         if raw_n == n and raw_bs == bucket:

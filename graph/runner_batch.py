@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from graph.forward_mode import ForwardMode
 
@@ -15,11 +15,13 @@ class RunnerBatch(Protocol):
 
     - ``batch_size``: live requests on this rank (0 for IDLE);
     - ``num_tokens``: live tokens on this rank (0 for IDLE);
-    - ``forward_mode``: a ``graph.ForwardMode``.
+    - ``forward_mode``: a ``graph.ForwardMode``;
+    - ``plan``: the step's plan (``StepPlanView``); a graph replays with its capture plan.
     """
 
     batch_size: int
     forward_mode: ForwardMode
+    plan: Any
 
     @property
     def num_tokens(self) -> int: ...

@@ -33,7 +33,7 @@ from typing import Any
 
 from dispatcher.partition import ExpertPartition
 from dp_runtime import memory_sizing as ms
-from dp_runtime.attention.backend import flashinfer_unsupported
+from dp_runtime.choices import Choices, resolve_choices
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.rank_spec import RankSpec
@@ -67,8 +67,7 @@ __all__ = [
     "gpu_spec",
     "largest_max_running_requests",
     "plan_capacity",
-    "resolve_cuda_graphs",
-    "resolve_dispatcher",
+    "plan_choices",
 ]
 
 
@@ -154,38 +153,17 @@ def _model_ref(model: str) -> str:
     return model
 
 
-# -- resolution rules -------------------------------------------------------------------------------
-def resolve_cuda_graphs(use_cuda_graph: bool | None, capture_sizes: tuple[int, ...]) -> tuple[bool, bool, str]:
-    """``(graphs wanted, graphs captured, reason)`` for a CUDA rank, by the rank worker's rule:
-    wanted unless ``use_cuda_graph`` is False; captured when wanted and there are capture sizes."""
-    want = True if use_cuda_graph is None else bool(use_cuda_graph)
-    if not want:
-        return False, False, "use_cuda_graph is False"
-    if not capture_sizes:
-        return True, False, "no capture sizes"
-    return True, True, f"largest bucket {capture_sizes[-1]}"
-
-
-def resolve_dispatcher(kind: str, world_size: int, nvlink: bool, want_graphs: bool) -> tuple[str, str]:
-    """``(backend, reason)`` by the runtime's rules: ``auto`` is all_to_all at world size 1 (no
-    process group, dispatcher.factory) or without NVLink, else flashinfer; then, as the rank
-    worker does, an ``auto`` that gave all_to_all becomes all_gather when graphs are wanted
-    (all_to_all reads counts on the host: not capturable). An explicit all_to_all with graphs
-    wanted is a ValueError, as in the worker."""
-    if kind != "auto":
-        if want_graphs and kind not in ms.CAPTURABLE_DISPATCHERS:
-            raise ValueError(f"the {kind} dispatcher reads counts on the host and cannot be captured in "
-                             f"a CUDA graph; pick {' or '.join(ms.CAPTURABLE_DISPATCHERS)}, or no graphs")
-        return kind, "configured"
-    if world_size == 1:
-        chosen, why = "all_to_all", "auto: world size 1 has no process group (FlashInfer needs one)"
-    elif not nvlink:
-        chosen, why = "all_to_all", "auto: the GPUs have no NVLink"
-    else:
-        return "flashinfer", "auto: one NVLink node (assumes flashinfer imports on every rank)"
-    if want_graphs:
-        return "all_gather", why + "; all_to_all is eager-only, so graphs take all_gather"
-    return chosen, why
+# -- resolution rules: the runtime's own (dp_runtime.choices) -------------------------------------
+def plan_choices(inp: PlanInput, rt: RuntimeConfig, head_dim: int) -> Choices:
+    """What the ranks of ``inp`` would run, by ``resolve_choices``: on CUDA, with flashinfer
+    importable, and FlashInfer's MoeAlltoAll usable exactly when the GPUs share NVLink."""
+    return resolve_choices(
+        dispatcher=inp.dispatcher, use_cuda_graph=inp.use_cuda_graph, attention="auto",
+        world_size=rt.world_size, device_type="cuda", dtype=rt.dtype, head_dim=head_dim,
+        capture_sizes=tuple(rt.cuda_graph_bs),
+        flashinfer_dispatch=(inp.nvlink, "one NVLink node assumed" if inp.nvlink else "the GPUs have no NVLink"),
+        flashinfer_importable=True,
+    )
 
 
 def _gib_text(nbytes: int) -> str:
@@ -224,20 +202,21 @@ def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> Capac
     """The plan at ``max_running_requests`` (largest_max_running_requests left at -1)."""
     rt = inp.rank_spec(max_running_requests).runtime
     cfg, mrr, ctx = fixed.cfg, rt.max_running_requests, fixed.context_len
-    want_graphs, graphs, graphs_reason = resolve_cuda_graphs(inp.use_cuda_graph, rt.cuda_graph_bs)
-    dispatcher, dispatcher_reason = resolve_dispatcher(inp.dispatcher, rt.world_size, inp.nvlink, want_graphs)
+    choices = plan_choices(inp, rt, cfg.head_dim)
+    graphs, graphs_reason = choices.graphs, choices.graphs_reason
+    dispatcher, dispatcher_reason = choices.dispatcher, choices.dispatcher_reason
     max_bucket = rt.cuda_graph_bs[-1] if graphs else 0
     moe = (cfg.hidden_size, cfg.top_k, rt.dtype)
     step_at_bucket = ms.dispatcher_step_bytes(dispatcher, rt.ep_size, max_bucket, *moe)
     step_at_max = ms.dispatcher_step_bytes(dispatcher, rt.ep_size, rt.max_tokens_per_rank, *moe)
     fixed_parts = dict(
         weights_bytes=fixed.weights_bytes,
-        dp_buffers_bytes=ms.dp_buffer_bytes(rt),
+        dp_buffers_bytes=ms.dp_buffer_bytes(rt, dispatcher, cfg.top_k),
         dispatcher_workspace_bytes=ms.dispatcher_workspace_bytes(dispatcher, rt.ep_size, rt.max_tokens_per_rank, *moe),
         graph_inputs_bytes=ms.graph_input_bytes(rt, decode_graphs=graphs),
         graph_pool_bytes=ms.graph_pool_bytes_estimate(
             cfg, rt.dtype, max_bucket, step_at_bucket, capture_sizes=tuple(rt.cuda_graph_bs) if graphs else (),
-            per_bucket_bytes=ms.FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES if not flashinfer_unsupported("cuda", rt.dtype, cfg.head_dim) else 0),
+            per_bucket_bytes=ms.FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES if choices.attention == "flashinfer" else 0),
         activation_peak_bytes=ms.activation_peak_bytes_estimate(cfg, rt.dtype, rt.max_tokens_per_rank, mrr,
                                                                 step_at_max),
         nccl_bytes=ms.nccl_overhead_bytes(rt.dp_size, rt.ep_size),
@@ -259,7 +238,7 @@ def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> Capac
         local_experts=fixed.local_experts, dispatcher=dispatcher, dispatcher_reason=dispatcher_reason,
         cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, context_len=ctx,
         kv_tokens_per_request=fixed.kv_tokens_per_request, components=components,
-        dp_buffer_modes=_dp_buffer_modes(rt), kv=kv, headroom_bytes=headroom, fits=fits,
+        dp_buffer_modes=_dp_buffer_modes(rt, cfg.top_k), kv=kv, headroom_bytes=headroom, fits=fits,
         reason=reason, largest_max_running_requests=-1,
     )
 
@@ -283,9 +262,10 @@ def _verdict(c: Components, kv: KVCapacity, gpu: int, headroom: int, fixed: _Fix
                   f"at full context {fixed.context_len}); {kv.needed_slots} needed")
 
 
-def _dp_buffer_modes(rt: RuntimeConfig) -> tuple[GatheredRows, ...]:
+def _dp_buffer_modes(rt: RuntimeConfig, top_k: int) -> tuple[GatheredRows, ...]:
     p, dp = rt.max_tokens_per_rank, rt.dp_size
-    row_bytes = rt.hidden_size * ms.dtype_bytes(rt.dtype)
+    # A gathered row: the hidden state and its routing (top-k int32 ids and fp32 weights).
+    row_bytes = rt.hidden_size * ms.dtype_bytes(rt.dtype) + 8 * top_k
     one_full, all_full = (p,) + (0,) * (dp - 1), (p,) * dp
     out = []
     for mode in (PaddingMode.MAX_LEN, PaddingMode.SUM_LEN):

@@ -33,7 +33,7 @@ def gpu_batch(bs, dp=2):
 
 
 def test_decode_registry_on_cuda_with_cpu_slot():
-    reg = build_decode_registry(64, "cuda", BufferPool(), dp_size=2, mrope=True)
+    reg = build_decode_registry(64, "cuda", BufferPool(), dp_size=2, mrope=True, register_global_num_tokens=True)
     assert reg.buffer("seq_lens_cpu").device.type == "cpu" and reg.buffer("seq_lens").is_cuda
     for name in reg.names():
         reg.buffer(name).fill_(-3)
@@ -50,7 +50,7 @@ def test_decode_registry_on_cuda_with_cpu_slot():
 
 
 def test_refill_with_other_batch_is_not_stale_and_async_copies_complete():
-    reg = build_decode_registry(64, "cuda", BufferPool(), dp_size=2)
+    reg = build_decode_registry(64, "cuda", BufferPool(), dp_size=2, register_global_num_tokens=True)
     batches = [gpu_batch(bs) for bs in (3, 17, 9, 40)]
     for b in batches:
         reg.fill(b, b.batch_size, 48)

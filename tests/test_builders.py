@@ -49,7 +49,8 @@ def decode_batch(bs, dp=2):
 
 
 def test_decode_registry_policies():
-    reg = build_decode_registry(8, "cpu", BufferPool(), dp_size=2, seq_len_fill_value=1, mrope=True)
+    reg = build_decode_registry(8, "cpu", BufferPool(), dp_size=2, seq_len_fill_value=1, mrope=True,
+                                register_global_num_tokens=True)
     for name in reg.names():
         reg.buffer(name).fill_(-5)
     b = decode_batch(3)
@@ -81,7 +82,7 @@ def test_decode_without_global_num_tokens_passes_batch_tensors_by_identity():
 
 
 def test_global_num_tokens_of_wrong_length_is_refused():
-    reg = build_decode_registry(8, "cpu", BufferPool(), dp_size=2)
+    reg = build_decode_registry(8, "cpu", BufferPool(), dp_size=2, register_global_num_tokens=True)
     b = decode_batch(3, dp=1)
     with pytest.raises(ValueError, match="has 1 entries, dp_size is 2"):
         reg.fill(b, 3, 4)

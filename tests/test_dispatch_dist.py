@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import dp_runtime.sync.dp_gather as gather_mod
 from dispatcher import (
-    AllGatherDispatcher,
     AllToAllDispatcher,
     DispatcherConfig,
     DispatcherStartupError,
@@ -27,11 +27,13 @@ from dispatcher import (
     ExpertPartition,
     FixedPlan,
     SwiGLUExperts,
+    flashinfer_dispatch_verdict,
     make_dispatcher,
     moe_forward,
     reference_moe,
     run_local_experts,
 )
+from tests.support.gather_buffers import gather_buffers, lay_out
 
 pytestmark = pytest.mark.dist
 
@@ -43,6 +45,17 @@ def _cfg(**kw) -> DispatcherConfig:
     base = dict(num_experts=E, top_k=K, hidden_size=D, dtype=torch.float32, max_tokens_per_rank=64)
     base.update(kw)
     return DispatcherConfig(**base)
+
+
+def _make(kind: str, cfg: DispatcherConfig, ep: EPGroup):
+    extra = {"buffers": gather_buffers(cfg, ep)} if kind == "all_gather" else {}
+    return make_dispatcher(kind, cfg, ep=ep, device="cpu", **extra)
+
+
+def _moe(d, x, ids, w, plan, fn, *, sum_len: bool = False, dense: bool = False):
+    if d.kind == "all_gather":
+        lay_out(d.buffers, plan, sum_len=sum_len)
+    return moe_forward(d, x, ids, w, plan, fn, dense=dense)
 
 
 def _global_step(counts, seed, routing="random", ep_size=1, k=K):
@@ -98,22 +111,22 @@ def _scenario_counts(name: str, world: int, rank_seed: int = 0):
 @pytest.mark.parametrize("scenario", ["uniform", "random", "zero_ranks", "all_zero"])
 @pytest.mark.parametrize("routing", ["random", "skewed"])
 def test_matches_global_reference(ep, experts, kind, scenario, routing):
-    d = make_dispatcher(kind, _cfg(), ep=ep, device="cpu")
+    d = _make(kind, _cfg(), ep)
     counts, runtime_max = _scenario_counts(scenario, ep.size)
     plan = FixedPlan.from_counts(counts, runtime_max)
     x, ids, w = _global_step(counts, seed=11, routing=routing, ep_size=ep.size)
     ref = reference_moe(x, ids, w, experts, E)
     local_fn = experts.local(d.partition, ep.rank)
-    for dense in (False, True):
-        out = moe_forward(d, _mine(x, counts, ep.rank), _mine(ids, counts, ep.rank), _mine(w, counts, ep.rank),
-                          plan, local_fn, dense=dense)
+    for dense, sum_len in ((False, False), (True, False), (False, True)):
+        out = _moe(d, _mine(x, counts, ep.rank), _mine(ids, counts, ep.rank), _mine(w, counts, ep.rank),
+                   plan, local_fn, dense=dense, sum_len=sum_len)
         assert out.shape == (counts[ep.rank], D)
         torch.testing.assert_close(out, _mine(ref, counts, ep.rank), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_many_steps_with_changing_plans(ep, experts, kind):
-    d = make_dispatcher(kind, _cfg(), ep=ep, device="cpu")
+    d = _make(kind, _cfg(), ep)
     d.warmup()
     local_fn = experts.local(d.partition, ep.rank)
     for step in range(6):
@@ -122,8 +135,8 @@ def test_many_steps_with_changing_plans(ep, experts, kind):
         plan = FixedPlan.from_counts(counts, max(counts) + step % 3)
         x, ids, w = _global_step(counts, seed=step)
         ref = reference_moe(x, ids, w, experts, E)
-        out = moe_forward(d, _mine(x, counts, ep.rank), _mine(ids, counts, ep.rank),
-                          _mine(w, counts, ep.rank), plan, local_fn)
+        out = _moe(d, _mine(x, counts, ep.rank), _mine(ids, counts, ep.rank),
+                   _mine(w, counts, ep.rank), plan, local_fn, sum_len=step % 2 == 1)
         torch.testing.assert_close(out, _mine(ref, counts, ep.rank), rtol=1e-5, atol=1e-5)
 
 
@@ -151,37 +164,63 @@ def test_all_gather_and_all_to_all_agree(ep, experts):
     plan = FixedPlan.from_counts(counts)
     x, ids, w = _global_step(counts, seed=5)
     outs = []
-    for cls in (AllGatherDispatcher, AllToAllDispatcher):
-        d = cls(_cfg(), ep, device="cpu")
-        outs.append(moe_forward(d, _mine(x, counts, ep.rank), _mine(ids, counts, ep.rank),
-                                _mine(w, counts, ep.rank), plan, experts.local(d.partition, ep.rank)))
+    for kind in ("all_gather", "all_to_all"):
+        d = _make(kind, _cfg(), ep)
+        outs.append(_moe(d, _mine(x, counts, ep.rank), _mine(ids, counts, ep.rank),
+                         _mine(w, counts, ep.rank), plan, experts.local(d.partition, ep.rank)))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
-def test_all_gather_with_caller_buffer_and_gather_fn(ep, experts):
-    cfg = _cfg()
-    buf = torch.full((ep.size * cfg.max_tokens_per_rank, D), float("nan"))
+@pytest.mark.parametrize("sum_len", [False, True])
+def test_all_gather_moves_what_the_padding_mode_says(ep, experts, monkeypatch, sum_len):
+    """The gathers and the combine hand torch.distributed exactly the rows the layout names:
+    SUM_LEN the live rows only (sum of the counts), MAX_LEN every rank's padded slot; and the
+    experts read the service's pool storage (same data pointer), nowhere else."""
+    moved = []
+    real = gather_mod.all_to_all_v
 
-    def gather_fn(local_TD, out_ND, plan):
-        # A stand-in for the DP buffer service: torch all_gather of padded rows, rank-major.
-        p = plan.runtime_max_tokens_per_rank
-        padded = torch.zeros(p, D)
-        padded[: local_TD.shape[0]] = local_TD
-        dist.all_gather(list(out_ND.view(ep.size, p, D).unbind(0)), padded, group=ep.group)
+    def spy(out, inp, out_splits, in_splits, group=None):
+        moved.append((sum(out_splits), sum(in_splits)))
+        real(out, inp, out_splits, in_splits, group)
 
-    d = AllGatherDispatcher(cfg, ep, device="cpu", gathered_buffer=buf, gather_fn=gather_fn)
-    counts = [2 + r for r in range(ep.size)]
-    plan = FixedPlan.from_counts(counts, 7)
-    x, ids, w = _global_step(counts, seed=9)
-    out = moe_forward(d, _mine(x, counts, ep.rank), _mine(ids, counts, ep.rank), _mine(w, counts, ep.rank),
-                      plan, experts.local(d.partition, ep.rank))
+    monkeypatch.setattr(gather_mod, "all_to_all_v", spy)
+    real_gather = gather_mod.all_gather_into
+
+    def spy_gather(out, inp, group=None, async_op=False):
+        moved.append((out.shape[0], inp.shape[0] * ep.size))
+        return real_gather(out, inp, group=group, async_op=async_op)
+
+    monkeypatch.setattr(gather_mod, "all_gather_into", spy_gather)
+    d = _make("all_gather", _cfg(), ep)
+    d.warmup()
+    counts = [1 + 2 * r for r in range(ep.size)]
+    padded = max(counts) + 3
+    plan = FixedPlan.from_counts(counts, padded)
+    x, ids, w = _global_step(counts, seed=4)
+    mine = (_mine(x, counts, ep.rank), _mine(ids, counts, ep.rank), _mine(w, counts, ep.rank))
+    lay_out(d.buffers, plan, sum_len=sum_len)
+    moved.clear()
+    handle, inputs = d.dispatch(*mine, plan)
+    assert inputs.hidden_ND.data_ptr() == d.buffers.get_global_buffer().data_ptr()
+    assert inputs.expert_ids_NK.data_ptr() == d.buffers.get_global_routing().data_ptr()
+    gathered = sum(counts) if sum_len else padded * ep.size
+    assert inputs.num_rows == gathered
+    out = d.combine(run_local_experts(inputs, experts.local(d.partition, ep.rank),
+                                      out_ND=d.expert_output_buffer(handle)), handle)
     torch.testing.assert_close(out, _mine(reference_moe(x, ids, w, experts, E), counts, ep.rank),
                                rtol=1e-5, atol=1e-5)
+    if ep.size == 1:
+        assert moved == []  # one rank: copies, no collective
+        return
+    # hidden and routing gathers: every rank receives `gathered` rows of each
+    assert [m[0] for m in moved[:2]] == [gathered, gathered]
+    # combine: each rank is sent its live rows by every rank, and sends each peer only the peer's
+    assert moved[2] == (counts[ep.rank] * ep.size, sum(counts))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_refused_step_leaves_the_group_usable(ep, experts, kind):
-    d = make_dispatcher(kind, _cfg(max_tokens_per_rank=8), ep=ep, device="cpu")
+    d = _make(kind, _cfg(max_tokens_per_rank=8), ep)
     counts = [4] * ep.size
     x, ids, w = _global_step(counts, seed=3)
     mine = (_mine(x, counts, ep.rank), _mine(ids, counts, ep.rank), _mine(w, counts, ep.rank))
@@ -192,7 +231,7 @@ def test_refused_step_leaves_the_group_usable(ep, experts, kind):
     bad[(ep.rank + 1) % ep.size] = 6
     with pytest.raises(ValueError, match="below the largest rank's tokens"):
         d.dispatch(*mine, FixedPlan((*bad,), 5, 0) if ep.size > 1 else FixedPlan((4,), 3, 0))
-    out = moe_forward(d, *mine, FixedPlan.from_counts(counts), experts.local(d.partition, ep.rank))
+    out = _moe(d, *mine, FixedPlan.from_counts(counts), experts.local(d.partition, ep.rank))
     torch.testing.assert_close(out, _mine(reference_moe(x, ids, w, experts, E), counts, ep.rank),
                                rtol=1e-5, atol=1e-5)
 
@@ -228,9 +267,9 @@ def test_slow_peer_fails_on_the_host_with_a_clear_error(ep):
     dist.monitored_barrier(ep.cpu_group, timeout=datetime.timedelta(seconds=60))
 
 
-def test_auto_on_cpu_is_all_to_all(ep):
-    d = make_dispatcher("auto", _cfg(), ep=ep, device="cpu")
-    assert isinstance(d, AllToAllDispatcher)
+def test_flashinfer_verdict_on_cpu_is_no_and_says_why(ep):
+    ok, why = flashinfer_dispatch_verdict(ep, torch.device("cpu"))
+    assert not ok and ("not CUDA" in why or "world size 1" in why)
 
 
 # ---------------------------------------------------------------- FlashInfer wrapper, emulated

@@ -17,16 +17,16 @@ import pytest
 import torch
 
 from dispatcher import (
-    AllGatherDispatcher,
     AllToAllDispatcher,
     DispatcherConfig,
     EPGroup,
     ExpertPartition,
     FixedPlan,
     SwiGLUExperts,
+    flashinfer_dispatch_verdict,
+    make_dispatcher,
     moe_forward,
     reference_moe,
-    resolve_dispatcher_kind,
 )
 from dispatcher.sizing import (
     flashinfer_aux_bytes,
@@ -44,6 +44,8 @@ except ImportError:  # no plugin, no per-test limit to lift
     def JIT_TIMEOUT(fn):
         return fn
 
+
+from tests.support.gather_buffers import gather_buffers, lay_out
 
 E, K, D, INTER = 32, 4, 256, 128
 MAX_TOKENS = 64
@@ -192,8 +194,8 @@ def _compare(errors, what, actual, expected, tol):
 @JIT_TIMEOUT
 def test_auto_picks_flashinfer_on_one_nvlink_node(ep, device):
     pytest.importorskip("flashinfer")
-    choice = resolve_dispatcher_kind("auto", ep, device)
-    assert choice.kind == "flashinfer", choice.reason
+    ok, why = flashinfer_dispatch_verdict(ep, device)
+    assert ok, why
 
 
 @pytest.mark.gpu2
@@ -201,7 +203,7 @@ def test_auto_picks_flashinfer_on_one_nvlink_node(ep, device):
 @JIT_TIMEOUT
 def test_flashinfer_matches_reference_and_torch_backends(ep, device, experts, experts_f32, fi_dispatcher):
     a2a = AllToAllDispatcher(_cfg(), ep, device=device)
-    ag = AllGatherDispatcher(_cfg(), ep, device=device)
+    ag = make_dispatcher("all_gather", _cfg(), ep=ep, device=device, buffers=gather_buffers(_cfg(), ep, device))
     local_fn = experts.local(fi_dispatcher.partition, ep.rank)
     errors: list[str] = []
     for step, (counts, runtime_max, routing) in enumerate(_steps(ep.size)):
@@ -212,7 +214,10 @@ def test_flashinfer_matches_reference_and_torch_backends(ep, device, experts, ex
         out_fi = moe_forward(fi_dispatcher, *mine, plan, local_fn)
         out_fi_dense = moe_forward(fi_dispatcher, *mine, plan, local_fn, dense=True)
         out_a2a = moe_forward(a2a, *mine, plan, local_fn)
+        lay_out(ag.buffers, plan)
         out_ag = moe_forward(ag, *mine, plan, local_fn)
+        lay_out(ag.buffers, plan, sum_len=True)  # NCCL's uneven all-gather and reduce-scatter
+        out_ag_sum = moe_forward(ag, *mine, plan, local_fn)
         torch.cuda.synchronize()
         if out_fi.shape != (counts[ep.rank], D):
             errors.append(f"step {step}: flashinfer output shape {tuple(out_fi.shape)}")
@@ -221,6 +226,7 @@ def test_flashinfer_matches_reference_and_torch_backends(ep, device, experts, ex
         _compare(errors, f"step {step} flashinfer dense vs reference", out_fi_dense, ref, BF16_TOL)
         _compare(errors, f"step {step} flashinfer vs all_to_all", out_fi, out_a2a, BF16_TOL)
         _compare(errors, f"step {step} all_gather vs reference", out_ag, ref, BF16_TOL)
+        _compare(errors, f"step {step} all_gather SUM_LEN vs reference", out_ag_sum, ref, BF16_TOL)
     _fail_together(ep, errors)
 
 
@@ -247,11 +253,13 @@ def test_cuda_graph_replays_with_new_inputs(ep, device, experts, experts_f32, ki
     if kind == "flashinfer":
         d = request.getfixturevalue("fi_dispatcher")
     else:
-        d = AllGatherDispatcher(_cfg(), ep, device=device)
+        d = make_dispatcher("all_gather", _cfg(), ep=ep, device=device, buffers=gather_buffers(_cfg(), ep, device))
         d.warmup()
     counts = [6 + 3 * r for r in range(ep.size)]
     counts[0] = 0 if ep.size > 2 else counts[0]  # an idle rank inside the graph when there are 3+
     plan = FixedPlan.from_counts(counts, 16)  # the captured bucket
+    if kind == "all_gather":
+        lay_out(d.buffers, plan)  # MAX_LEN slots of 16 rows: what the graph records
     t = counts[ep.rank]
     static_x = torch.zeros(t, D, dtype=torch.bfloat16, device=device)
     static_ids = torch.zeros(t, K, dtype=torch.int32, device=device)

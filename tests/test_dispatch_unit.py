@@ -11,37 +11,49 @@ import logging
 import pytest
 import torch
 
-import dispatcher.all_gather as ag_mod
 import dispatcher.all_to_all as a2a_mod
 import dispatcher.startup as startup_mod
+import dp_runtime.sync.dp_gather as gather_mod
 from dispatcher import (
     INVALID_EXPERT_ID,
-    AllGatherDispatcher,
     AllToAllDispatcher,
     Dispatcher,
     DispatcherConfig,
     ExpertInputs,
     ExpertPartition,
     FixedPlan,
+    LocalDispatcher,
     StepPlanLike,
     SwiGLUExperts,
     make_dispatcher,
     moe_forward,
     reference_moe,
-    resolve_dispatcher_kind,
     run_local_experts,
 )
+from dispatcher.all_to_all import RowLayout
 from dispatcher.groups import EPGroup
-from dispatcher.packing import RowLayout
+from tests.support.gather_buffers import gather_buffers, lay_out
 
 E, K, D = 8, 2, 16
-BACKENDS = [AllGatherDispatcher, AllToAllDispatcher]
+BACKENDS = ["all_gather", "all_to_all"]
 
 
 def _cfg(**kw) -> DispatcherConfig:
     base = dict(num_experts=E, top_k=K, hidden_size=D, dtype=torch.float32, max_tokens_per_rank=32)
     base.update(kw)
     return DispatcherConfig(**base)
+
+
+def _make(kind: str, cfg: DispatcherConfig | None = None):
+    cfg = cfg if cfg is not None else _cfg()
+    extra = {"buffers": gather_buffers(cfg, EPGroup.local())} if kind == "all_gather" else {}
+    return make_dispatcher(kind, cfg, device="cpu", **extra)
+
+
+def _dispatch(d, x, ids, w, plan):
+    if d.kind == "all_gather":
+        lay_out(d.buffers, plan)
+    return d.dispatch(x, ids, w, plan)
 
 
 def _inputs(t: int, seed: int = 0, dtype=torch.float32):
@@ -57,7 +69,8 @@ def no_comm(monkeypatch):
     def boom(*_a, **_k):
         raise AssertionError("communicated before validation")
 
-    for mod, names in ((ag_mod, ("all_gather_rows", "all_to_all_rows", "reduce_scatter_rows")),
+    for mod, names in ((gather_mod, ("all_gather_into", "all_gather_v", "all_to_all_v", "reduce_scatter_into",
+                                     "reduce_scatter_v")),
                        (a2a_mod, ("all_to_all_rows", "exchange_counts"))):
         for name in names:
             monkeypatch.setattr(mod, name, boom)
@@ -70,7 +83,7 @@ def no_comm(monkeypatch):
 
 @pytest.mark.parametrize("cls", BACKENDS)
 def test_step_over_max_num_tokens_is_refused(cls, no_comm):
-    d = cls(_cfg(max_tokens_per_rank=32), device="cpu")
+    d = _make(cls, _cfg(max_tokens_per_rank=32))
     x, ids, w = _inputs(4)
     with pytest.raises(ValueError) as err:
         d.dispatch(x, ids, w, FixedPlan.from_counts([4], runtime_max_tokens_per_rank=40))
@@ -98,7 +111,7 @@ def test_step_over_max_num_tokens_is_refused(cls, no_comm):
     ],
 )
 def test_bad_steps_are_refused_before_communication(cls, case, needle, no_comm):
-    d = cls(_cfg(), device="cpu")
+    d = _make(cls)
     x, ids, w = _inputs(4)
     plan = FixedPlan.from_counts([4])
     if case == "tokens_over_runtime_max":
@@ -138,10 +151,10 @@ def test_expert_id_check_can_be_disabled():
 
 @pytest.mark.parametrize("cls", BACKENDS)
 def test_combine_checks_shape_dtype_and_handle(cls):
-    d = cls(_cfg(), device="cpu")
-    other = cls(_cfg(), device="cpu")
+    d = _make(cls)
+    other = _make(cls)
     x, ids, w = _inputs(4)
-    handle, _ = d.dispatch(x, ids, w, FixedPlan.from_counts([4]))
+    handle, _ = _dispatch(d, x, ids, w, FixedPlan.from_counts([4]))
     out = d.expert_output_buffer(handle)
     with pytest.raises(ValueError, match="expert_out_ND must have shape"):
         d.combine(out[:, :4], handle)
@@ -160,50 +173,56 @@ def test_config_validation():
         _cfg(dtype=torch.int32)
 
 
-def test_all_gather_rejects_wrong_gathered_buffer():
-    with pytest.raises(ValueError, match=r"gathered_buffer must be \[>= 32, 16\]"):
-        AllGatherDispatcher(_cfg(), device="cpu", gathered_buffer=torch.empty(8, D))
+def test_all_gather_refuses_a_step_its_buffers_were_not_laid_out_for():
+    d = _make("all_gather")
+    x, ids, w = _inputs(4)
+    lay_out(d.buffers, FixedPlan.from_counts([3]))
+    with pytest.raises(ValueError, match=r"laid out for counts \[3\], the step plan has \[4\]"):
+        d.dispatch(x, ids, w, FixedPlan.from_counts([4]))
 
 
 # ---------------------------------------------------------------- world size 1 answers
 
 
-@pytest.mark.parametrize("kind", ["all_gather", "all_to_all", "auto"])
+@pytest.mark.parametrize("kind", ["local", "all_gather", "all_to_all"])
 @pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize(("t", "runtime_max"), [(10, 10), (5, 12), (0, 0), (0, 4)])
 def test_world_size_one_matches_reference(kind, dense, t, runtime_max):
     experts = SwiGLUExperts.random(E, D, 24, seed=3)
-    d = make_dispatcher(kind, _cfg(), device="cpu")
+    d = _make(kind)
     x, ids, w = _inputs(t, seed=t)
-    out = moe_forward(d, x, ids, w, FixedPlan.from_counts([t], runtime_max), experts.local(d.partition, 0),
-                      dense=dense)
+    plan = FixedPlan.from_counts([t], runtime_max)
+    if kind == "all_gather":
+        lay_out(d.buffers, plan)
+    out = moe_forward(d, x, ids, w, plan, experts.local(d.partition, 0), dense=dense)
     ref = reference_moe(x, ids, w, experts, E)
     assert out.shape == (t, D)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_all_gather_uses_caller_buffer_and_gather_fn():
-    calls = []
-
-    def gather_fn(local_TD, out_ND, plan):
-        calls.append(plan.runtime_max_tokens_per_rank)
-        out_ND.zero_()
-        out_ND[: local_TD.shape[0]] = local_TD
-
-    buf = torch.full((40, D), float("nan"))
-    d = AllGatherDispatcher(_cfg(), device="cpu", gathered_buffer=buf, gather_fn=gather_fn)
+@pytest.mark.parametrize("sum_len", [False, True])
+def test_all_gather_gathers_into_the_dp_buffer_service(sum_len):
+    d = _make("all_gather")
     experts = SwiGLUExperts.random(E, D, 24, seed=1)
     x, ids, w = _inputs(6)
-    handle, inputs = d.dispatch(x, ids, w, FixedPlan.from_counts([6], 9))
-    assert calls[-1] == 9  # (the first call was warmup's one-token round)
-    assert inputs.hidden_ND.data_ptr() == buf.data_ptr()
-    out = d.combine(run_local_experts(inputs, experts.local(d.partition, 0)), handle)
+    plan = FixedPlan.from_counts([6], 9)
+    lay_out(d.buffers, plan, sum_len=sum_len)
+    handle, inputs = d.dispatch(x, ids, w, plan)
+    # The experts read the service's pool storage, and write their partials over it.
+    assert inputs.hidden_ND.data_ptr() == d.buffers.get_global_buffer().data_ptr()
+    assert inputs.hidden_ND.shape[0] == (6 if sum_len else 9)
+    assert inputs.expert_ids_NK.data_ptr() == d.buffers.get_global_routing().data_ptr()
+    if not sum_len:  # MAX_LEN padding rows carry invalid ids: no expert serves them
+        assert (inputs.expert_ids_NK[6:] == INVALID_EXPERT_ID).all()
+    assert d.expert_output_buffer(handle).data_ptr() == inputs.hidden_ND.data_ptr()
+    out = d.combine(run_local_experts(inputs, experts.local(d.partition, 0), out_ND=d.expert_output_buffer(handle)),
+                    handle)
     torch.testing.assert_close(out, reference_moe(x, ids, w, experts, E), rtol=1e-5, atol=1e-5)
 
 
 def test_backends_satisfy_the_protocols():
-    for cls in BACKENDS:
-        assert isinstance(cls(_cfg(), device="cpu"), Dispatcher)
+    for kind in ("local", *BACKENDS):
+        assert isinstance(_make(kind), Dispatcher)
     assert isinstance(FixedPlan.from_counts([1]), StepPlanLike)
 
 
@@ -223,14 +242,17 @@ def test_factory_rejects_unknown_kind():
         make_dispatcher("nccl", _cfg(), device="cpu")
 
 
-def test_auto_without_process_group_is_all_to_all_and_logged_once(caplog):
+def test_factory_logs_the_dispatcher_once(caplog):
     caplog.set_level(logging.INFO, logger="dispatcher")
-    d = make_dispatcher("auto", _cfg(), device="cpu")
-    assert isinstance(d, AllToAllDispatcher)
+    d = make_dispatcher("local", _cfg(), device="cpu")
+    assert isinstance(d, LocalDispatcher)
     lines = [r.getMessage() for r in caplog.records if r.name == "dispatcher"]
-    assert len(lines) == 1 and "all_to_all" in lines[0] and "no process group" in lines[0]
-    choice = resolve_dispatcher_kind("auto", EPGroup.local(), torch.device("cpu"))
-    assert choice.kind == "all_to_all"
+    assert len(lines) == 1 and "local" in lines[0]
+
+
+def test_local_dispatcher_refuses_more_than_one_rank():
+    with pytest.raises(ValueError, match="serves one rank; the EP group has 2"):
+        LocalDispatcher(_cfg(), EPGroup(group=None, cpu_group=None, rank=0, size=2), device="cpu")
 
 
 def test_flashinfer_kind_without_flashinfer_says_how_to_install():

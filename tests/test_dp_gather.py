@@ -1,6 +1,5 @@
-"""dp_gather / dp_scatter without a process group (world size 1), and the device-offset SUM_LEN
-path simulated for several ranks in one process (each rank's contribution, summed by hand, is
-what the all-reduce would produce)."""
+"""dp_gather / dp_scatter / dp_reduce_scatter without a process group (world size 1); the
+multi-rank paths run under torchrun in test_dp_sync_dist.py."""
 
 from __future__ import annotations
 
@@ -10,10 +9,8 @@ import torch
 from dp_runtime.sync.dp_buffer import dp_buffer_layout
 from dp_runtime.sync.dp_gather import (
     dp_gather,
-    dp_gather_by_counts,
     dp_reduce_scatter,
     dp_scatter,
-    dp_scatter_by_counts,
 )
 
 D = 4
@@ -65,42 +62,3 @@ def test_gather_refuses_rows_over_the_slot_and_wrong_buffer_length():
         dp_gather(torch.empty(3, D), torch.empty(4, D), lay)
 
 
-@pytest.mark.parametrize(
-    ("counts", "capacity"),
-    [((3, 0, 5), 12), ((0, 0, 1), 3), ((4, 4, 4), 12), ((0, 0, 0), 6), ((2, 7), 20), ((5,), 5)],
-)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_by_counts_sums_to_the_concatenation(counts, capacity, dtype):
-    gen = torch.Generator().manual_seed(0)
-    ranks = len(counts)
-    pad = 3  # each rank's local buffer is longer than its count; the tail holds garbage
-    locals_ = []
-    for n in counts:
-        x = torch.randn(n + pad, D, generator=gen).to(dtype)
-        x[n:] = float("nan")
-        locals_.append(x)
-    counts_R = torch.tensor(counts, dtype=torch.int32)
-    total = torch.zeros(capacity, D, dtype=dtype)
-    for r in range(ranks):
-        buf = torch.full((capacity, D), 7.0, dtype=dtype)  # stale content must be overwritten
-        total += dp_gather_by_counts(buf, locals_[r], counts_R, r)
-    expected = torch.cat([x[:n] for x, n in zip(locals_, counts, strict=True)])
-    assert torch.equal(total[: sum(counts)], expected)
-    assert torch.count_nonzero(total[sum(counts) :]) == 0
-    for r in range(ranks):
-        out = torch.full((counts[r] + pad, D), 5.0, dtype=dtype)
-        dp_scatter_by_counts(total, counts_R, r, out)
-        assert torch.equal(out[: counts[r]], locals_[r][: counts[r]])
-        assert torch.count_nonzero(out[counts[r] :]) == 0
-
-
-def test_by_counts_with_empty_buffers():
-    counts_R = torch.tensor([0, 2])
-    assert dp_gather_by_counts(torch.empty(0, D), torch.empty(0, D), counts_R, 0).shape == (0, D)
-    buf = torch.ones(4, D)
-    assert torch.count_nonzero(dp_gather_by_counts(buf, torch.empty(0, D), counts_R, 0)) == 0
-    assert dp_scatter_by_counts(torch.ones(4, D), counts_R, 0, torch.empty(0, D)).shape == (0, D)
-    assert (
-        torch.count_nonzero(dp_scatter_by_counts(torch.empty(0, D), counts_R, 1, torch.ones(2, D)))
-        == 0
-    )

@@ -25,10 +25,8 @@ from dp_runtime.config import RuntimeConfig
 from dp_runtime.sync.dp_buffer import DPBufferService, dp_buffer_layout
 from dp_runtime.sync.dp_gather import (
     dp_gather,
-    dp_gather_by_counts,
     dp_reduce_scatter,
     dp_scatter,
-    dp_scatter_by_counts,
 )
 from dp_runtime.sync.errors import DPPlanMismatchError, DPSyncTimeoutError
 from dp_runtime.sync.padding_mode import PaddingMode
@@ -183,26 +181,6 @@ def test_gather_functions_with_zero_token_ranks(dist_group, is_max_len):
         summed = dp_reduce_scatter(partial, lay, dist_group, out_TD=torch.empty(64, D))
         if not torch.equal(summed, rows_of(0, rank, counts[rank]) * sum(range(1, world + 1))):
             problems.append(("reduce_scatter", counts))
-    agree(not problems, str(problems))
-
-
-def test_gather_by_counts_across_ranks(dist_group):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    capacity, pad, problems = 64 * world, 4, []
-    for step in range(10):
-        counts = counts_of(step, world)
-        local = torch.cat([rows_of(step, rank, counts[rank]), torch.full((pad, D), float("nan"))])
-        counts_R = torch.tensor(counts, dtype=torch.int32)
-        out = dp_gather_by_counts(torch.empty(capacity, D), local, counts_R, rank, dist_group)
-        expected = torch.cat([rows_of(step, r, n) for r, n in enumerate(counts)])
-        if not (
-            torch.equal(out[: sum(counts)], expected)
-            and torch.count_nonzero(out[sum(counts) :]) == 0
-        ):
-            problems.append(("gather", step))
-        back = dp_scatter_by_counts(out, counts_R, rank, torch.empty(counts[rank] + pad, D))
-        if not torch.equal(back[: counts[rank]], rows_of(step, rank, counts[rank])):
-            problems.append(("scatter", step))
     agree(not problems, str(problems))
 
 

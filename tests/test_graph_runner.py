@@ -67,9 +67,8 @@ def echo(batch):
     return {"ids": batch.input_ids * 10 + 1, "rows": torch.tensor(batch.batch_size), "fixed": torch.zeros(3)}
 
 
-def manual_decode(bs: int, counts: tuple[int, ...] | None = None) -> ForwardBatch:
+def manual_decode(bs: int) -> ForwardBatch:
     lens = torch.arange(2, bs + 2)
-    counts = counts if counts is not None else (bs,)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         batch_size=bs,
@@ -79,8 +78,6 @@ def manual_decode(bs: int, counts: tuple[int, ...] | None = None) -> ForwardBatc
         req_pool_indices=torch.arange(1, bs + 1),
         seq_lens=lens,
         seq_lens_cpu=lens.clone(),
-        global_num_tokens_cpu=counts,
-        global_num_tokens_for_logprob_cpu=counts,
     )
 
 
@@ -146,13 +143,12 @@ def test_bucket_is_smallest_captured_size_at_or_above_the_plan():
 def test_bucket_follows_the_dp_plan_never_the_local_batch():
     # This rank has 3 requests, the other has 7: every rank replays bucket 8, not 4.
     runner, backend = echo_runner(dp_size=2)
-    batch = manual_decode(3, counts=(3, 7))
+    batch = manual_decode(3)
     out = runner.replay(batch, Plan(8, Padding.MAX_LEN, 8, (3, 7)))
     replay = backend.last("replay")
     assert (replay["bs"], replay["raw_bs"]) == (8, 3)
     assert out["ids"].tolist() == [1001, 1011, 1021]
     assert int(out["rows"]) == 8  # the forward ran at the bucket size
-    assert runner.registry.buffer("global_num_tokens_gpu").tolist() == [3, 7]
 
 
 def test_replay_metadata_gets_bucket_and_live_size_whatever_the_buffer_length():
@@ -198,9 +194,9 @@ def test_sdpa_replay_metadata_reads_bs_rows_of_longer_buffers():
     assert meta.kv_indices_BW[5:, 0].tolist() == [0, 0, 0]  # padded rows read slot 0 only
 
 
-def _live_batch(stack, lens, ids, counts=None):
+def _live_batch(stack, lens, ids):
     reqs = add_requests(stack.allocator, lens)
-    return decode_batch(stack.allocator, reqs, ids, global_num_tokens_cpu=counts)
+    return decode_batch(stack.allocator, reqs, ids)
 
 
 def test_padded_rows_holding_garbage_never_change_live_outputs():

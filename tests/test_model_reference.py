@@ -47,7 +47,7 @@ def _requests(prompts, new=NEW, **sampling):
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-runner"])
-@pytest.mark.parametrize("dispatcher", ["all_gather", "all_to_all"])
+@pytest.mark.parametrize("dispatcher", ["local", "all_gather", "all_to_all"])
 def test_greedy_tokens_and_logits_match_transformers(ckpt, prompts, reference, graphs, dispatcher):
     spec = _spec(ckpt, use_cuda_graph=graphs, dispatcher=dispatcher)
     with RankWorker(spec, keep_logits=True) as w:
@@ -176,5 +176,11 @@ def test_memory_report_matches_the_planners_sizing_functions():
     cfg, rt = spec.model_config(), spec.runtime
     assert m["weights"] == ms.weight_bytes_per_rank(cfg, rt.dtype)
     assert m["kv_cache"] == ms.kv_cache_bytes(cfg, rt.dtype, slots, 8, 64)
-    assert m["dp_buffers"] == ms.dp_buffer_bytes(rt)
+    assert w.dispatcher_kind == "local" and m["dp_buffers"] == ms.dp_buffer_bytes(rt, "local", cfg.top_k) == 0
+    # with the gather-style dispatcher the service holds gathered storage, and the planner knows it
+    spec_ag = dataclasses.replace(spec, dispatcher="all_gather")
+    with RankWorker(spec_ag) as w:
+        got = w.memory_report()["dp_buffers"]
+        assert w.dp_buffers.allocates
+    assert got == ms.dp_buffer_bytes(rt, "all_gather", cfg.top_k) > 0
     assert abs(m["graph_inputs"] - ms.graph_input_bytes(rt, decode_graphs=True)) <= 128

@@ -6,6 +6,7 @@ the function under test.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import replace
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from buffers import BufferPool, build_decode_registry, build_prefill_registry
-from dispatcher.sizing import all_gather_buffer_bytes, flashinfer_workspace_bytes_per_rank
+from dispatcher.sizing import all_to_all_buffer_bytes, flashinfer_workspace_bytes_per_rank
 from dp_runtime import memory_sizing as ms
+from dp_runtime.choices import resolve_choices
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import ModelConfig
 from dp_runtime.sync.padding_mode import PaddingMode
@@ -28,8 +30,6 @@ from launch.planner import (
     gpu_spec,
     largest_max_running_requests,
     plan_capacity,
-    resolve_cuda_graphs,
-    resolve_dispatcher,
 )
 
 QWEN = ModelConfig.preset("qwen3-30b-a3b")
@@ -80,10 +80,13 @@ def test_tiny_preset_weights_by_hand():
 
 
 def test_dp_buffers_and_padding_modes_by_hand():
-    plan = plan_capacity(PlanInput(dp_size=4, max_running_requests=64, chunked_prefill_size=4096))
-    p, row = 4096, 2048 * 2
+    plan = plan_capacity(PlanInput(dp_size=4, max_running_requests=64, chunked_prefill_size=4096, nvlink=False))
+    assert plan.dispatcher == "all_gather"
+    p, hidden_row, routing_row = 4096, 2048 * 2, 8 * 8
+    row = hidden_row + routing_row
     assert plan.runtime.max_tokens_per_rank == p
-    assert plan.components.dp_buffers_bytes == (4 * p + p) * row
+    # gathered hidden and routing rows for every rank, and this rank's local hidden rows
+    assert plan.components.dp_buffers_bytes == 4 * p * row + p * hidden_row
     modes = {m.padding: m for m in plan.dp_buffer_modes}
     # MAX_LEN pads every rank to the longest: one full rank costs the whole buffer.
     assert modes["max_len"].one_rank_full_rows == 4 * p
@@ -108,13 +111,26 @@ def test_dispatcher_workspace_is_dispatcher_sizing():
 
 
 def test_transient_workspace_is_counted_once_inside_the_activation_peak():
-    plan = plan_capacity(PlanInput(dispatcher="all_gather", max_running_requests=64))
-    ws = all_gather_buffer_bytes(1, 8192, 2048, 8, BF16)
+    plan = plan_capacity(PlanInput(dispatcher="all_to_all", use_cuda_graph=False, max_running_requests=64))
+    ws = all_to_all_buffer_bytes(1, 8192, 2048, 8, BF16)
     c = plan.components
     assert c.dispatcher_workspace_bytes == ws and c.dispatcher_workspace_transient
     forward = ms.forward_peak_bytes_estimate(QWEN, BF16, 8192, 64)
     assert c.activation_peak_bytes == forward + ws
     assert plan.total_bytes == sum(c.as_dict().values()) - ws
+
+
+def test_the_gather_dispatchers_storage_is_the_dp_buffer_services():
+    """all_gather keeps no workspace of its own: its gathered rows are dp_buffers, which the
+    planner sizes with the service itself (hidden, local and routing rows)."""
+    base = dict(model="tiny", dp_size=2, ep_size=2, max_running_requests=16, chunked_prefill_size=64)
+    ag = plan_capacity(PlanInput(dispatcher="all_gather", **base)).components
+    fi = plan_capacity(PlanInput(dispatcher="flashinfer", **base)).components
+    tiny = ModelConfig.preset("tiny")
+    rows = 64 * 2
+    assert ag.dispatcher_workspace_bytes == 0
+    assert ag.dp_buffers_bytes == rows * tiny.hidden_size * 2 + 64 * tiny.hidden_size * 2 + rows * 2 * tiny.top_k * 4
+    assert fi.dp_buffers_bytes == 0  # an all-to-all dispatcher: no gathered storage at all
 
 
 def test_graph_inputs_are_the_per_name_maxima_of_both_registries():
@@ -123,7 +139,7 @@ def test_graph_inputs_are_the_per_name_maxima_of_both_registries():
     # eager registry: input_ids, positions, out_cache_loc (P int64); req_pool_indices, seq_lens,
     # extend_seq_lens, extend_prefix_lens (mrr int64); 1 + 2*dp int32 counters. The decode
     # registry's names are all among these and smaller; seq_lens_cpu is host memory.
-    assert ms.graph_input_bytes(rt) == 3 * p * 8 + 4 * b * 8 + 4 * (1 + 2 * 2)
+    assert ms.graph_input_bytes(rt) == 3 * p * 8 + 4 * b * 8 + 4 * 1
     assert ms.graph_input_bytes(rt, input_embeds=True) == ms.graph_input_bytes(rt) + p * 64 * 2
     # What one shared pool materializes (the larger registry first, as the worker builds them).
     pool = BufferPool()
@@ -244,17 +260,33 @@ def test_model_from_config_json(tmp_path):
     assert by_file.components.weights_bytes == preset.weights_bytes
 
 
-def test_dispatcher_and_graph_rules_follow_the_rank_worker():
-    assert resolve_cuda_graphs(None, (1, 2)) == (True, True, "largest bucket 2")
-    assert resolve_cuda_graphs(None, ())[:2] == (True, False)
-    assert resolve_cuda_graphs(False, (1, 2))[:2] == (False, False)
-    assert resolve_dispatcher("auto", 1, True, want_graphs=True)[0] == "all_gather"
-    assert resolve_dispatcher("auto", 1, True, want_graphs=False)[0] == "all_to_all"
-    assert resolve_dispatcher("auto", 4, True, want_graphs=True)[0] == "flashinfer"
-    assert resolve_dispatcher("auto", 4, False, want_graphs=True)[0] == "all_gather"
-    assert resolve_dispatcher("all_gather", 4, True, want_graphs=True) == ("all_gather", "configured")
+def _choices(dispatcher="auto", world=2, device="cuda", graphs=None, sizes=(1, 2), fi=(True, ""), **kw):
+    base = dict(attention="auto", dtype=torch.bfloat16, head_dim=128, flashinfer_importable=True)
+    base.update(kw)
+    return resolve_choices(dispatcher=dispatcher, use_cuda_graph=graphs, world_size=world, device_type=device,
+                           capture_sizes=sizes, flashinfer_dispatch=fi, **base)
+
+
+def test_the_auto_rules_are_one_function_for_worker_and_planner():
+    assert _choices().graphs and _choices(sizes=()).graphs is False
+    assert _choices(graphs=False).graphs is False and _choices(device="cpu").graphs is False
+    assert _choices(world=1).dispatcher == "local"
+    assert _choices().dispatcher == "flashinfer"
+    assert _choices(fi=(False, "no NVLink")).dispatcher == "all_gather"  # graphs need a capturable one
+    assert _choices(fi=(False, "no NVLink"), graphs=False).dispatcher == "all_to_all"
+    assert _choices(dispatcher="all_gather").dispatcher_reason == "configured"
     with pytest.raises(ValueError, match="cannot be captured"):
-        resolve_dispatcher("all_to_all", 2, True, want_graphs=True)
+        _choices(dispatcher="all_to_all")
+    with pytest.raises(ValueError, match="'local' runs only at world size 1"):
+        _choices(dispatcher="local")
+    assert _choices().attention == "flashinfer" and _choices(head_dim=96).attention == "sdpa"
+    assert _choices(flashinfer_importable=False).attention == "sdpa"
+    with pytest.raises(ValueError, match="head_dim 96"):
+        _choices(attention="flashinfer", head_dim=96)
+    # the planner asks the same function, with NVLink as the FlashInfer verdict
+    inp = PlanInput(model="tiny", dp_size=2, ep_size=2, max_running_requests=4, chunked_prefill_size=64, nvlink=False)
+    assert plan_capacity(inp).dispatcher == "all_gather"
+    assert plan_capacity(dataclasses.replace(inp, nvlink=True)).dispatcher == "flashinfer"
 
 
 def test_gpu_names():
@@ -300,7 +332,7 @@ def test_json_schema_keys_are_stable():
 
 # -- predicted vs measured ---------------------------------------------------------------------------
 def test_compare_measured():
-    plan = plan_capacity(PlanInput(max_running_requests=32))
+    plan = plan_capacity(PlanInput(max_running_requests=32, dispatcher="all_gather"))
     predicted = plan.components.as_dict()
     measured = {"weights": predicted["weights"], "kv_cache": predicted["kv_cache"] * 2,
                 "dp_buffers": predicted["dp_buffers"] // 2, "graph_pool": 0, "activation_peak": 0,

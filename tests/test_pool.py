@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from buffers import BufferPool, process_pool, share_input_buffers_in
+from buffers import BufferPool, share_input_buffers_in
 
 DECLS = [
     ("input_ids", (16,), "decode"),
@@ -152,5 +152,3 @@ def test_report_lists_users_bytes_and_dtypes():
     assert "decode, prefill" in text and str(pool.total_bytes()) in text
 
 
-def test_process_pool_is_one_object():
-    assert process_pool() is process_pool()

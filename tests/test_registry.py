@@ -295,3 +295,38 @@ def test_fill_is_grouped_and_equals_slot_by_slot_reference():
     # its rows being dense), int32 (seq_lens_cpu), float32 (scale)
     assert len(copies) == 3
     assert "aten.copy_" not in counter.ops  # no per-slot copies
+
+
+def test_per_size_caches_stay_bounded_over_every_prefill_size():
+    """An eager prefill of every size from 1 to 1024 tokens keeps at most PER_SIZE_CACHE fill
+    plans and padded views: memory does not grow with the number of distinct sizes."""
+    from buffers import BufferPool, build_prefill_registry
+    from buffers.registry import PER_SIZE_CACHE
+
+    reg = build_prefill_registry(4, 1024, "cpu", BufferPool(), register_input_embeds=False)
+    for n in range(1, 1025):
+        batch = _PrefillBatch(n)
+        reg.fill(batch, 1, 1, n, n)
+        view = reg.view(batch, 1, n)
+        assert view.input_ids.shape[0] == n and int(view.input_ids[-1]) == n - 1
+    assert len(reg._plans) == PER_SIZE_CACHE and len(reg._padded) <= PER_SIZE_CACHE
+    # the most recent sizes are the ones kept
+    assert (1, 1, 1024, 1024) in reg._plans and (1, 1, 1, 1) not in reg._plans
+
+
+@dataclasses.dataclass
+class _PrefillBatch:
+    """An extend batch of one request with ``n`` tokens, fields named like the prefill slots."""
+
+    n: int
+    batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        self.input_ids = torch.arange(self.n)
+        self.positions = torch.arange(self.n)
+        self.out_cache_loc = torch.arange(self.n) + 1
+        self.req_pool_indices = torch.tensor([1])
+        self.seq_lens = torch.tensor([self.n])
+        self.seq_lens_cpu = torch.tensor([self.n])
+        self.extend_seq_lens = torch.tensor([self.n])
+        self.extend_prefix_lens = torch.tensor([0])

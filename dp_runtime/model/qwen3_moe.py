@@ -21,8 +21,9 @@ extend batch. The forward never syncs with the host on the decode path, so it ca
 Every EP rank calls dispatch and combine in every sparse layer of every step, IDLE ranks with
 zero rows included: the step loop makes sure an IDLE rank still runs this forward.
 
-The dispatch plan is ``batch.dispatch_plan`` (``dispatcher.StepPlanLike``): for a graph bucket it
-is the bucket on every rank (what the capture saw); for an eager step, the step's StepPlan.
+The dispatch plan is ``batch.plan``, the step's StepPlan (``dispatcher.StepPlanLike``); a
+captured graph holds its capture plan, the bucket on every rank. Without a plan (one rank, a
+direct call) the batch's own tokens are the only ones.
 
 Shapes: T tokens, H hidden, Hq/Hkv heads, D head dim, K top-k, N rows delivered to this rank's
 experts, L local experts, I expert size, V vocab, B requests.
@@ -207,7 +208,7 @@ class Qwen3MoeModel:
         """Logits (float32) of the sampling rows of ``batch`` (module docstring): (B, V)."""
         c = self.cfg
         t = batch.input_ids.shape[0]
-        plan = batch.dispatch_plan if batch.dispatch_plan is not None else FixedPlan.from_counts((t,))
+        plan = batch.plan if batch.plan is not None else FixedPlan.from_counts((t,))
         norm = self.ops.rms_norm
         h_TH = self.embed[batch.input_ids]
         for i, layer in enumerate(self.layers):

@@ -9,8 +9,10 @@ Tensor fields are named like the registry slots (buffers/builders.py), so ``regi
     mrope_positions (3, T) int64   input_embeds (T, hidden)        (optional inputs)
 
 ``seq_lens`` counts the KV tokens of each request including this step's new ones.
-``global_num_tokens_cpu`` holds every DP rank's token count (``(T,)`` with one rank).
-``dispatch_plan`` is not a registry slot: ``registry.view`` carries it over from the batch.
+``plan`` is the step's StepPlan (every rank's counts, the padding, the bucket): the one plan the
+sync produced, which the MoE dispatcher reads. It is not a registry slot: ``registry.view``
+carries it over. The scheduler builds a batch without it; the rank worker makes the step's
+batch once, ``dataclasses.replace(batch, plan=plan)``, and never writes the scheduler's.
 """
 
 from __future__ import annotations
@@ -36,10 +38,6 @@ class ForwardBatch:
     seq_lens: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
     num_token_non_padded: torch.Tensor | None = None
-    global_num_tokens_cpu: tuple[int, ...] | None = None
-    global_num_tokens_gpu: torch.Tensor | None = None
-    global_num_tokens_for_logprob_cpu: tuple[int, ...] | None = None
-    global_num_tokens_for_logprob_gpu: torch.Tensor | None = None
     extend_seq_lens: torch.Tensor | None = None
     extend_prefix_lens: torch.Tensor | None = None
     # Host copies of the extend lengths: attention backends plan on the host without a sync.
@@ -47,9 +45,9 @@ class ForwardBatch:
     extend_prefix_lens_cpu: tuple[int, ...] | None = None
     input_embeds: torch.Tensor | None = None
     mrope_positions: torch.Tensor | None = None
-    # What the MoE dispatcher lays its buffers out for (dispatcher.StepPlanLike): the step's
-    # StepPlan when eager, the bucket on every rank for a graph (what the capture saw).
-    dispatch_plan: Any = None
+    # The step's StepPlan (dispatcher.StepPlanLike). A captured graph keeps its capture plan,
+    # the bucket on every rank, which is what its gathers were recorded with.
+    plan: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -60,11 +58,10 @@ class ForwardBatch:
         return 0
 
 
-def idle_batch(device: torch.device | str, global_num_tokens_cpu: tuple[int, ...]) -> ForwardBatch:
+def idle_batch(device: torch.device | str, plan: Any) -> ForwardBatch:
     """An IDLE batch: no requests, every token field an empty tensor (not None), so a graph
     replay or an eager fill sees the same inputs as a live batch and pads every row."""
     empty = torch.empty(0, dtype=torch.int64, device=device)
-    counts = tuple(int(c) for c in global_num_tokens_cpu)
     return ForwardBatch(
         forward_mode=ForwardMode.IDLE,
         batch_size=0,
@@ -74,8 +71,7 @@ def idle_batch(device: torch.device | str, global_num_tokens_cpu: tuple[int, ...
         req_pool_indices=empty,
         seq_lens=empty,
         seq_lens_cpu=torch.empty(0, dtype=torch.int64),
-        global_num_tokens_cpu=counts,
-        global_num_tokens_for_logprob_cpu=counts,
+        plan=plan,
     )
 
 
@@ -95,7 +91,6 @@ def capture_batch(
     """
     device = torch.device(device)
     zeros_t = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    counts = tuple(int(c) for c in plan.global_num_tokens_cpu)
     return ForwardBatch(
         forward_mode=forward_mode,
         batch_size=bs,
@@ -105,6 +100,5 @@ def capture_batch(
         req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=device),
         seq_lens=torch.full((bs,), seq_len_fill_value, dtype=torch.int64, device=device),
         seq_lens_cpu=torch.full((bs,), seq_len_fill_value, dtype=torch.int64),
-        global_num_tokens_cpu=counts,
-        global_num_tokens_for_logprob_cpu=counts,
+        plan=plan,
     )

@@ -19,17 +19,11 @@ from dp_runtime.serving.kv_allocator import KVAllocator
 __all__ = ["decode_forward_batch", "extend_forward_batch"]
 
 
-def _counts(n: int, global_num_tokens_cpu: Sequence[int] | None) -> tuple[int, ...]:
-    return tuple(int(c) for c in global_num_tokens_cpu) if global_num_tokens_cpu is not None else (n,)
-
-
 def decode_forward_batch(
     allocator: KVAllocator,
     rows: Sequence[int],
     prefix_lens: Sequence[int],
     input_ids: Sequence[int] | torch.Tensor,
-    *,
-    global_num_tokens_cpu: Sequence[int] | None = None,
 ) -> ForwardBatch:
     """A decode step: one new token per request, at position ``prefix_lens[i]`` of row ``rows[i]``."""
     cache = allocator.cache
@@ -49,8 +43,6 @@ def decode_forward_batch(
         req_pool_indices=rows_t.to(dev),
         seq_lens=seq_lens.to(dev),
         seq_lens_cpu=seq_lens,
-        global_num_tokens_cpu=_counts(bs, global_num_tokens_cpu),
-        global_num_tokens_for_logprob_cpu=_counts(bs, global_num_tokens_cpu),
     )
 
 
@@ -60,8 +52,6 @@ def extend_forward_batch(
     prefix_lens: Sequence[int],
     extend_lens: Sequence[int],
     input_ids: Sequence[int] | torch.Tensor,
-    *,
-    global_num_tokens_cpu: Sequence[int] | None = None,
 ) -> ForwardBatch:
     """An extend step: request ``i`` appends ``extend_lens[i]`` tokens after its ``prefix_lens[i]``
     cached ones. Raises ValueError unless there is one extend length >= 1 per request."""
@@ -93,6 +83,4 @@ def extend_forward_batch(
         extend_prefix_lens=torch.tensor(prefix, dtype=torch.int64, device=dev),
         extend_seq_lens_cpu=ext,
         extend_prefix_lens_cpu=prefix,
-        global_num_tokens_cpu=_counts(total, global_num_tokens_cpu),
-        global_num_tokens_for_logprob_cpu=_counts(total, global_num_tokens_cpu),
     )

@@ -16,7 +16,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_into", "all_gather_v", "all_reduce_sum", "rank_of", "reduce_scatter_into", "world_of"]
+__all__ = [
+    "all_gather_into",
+    "all_gather_v",
+    "all_reduce_sum",
+    "all_to_all_v",
+    "rank_of",
+    "reduce_scatter_into",
+    "reduce_scatter_v",
+    "world_of",
+]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -61,3 +70,25 @@ def all_gather_v(chunks: list[torch.Tensor], inp: torch.Tensor, group: Any = Non
     into the views, no staging and no padding.
     """
     dist.all_gather(chunks, inp, group=group)
+
+
+def reduce_scatter_v(out: torch.Tensor, chunks: list[torch.Tensor], group: Any = None) -> None:
+    """``out`` = sum over ranks of their ``chunks[rank]`` (chunks may differ in rows).
+
+    With NCCL, torch runs an uneven reduce-scatter as one group of reduces (one per destination
+    rank, coalesced): each rank sends every peer only that peer's live rows.
+    """
+    dist.reduce_scatter(out, chunks, group=group)
+
+
+def all_to_all_v(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: Any = None,
+) -> None:
+    """Variable-split all-to-all of rows: ``in_splits[r]`` rows of ``inp`` go to rank ``r``,
+    ``out_splits[r]`` rows of ``out`` come from rank ``r`` (both rank-major). Gloo's uneven
+    all-gather and reduce-scatter are built on it: it moves exactly the rows named."""
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)

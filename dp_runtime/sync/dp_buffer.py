@@ -1,16 +1,22 @@
-"""The DP buffer service: ``set_dp_buffer_len`` and the gathered hidden-state buffers of a rank.
+"""The DP buffer service: ``set_dp_buffer_len`` and the gathered buffers of a rank.
 
 Shapes (legend): ``G`` = global_dp_buffer_len (rows of the gathered buffer), ``L`` =
-local_dp_buffer_len (rows of this rank's local buffer), ``D`` = hidden_size, ``R`` = dp_size.
+local_dp_buffer_len (rows of this rank's local buffer), ``D`` = hidden_size, ``R`` = dp_size,
+``K`` = the MoE top-k of the routing rows.
 
-Ownership: each rank owns one ``DPBufferService`` (no module or class state). Its storage comes
-from the rank's ``buffers.BufferPool``: at construction it requests the largest buffers the
-config allows (``max_global_tokens x D`` and ``max_tokens_per_rank x D``), once; every step only
-takes views of that storage, so addresses never move and a captured graph may keep them.
-``set_dp_buffer_len`` (or ``set_from_plan``) sizes the views for the step; the views are
-valid until the next call.
+Each step the rank calls ``set_dp_buffer_len`` (``set_from_plan`` with the StepPlan) with the
+step's ``global_num_tokens_cpu``; the service lays the gathered buffers out for it
+(``DPBufferLayout``) and the gather-style MoE path (the all-gather dispatcher) gathers hidden
+rows and routing into them and reduce-scatters its expert outputs back through it. The padding
+mode decides what moves: MAX_LEN moves each rank's slot padded to ``L``; SUM_LEN only live rows.
 
-Layout of the gathered buffer (``DPBufferLayout``; a pure function of the arguments):
+Storage comes from the rank's ``buffers.BufferPool``, requested once at construction at the
+largest size the config allows, and only when a gather-style path will use it
+(``allocate=False`` for all-to-all dispatchers: the layout is still computed every step, but
+no gathered storage exists). Every step takes views of that storage, so addresses never move
+and a captured graph may keep them. The views are valid until the next ``set_dp_buffer_len``.
+
+Layout of the gathered buffers (``dp_buffer_layout``, a pure function of the arguments):
 
 - MAX_LEN: ``G = L * R``; rank ``r``'s rows start at ``r * L`` (``offsets``), its first
   ``global_num_tokens[r]`` rows are live, the rest padding.
@@ -34,7 +40,7 @@ from dp_runtime.config import RuntimeConfig
 from dp_runtime.sync.dp_gather import dp_gather, dp_reduce_scatter, dp_scatter
 from dp_runtime.sync.padding_mode import PaddingMode
 
-__all__ = ["DPBufferLayout", "DPBufferService", "dp_buffer_layout"]
+__all__ = ["DPBufferLayout", "DPBufferService", "dp_buffer_layout", "dp_buffer_shapes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +152,17 @@ def _prefix(cache: dict[int, torch.Tensor], full: torch.Tensor, rows: int) -> to
     return view
 
 
+def dp_buffer_shapes(config: RuntimeConfig, routing_top_k: int) -> dict[str, tuple[tuple[int, int], torch.dtype]]:
+    """What a service with storage requests from its pool: name -> (shape, dtype). Pure; the
+    planner sizes ``dp_buffers`` with it. ``routing_top_k`` 0: no routing buffer."""
+    rows, local, d = config.max_global_tokens, config.max_tokens_per_rank, config.hidden_size
+    shapes = {"dp_global_hidden": ((rows, d), config.dtype), "dp_local_hidden": ((local, d), config.dtype)}
+    if routing_top_k:
+        # ids and fp32 weights bit-cast, side by side: one gather carries both.
+        shapes["dp_global_routing"] = ((rows, 2 * routing_top_k), torch.int32)
+    return shapes
+
+
 class DPBufferService:
     """The rank's gathered DP buffers and their per-step sizing (see the module docstring).
 
@@ -154,8 +171,9 @@ class DPBufferService:
         pool: the rank's BufferPool; storage is requested from it once, here.
         rank: this rank's index in the DP group.
         group: the device process group of the gathers (None: default group / none at world 1).
-        global_name, local_name: the pool names of the two buffers.
         device: overrides ``config.device`` (e.g. ``cuda:LOCAL_RANK``).
+        allocate: request the gathered storage (False: layouts only, for all-to-all dispatchers).
+        routing_top_k: also hold a routing buffer of ``2 * routing_top_k`` int32 per row.
     """
 
     def __init__(
@@ -165,9 +183,9 @@ class DPBufferService:
         rank: int,
         *,
         group: Any = None,
-        global_name: str = "dp_global_hidden",
-        local_name: str = "dp_local_hidden",
         device: torch.device | str | None = None,
+        allocate: bool = True,
+        routing_top_k: int = 0,
         user: str = "dp_buffer",
     ) -> None:
         if not 0 <= rank < config.dp_size:
@@ -175,18 +193,17 @@ class DPBufferService:
                 f"DPBufferService: rank {rank} is not in [0, dp_size={config.dp_size})"
             )
         self.config, self.rank, self.group = config, rank, group
+        self.allocates = allocate
         device = config.device if device is None else device
-        hidden = config.hidden_size
-        self._global_full_GD = pool.request(
-            global_name, (config.max_global_tokens, hidden), config.dtype, device, user
-        )
-        self._local_full_LD = pool.request(
-            local_name, (config.max_tokens_per_rank, hidden), config.dtype, device, user
-        )
+        full: dict[str, torch.Tensor] = {}
+        if allocate:
+            for name, (shape, dtype) in dp_buffer_shapes(config, routing_top_k).items():
+                full[name] = pool.request(name, shape, dtype, device, user)
+        self._full = full
         self._key: tuple | None = None
         # Row-prefix views by length, made once: slicing costs ~1.5 us a step, a lookup ~0.1 us.
-        self._global_views: dict[int, torch.Tensor] = {}
-        self._local_views: dict[int, torch.Tensor] = {}
+        self._views: dict[str, dict[int, torch.Tensor]] = {name: {} for name in full}
+        self._step: dict[str, torch.Tensor] = {}
         self.set_dp_buffer_len(0, 0, True, (0,) * config.dp_size)
 
     # -- sizing ----------------------------------------------------------------------------------
@@ -214,10 +231,9 @@ class DPBufferService:
             *key, rank=self.rank, dp_size=cfg.dp_size, max_tokens_per_rank=cfg.max_tokens_per_rank
         )
         self.layout = layout
-        self._global_GD = _prefix(
-            self._global_views, self._global_full_GD, layout.global_dp_buffer_len
-        )
-        self._local_LD = _prefix(self._local_views, self._local_full_LD, layout.local_dp_buffer_len)
+        for name, full in self._full.items():
+            rows = layout.local_dp_buffer_len if name == "dp_local_hidden" else layout.global_dp_buffer_len
+            self._step[name] = _prefix(self._views[name], full, rows)
         self._key = key
         return layout
 
@@ -231,13 +247,30 @@ class DPBufferService:
         )
 
     # -- views -----------------------------------------------------------------------------------
+    def _buffer(self, name: str) -> torch.Tensor:
+        view = self._step.get(name)
+        if view is None:
+            raise RuntimeError(
+                f"DPBufferService: no {name!r} storage on this rank (allocate="
+                f"{self.allocates}; its dispatcher does not gather, or routing_top_k was 0)"
+            )
+        return view
+
+    def _local_storage(self) -> torch.Tensor:
+        self._buffer("dp_local_hidden")  # the clear error when there is none
+        return self._full["dp_local_hidden"]
+
     def get_global_buffer(self) -> torch.Tensor:
-        """The gathered buffer of this step: [G, D], a view of pool storage."""
-        return self._global_GD
+        """The gathered hidden buffer of this step: [G, D], a view of pool storage."""
+        return self._buffer("dp_global_hidden")
 
     def get_local_buffer(self) -> torch.Tensor:
         """This rank's local buffer of this step: [L, D], a view of pool storage."""
-        return self._local_LD
+        return self._buffer("dp_local_hidden")
+
+    def get_global_routing(self) -> torch.Tensor:
+        """The gathered routing rows of this step: [G, 2K] int32 (ids, then fp32 weight bits)."""
+        return self._buffer("dp_global_routing")
 
     @property
     def global_dp_buffer_len(self) -> int:
@@ -270,10 +303,30 @@ class DPBufferService:
     def gather(self, local_TD: torch.Tensor) -> torch.Tensor:
         """Gather every rank's rows into the global buffer; returns it ([G, D]).
 
-        ``local_TD``: this rank's live rows first, ``T <= global_num_tokens[rank]`` (the rest
-        of the rank's rows are sent as zeros). A collective over ``group``.
+        ``local_TD``: this rank's live rows first, ``T <=`` its slot (the rest of the slot is
+        sent as zeros). A collective over ``group``.
         """
-        return dp_gather(self._global_GD, local_TD, self.layout, self.group)
+        return dp_gather(self.get_global_buffer(), local_TD, self.layout, self.group)
+
+    def gather_routing(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor, invalid_id: int) -> torch.Tensor:
+        """Gather every rank's routing rows; returns the [G, 2K] int32 buffer.
+
+        Row ``t`` of this rank's slot gets ``ids_TK[t]`` and the bits of ``weights_TK[t]`` (fp32);
+        the slot's padding rows get ``invalid_id`` with weight 0, so no expert serves them. A
+        collective over ``group``.
+        """
+        global_GK2 = self.get_global_routing()
+        lay, k = self.layout, ids_TK.shape[1]
+        t = ids_TK.shape[0]
+        start = lay.offsets[lay.rank]
+        rows = lay.local_dp_buffer_len if lay.is_max_len else lay.num_tokens
+        slot = global_GK2[start : start + rows]
+        slot[:t, :k] = ids_TK
+        slot[:t, k:] = weights_TK.float().view(torch.int32)
+        if t < rows:
+            slot[t:, :k] = invalid_id
+            slot[t:, k:] = 0
+        return dp_gather(global_GK2, slot, lay, self.group)
 
     def scatter(
         self, global_GD: torch.Tensor | None = None, *, num_rows: int | None = None
@@ -282,9 +335,9 @@ class DPBufferService:
         buffer; returns ``[num_rows or global_num_tokens[rank], D]``. Not a collective.
         """
         out = dp_scatter(
-            self._global_GD if global_GD is None else global_GD,
+            self.get_global_buffer() if global_GD is None else global_GD,
             self.layout,
-            out_TD=self._local_full_LD,
+            out_TD=self._local_storage(),
         )
         return out if num_rows is None else out[:num_rows]
 
@@ -293,7 +346,7 @@ class DPBufferService:
     ) -> torch.Tensor:
         """Sum ``global_GD`` over ranks and return this rank's rows (in the local buffer).
 
-        A collective (the MoE combine). ``global_GD`` may be overwritten.
+        A collective (the MoE combine); what moves follows the padding mode (``dp_reduce_scatter``).
         """
-        out = dp_reduce_scatter(global_GD, self.layout, self.group, out_TD=self._local_full_LD)
+        out = dp_reduce_scatter(global_GD, self.layout, self.group, out_TD=self._local_storage())
         return out if num_rows is None else out[:num_rows]

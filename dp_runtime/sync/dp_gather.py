@@ -8,25 +8,21 @@ global buffer (zeroing the slot's tail) and runs an in-place ``all_gather_into_t
 that slot as input. In place because NCCL supports it natively (input == output + r * chunk):
 no staging buffer, no extra copy.
 
-SUM_LEN (``dp_gather``) on CUDA: an uneven all-gather straight into the rows of the global
-buffer (``all_gather_v``: NCCL broadcasts from every rank, coalesced into one group), so each
-rank receives exactly the others' live rows: no padding, no staging, no compaction. It
-replaced zero + ``all_reduce(SUM)``, which reached only about 55% of a raw all-gather of the
-same bytes on H200s (docs/BENCHMARKS.md). On CPU (gloo) the rank writes its rows at its offset,
-zeroes every other row and runs ``all_reduce(SUM)``: each row has one non-zero contributor, so
-the sum is exact (``x + 0 == x`` in every dtype).
+SUM_LEN (``dp_gather``): an uneven all-gather straight into the rows of the global buffer, so
+each rank receives exactly the others' live rows: no padding, no staging, no compaction. On
+CUDA it is NCCL broadcasts from every rank coalesced into one group (``all_gather_v``; it
+replaced zero + ``all_reduce``, which reached only about 55% of a raw all-gather of the same
+bytes on H200s, docs/BENCHMARKS.md); on gloo, which has no uneven all-gather, a variable-split
+all-to-all that sends the rank's rows to every peer (``all_to_all_v``).
 
-Graph-safe SUM_LEN (``dp_gather_by_counts`` / ``dp_scatter_by_counts``): inside a CUDA graph the
-counts change between replays while the shapes do not, so the offsets must come from a device
-tensor of counts, not from the host. The global buffer has a fixed capacity ``G``; its row ``j``
-is ``local[j - offset]`` where ``0 <= j - offset < count`` and zero elsewhere, written by one
-``index_select`` into the buffer plus one ``masked_fill`` (no atomics, deterministic, no host
-sync), then the same ``all_reduce``. The caller guarantees ``sum(counts) <= G`` and
-``count[rank] <= T`` (the graph runner checks the plan against the bucket on the host).
+A CUDA graph always gathers under MAX_LEN (the bucket on every rank): the shapes, offsets and
+addresses are the same at every replay, so no offset has to be computed on the device.
 
 ``dp_scatter`` takes this rank's rows back (a slice, or a copy into ``out_TD``);
-``dp_reduce_scatter`` sums over ranks first (the MoE combine): MAX_LEN on CUDA uses
-``reduce_scatter_tensor``; otherwise an all-reduce and a slice.
+``dp_reduce_scatter`` sums over ranks first (the MoE combine): MAX_LEN on CUDA is one
+``reduce_scatter_tensor`` over the padded slots; SUM_LEN on CUDA an uneven reduce-scatter (NCCL
+reduces, coalesced); on gloo every rank sends each peer that peer's live rows by all-to-all and
+sums what it receives in fp32, in rank order (deterministic, and no padding row travels).
 
 With world size 1 (no process group) the collectives are skipped: same answer.
 Every function is a collective over ``group`` except the scatters; ranks with zero rows join.
@@ -41,18 +37,17 @@ import torch
 from dp_runtime.sync.collectives import (
     all_gather_into,
     all_gather_v,
-    all_reduce_sum,
+    all_to_all_v,
     reduce_scatter_into,
+    reduce_scatter_v,
     world_of,
 )
 from dp_runtime.sync.padding_mode import PaddingMode
 
 __all__ = [
     "dp_gather",
-    "dp_gather_by_counts",
     "dp_reduce_scatter",
     "dp_scatter",
-    "dp_scatter_by_counts",
 ]
 
 
@@ -103,9 +98,8 @@ def dp_gather(
         chunks = list(global_GD.split(list(layout.global_num_tokens)))
         all_gather_v(chunks, slot_PD, group=group)
     else:
-        global_GD[:start].zero_()
-        global_GD[start + rows :].zero_()
-        all_reduce_sum(global_GD, group=group)
+        r = len(layout.global_num_tokens)
+        all_to_all_v(global_GD, slot_PD.repeat(r, 1), list(layout.global_num_tokens), [rows] * r, group)
     return global_GD
 
 
@@ -133,70 +127,29 @@ def dp_reduce_scatter(
 ) -> torch.Tensor:
     """Sum ``global_GD`` over ranks and return this rank's live rows ([n, D]).
 
-    MAX_LEN on CUDA with ``out_TD`` (>= P rows): one ``reduce_scatter_tensor`` into ``out_TD``.
-    Otherwise ``global_GD`` is all-reduced in place and sliced (copied into ``out_TD`` if given).
-    A collective over ``group``.
+    Takes the [G, D] per-rank partials (G = layout.global_dp_buffer_len), the step's layout, the
+    group and an optional output buffer (>= the rank's slot rows; a new tensor otherwise).
+    MAX_LEN on CUDA: one ``reduce_scatter_tensor`` of the padded slots; SUM_LEN on CUDA: an
+    uneven reduce-scatter of the live rows; gloo: all-to-all of live rows, fp32 sum in rank
+    order. ``global_GD`` is not modified. A collective over ``group``.
     """
-    n = layout.global_num_tokens[layout.rank]
+    counts = layout.global_num_tokens
+    n = counts[layout.rank]
     if world_of(group) == 1 or layout.global_dp_buffer_len == 0:
         return dp_scatter(global_GD, layout, out_TD)
-    if layout.padding is PaddingMode.MAX_LEN and out_TD is not None and global_GD.is_cuda:
-        p = layout.local_dp_buffer_len
-        reduce_scatter_into(out_TD[:p], global_GD, group=group)
+    if out_TD is None:
+        out_TD = global_GD.new_empty((max(n, layout.local_dp_buffer_len), global_GD.shape[1]))
+    if global_GD.is_cuda:
+        if layout.padding is PaddingMode.MAX_LEN:
+            reduce_scatter_into(out_TD[: layout.local_dp_buffer_len], global_GD, group=group)
+        else:
+            reduce_scatter_v(out_TD[:n], list(global_GD.split(list(counts))), group=group)
         return out_TD[:n]
-    all_reduce_sum(global_GD, group=group)
-    return dp_scatter(global_GD, layout, out_TD)
-
-
-def _offset_and_count(counts_R: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    counts = counts_R.to(torch.int64)
-    ends = torch.cumsum(counts, 0)
-    return ends[rank] - counts[rank], counts[rank]
-
-
-def dp_gather_by_counts(
-    global_GD: torch.Tensor,
-    local_TD: torch.Tensor,
-    counts_R: torch.Tensor,
-    rank: int,
-    group: Any = None,
-) -> torch.Tensor:
-    """SUM_LEN gather with offsets computed on the device (capturable in a CUDA graph).
-
-    Takes the fixed-capacity [G, D] global buffer, this rank's [T, D] rows, the per-rank live
-    counts as a device int tensor [R] (read at run time, so a replay sees new counts), this
-    rank's index and the group. Rows ``[offset_r, offset_r + count_r)`` hold rank r's rows;
-    rows past ``sum(counts)`` are zero. Returns ``global_GD``. No host synchronization.
-    """
-    g, t = global_GD.shape[0], local_TD.shape[0]
-    if t == 0 or g == 0:
-        global_GD.zero_()
-    else:
-        offset, count = _offset_and_count(counts_R, rank)
-        src_G = torch.arange(g, device=global_GD.device) - offset
-        keep_G = (src_G >= 0) & (src_G < count)
-        torch.index_select(local_TD, 0, src_G.clamp_(0, t - 1), out=global_GD)
-        global_GD.masked_fill_(~keep_G.unsqueeze(1), 0)
-    if world_of(group) > 1 and g > 0:
-        all_reduce_sum(global_GD, group=group)
-    return global_GD
-
-
-def dp_scatter_by_counts(
-    global_GD: torch.Tensor, counts_R: torch.Tensor, rank: int, out_TD: torch.Tensor
-) -> torch.Tensor:
-    """This rank's rows of a SUM_LEN buffer into ``out_TD`` ([T, D]), offsets from the device.
-
-    Row ``j < count[rank]`` of ``out_TD`` gets ``global_GD[offset + j]``; rows past the count
-    are zeroed. Returns ``out_TD``. Capturable in a CUDA graph (no host synchronization).
-    """
-    g, t = global_GD.shape[0], out_TD.shape[0]
-    if t == 0:
-        return out_TD
-    if g == 0:
-        return out_TD.zero_()
-    offset, count = _offset_and_count(counts_R, rank)
-    j_T = torch.arange(t, device=out_TD.device)
-    torch.index_select(global_GD, 0, (j_T + offset).clamp_(max=g - 1), out=out_TD)
-    out_TD.masked_fill_((j_T >= count).unsqueeze(1), 0)
-    return out_TD
+    # gloo: rank r gets its live rows of my partials; I get mine from every rank.
+    r = len(counts)
+    send_SD = torch.cat([global_GD[o : o + c] for o, c in zip(layout.offsets, counts, strict=True)])
+    recv_RnD = global_GD.new_empty((r, n, global_GD.shape[1]))
+    all_to_all_v(recv_RnD.view(r * n, global_GD.shape[1]), send_SD, [n] * r, list(counts), group)
+    out_ND = out_TD[:n]
+    out_ND.copy_(recv_RnD.float().sum(0))
+    return out_ND

@@ -1,4 +1,4 @@
-"""Synthetic requests and batches for tests and benchmarks, until the scheduler exists.
+"""Synthetic requests and batches for tests and benchmarks that drive a model without a scheduler.
 
 ``add_requests`` gives each request a row of ``req_to_token`` and random K/V for its context;
 ``decode_batch`` / ``extend_batch`` build the step's ForwardBatch the way the scheduler does
@@ -52,12 +52,9 @@ def decode_batch(
     allocator: KVAllocator,
     requests: Sequence[SyntheticRequest],
     input_ids: Sequence[int] | torch.Tensor,
-    *,
-    global_num_tokens_cpu: Sequence[int] | None = None,
 ) -> ForwardBatch:
     """A decode step of ``requests`` (one new token each); each request's ``seq_len`` grows by 1."""
-    batch = decode_forward_batch(allocator, [r.row for r in requests], [r.seq_len for r in requests], input_ids,
-                                 global_num_tokens_cpu=global_num_tokens_cpu)
+    batch = decode_forward_batch(allocator, [r.row for r in requests], [r.seq_len for r in requests], input_ids)
     for r in requests:
         r.seq_len += 1
     return batch
@@ -68,12 +65,10 @@ def extend_batch(
     requests: Sequence[SyntheticRequest],
     extend_lens: Sequence[int],
     input_ids: Sequence[int] | torch.Tensor,
-    *,
-    global_num_tokens_cpu: Sequence[int] | None = None,
 ) -> ForwardBatch:
     """An extend step: request i appends ``extend_lens[i]`` tokens after its cached prefix."""
     batch = extend_forward_batch(allocator, [r.row for r in requests], [r.seq_len for r in requests], extend_lens,
-                                 input_ids, global_num_tokens_cpu=global_num_tokens_cpu)
+                                 input_ids)
     for r, e in zip(requests, batch.extend_seq_lens_cpu, strict=True):
         r.seq_len += e
     return batch

@@ -1,0 +1,103 @@
+"""The "auto" rules of a rank, in one pure function: dispatcher, CUDA graphs, attention backend.
+
+The rank worker calls ``resolve_choices`` with what it found on its machine (the collective
+FlashInfer verdict of its EP group, whether flashinfer imports); the planner calls it with what
+it assumes of the GPUs it plans for (NVLink or not). Same rules, so a plan cannot pick another
+backend than the runtime would.
+
+Rules:
+
+- graphs: ``use_cuda_graph`` if set, else on for CUDA; never without capture sizes.
+- dispatcher: a named kind is taken as it is (``all_to_all`` with graphs is refused: it reads its
+  split sizes on the host). ``auto``: world size 1 -> ``local`` (nothing to exchange); every EP
+  rank able to run FlashInfer's MoeAlltoAll -> ``flashinfer``; otherwise ``all_to_all``, or
+  ``all_gather`` when graphs are on (the capturable one).
+- attention: ``flashinfer`` where its kernels exist for the geometry (CUDA, 16-bit, head dim 64,
+  128 or 256) and flashinfer imports, else ``sdpa``; naming ``flashinfer`` where it cannot run is
+  refused with the reasons.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dp_runtime.attention.backend import flashinfer_unsupported
+
+__all__ = ["CAPTURABLE_DISPATCHERS", "DISPATCHERS", "Choices", "resolve_choices"]
+
+DISPATCHERS = ("auto", "local", "all_gather", "all_to_all", "flashinfer")
+# all_to_all reads its split sizes on the host: no CUDA graph can hold it.
+CAPTURABLE_DISPATCHERS = ("local", "all_gather", "flashinfer")
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What a rank runs, each with the reason (shown in metrics, the run table and the plan)."""
+
+    dispatcher: str
+    dispatcher_reason: str
+    graphs: bool
+    graphs_reason: str
+    attention: str
+    attention_reason: str
+
+
+def resolve_choices(
+    *,
+    dispatcher: str,
+    use_cuda_graph: bool | None,
+    attention: str,
+    world_size: int,
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    capture_sizes: tuple[int, ...],
+    flashinfer_dispatch: tuple[bool, str],
+    flashinfer_importable: bool,
+) -> Choices:
+    """The rank's choices (module docstring). ``flashinfer_dispatch``: (every EP rank can run
+    MoeAlltoAll, why not) — only read for ``dispatcher="auto"`` at world size > 1. Raises
+    ValueError naming the option for a choice that cannot run."""
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher must be one of {', '.join(DISPATCHERS)}; got {dispatcher!r}")
+    if use_cuda_graph is False:
+        graphs, graphs_why = False, "use_cuda_graph is False"
+    elif not capture_sizes:
+        graphs, graphs_why = False, "no capture sizes"
+    elif use_cuda_graph is None and device_type != "cuda":
+        graphs, graphs_why = False, f"auto: {device_type} has no CUDA graphs"
+    else:
+        graphs, graphs_why = True, f"{len(capture_sizes)} buckets up to {capture_sizes[-1]}"
+
+    if dispatcher == "local" and world_size != 1:
+        raise ValueError(f"dispatcher 'local' runs only at world size 1, got {world_size}")
+    if dispatcher != "auto":
+        kind, why = dispatcher, "configured"
+        if graphs and device_type == "cuda" and kind not in CAPTURABLE_DISPATCHERS:
+            raise ValueError(f"dispatcher {kind!r} reads its counts on the host and cannot be captured in a "
+                             f"CUDA graph; pick {' or '.join(CAPTURABLE_DISPATCHERS[1:])}, or turn graphs off")
+    elif world_size == 1:
+        kind, why = "local", "auto: world size 1, nothing to exchange"
+    elif flashinfer_dispatch[0]:
+        kind, why = "flashinfer", "auto: every EP rank can run FlashInfer's MoeAlltoAll"
+    elif graphs and device_type == "cuda":
+        kind, why = "all_gather", f"auto: {flashinfer_dispatch[1]}; all_to_all is eager-only, graphs take all_gather"
+    else:
+        kind, why = "all_to_all", f"auto: {flashinfer_dispatch[1]}"
+
+    unsupported = flashinfer_unsupported(device_type, dtype, head_dim)
+    if attention == "flashinfer" and unsupported:
+        raise ValueError("attention 'flashinfer' cannot run here: " + "; ".join(unsupported))
+    if attention not in ("auto", "sdpa", "flashinfer"):
+        raise ValueError(f"attention must be auto, sdpa or flashinfer; got {attention!r}")
+    if attention != "auto":
+        attn, attn_why = attention, "configured"
+    elif unsupported:
+        attn, attn_why = "sdpa", "auto: " + "; ".join(unsupported)
+    elif not flashinfer_importable:
+        attn, attn_why = "sdpa", "auto: flashinfer does not import"
+    else:
+        attn, attn_why = "flashinfer", "auto: FlashInfer kernels exist for this geometry"
+    return Choices(kind, why, graphs, graphs_why, attn, attn_why)
