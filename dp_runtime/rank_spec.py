@@ -19,7 +19,9 @@ Fields:
 - ``kv_cache_tokens``: KV slots per rank; None sizes them: on CUDA from ``kv_mem_fraction`` of the
   memory free after weights, on CPU ``max_running_requests * max_context_len`` capped at 65536.
 - ``max_context_len``: longest prompt + output of one request (None: the model's limit, capped
-  at 4096).
+  at 4096). The model's limit is ``ModelConfig.max_positions`` (YaRN extends it); a model with a
+  sliding attention window allows at most the window (the model has no windowed attention, so
+  a context the window would cut is refused, not computed wrong).
 - ``seed``: of random weights.
 """
 
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dp_runtime.config import RuntimeConfig
-from dp_runtime.model.model_config import PRESETS, ModelConfig
+from dp_runtime.model.model_config import PRESETS, ModelConfig, ModelConfigError
 
 __all__ = ["ATTENTION_KINDS", "RankSpec"]
 
@@ -70,10 +72,17 @@ class RankSpec:
                 f"RankSpec: runtime.hidden_size={self.runtime.hidden_size} but model {self.model!r} has "
                 f"hidden_size={cfg.hidden_size} (use RankSpec.create, which takes it from the model)"
             )
-        if self.context_len > cfg.max_position_embeddings:
+        if self.context_len > cfg.max_positions:
+            what = "max_position_embeddings" if cfg.rope_yarn is None else "YaRN-extended context"
             raise ValueError(
-                f"RankSpec.max_context_len={self.context_len} exceeds the model's "
-                f"max_position_embeddings={cfg.max_position_embeddings}"
+                f"RankSpec.max_context_len={self.context_len} exceeds the model's {what}={cfg.max_positions}"
+            )
+        if cfg.sliding_window is not None and self.context_len > cfg.sliding_window:
+            # Keys further back than the window would be masked by the model; ours attends to all.
+            raise ModelConfigError(
+                f"model {self.model!r} has sliding_window={cfg.sliding_window}, shorter than "
+                f"max_context_len={self.context_len}: sliding-window attention is not supported "
+                f"(set max_context_len <= {cfg.sliding_window})"
             )
 
     @classmethod
@@ -105,10 +114,10 @@ class RankSpec:
         """The resolved ``max_context_len``."""
         if self.max_context_len is not None:
             return self.max_context_len
-        return min(self.model_config().max_position_embeddings, _DEFAULT_MAX_CONTEXT)
+        cfg = self.model_config()
+        limit = min(cfg.max_positions, _DEFAULT_MAX_CONTEXT)
+        return limit if cfg.sliding_window is None else min(limit, cfg.sliding_window)
 
 
 def _model_config(model: str, overrides: tuple[tuple[str, Any], ...]) -> ModelConfig:
-    if model in PRESETS:
-        return ModelConfig.preset(model, **dict(overrides))
-    return ModelConfig.from_dir(model)
+    return ModelConfig.load(model, **dict(overrides))

@@ -43,6 +43,8 @@ def write_tiny_checkpoint(path: Path, seed: int = 0, *, family: str = "qwen3_moe
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):  # attention biases: large enough to move the tokens
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             else:
                 scale = 3.0 if name == "lm_head.weight" else 1.0
                 p.copy_(torch.randn(p.shape, generator=gen) * scale * p.shape[-1] ** -0.5)

@@ -35,19 +35,23 @@ def test_bf16_graphs_and_eager_agree_and_match_transformers(ckpt_and_refs, atten
     assert compare_to_reference(*eager[:2], refs) == []
 
 
-def test_flashinfer_elementwise_ops_match_torch():
+@pytest.mark.parametrize("yarn", [False, True], ids=["rope", "yarn"])
+def test_flashinfer_elementwise_ops_match_torch(yarn):
     pytest.importorskip("flashinfer")
     import torch
 
     from dp_runtime.model.elementwise_ops import FlashInferOps, TorchOps
     from dp_runtime.model.layers import RotaryEmbedding
+    from dp_runtime.model.model_config import YarnScaling
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(37, 6, 128, device="cuda", generator=g).to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(128, device="cuda", generator=g)).to(torch.bfloat16)
     fused, ref = FlashInferOps(), TorchOps()
     torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), rtol=2e-2, atol=2e-2)
-    rotary = RotaryEmbedding(128, 4096, 1e6, "cuda")
+    # YaRN reaches FlashInfer's kernel through the cos/sin table (frequencies and attention factor).
+    scaling = YarnScaling(factor=4.0, original_max_position_embeddings=1024, attention_factor=1.1386) if yarn else None
+    rotary = RotaryEmbedding(128, 4096, 1e6, "cuda", yarn=scaling)
     pos = torch.randint(0, 4096, (37,), device="cuda", generator=g)
     q, k = x[:, :4], x[:, 4:]  # strided views, as the fused QKV split gives them
     for a, b in zip(fused.rope(rotary, q, k, pos), ref.rope(rotary, q, k, pos), strict=True):

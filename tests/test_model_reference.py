@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from dp_runtime.model.model_config import ModelConfigError
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.request import Request, SamplingParams
@@ -133,7 +134,7 @@ def test_sampling_is_seeded_and_top_p_near_zero_is_greedy(ckpt, prompts, referen
 
 
 def test_missing_checkpoint_and_mismatched_spec_are_clear_errors(tmp_path, ckpt):
-    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+    with pytest.raises(ModelConfigError, match=r"no config\.json"):
         RankSpec.create(str(tmp_path), dtype="float32", device="cpu")
     spec = _spec(ckpt)
     with pytest.raises(ValueError, match="dp_size=1 but world_size=2"):

@@ -248,7 +248,7 @@ def test_invalid_combination_raises_the_runtime_config_error():
 
 def test_model_from_config_json(tmp_path):
     tiny = ModelConfig.preset("tiny")
-    hf = dict(vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_layers,
+    hf = dict(model_type="qwen3_moe", vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_layers,
               num_attention_heads=tiny.num_heads, num_key_value_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
               num_experts=tiny.num_experts, num_experts_per_tok=tiny.top_k,
               moe_intermediate_size=tiny.moe_intermediate_size, max_position_embeddings=2048)

@@ -1,14 +1,20 @@
-"""Layers of a Qwen3-style decoder: RMSNorm, rotary embedding (neox halves), and the attention
-block with per-head q/k norm that the reference model and the benchmark stack share.
+"""Layers of a Qwen3-style decoder: RMSNorm, rotary embedding (neox halves, plain or YaRN), and
+the attention block with per-head q/k norm that the reference model and the benchmark stack share.
 
-Shapes: T tokens, H heads, D head dim. Both compute in float32 and return the input dtype.
+Shapes: T tokens, H heads, D head dim, P positions. Both compute in float32 and return the input
+dtype.
 """
 
 from __future__ import annotations
 
-import torch
+import math
 
-__all__ = ["RotaryEmbedding", "qk_norm_attention", "rms_norm"]
+import torch
+import torch.nn.functional as F
+
+from dp_runtime.model.model_config import YarnScaling
+
+__all__ = ["RotaryEmbedding", "qk_norm_attention", "rms_norm", "yarn_inv_freq"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -18,15 +24,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * weight.float()).to(x.dtype)
 
 
-class RotaryEmbedding:
-    """A cos/sin table for positions ``[0, max_position)``; ``apply`` rotates q and k."""
+def yarn_inv_freq(head_dim: int, theta: float, yarn: YarnScaling) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies (float64, ``head_dim // 2``) and the factor that scales cos and
+    sin, by the formulas transformers' ``_compute_yarn_parameters`` uses: each frequency blends
+    the original one (fast dimensions, more than ``beta_fast`` rotations over the original
+    context) and the one interpolated by ``factor`` (slow dimensions, under ``beta_slow``),
+    along a linear ramp between them."""
+    d = head_dim
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, device: torch.device | str) -> None:
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    base = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    inv_freq = base / yarn.factor * ramp + base * (1 - ramp)
+    return inv_freq, yarn.attention_factor
+
+
+class RotaryEmbedding:
+    """A cos/sin table for positions ``[0, max_position)``; ``apply`` rotates q and k. With
+    ``yarn`` the frequencies are YaRN's and cos/sin carry its attention factor, so every
+    consumer of ``cos_sin_PD`` (FlashInfer's ``apply_rope_with_cos_sin_cache_inplace``
+    included) applies YaRN without knowing of it."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, device: torch.device | str,
+                 *, yarn: YarnScaling | None = None) -> None:
         if head_dim % 2:
             raise ValueError(f"RotaryEmbedding: head_dim must be even, got {head_dim}")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float64, device=device), inv_freq)
-        self.cos_sin_PD = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+        if yarn is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+            scale = 1.0
+        else:
+            inv_freq, scale = yarn_inv_freq(head_dim, theta, yarn)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq).to(device)
+        self.cos_sin_PD = (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * scale).float()
         self.max_position = max_position
 
     @staticmethod
@@ -57,18 +94,21 @@ def qk_norm_attention(
     layer_id: int,
     batch,
     ops,
+    b_qkv: torch.Tensor | None = None,
+    b_o: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Qwen3's attention block on normed hidden states ``x_TH``: fused QKV projection, RMSNorm
-    per head of q and k, RoPE at ``batch.positions``, the backend's attention (which writes this
-    step's K/V), output projection. ``ops`` supplies ``rms_norm`` and ``rope``
+    """Qwen3's attention block on normed hidden states ``x_TH``: fused QKV projection (plus
+    ``b_qkv`` when the model has attention biases), RMSNorm per head of q and k, RoPE at
+    ``batch.positions``, the backend's attention (which writes this step's K/V), output
+    projection (plus ``b_o``). ``ops`` supplies ``rms_norm`` and ``rope``
     (``dp_runtime.model.elementwise_ops``: torch's or FlashInfer's). Returns (T, H) in ``x_TH``'s
     dtype."""
     t = x_TH.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = (x_TH @ w_qkv.T).split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = F.linear(x_TH, w_qkv, b_qkv).split([q_size, kv_size, kv_size], dim=-1)
     q, k = q.reshape(t, num_heads, head_dim), k.reshape(t, num_kv_heads, head_dim)
     if q_norm is not None:  # Qwen3's per-head norm; Mixtral has none
         q, k = ops.rms_norm(q, q_norm, eps), ops.rms_norm(k, k_norm, eps)
     q, k = ops.rope(rotary, q, k, batch.positions)
     o = attention.forward(q, k, v.reshape(t, num_kv_heads, head_dim), layer_id, batch)
-    return o.to(x_TH.dtype) @ w_o.T
+    return F.linear(o.to(x_TH.dtype), w_o, b_o)

@@ -1,18 +1,53 @@
 """ModelConfig: the shape of a Qwen3-MoE-style model (or Mixtral), from a Hugging Face config or
-a preset.
+a preset; ModelConfigError, the one error type of a model that cannot be loaded as given.
 
 Presets: ``tiny`` (CPU tests: a few layers, a handful of experts) and ``qwen3-30b-a3b`` (the
 dimensions of Qwen3-30B-A3B, for GPU benchmarks with random weights).
+
+``ModelConfig.load(model)`` takes what a user types for ``--model``: a preset name or a
+checkpoint directory. Reading a ``config.json`` (which fields count, which are refused) lives in
+``dp_runtime.model.hf_config``.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRESETS", "ModelConfig"]
+__all__ = ["PRESETS", "ModelConfig", "ModelConfigError", "YarnScaling"]
+
+
+class ModelConfigError(ValueError):
+    """A model that cannot be loaded as given: an unknown preset, a config.json that is not JSON,
+    of an unsupported architecture or with a field the model cannot compute, a checkpoint
+    with a missing, mis-shaped, non-float or unreadable tensor. The message names the file, the
+    field or tensor, and the value: a launcher prints it as one line (a user error, exit 2)."""
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rotary scaling, resolved as transformers resolves ``rope_type: yarn``: ``factor`` of
+    context extension over ``original_max_position_embeddings``, the ``beta_fast``/``beta_slow``
+    rotation bounds of the ramp between interpolated and original frequencies, and the
+    ``attention_factor`` that scales cos and sin (from ``mscale``/``mscale_all_dim`` or
+    ``0.1 ln(factor) + 1`` when the config gives none)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.factor >= 1.0:
+            raise ModelConfigError(f"YaRN factor must be >= 1, got {self.factor}")
+        if self.original_max_position_embeddings <= 0:
+            raise ModelConfigError(
+                f"YaRN original_max_position_embeddings must be > 0, got {self.original_max_position_embeddings}")
+        if not self.attention_factor > 0:
+            raise ModelConfigError(f"YaRN attention_factor must be > 0, got {self.attention_factor}")
 
 
 @dataclass(frozen=True)
@@ -36,75 +71,91 @@ class ModelConfig:
     max_position_embeddings: int = 40960
     family: str = "qwen3_moe"  # tensor names: dp_runtime.model.tensor_names
     qk_norm: bool = True  # per-head RMSNorm of q and k (Qwen3; not Mixtral)
+    attention_bias: bool = False  # biases on q/k/v/o projections (Qwen3-MoE's attention_bias)
+    rope_yarn: YarnScaling | None = None  # None: plain RoPE
+    # The attention window as transformers applies it (None: full causal attention). The model
+    # has no windowed attention: RankSpec refuses a window shorter than the context it allows.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_yarn, dict):  # to_dict() output fed back in
+            object.__setattr__(self, "rope_yarn", YarnScaling(**self.rope_yarn))
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts", "top_k", "moe_intermediate_size")
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+                raise ModelConfigError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ModelConfigError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ModelConfigError(f"head_dim must be even for the rotary embedding, got {self.head_dim}")
         if self.top_k > self.num_experts:
-            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+            raise ModelConfigError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.family not in ("qwen3_moe", "mixtral"):
-            raise ValueError(f"ModelConfig.family must be 'qwen3_moe' or 'mixtral', got {self.family!r}")
+            raise ModelConfigError(f"ModelConfig.family must be 'qwen3_moe' or 'mixtral', got {self.family!r}")
         if self.decoder_sparse_step <= 0:
-            raise ValueError(f"decoder_sparse_step must be > 0, got {self.decoder_sparse_step}")
+            raise ModelConfigError(f"decoder_sparse_step must be > 0, got {self.decoder_sparse_step}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ModelConfigError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether ``layer`` has experts (Qwen3-MoE's decoder_sparse_step / mlp_only_layers rule)."""
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
+    @property
+    def max_positions(self) -> int:
+        """The longest context the model's positions cover: ``max_position_embeddings``, or with
+        YaRN at least ``factor * original_max_position_embeddings`` (the context YaRN extends
+        to; Qwen3's published configs keep ``max_position_embeddings`` at the native length)."""
+        if self.rope_yarn is None:
+            return self.max_position_embeddings
+        extended = int(self.rope_yarn.factor * self.rope_yarn.original_max_position_embeddings)
+        return max(self.max_position_embeddings, extended)
+
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """From a Hugging Face Qwen3-MoE or Mixtral ``config.json`` dict (by ``model_type``)."""
-        rope = hf.get("rope_theta")
-        if rope is None:
-            rope = (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("rope_theta", 1_000_000.0)
-        heads = hf["num_attention_heads"]
-        common = dict(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads", heads),
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            top_k=hf["num_experts_per_tok"],
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            max_position_embeddings=hf.get("max_position_embeddings", 40960),
-        )
-        model_type = hf.get("model_type", "qwen3_moe")
-        if model_type == "mixtral":
-            # Every layer sparse; the softmax over the top-k logits equals renormalised top-k.
-            return cls(**common, num_experts=hf["num_local_experts"], moe_intermediate_size=hf["intermediate_size"],
-                       norm_topk_prob=True, family="mixtral", qk_norm=False)
-        if model_type != "qwen3_moe":
-            raise ValueError(f"config.json model_type {model_type!r} is not supported (qwen3_moe, mixtral)")
-        return cls(
-            **common,
-            num_experts=hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"],
-            moe_intermediate_size=hf["moe_intermediate_size"],
-            intermediate_size=hf.get("intermediate_size", 0),
-            norm_topk_prob=hf.get("norm_topk_prob", False),
-            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-        )
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """From a Hugging Face Qwen3-MoE or Mixtral ``config.json`` dict (by ``model_type``).
+        Raises ModelConfigError naming ``source``, the field and its value for anything the model
+        would not compute as transformers does (``dp_runtime.model.hf_config``)."""
+        from dp_runtime.model.hf_config import model_config_from_hf
+
+        return model_config_from_hf(hf, source)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        """From ``path/config.json``; a missing file is FileNotFoundError naming it."""
-        file = Path(path) / "config.json"
+        """From ``path/config.json``. ModelConfigError when ``path`` does not exist (naming the
+        presets too: a mistyped preset arrives here), has no config.json, or its config.json is
+        not valid JSON (line and column) or not a supported model."""
+        from dp_runtime.model.hf_config import read_json_object
+
+        root = Path(path)
+        if not root.exists():
+            raise ModelConfigError(
+                f"model {str(path)!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory")
+        file = root / "config.json"
         if not file.is_file():
-            raise FileNotFoundError(f"no config.json in checkpoint directory {str(path)!r}")
-        return cls.from_hf(json.loads(file.read_text()))
+            raise ModelConfigError(f"no config.json in checkpoint directory {str(path)!r}")
+        return cls.from_hf(read_json_object(file), str(file))
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+            raise ModelConfigError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
         return replace(PRESETS[name], **overrides)
+
+    @classmethod
+    def load(cls, model: str, **overrides: Any) -> ModelConfig:
+        """What ``--model`` names: a preset (``overrides`` replace its fields), or a checkpoint
+        directory or its config.json (no overrides). ModelConfigError otherwise."""
+        if model in PRESETS:
+            return cls.preset(model, **overrides)
+        if overrides:
+            raise ModelConfigError(f"model overrides apply to presets only; {model!r} is a checkpoint")
+        path = Path(model)
+        if path.name == "config.json" and path.is_file():
+            path = path.parent
+        elif path.is_file():
+            raise ModelConfigError(f"model {model!r} is a file; give a preset, a checkpoint directory or its config.json")
+        return cls.from_dir(path)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

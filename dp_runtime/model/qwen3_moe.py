@@ -4,9 +4,9 @@ through a dispatcher. Mixtral is the same computation without the q/k norm (its 
 
 Per decoder layer (Hugging Face ``Qwen3MoeForCausalLM`` arithmetic):
 
-    x = rms_norm(h);  q, k, v = x @ [Wq; Wk; Wv]   (one fused GEMM)
-    q, k = rms_norm per head (q_norm, k_norm);  q, k = RoPE(q, k, positions)
-    h = h + attention(q, k, v) @ Wo                 (the backend writes this step's K/V)
+    x = rms_norm(h);  q, k, v = x @ [Wq; Wk; Wv] (+ [bq; bk; bv])   (one fused GEMM)
+    q, k = rms_norm per head (q_norm, k_norm);  q, k = RoPE(q, k, positions)   (plain or YaRN)
+    h = h + attention(q, k, v) @ Wo (+ bo)          (the backend writes this step's K/V)
     x = rms_norm(h)
     sparse layer: softmax router, top-k, optional renormalisation; dispatch -> the rank's experts
                   (SwiGLU, grouped GEMM on CUDA sm90+ bf16, a dense loop elsewhere) -> combine
@@ -59,6 +59,8 @@ class _Layer:
     w_o: torch.Tensor
     mlp_norm: torch.Tensor
     sparse: bool
+    b_qkv: torch.Tensor | None = None  # (Hq*D + 2*Hkv*D,) with attention_bias
+    b_o: torch.Tensor | None = None  # (H,) with attention_bias
     w_router: torch.Tensor | None = None  # (E, H)
     w13: torch.Tensor | None = None  # sparse: (L, 2I, H) local experts; dense: (2I, H)
     w2: torch.Tensor | None = None  # sparse: (L, H, I); dense: (H, I)
@@ -112,7 +114,7 @@ class Qwen3MoeModel:
         missing = sorted(set(want) - seen)
         if missing:
             raise KeyError(f"weights are missing {len(missing)} tensors, first {missing[0]!r}")
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope_theta, device, yarn=cfg.rope_yarn)
         self.ops = elementwise_ops(device, dtype)
 
     # -- storage ---------------------------------------------------------------------------------
@@ -141,6 +143,8 @@ class Qwen3MoeModel:
                 w_o=self._empty(h, q),
                 mlp_norm=self._empty(h),
                 sparse=c.is_sparse(i),
+                b_qkv=self._empty(q + 2 * kv) if c.attention_bias else None,
+                b_o=self._empty(h) if c.attention_bias else None,
             )
             size = c.moe_intermediate_size if layer.sparse else c.intermediate_size
             if layer.sparse:
@@ -160,6 +164,9 @@ class Qwen3MoeModel:
                 "k_proj": layer.w_qkv[q : q + kv], "v_proj": layer.w_qkv[q + kv :], "router": layer.w_router,
                 "mlp_gate": layer.w13[:size], "mlp_up": layer.w13[size:], "mlp_down": layer.w2,
             }
+            if c.attention_bias:
+                by_role.update(q_bias=layer.b_qkv[:q], k_bias=layer.b_qkv[q : q + kv], v_bias=layer.b_qkv[q + kv :],
+                               o_bias=layer.b_o)
             for role, name in layer_names(c, i).items():
                 targets[name] = by_role[role]
             self.layers.append(layer)
@@ -174,7 +181,7 @@ class Qwen3MoeModel:
         tensors = [self.embed, self.final_norm] + ([] if self.cfg.tie_word_embeddings else [self.lm_head])
         for layer in self.layers:
             tensors += [t for t in (layer.attn_norm, layer.w_qkv, layer.q_norm, layer.k_norm, layer.w_o,
-                                    layer.mlp_norm, layer.w_router, layer.w13, layer.w2) if t is not None]
+                                    layer.b_qkv, layer.b_o, layer.mlp_norm, layer.w_router, layer.w13, layer.w2) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- forward ---------------------------------------------------------------------------------
@@ -216,7 +223,7 @@ class Qwen3MoeModel:
                 norm(h_TH, layer.attn_norm, c.rms_norm_eps), layer.w_qkv, layer.q_norm, layer.k_norm,
                 layer.w_o, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                 eps=c.rms_norm_eps, rotary=self.rotary, attention=self.attention, layer_id=i, batch=batch,
-                ops=self.ops,
+                ops=self.ops, b_qkv=layer.b_qkv, b_o=layer.b_o,
             )
             x = norm(h_TH, layer.mlp_norm, c.rms_norm_eps)
             h_TH = h_TH + (self._moe(layer, x, plan) if layer.sparse else self._mlp(layer, x))

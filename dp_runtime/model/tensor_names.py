@@ -11,7 +11,8 @@ mixtral      ``block_sparse_moe.gate.weight``  ``block_sparse_moe.experts.{e}.{w
 ===========  ===============================  ==================================================
 
 Both share the attention names (``self_attn.{q,k,v,o}_proj``) and the norms
-(``input_layernorm``, ``post_attention_layernorm``); only Qwen3 has ``self_attn.{q,k}_norm``.
+(``input_layernorm``, ``post_attention_layernorm``); only Qwen3 has ``self_attn.{q,k}_norm``, and
+with ``attention_bias`` the biases ``self_attn.{q,k,v,o}_proj.bias``.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ FAMILIES = tuple(_MOE)
 
 def layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     """``{role: tensor name}`` of layer ``i`` except its experts. Roles: attn_norm, mlp_norm,
-    q_proj, k_proj, v_proj, o_proj, q_norm and k_norm (when the family has them), router (a
-    sparse layer) or mlp_gate, mlp_up, mlp_down (a dense layer)."""
+    q_proj, k_proj, v_proj, o_proj, q_norm and k_norm (when the family has them), q_bias,
+    k_bias, v_bias, o_bias (with ``attention_bias``), router (a sparse layer) or mlp_gate, mlp_up,
+    mlp_down (a dense layer)."""
     p = f"model.layers.{i}."
     names = {
         "attn_norm": p + "input_layernorm.weight",
         "mlp_norm": p + "post_attention_layernorm.weight",
         **{proj: f"{p}self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")},
     }
+    if cfg.attention_bias:
+        names.update({f"{proj[0]}_bias": f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")})
     if cfg.qk_norm:
         names["q_norm"] = p + "self_attn.q_norm.weight"
         names["k_norm"] = p + "self_attn.k_norm.weight"

@@ -5,13 +5,17 @@ rank holds only its own experts (``dispatcher.partition.ExpertPartition``, the r
 dispatcher uses) and reads only those from disk: safetensors opens files lazily, so a rank
 touches the bytes of its experts and of the shared tensors, nothing else.
 
-Errors name the tensor and the file: a tensor missing from every file, a tensor whose shape
-differs from the config's, a missing directory, config.json or shard.
+Errors are ModelConfigError and name the file (and the tensor): a tensor missing from every
+file, a tensor whose shape differs from the config's or whose dtype is not a float type (an
+integer tensor is never cast into a weight; a float8 one would need its scales), a shard that is
+truncated or whose header is corrupt (safetensors checks that the header parses and that its
+offsets cover the file exactly; flipped bytes inside tensor data have no checksum to catch), a
+missing directory or shard, an index that is not valid JSON.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +23,29 @@ from pathlib import Path
 import torch
 
 from dispatcher.partition import ExpertPartition
-from dp_runtime.model.model_config import ModelConfig
+from dp_runtime.model.hf_config import read_json_object
+from dp_runtime.model.model_config import ModelConfig, ModelConfigError
 from dp_runtime.model.tensor_names import expert_names, layer_names
 
-__all__ = ["checkpoint_index", "expected_shapes", "iter_checkpoint", "iter_random", "load_weights", "random_weights"]
+__all__ = ["FLOAT_DTYPES", "checkpoint_index", "expected_shapes", "iter_checkpoint", "iter_random", "load_weights",
+           "random_weights"]
+
+# safetensors dtype names a weight may be stored as (cast to the runtime dtype on load).
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+@contextlib.contextmanager
+def _open_shard(file: Path):
+    """``safe_open`` on ``file``, with safetensors' own errors (truncated file, corrupt header)
+    turned into a ModelConfigError naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(file), "pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise ModelConfigError(f"safetensors file {str(file)!r} is unreadable (truncated or corrupt?): {exc}") from None
+    with handle as f:
+        yield f
 
 
 def expected_shapes(cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> dict[str, tuple[int, ...]]:
@@ -38,7 +61,7 @@ def expected_shapes(cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> dic
         "attn_norm": (h,), "mlp_norm": (h,), "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h),
         "o_proj": (h, q), "q_norm": (hd,), "k_norm": (hd,), "router": (cfg.num_experts, h),
         "mlp_gate": (cfg.intermediate_size, h), "mlp_up": (cfg.intermediate_size, h),
-        "mlp_down": (h, cfg.intermediate_size),
+        "mlp_down": (h, cfg.intermediate_size), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "o_bias": (h,),
     }
     for i in range(cfg.num_layers):
         for role, name in layer_names(cfg, i).items():
@@ -51,26 +74,27 @@ def expected_shapes(cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> dic
 
 
 def checkpoint_index(path: str | Path) -> dict[str, Path]:
-    """``{tensor name: file}`` of a checkpoint directory (sharded index or a scan of *.safetensors)."""
-    from safetensors import safe_open
-
+    """``{tensor name: file}`` of a checkpoint directory (sharded index or a scan of *.safetensors).
+    ModelConfigError for a missing directory or shard, or an index that is not valid JSON."""
     root = Path(path)
     if not root.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
+        raise ModelConfigError(f"checkpoint directory {str(root)!r} does not exist")
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelConfigError(f"{index} has no \"weight_map\" object")
         files = {name: root / file for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.is_file():
-                raise FileNotFoundError(f"{index.name} names shard {file.name!r}, which is missing from {str(root)!r}")
+                raise ModelConfigError(f"{index.name} names shard {file.name!r}, which is missing from {str(root)!r}")
         return files
     shards = sorted(root.glob("*.safetensors"))
     if not shards:
-        raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {str(root)!r}")
+        raise ModelConfigError(f"no *.safetensors files in checkpoint directory {str(root)!r}")
     files = {}
     for file in shards:
-        with safe_open(str(file), "pt") as f:
+        with _open_shard(file) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 files[name] = file
     return files
@@ -88,31 +112,40 @@ def iter_checkpoint(
     safetensors checkpoint directory one file at a time (a consumer that copies each tensor into
     its own storage never holds more than one extra tensor).
 
-    Checks every name and shape before the first tensor is read: raises KeyError naming the
-    tensor and the directory when one is missing, and ValueError naming the tensor, the file and
-    both shapes when one is mis-shaped.
+    Checks every name, shape and dtype, and that every shard opens, before the first tensor is
+    read; raises ModelConfigError naming the tensor and the directory when one is missing, the
+    tensor, the file and both shapes when one is mis-shaped, the tensor, the file and its dtype
+    when it is not a float type, the file when a shard is truncated or corrupt.
     """
-    from safetensors import safe_open
-
     want = expected_shapes(cfg, ep_rank, ep_size)
     files = checkpoint_index(path)
     missing = [name for name in want if name not in files]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise KeyError(f"tensor {missing[0]!r}{more} is in no safetensors file of {str(path)!r}")
+        raise ModelConfigError(f"tensor {missing[0]!r}{more} is in no safetensors file of {str(path)!r}")
     by_file: dict[Path, list[str]] = {}
     for name in want:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
-        with safe_open(str(file), "pt", device="cpu") as f:
+        with _open_shard(file) as f:
+            present = set(f.keys())
             for name in names:
-                shape = tuple(f.get_slice(name).get_shape())
+                if name not in present:  # an index that names a file the tensor is not in
+                    raise ModelConfigError(f"tensor {name!r} is not in {str(file)!r}, where the index places it")
+                meta = f.get_slice(name)
+                shape = tuple(meta.get_shape())
                 if shape != want[name]:
-                    raise ValueError(
-                        f"tensor {name!r} in {file.name!r} has shape {shape}; the config needs {want[name]}"
+                    raise ModelConfigError(
+                        f"tensor {name!r} in {str(file)!r} has shape {shape}; the config needs {want[name]}"
+                    )
+                if meta.get_dtype() not in FLOAT_DTYPES:
+                    raise ModelConfigError(
+                        f"tensor {name!r} in {str(file)!r} has dtype {meta.get_dtype()}; weights must be a float "
+                        f"type ({', '.join(FLOAT_DTYPES)}): integer tensors are not cast and quantized "
+                        "checkpoints are not supported"
                     )
     for file, names in by_file.items():
-        with safe_open(str(file), "pt", device="cpu") as f:
+        with _open_shard(file) as f:
             for name in names:
                 yield name, f.get_tensor(name).to(device=device, dtype=dtype)
 
