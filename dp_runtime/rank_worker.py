@@ -377,8 +377,9 @@ class RankWorker:
         return n
 
     def _next_arrival_anywhere(self) -> float | None:
-        """Seconds until the earliest request still to arrive on any rank (None: none anywhere).
-        A collective, taken only after a skipped step, which every rank sees alike."""
+        """Seconds until the earliest queued request on any rank arrives (0: one has, since its
+        scheduler last looked; None: every queue is empty). A collective, taken only after a
+        skipped step, which every rank sees alike."""
         with self._lock:
             wait = self.scheduler.next_arrival_in()
         if self.world_size == 1:

@@ -148,11 +148,13 @@ class Scheduler:
         return len(self.waiting)
 
     def next_arrival_in(self, now: float | None = None) -> float | None:
-        """Seconds from ``now`` (default: the clock) until the earliest queued request that has
-        not arrived yet; None when every queued request has arrived."""
+        """Seconds from ``now`` (default: the clock) until the head of the queue arrives: 0 when
+        it has (it arrived after the last ``next_step`` looked, or waits for room); None for an
+        empty queue."""
+        if not self.waiting:
+            return None
         now = time.perf_counter() if now is None else now
-        i = bisect.bisect_right(self.waiting, now, key=lambda q: q.t_arrival)
-        return self.waiting[i].t_arrival - now if i < len(self.waiting) else None
+        return max(0.0, self.waiting[0].t_arrival - now)
 
     # -- batches out -----------------------------------------------------------------------------
     def _admissible(self, r: _Req) -> bool:
