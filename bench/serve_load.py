@@ -246,7 +246,9 @@ class RayRanks:
 
     @staticmethod
     def _check(what: str, outcomes: list[Any]) -> list[Any]:
-        bad = [(rank, o) for rank, o in enumerate(outcomes) if isinstance(o, BaseException) or type(o).__name__ == "_Unanswered"]
+        from launch.gang import UNANSWERED
+
+        bad = [(rank, o) for rank, o in enumerate(outcomes) if isinstance(o, BaseException) or o is UNANSWERED]
         if bad:
             raise RuntimeError(f"{what}: " + "; ".join(f"rank {rank}: {o!r}" for rank, o in bad))
         return outcomes
