@@ -7,6 +7,7 @@
 #   bash bench/run_gpu.sh serve2  # two GPUs: serve_step (DP 2, EP 2)
 #   bash bench/run_gpu.sh tests2  # two GPUs: every gpu and gpu2 test
 #   bash bench/run_gpu.sh serve   # two GPUs: serve_step at DP 1 and DP 2, plan --measure
+#   bash bench/run_gpu.sh load    # two GPUs: prefill and serve_load (qwen3-30b-a3b) at DP 1 and DP 2
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,5 +59,12 @@ case "${1:-one}" in
     step serve_step_2 torchrun --standalone --nproc-per-node 2 bench/serve_step.py ${SERVE_ARGS:-}
     step plan_measure python -m launch.cli plan --model qwen3-30b-a3b --dp 1 --ep 1 --max-running-requests 32 \
       --context-len 4096 --measure
+    ;;
+  load)  # prefill throughput / MFU and serving under load, DP 1 then DP 2 (torchrun)
+    step prefill_1 python bench/prefill.py ${PREFILL_ARGS:-}
+    step prefill_2 torchrun --standalone --nproc-per-node 2 bench/prefill.py ${PREFILL_ARGS:-}
+    step serve_load_1 python bench/serve_load.py --model qwen3-30b-a3b --device cuda ${LOAD_ARGS:-}
+    step serve_load_2 torchrun --standalone --nproc-per-node 2 bench/serve_load.py --model qwen3-30b-a3b \
+      --device cuda ${LOAD_ARGS:-}
     ;;
 esac

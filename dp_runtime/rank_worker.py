@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -143,6 +144,7 @@ class RankWorker:
     def _build(self, group: Any) -> None:
         spec, cfg, mc, dev = self.spec, self.spec.runtime, self.model_config, self.device
         device_group, cpu_group = self._groups(group)
+        self._cpu_group = cpu_group
         exchange = LocalExchange(NCOLS) if self.world_size == 1 else None
         self.sync = DPStepSync(cfg, cpu_group, exchange=exchange)
         ep = EPGroup.local() if self.world_size == 1 else EPGroup.from_torch(device_group, cpu_group)
@@ -353,16 +355,36 @@ class RankWorker:
                 c["decode_steps"] += 1
 
     def run_until_idle(self, stop: threading.Event | None = None, max_steps: int | None = None) -> int:
-        """Step until a step in which every rank had nothing (a collective; every rank returns
-        after the same step). ``stop`` (checked between steps) must be set on every rank alike.
-        Returns the number of steps taken."""
+        """Step until a step in which every rank had nothing and no rank has a request still to
+        arrive (a collective; every rank returns after the same step). While requests are yet
+        to arrive somewhere, every rank sleeps until the earliest of them after such a step.
+        ``stop`` (checked between steps) must be set on every rank alike. Returns the number of
+        steps taken."""
         n = 0
-        while stop is None or not stop.is_set():
+        stop = stop if stop is not None else threading.Event()
+        while not stop.is_set():
             plan = self.step()
             n += 1
-            if plan.skip or (max_steps is not None and n >= max_steps):
+            if max_steps is not None and n >= max_steps:
                 break
+            if plan.skip:
+                wait = self._next_arrival_anywhere()
+                if wait is None:
+                    break
+                stop.wait(wait)
         return n
+
+    def _next_arrival_anywhere(self) -> float | None:
+        """Seconds until the earliest queued request on any rank arrives (0: one has, since its
+        scheduler last looked; None: every queue is empty). A collective, taken only after a
+        skipped step, which every rank sees alike."""
+        with self._lock:
+            wait = self.scheduler.next_arrival_in()
+        if self.world_size == 1:
+            return wait
+        t = torch.tensor([math.inf if wait is None else wait], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu_group)
+        return None if math.isinf(t.item()) else t.item()
 
     def generate(self, requests: Iterable[Request]) -> list[RequestResult]:
         """Submit ``requests``, run until every rank is idle, return this rank's results in

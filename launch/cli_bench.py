@@ -1,7 +1,7 @@
 """`dp-runtime bench NAME [ARGS...]`: run one of the scripts in the repository's ``bench/``.
 
 Single-process benchmarks run as ``python bench/NAME.py ARGS``; the multi-rank ones (``dp_sync``,
-``dispatch``) under ``--nproc N`` run as ``torchrun --standalone --nproc-per-node N bench/NAME.py
+``dispatch``, ``serve_load``, ``prefill``) under ``--nproc N`` run as ``torchrun --standalone --nproc-per-node N bench/NAME.py
 ARGS`` (``python -m torch.distributed.run``, the same program, so no PATH lookup). Arguments
 for the script follow the name; put ``--`` before them when they start with a dash
 (``dp-runtime bench dispatch --nproc 2 -- --device cpu --quick``). The exit code is the
@@ -38,6 +38,8 @@ BENCHES: dict[str, BenchInfo] = {
     "dp_sync": BenchInfo(True, "per-step DP sync (shm vs gloo) and dp_gather vs a raw all-gather"),
     "dispatch": BenchInfo(True, "dispatch + combine latency of the MoE dispatchers"),
     "serve_step": BenchInfo(False, "one serving step of a rank worker, end to end"),
+    "serve_load": BenchInfo(True, "arriving requests at several rates: throughput, TTFT, ITL, TPOT, concurrency"),
+    "prefill": BenchInfo(True, "prefill throughput and MFU of the rank worker (one chunk, 8 x 1024, 64 x 128)"),
 }
 
 
@@ -80,9 +82,9 @@ def _listing() -> str:
 
 
 def bench(
-    name: str | None = typer.Argument(None, help="Benchmark: registry_fill, decode_graph, dp_sync, dispatch, serve_step."),
+    name: str | None = typer.Argument(None, help="Benchmark: registry_fill, decode_graph, dp_sync, dispatch, serve_step, serve_load, prefill."),
     args: Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script (after --).")] = None,
-    nproc: int | None = typer.Option(None, "--nproc", help="Ranks under torchrun (dp_sync, dispatch)."),
+    nproc: int | None = typer.Option(None, "--nproc", help="Ranks under torchrun (dp_sync, dispatch, serve_load, prefill)."),
     list_: bool = typer.Option(False, "--list", help="List the benchmarks and exit."),
 ) -> None:
     """Run a benchmark script from bench/ and exit with its code."""

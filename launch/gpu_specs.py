@@ -1,22 +1,25 @@
-"""GPU models the planner knows by name: usable memory and whether their GPUs talk over NVLink."""
+"""GPU models the planner and the benchmarks know by name: usable memory, whether their GPUs talk
+over NVLink, and the dense bf16 tensor-core peak that MFU is measured against."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GIB", "GPUS", "GpuSpec", "gpu_spec"]
+__all__ = ["GIB", "GPUS", "GpuSpec", "gpu_spec", "gpu_spec_for_device"]
 
 GIB = 1 << 30
 
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """A GPU model: the memory torch reports as its total (``total_memory``), and whether its
-    GPUs talk over NVLink (what ``dispatcher="auto"`` needs to pick FlashInfer)."""
+    """A GPU model: the memory torch reports as its total (``total_memory``), whether its GPUs
+    talk over NVLink (what ``dispatcher="auto"`` needs to pick FlashInfer), and the vendor's
+    dense (not 2:4 sparse) bf16 tensor-core peak in TFLOP/s, with fp32 accumulation."""
 
     name: str
     mem_bytes: int
     nvlink: bool
+    bf16_dense_tflops: float
 
 
 def _gib(x: float) -> int:
@@ -25,15 +28,16 @@ def _gib(x: float) -> int:
 
 # Usable memory = torch.cuda.get_device_properties(i).total_memory, which is below the marketing
 # size (e.g. an "80GB" H100 reports ~79.1 GiB: "total capacity of 79.1x GiB" in OOM messages).
-# Rounded figures; pass --gpu-mem-gib for an exact one.
+# Rounded figures; pass --gpu-mem-gib for an exact one. Peaks: the datasheets' dense bf16 tensor
+# figures (Hopper's datasheets quote them with 2:4 sparsity: halved here).
 GPUS: dict[str, GpuSpec] = {
-    "h100": GpuSpec("H100 80GB SXM", _gib(79.1), True),
-    "h100-pcie": GpuSpec("H100 80GB PCIe", _gib(79.1), False),
-    "h200": GpuSpec("H200 141GB SXM", _gib(139.8), True),
-    "a100-80gb": GpuSpec("A100 80GB SXM", _gib(79.15), True),
-    "a100-40gb": GpuSpec("A100 40GB SXM", _gib(39.39), True),
-    "l40s": GpuSpec("L40S 48GB", _gib(44.39), False),
-    "rtx-4090": GpuSpec("RTX 4090 24GB", _gib(23.6), False),
+    "h100": GpuSpec("H100 80GB SXM", _gib(79.1), True, 989.4),
+    "h100-pcie": GpuSpec("H100 80GB PCIe", _gib(79.1), False, 756.5),
+    "h200": GpuSpec("H200 141GB SXM", _gib(139.8), True, 989.4),
+    "a100-80gb": GpuSpec("A100 80GB SXM", _gib(79.15), True, 312.0),
+    "a100-40gb": GpuSpec("A100 40GB SXM", _gib(39.39), True, 312.0),
+    "l40s": GpuSpec("L40S 48GB", _gib(44.39), False, 362.1),
+    "rtx-4090": GpuSpec("RTX 4090 24GB", _gib(23.6), False, 165.2),
 }
 _GPU_ALIASES = {"h100-sxm": "h100", "h100-80gb": "h100", "h200-141gb": "h200", "a100": "a100-80gb",
                 "4090": "rtx-4090"}
@@ -49,3 +53,21 @@ def gpu_spec(name: str) -> GpuSpec:
     if key not in GPUS:
         raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)} (or give --gpu-mem-gib)")
     return GPUS[key]
+
+
+def gpu_spec_for_device(device_name: str) -> GpuSpec | None:
+    """The GpuSpec of a ``torch.cuda.get_device_name()`` string ("NVIDIA H100 80GB HBM3",
+    "NVIDIA A100-SXM4-40GB", "NVIDIA GeForce RTX 4090"), or None for a model not listed (an
+    H100 NVL, whose figures differ, included)."""
+    n = device_name.lower()
+    if "h200" in n:
+        return GPUS["h200"]
+    if "h100" in n:
+        return None if "nvl" in n else GPUS["h100-pcie" if "pcie" in n else "h100"]
+    if "a100" in n:
+        return GPUS["a100-40gb" if "40gb" in n else "a100-80gb"]
+    if "l40s" in n:
+        return GPUS["l40s"]
+    if "4090" in n:
+        return GPUS["rtx-4090"]
+    return None

@@ -1,6 +1,6 @@
 """The Ray launcher on a local CPU cluster (one per module): 2 ranks over gloo give the tokens of
 world size 1; a killed rank actor is restarted with the gang and every request finishes exactly
-once; a hung or failing rank is named; the CLI's Ray path."""
+once; a hung or failing rank is named; the CLI's Ray path; the serving benchmark's Ray path."""
 
 from __future__ import annotations
 
@@ -160,6 +160,20 @@ def test_cli_run_uses_the_connected_cluster(cluster):
     assert out["per_rank_requests"] == {"0": 2, "1": 2}
     assert ray.is_initialized()  # the CLI did not shut down a cluster it did not start
 
+
+def test_serve_load_on_ray_actors(cluster, capsys):
+    """bench/serve_load.py through one gang of 2 rank actors, kept for both rates."""
+    from tests.support.bench_scripts import check_serve_load_report, load_bench
+
+    code = load_bench("serve_load").main(["--launcher", "ray", "--dp", "2", "--device", "cpu", "--num-requests", "6",
+                                          "--rates", "30,inf", "--lengths", "random:12:3", "--max-running-requests",
+                                          "2", "--warmup", "0", "--json", "--per-request"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["header"]["launcher"] == "ray"
+    check_serve_load_report(report, rates=2, per_rate=6, out_len=3, world=2, max_running=2)
+    assert ray.is_initialized()  # the bench did not shut down a cluster it did not start
 
 @pytest.mark.gpu
 def test_two_gpu_ranks_give_the_tokens_of_one(cluster):

@@ -2,12 +2,13 @@
 
 ``Request`` and ``RequestResult`` are frozen and picklable: they cross Ray calls and torchrun's
 object gathers as they are. Times in a result are seconds on the rank's ``time.perf_counter``
-clock, measured from the moment the rank accepted the request (``submit``), so they compare
-across ranks without a shared clock.
+clock, measured from the moment the request arrived on the rank (``submit``, plus the request's
+``arrival_s``), so they compare across ranks without a shared clock.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 __all__ = ["FINISH_REASONS", "Request", "RequestResult", "SamplingParams"]
@@ -47,15 +48,23 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Request:
-    """One generation request: an id unique within a run, the prompt's token ids, sampling."""
+    """One generation request: an id unique within a run, the prompt's token ids, sampling.
+
+    ``arrival_s``: when the request arrives, in seconds after the ``submit`` that queued it (a
+    load generator submits a whole arrival stream at once). The scheduler admits it no earlier,
+    its times count from then, and ``RankWorker.run_until_idle`` waits for it.
+    """
 
     rid: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"request {self.rid!r}: the prompt is empty")
+        if not (math.isfinite(self.arrival_s) and self.arrival_s >= 0):
+            raise ValueError(f"request {self.rid!r}: arrival_s must be finite and >= 0, got {self.arrival_s}")
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
 
     @property
@@ -69,9 +78,11 @@ class Request:
 class RequestResult:
     """A finished request: its tokens, why it stopped, which DP rank ran it, and timings.
 
-    ``queued_s``: from submit to the first forward that touched it; ``ttft_s``: from submit to its
-    first new token; ``latency_s``: from submit to its last token. ``decode_steps`` counts the
-    decode forwards it took part in.
+    ``queued_s``: from arrival to the first forward that touched it (its admission); ``ttft_s``:
+    from arrival to its first new token; ``latency_s``: from arrival to its last token;
+    ``token_times_s``: from arrival to each output token (so ``ttft_s`` is the first and
+    ``latency_s`` the last; empty for a request refused before running). ``decode_steps``
+    counts the decode forwards it took part in.
     """
 
     rid: str
@@ -87,6 +98,7 @@ class RequestResult:
     # alone): its output is then what it had produced, finish_reason "error". Final: a launcher
     # never retries it.
     error: str | None = None
+    token_times_s: tuple[float, ...] = ()
 
     @property
     def ok(self) -> bool:

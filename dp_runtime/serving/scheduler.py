@@ -16,12 +16,17 @@ allocate the slot of its next token; a request waits in the queue until one fini
 that could never fit (longer than ``max_context_len`` or than the whole cache) is refused at
 ``submit`` with both numbers.
 
+Arrivals: a request arrives ``Request.arrival_s`` after its ``submit``; the queue is kept in
+arrival order and a request is admitted no earlier than its arrival (``next_arrival_in`` says
+how long until the next one). A request's times count from its arrival.
+
 Slots are allocated when a token is scheduled and freed when the request finishes. Times are
 ``time.perf_counter`` seconds.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -43,12 +48,13 @@ class _Req:
     """A request on this rank, with the scheduler's bookkeeping."""
 
     request: Request
-    t_submit: float
+    t_arrival: float
     row: int = -1  # req_to_token row once admitted
     kv_len: int = 0  # tokens whose K/V are in the cache
     output: list[int] = field(default_factory=list)
     t_first_forward: float | None = None
     t_first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)  # seconds after arrival
     decode_steps: int = 0
     generator: torch.Generator | None = None
 
@@ -128,7 +134,8 @@ class Scheduler:
         now = time.perf_counter()
         for r in reqs:
             gen = None if r.sampling.greedy else torch.Generator().manual_seed(r.sampling.seed)
-            self.waiting.append(_Req(r, now, generator=gen))
+            # insort_right: arrival order, and submission order among equal arrivals (FCFS).
+            bisect.insort_right(self.waiting, _Req(r, now + r.arrival_s, generator=gen), key=lambda q: q.t_arrival)
             self._rids.add(r.rid)
 
     @property
@@ -137,7 +144,17 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
+        """Queued requests, those that have not arrived yet included."""
         return len(self.waiting)
+
+    def next_arrival_in(self, now: float | None = None) -> float | None:
+        """Seconds from ``now`` (default: the clock) until the head of the queue arrives: 0 when
+        it has (it arrived after the last ``next_step`` looked, or waits for room); None for an
+        empty queue."""
+        if not self.waiting:
+            return None
+        now = time.perf_counter() if now is None else now
+        return max(0.0, self.waiting[0].t_arrival - now)
 
     # -- batches out -----------------------------------------------------------------------------
     def _admissible(self, r: _Req) -> bool:
@@ -149,13 +166,15 @@ class Scheduler:
     def next_step(self) -> ScheduledStep | None:
         """The batch of this rank's next step, or None when it has nothing to run now."""
         budget = self.chunked_prefill_size
+        now = time.perf_counter()
         picks: list[tuple[_Req, int]] = []
         for r in self.running:
             if not r.prefilled and budget > 0:
                 take = min(r.prompt_len - r.kv_len, budget)
                 picks.append((r, take))
                 budget -= take
-        while self.waiting and budget > 0 and self._admissible(self.waiting[0]):
+        while (self.waiting and budget > 0 and self.waiting[0].t_arrival <= now
+               and self._admissible(self.waiting[0])):
             r = self.waiting.popleft()
             r.row = self.allocator.alloc_row()
             self._reserved += r.request.max_total_tokens
@@ -204,6 +223,7 @@ class Scheduler:
             if not samples:
                 continue
             r.output.append(int(tok))
+            r.token_times.append(now - r.t_arrival)
             if r.t_first_token is None:
                 r.t_first_token = now
             sp = r.request.sampling
@@ -227,8 +247,9 @@ class Scheduler:
             output_ids=tuple(r.output),
             finish_reason=reason,
             rank=self.rank,
-            queued_s=(r.t_first_forward or now) - r.t_submit,
-            ttft_s=(r.t_first_token or now) - r.t_submit,
-            latency_s=now - r.t_submit,
+            queued_s=(r.t_first_forward or now) - r.t_arrival,
+            ttft_s=(r.t_first_token or now) - r.t_arrival,
+            latency_s=now - r.t_arrival,
             decode_steps=r.decode_steps,
+            token_times_s=tuple(r.token_times),
         )

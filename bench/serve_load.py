@@ -1,0 +1,440 @@
+"""Serving under load: a stream of arriving requests through the rank workers, measured the way
+serving benchmarks (SGLang's bench_serving, vLLM's benchmark_serving) measure a server: request
+throughput, output tokens/s, TTFT, ITL, TPOT and end-to-end latency percentiles, and the most
+requests running at once.
+
+    python bench/serve_load.py --device cpu --model tiny --num-requests 32 --lengths random:64:16
+    python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates 1,4,16,inf      # DP 1
+    torchrun --standalone --nproc-per-node 2 bench/serve_load.py --model qwen3-30b-a3b --device cuda
+    python bench/serve_load.py --launcher ray --dp 2 --model qwen3-30b-a3b --device cuda  # Ray actors
+    dp-runtime bench serve_load -- --device cpu --num-requests 16                           # the same
+
+Workload (per rate; a pure function of ``--seed``): ``--num-requests`` prompts of random token
+ids. Lengths (``--lengths``): ``sharegpt`` (default) draws from SHAREGPT_LIKE below, a coarse
+histogram shaped like ShareGPT conversations (uniform within a bin; means about 300 prompt and
+170 output tokens; a stated table, not the data set); ``random:IN:OUT[:RATIO]`` is vLLM's random
+data set (uniform in ``[X*(1-RATIO), X*(1+RATIO)]``; exactly IN and OUT for RATIO 0, the
+default). Every request generates exactly its output length (greedy, no stop token). Arrivals:
+a Poisson process at each of ``--rates`` requests/s (``--arrival fixed``: evenly spaced;
+``inf``: all at once), the first at 0.
+
+How arrivals reach the ranks: requests go to ranks round-robin in arrival order, each carrying
+its ``arrival_s``, all submitted at once; a rank's scheduler admits a request no earlier than its
+arrival (between steps), and every rank's step loop (``RankWorker.run_until_idle``) goes on,
+IDLE where a rank has nothing, until no rank has a request left to arrive. So the torchrun path
+(a RankSession per process), the Ray path (the RankActors of one gang, kept for every rate) and
+one in-process rank run the same code. ``--warmup`` requests run first and are not reported.
+
+Columns per rate: ``req/s`` and ``out tok/s``: finished requests and output tokens over the
+duration (submit to the last token); TTFT: arrival to first token; ITL: the gaps between
+consecutive tokens of a request, pooled over requests; TPOT: per request, (latency - TTFT) /
+(tokens - 1); E2E: arrival to last token; ``max run``: the most requests running (admitted,
+unfinished) at once on one rank (``max_concurrency`` in the JSON sums the ranks). Times are each
+rank's own ``perf_counter`` from its submit (ranks are submitted to within milliseconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from itertools import pairwise
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+
+from dp_runtime.model.model_config import PRESETS, ModelConfig
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.serving.request import Request, RequestResult, SamplingParams
+from launch import process_group
+from launch.run_report import percentile
+from launch.workload import split_round_robin
+
+# (lo, hi, weight): lengths uniform in [lo, hi) within a bin. Totals stay under 2048 tokens, the
+# tiny preset's context, so the default runs on every preset.
+SHAREGPT_LIKE = {
+    "input": ((4, 32, 0.20), (32, 128, 0.30), (128, 512, 0.30), (512, 1024, 0.15), (1024, 1536, 0.05)),
+    "output": ((1, 32, 0.25), (32, 128, 0.25), (128, 256, 0.25), (256, 512, 0.25)),
+}
+
+
+class UsageError(ValueError):
+    """A bad option: one line on stderr, exit 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """Where prompt and output lengths come from (module docstring)."""
+
+    kind: str  # "sharegpt" | "random"
+    input_len: int = 0
+    output_len: int = 0
+    ratio: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Lengths:
+        if text == "sharegpt":
+            return cls("sharegpt")
+        parts = text.split(":")
+        try:
+            if parts[0] != "random" or len(parts) not in (3, 4):
+                raise ValueError
+            out = cls("random", int(parts[1]), int(parts[2]), float(parts[3]) if len(parts) == 4 else 0.0)
+        except ValueError:
+            raise UsageError(f"--lengths must be 'sharegpt' or 'random:IN:OUT[:RATIO]', got {text!r}") from None
+        if out.input_len < 1 or out.output_len < 1 or not 0 <= out.ratio < 1:
+            raise UsageError(f"--lengths {text!r}: IN and OUT must be >= 1 and RATIO in [0, 1)")
+        return out
+
+    def draw(self, rng: random.Random) -> tuple[int, int]:
+        """One (prompt length, output length)."""
+        if self.kind == "sharegpt":
+            return _from_bins(rng, SHAREGPT_LIKE["input"]), _from_bins(rng, SHAREGPT_LIKE["output"])
+        r = self.ratio
+
+        def one(x: int) -> int:
+            return max(1, rng.randint(round(x * (1 - r)), round(x * (1 + r))))
+
+        return one(self.input_len), one(self.output_len)
+
+
+def _from_bins(rng: random.Random, bins: tuple[tuple[int, int, float], ...]) -> int:
+    lo, hi, _ = rng.choices(bins, weights=[w for *_, w in bins])[0]
+    return rng.randrange(lo, hi)
+
+
+def arrival_times(n: int, rate: float, process: str, rng: random.Random) -> list[float]:
+    """``n`` arrival offsets in seconds, the first at 0: Poisson (exponential gaps) or fixed
+    (gaps of 1/rate) at ``rate`` requests/s; every one at 0 for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * n
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate) if process == "poisson" else 1.0 / rate
+    return out
+
+
+def make_requests(n: int, rate: float, lengths: Lengths, process: str, vocab: int, seed: int,
+                  tag: str) -> list[Request]:
+    """The requests of one rate, in arrival order (rids ``{tag}-00000``, ...)."""
+    rng = random.Random(f"{seed}-{tag}")
+    out = []
+    for i, t in enumerate(arrival_times(n, rate, process, rng)):
+        n_in, n_out = lengths.draw(rng)
+        prompt = [rng.randrange(vocab) for _ in range(n_in)]
+        out.append(Request(f"{tag}-{i:05d}", prompt, SamplingParams(max_new_tokens=n_out), arrival_s=t))
+    return out
+
+
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals ``[start, end]`` open at one time (one that ends when another starts
+    does not overlap it: a finished request frees its place before the next step admits)."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    most = now = 0
+    for _, d in events:  # at equal times -1 sorts first
+        now += d
+        most = max(most, now)
+    return most
+
+
+def summarize_rate(rate: float, requests: list[Request], results: list[RequestResult], world: int) -> dict[str, Any]:
+    """The numbers of one rate (module docstring); times in seconds."""
+    arrival = {r.rid: r.arrival_s for r in requests}
+    ok = [r for r in results if r.ok]
+    duration = max((arrival[r.rid] + r.latency_s for r in results), default=0.0)
+    out_tokens = sum(len(r.output_ids) for r in ok)
+    itl = [b - a for r in ok for a, b in pairwise(r.token_times_s)]
+    tpot = [r.tpot_s for r in ok if len(r.output_ids) > 1]
+    running = {rank: [(arrival[r.rid] + r.queued_s, arrival[r.rid] + r.latency_s) for r in ok if r.rank == rank]
+               for rank in range(world)}
+
+    def pct(xs: list[float]) -> dict[str, float | None]:
+        return {f"p{q}": _num(percentile(xs, q)) for q in (50, 99)} | {"mean": sum(xs) / len(xs) if xs else None}
+
+    return dict(
+        rate=None if math.isinf(rate) else rate, requests=len(requests), completed=len(ok),
+        errors=len(results) - len(ok), duration_s=duration,
+        per_rank_requests=[sum(r.rank == k for r in results) for k in range(world)],
+        input_tokens=sum(r.prompt_len for r in ok), output_tokens=out_tokens,
+        request_throughput=len(ok) / duration if duration else None,
+        output_tok_s=out_tokens / duration if duration else None,
+        ttft_s=pct([r.ttft_s for r in ok]), itl_s=pct(itl), tpot_s=pct(tpot), e2e_s=pct([r.latency_s for r in ok]),
+        max_running=[max_overlap(v) for v in running.values()],
+        max_concurrency=max_overlap([iv for v in running.values() for iv in v]),
+    )
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+# -- the ranks ---------------------------------------------------------------------------------------
+class InProcessRank:
+    """This process's rank (one rank alone, or one of a torchrun job): a RankSession whose
+    ``run`` submits this rank's round-robin share and steps until every rank is done.
+    Collective under torchrun; the results come back on rank 0 only (None elsewhere)."""
+
+    def __init__(self, spec: RankSpec, rank: int, world: int, show_progress: bool) -> None:
+        from launch.rank_session import RankSession
+
+        self.rank, self.world = rank, world
+        self.session = RankSession(spec, rank, world, show_progress=show_progress)
+        self.metrics: dict[str, Any] = {}
+
+    def run(self, requests: list[Request]) -> list[RequestResult] | None:
+        self.session.submit(split_round_robin(requests, self.world)[self.rank])
+        st = self.session.run()
+        if st.state != "done":
+            raise RuntimeError(f"rank {self.rank}: the step loop raised:\n{st.error}")
+        self.metrics = dict(st.metrics)
+        parts = [list(st.results)]
+        if self.world > 1:
+            parts = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(list(st.results), parts, dst=0)
+        return [r for p in parts for r in p] if self.rank == 0 else None
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class RayRanks:
+    """The rank actors of one Ray gang, launched once and given every rate's requests in turn."""
+
+    def __init__(self, spec: RankSpec, show_progress: bool) -> None:
+        from launch.gang import Gang, GangOptions
+
+        self.world = spec.runtime.world_size
+        self.gang = Gang(spec, GangOptions(device=spec.runtime.device.type, show_progress=show_progress))
+        self.metrics: dict[str, Any] = {}
+        try:
+            self.gang.launch()
+        except BaseException:
+            self.gang.kill()
+            raise
+
+    def run(self, requests: list[Request]) -> list[RequestResult]:
+        from launch.rank_session import RankStatus
+
+        self._check("submit", self.gang.submit(split_round_robin(requests, self.world)))
+        self._check("start", self.gang.start())
+        results: list[RequestResult] = []
+        while True:
+            statuses = self._check("collect", self.gang.collect())
+            for st in statuses:
+                assert isinstance(st, RankStatus)
+                results += st.results
+                if st.state == "error":
+                    raise RuntimeError(f"rank {st.rank}: the step loop raised:\n{st.error}")
+            if all(st.state == "done" for st in statuses):
+                # A loop that ended between our reading its state and its results leaves them for
+                # one more collect (RankSession.collect).
+                results += [r for st in self._check("collect", self.gang.collect()) for r in st.results]
+                self.metrics = dict(statuses[0].metrics)
+                return results
+            time.sleep(0.05)
+
+    @staticmethod
+    def _check(what: str, outcomes: list[Any]) -> list[Any]:
+        from launch.gang import UNANSWERED
+
+        bad = [(rank, o) for rank, o in enumerate(outcomes) if isinstance(o, BaseException) or o is UNANSWERED]
+        if bad:
+            raise RuntimeError(f"{what}: " + "; ".join(f"rank {rank}: {o!r}" for rank, o in bad))
+        return outcomes
+
+    def close(self) -> None:
+        self.gang.stop()
+
+
+# -- the command -------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def fail(msg: str) -> None:
+        raise UsageError(msg)
+
+    p.error = fail  # type: ignore[method-assign]
+    p.add_argument("--model", default="tiny", help="preset (tiny, qwen3-30b-a3b) or a checkpoint directory")
+    p.add_argument("--layers", type=int, default=None, help="override a preset's layer count")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--launcher", default="local", choices=("local", "ray"),
+                   help="local: ranks in this process (one, or one per torchrun process); ray: rank actors")
+    p.add_argument("--dp", type=int, default=1, help="DP ranks with --launcher ray (torchrun: --nproc-per-node)")
+    p.add_argument("--ray-address", default=None, help="default: a private local cluster; 'auto'; or host:port")
+    p.add_argument("--rates", default="1,4,16,inf", help="requests/s, comma-separated; inf: all at once")
+    p.add_argument("--arrival", default="poisson", choices=("poisson", "fixed"))
+    p.add_argument("--num-requests", type=int, default=100, help="requests per rate")
+    p.add_argument("--lengths", default="sharegpt", help="sharegpt | random:IN:OUT[:RATIO]")
+    p.add_argument("--warmup", type=int, default=4, help="requests run (all at once) before the first rate")
+    p.add_argument("--max-running-requests", type=int, default=128)
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--dispatcher", default="auto")
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON line on stdout instead of the table")
+    p.add_argument("--per-request", action="store_true", help="with --json: every request's timings too")
+    p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
+    args = p.parse_args(argv)
+    args.lengths = Lengths.parse(args.lengths)
+    try:
+        args.rates = [float(x) for x in args.rates.split(",")]
+    except ValueError:
+        raise UsageError(f"--rates must be numbers or inf, comma-separated; got {args.rates!r}") from None
+    if not args.rates or any(not r > 0 for r in args.rates):
+        raise UsageError(f"--rates must be > 0 (inf: all at once), got {args.rates}")
+    for name in ("num_requests", "dp", "max_running_requests", "chunked_prefill_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def _vocab(model: str) -> int:
+    return (ModelConfig.preset(model) if model in PRESETS else ModelConfig.from_dir(model)).vocab_size
+
+
+def build_spec(args: argparse.Namespace, world: int, device: str, requests: list[Request]) -> RankSpec:
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    return RankSpec.create(
+        args.model, model_overrides={"num_layers": args.layers} if args.layers else None, dp_size=world,
+        device=device, dtype=dtype, max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size, dispatcher=args.dispatcher, attention=args.attention,
+        max_context_len=max(r.max_total_tokens for r in requests), seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Every rate through the ranks; the report on rank 0 (None on the other torchrun ranks)."""
+    torchrun = "WORLD_SIZE" in os.environ
+    if torchrun and args.launcher == "ray":
+        raise UsageError("--launcher ray starts its own ranks; do not run it under torchrun")
+    vocab = _vocab(args.model)
+    batches = [(rate, make_requests(args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}"))
+               for i, rate in enumerate(args.rates)]
+    warm = make_requests(args.warmup, math.inf, args.lengths, args.arrival, vocab, args.seed, "warm")
+    every = [r for _, b in batches for r in b] + warm
+    ray_started = own_group = False
+    if args.launcher == "ray":
+        import ray
+
+        from launch.ray_cluster import cluster_device, connect_ray
+
+        ray_started = connect_ray(args.ray_address, num_cpus=max(args.dp, os.cpu_count() or 1), log_to_driver=not args.json)
+        world, rank, device = args.dp, 0, cluster_device(args.device)
+    else:
+        if args.dp != 1 and not torchrun:
+            raise UsageError(f"--dp {args.dp} needs --launcher ray (or torchrun --nproc-per-node {args.dp})")
+        device = process_group.resolve_device(args.device)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and not dist.is_initialized():
+            process_group.init_from_env(device=device)
+            own_group = True
+        elif device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        rank = dist.get_rank() if world > 1 else 0
+    try:
+        spec = build_spec(args, world, device, every)
+        t0 = time.perf_counter()
+        ranks = RayRanks(spec, not args.json) if args.launcher == "ray" else InProcessRank(spec, rank, world, rank == 0 and not args.json)
+        build_s = time.perf_counter() - t0
+        try:
+            if warm:
+                ranks.run(warm)
+            rows, per_request = [], []
+            for rate, reqs in batches:
+                results = ranks.run(reqs)
+                if results is None:
+                    continue
+                rows.append(summarize_rate(rate, reqs, results, world))
+                arrival = {r.rid: r.arrival_s for r in reqs}
+                per_request += [dict(rid=r.rid, rank=r.rank, arrival_s=arrival[r.rid], prompt_len=r.prompt_len,
+                                     output_len=len(r.output_ids), queued_s=r.queued_s, ttft_s=r.ttft_s,
+                                     latency_s=r.latency_s, error=r.error) for r in results]
+        finally:
+            ranks.close()
+    finally:
+        if own_group:
+            process_group.destroy_process_group()
+        if ray_started:
+            ray.shutdown()
+    if rank != 0:
+        return None
+    m = ranks.metrics
+    header = dict(
+        date=str(datetime.date.today()), commit=_commit(), command=" ".join(sys.argv),
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu", world_size=world,
+        launcher="torchrun" if torchrun else args.launcher, model=args.model, layers=args.layers,
+        dtype=str(spec.runtime.dtype).replace("torch.", ""), lengths=dataclasses.asdict(args.lengths), arrival=args.arrival,
+        num_requests=args.num_requests, max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size, dispatcher=m.get("dispatcher"), attention=m.get("attention"),
+        graphs=m.get("graphs"), build_s=build_s,
+    )
+    out: dict[str, Any] = dict(header=header, rows=rows)
+    if args.per_request:
+        out["requests"] = per_request
+    return out
+
+
+def _commit() -> str:
+    return os.environ.get("BENCH_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+
+
+def print_table(report: dict[str, Any]) -> None:
+    h = report["header"]
+    layers = f" ({h['layers']} layers)" if h["layers"] else ""
+    print(f"date {h['date']}  {h['device']} x{h['world_size']} ({h['launcher']})  commit {h['commit']}\n"
+          f"command: {h['command']}\nmodel {h['model']}{layers} {h['dtype']}, "
+          f"dispatcher {h['dispatcher']}, attention {h['attention']}, graphs {h['graphs']}; lengths {h['lengths']}; "
+          f"{h['arrival']} arrivals, {h['num_requests']} requests per rate; max running {h['max_running_requests']}, "
+          f"prefill chunk {h['chunked_prefill_size']}; build {h['build_s']:.0f} s")
+    print(f"{'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} "
+          f"{'TPOT p50':>9} {'p99':>7} {'E2E p50':>8} {'p99':>7} {'max run':>8}")
+    for r in report["rows"]:
+        def p(key: str, q: str, r: dict[str, Any] = r) -> str:
+            v = r[key][q]
+            return f"{'-':>7}" if v is None else f"{v * 1e3:>7.1f}"
+
+        rate = "inf" if r["rate"] is None else f"{r['rate']:g}"
+        print(f"{rate:>6} {r['completed']:>5} {r['request_throughput'] or 0:>7.2f} "
+              f"{r['output_tok_s'] or 0:>10.1f}  {p('ttft_s', 'p50')} {p('ttft_s', 'p99')}  {p('itl_s', 'p50')} "
+              f"{p('itl_s', 'p99')}  {p('tpot_s', 'p50')} {p('tpot_s', 'p99')}  {p('e2e_s', 'p50')} {p('e2e_s', 'p99')} "
+              f"{max(r['max_running']):>8}")
+    print("times in ms; max run: the most requests running at once on one rank")
+
+
+def main(argv: list[str] | None = None) -> int:
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(argv)
+        report = run(args)
+    except (UsageError, ValueError, OSError) as e:
+        # Bad options, a model that cannot hold them, a missing checkpoint: the user's to fix.
+        if debug and not isinstance(e, UsageError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if report is not None:
+        if args.json:
+            print(json.dumps(report), flush=True)
+        else:
+            print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

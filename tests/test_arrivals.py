@@ -1,0 +1,109 @@
+"""Requests that arrive over time (``Request.arrival_s``): the scheduler admits each no earlier
+than its arrival, in arrival order; the rank's step loop waits for the last one; times count
+from arrival and every token is timed. And the serving benchmark (bench/serve_load.py) on one
+in-process rank: its report's invariants."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from itertools import pairwise
+
+import pytest
+
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.rank_worker import RankWorker
+from dp_runtime.serving.request import Request, SamplingParams
+from tests.support.bench_scripts import check_serve_load_report, load_bench
+
+
+def _worker(**kw) -> RankWorker:
+    base = dict(dp_size=1, max_running_requests=4, chunked_prefill_size=64, dtype="float32", device="cpu",
+                max_context_len=64)
+    return RankWorker(RankSpec.create("tiny", **{**base, **kw}))
+
+
+@pytest.mark.parametrize("bad", [-0.1, math.inf, math.nan])
+def test_arrival_must_be_finite_and_non_negative(bad):
+    with pytest.raises(ValueError, match=r"request 'x': arrival_s must be finite and >= 0"):
+        Request("x", [1, 2], arrival_s=bad)
+
+
+def test_scheduler_admits_in_arrival_order_and_not_before():
+    with _worker() as w:
+        s = w.scheduler
+        w.submit([Request("late", [1, 2, 3], arrival_s=60.0), Request("now", [4, 5]),
+                  Request("mid", [6], arrival_s=30.0)])
+        assert [q.request.rid for q in s.waiting] == ["now", "mid", "late"]
+        assert s.next_arrival_in() == 0.0  # "now" has arrived
+        step = s.next_step()
+        assert [q.request.rid for q in step.reqs] == ["now"]  # "mid" and "late" have not arrived
+        assert s.num_waiting == 2 and s.has_work
+        wait = s.next_arrival_in()
+        assert wait is not None and 29.0 < wait <= 30.0
+
+
+def test_a_request_arriving_after_the_schedulers_look_counts_as_due():
+    # The race of a request arriving between next_step and the end of an empty step: the loop
+    # must step again at once, not conclude that nothing is left.
+    with _worker() as w:
+        w.submit([Request("soon", [1, 2], arrival_s=0.05)])
+        assert w.scheduler.next_step() is None and w.scheduler.next_arrival_in() > 0
+        time.sleep(0.06)
+        assert w.scheduler.next_arrival_in() == 0.0 and w.scheduler.num_waiting == 1
+    with _worker() as w:
+        assert w.scheduler.next_arrival_in() is None
+
+
+def test_step_loop_waits_for_late_arrivals_and_times_count_from_arrival():
+    reqs = [Request("a", [1, 2, 3], SamplingParams(max_new_tokens=4)),
+            Request("c", [7, 8], SamplingParams(max_new_tokens=3), arrival_s=0.3),
+            Request("b", [4, 5, 6], SamplingParams(max_new_tokens=5), arrival_s=0.15)]
+    with _worker() as w:
+        t0 = time.perf_counter()
+        results = w.generate(reqs)  # before arrivals existed, the loop ended at the first idle step
+        wall = time.perf_counter() - t0
+        m = w.metrics()
+    assert wall >= 0.3
+    assert [len(r.output_ids) for r in results] == [4, 3, 5]
+    assert m["skipped_steps"] >= 3  # idle between arrivals, and the final one
+    for r in results:
+        times = r.token_times_s
+        assert len(times) == len(r.output_ids)
+        assert times[0] == r.ttft_s and times[-1] == r.latency_s
+        assert all(a < b for a, b in pairwise(times))
+        assert 0 <= r.queued_s <= r.ttft_s
+        # Counted from arrival, not from submit (0.15 s and 0.3 s earlier for "b" and "c").
+        assert r.latency_s < 0.14, r
+
+
+def test_serve_load_report_holds_its_invariants(capsys):
+    bench = load_bench("serve_load")
+    code = bench.main(["--device", "cpu", "--model", "tiny", "--num-requests", "6", "--rates", "40,inf",
+                       "--lengths", "random:16:4", "--max-running-requests", "3", "--warmup", "1",
+                       "--json", "--per-request"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads(out)
+    check_serve_load_report(report, rates=2, per_rate=6, out_len=4, world=1, max_running=3)
+    # All at once: more requests than may run, so the cap is reached and some wait in the queue.
+    inf_row = report["rows"][1]
+    assert inf_row["rate"] is None and inf_row["max_running"] == [3]
+    assert max(r["queued_s"] for r in report["requests"] if r["rid"].startswith("q1-")) > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rates", "4,fast"], "--rates must be numbers or inf"),
+    (["--rates", "0"], "--rates must be > 0"),
+    (["--lengths", "random:8"], "--lengths must be 'sharegpt' or 'random:IN:OUT[:RATIO]', got 'random:8'"),
+    (["--lengths", "random:8:0"], "IN and OUT must be >= 1"),
+    (["--dp", "2"], "--dp 2 needs --launcher ray"),
+    (["--lengths", "random:2000:100"], "max_context_len=2099 exceeds the model's max_position_embeddings=2048"),
+    (["--arrival", "bursty"], "invalid choice: 'bursty'"),
+])
+def test_serve_load_bad_options_are_one_line_and_exit_2(capsys, argv, message):
+    code = load_bench("serve_load").main(["--device", "cpu", "--num-requests", "2", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
