@@ -46,14 +46,19 @@ def setup(dist_group):
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-runner"])
-@pytest.mark.parametrize("dispatcher", ["all_gather", "all_to_all"])
-def test_every_rank_matches_transformers(setup, dispatcher, graphs):
+@pytest.mark.parametrize(("dispatcher", "padding"), [("all_gather", "max_len"), ("all_gather", "sum_len"),
+                                                     ("all_to_all", None)])
+def test_every_rank_matches_transformers(setup, dispatcher, padding, graphs):
+    """With all_gather the tokens travel through the DP buffer service, laid out by each
+    step's padding mode: forced MAX_LEN (slots padded to the longest rank) or SUM_LEN (live
+    rows only) on every eager step; graph steps always gather MAX_LEN at the bucket."""
     ckpt, rank, world, mine, refs = setup
     spec = RankSpec.create(str(ckpt), dp_size=world, max_running_requests=2, chunked_prefill_size=12,
                            dtype="float32", device="cpu", max_context_len=64, dispatcher=dispatcher,
-                           use_cuda_graph=graphs)
+                           use_cuda_graph=graphs, dp_padding=padding)
     with RankWorker(spec, rank=rank, world_size=world) as w:
         assert w.dispatcher.ep.size == world
+        assert w.dp_buffers.allocates == (dispatcher == "all_gather")
         results = w.generate([Request(f"p{i}", p, SamplingParams(max_new_tokens=NEW)) for i, p in mine])
         m = w.metrics()
         w.sync.verify()  # the last plan's fingerprint agrees on every rank

@@ -17,11 +17,12 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)
 @runtime_checkable
 class AttentionBackend(AttentionMetadataBackend, Protocol):
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Any
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Any,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """Write this step's ``k``/``v`` (T, kv_heads, D) at ``batch.out_cache_loc`` and attend
-        ``q`` (T, q_heads, D) with the metadata of the last ``init_forward_metadata*`` call.
-        Returns (T, q_heads * D)."""
+        """Write this step's ``k``/``v`` (T, kv_heads, D) at ``batch.out_cache_loc`` (unless
+        ``kv_stored``: a fused prologue wrote them) and attend ``q`` (T, q_heads, D) with the
+        metadata of the last ``init_forward_metadata*`` call. Returns (T, q_heads * D)."""
         ...
 
 

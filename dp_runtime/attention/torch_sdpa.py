@@ -175,12 +175,14 @@ class TorchSDPABackend:
 
     # -- attention -----------------------------------------------------------------------------
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Any
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Any,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         t = q.shape[0]
         if t == 0:
             return q.new_empty((0, self.num_q_heads * self.head_dim))
-        self.kv_cache.set_kv(layer_id, batch.out_cache_loc, k, v)
+        if not kv_stored:  # a fused prologue (qk_norm_rope) has stored them already
+            self.kv_cache.set_kv(layer_id, batch.out_cache_loc, k, v)
         meta = self.metadata
         if isinstance(meta, _DecodeMeta):
             return self._decode(q, layer_id, meta)

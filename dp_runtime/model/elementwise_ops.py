@@ -1,11 +1,14 @@
-"""RMSNorm and rotary embedding, as torch ops or as FlashInfer's fused kernels.
+"""RMSNorm (alone and with the residual add), SiLU-and-mul, rotary embedding and the q/k prologue
+of attention, as torch ops or as fused kernels.
 
 At batch size 1 a decode step of a 48-layer MoE is bound by kernel count, not bytes: written
-with torch ops an RMSNorm is about 8 kernels and a rotary embedding about 15, four norms and
-one rotary per layer. FlashInfer's ``rmsnorm`` and ``apply_rope_with_cos_sin_cache_inplace``
-do each in one. ``elementwise_ops(device, dtype)`` picks them where they run (CUDA, bf16/fp16,
-flashinfer importable) and the torch versions elsewhere; the model asks once, at construction.
-Both compute in float32 inside and return the input dtype; they differ only in rounding order.
+with torch ops an RMSNorm is about 8 kernels, a residual add one more, a rotary embedding about
+15. On CUDA in bf16/fp16 with flashinfer importable, ``FlashInferOps`` uses FlashInfer's
+``rmsnorm``, ``fused_add_rmsnorm`` (the residual add folded into the next norm) and
+``silu_and_mul``, one launch each, and, with Triton, the q/k prologue of attention (per-head
+norm, rotary, KV store) as one kernel (``qk_norm_rope``). ``elementwise_ops(device, dtype)``
+picks once, at model construction; the torch versions serve everywhere else. Both compute in
+float32 inside and return the input dtype, rounding at the same points.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+import torch.nn.functional as F
 
 from dp_runtime.model.layers import RotaryEmbedding, rms_norm
 
@@ -23,10 +27,23 @@ class TorchOps:
     """The torch versions (CPU, float32, or without flashinfer)."""
 
     name = "torch"
+    fused_qk_prologue = False  # attention stores K/V itself
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(residual + x), residual + x)``."""
+        residual = residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     @staticmethod
     def rope(rotary: RotaryEmbedding, q_THD: torch.Tensor, k_THD: torch.Tensor,
@@ -43,7 +60,29 @@ class FlashInferOps:
         import flashinfer
 
         self._norm = flashinfer.norm.rmsnorm
+        self._add_norm = flashinfer.norm.fused_add_rmsnorm
+        self._silu_and_mul = flashinfer.activation.silu_and_mul
         self._rope = flashinfer.rope.apply_rope_with_cos_sin_cache_inplace
+        self.fused_qk_prologue = importlib.util.find_spec("triton") is not None
+        if self.fused_qk_prologue:
+            from dp_runtime.model.qk_norm_rope import qk_norm_rope_store
+
+            self.qk_norm_rope_store = qk_norm_rope_store
+        else:
+            self.name = "flashinfer (no triton: q/k prologue unfused)"
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place, one launch: ``residual += x``, then ``x = rms_norm(residual)``."""
+        if x.shape[0] == 0:
+            return x, residual
+        self._add_norm(x, residual, weight, eps)
+        return x, residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x[:, : x.shape[1] // 2]
+        return self._silu_and_mul(x)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.shape[0] == 0:  # an IDLE rank's eager forward: the kernel refuses an empty grid

@@ -105,10 +105,21 @@ def qk_norm_attention(
     dtype."""
     t = x_TH.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = F.linear(x_TH, w_qkv, b_qkv).split([q_size, kv_size, kv_size], dim=-1)
+    qkv = F.linear(x_TH, w_qkv, b_qkv)
+    v = qkv[:, q_size + kv_size:].reshape(t, num_kv_heads, head_dim)
+    if ops.fused_qk_prologue:
+        # one kernel: per-head norm, rotary, and this step's K/V into the cache
+        cache = attention.kv_cache
+        q, k = ops.qk_norm_rope_store(
+            qkv, q_norm, k_norm, rotary.cos_sin_PD, batch.positions, batch.out_cache_loc,
+            cache.k[layer_id], cache.v[layer_id], num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, eps=eps)
+        o = attention.forward(q, k, v, layer_id, batch, kv_stored=True)
+        return F.linear(o.to(x_TH.dtype), w_o, b_o)
+    q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
     q, k = q.reshape(t, num_heads, head_dim), k.reshape(t, num_kv_heads, head_dim)
     if q_norm is not None:  # Qwen3's per-head norm; Mixtral has none
         q, k = ops.rms_norm(q, q_norm, eps), ops.rms_norm(k, k_norm, eps)
     q, k = ops.rope(rotary, q, k, batch.positions)
-    o = attention.forward(q, k, v.reshape(t, num_kv_heads, head_dim), layer_id, batch)
+    o = attention.forward(q, k, v, layer_id, batch)
     return F.linear(o.to(x_TH.dtype), w_o, b_o)

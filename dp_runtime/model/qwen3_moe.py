@@ -35,7 +35,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from dispatcher.partition import ExpertPartition
 from dispatcher.plan import FixedPlan
@@ -200,32 +199,40 @@ class Qwen3MoeModel:
         )
         return d.combine(out_ND, handle)
 
-    @staticmethod
-    def _mlp(layer: _Layer, x_TH: torch.Tensor) -> torch.Tensor:
-        gate, up = (x_TH @ layer.w13.T).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ layer.w2.T
+    def _mlp(self, layer: _Layer, x_TH: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(x_TH @ layer.w13.T) @ layer.w2.T
 
-    def _logit_rows(self, batch, h_TH: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _logit_rows(batch) -> torch.Tensor | None:
+        """The rows that sample: each extend request's last token; None for every row."""
         if batch.forward_mode is ForwardMode.EXTEND:
-            last_B = torch.cumsum(batch.extend_seq_lens[: batch.batch_size], 0) - 1
-            return h_TH[last_B]
-        return h_TH
+            return torch.cumsum(batch.extend_seq_lens[: batch.batch_size], 0) - 1
+        return None
 
     def forward(self, batch) -> torch.Tensor:
         """Logits (float32) of the sampling rows of ``batch`` (module docstring): (B, V)."""
         c = self.cfg
         t = batch.input_ids.shape[0]
         plan = batch.plan if batch.plan is not None else FixedPlan.from_counts((t,))
-        norm = self.ops.rms_norm
+        ops, eps = self.ops, c.rms_norm_eps
+        # The residual stream ``h`` is added into the next norm (one fused kernel on CUDA):
+        # ``x, h = add_rms_norm(out, h, w)`` is ``h = h + out; x = norm(h)``.
         h_TH = self.embed[batch.input_ids]
+        x_TH = ops.rms_norm(h_TH, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
-            h_TH = h_TH + qk_norm_attention(
-                norm(h_TH, layer.attn_norm, c.rms_norm_eps), layer.w_qkv, layer.q_norm, layer.k_norm,
+            a_TH = qk_norm_attention(
+                x_TH, layer.w_qkv, layer.q_norm, layer.k_norm,
                 layer.w_o, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                eps=c.rms_norm_eps, rotary=self.rotary, attention=self.attention, layer_id=i, batch=batch,
-                ops=self.ops, b_qkv=layer.b_qkv, b_o=layer.b_o,
+                eps=eps, rotary=self.rotary, attention=self.attention, layer_id=i, batch=batch,
+                ops=ops, b_qkv=layer.b_qkv, b_o=layer.b_o,
             )
-            x = norm(h_TH, layer.mlp_norm, c.rms_norm_eps)
-            h_TH = h_TH + (self._moe(layer, x, plan) if layer.sparse else self._mlp(layer, x))
-        h_BH = self._logit_rows(batch, h_TH)
-        return (norm(h_BH, self.final_norm, c.rms_norm_eps) @ self.lm_head.T).float()
+            x_TH, h_TH = ops.add_rms_norm(a_TH, h_TH, layer.mlp_norm, eps)
+            m_TH = self._moe(layer, x_TH, plan) if layer.sparse else self._mlp(layer, x_TH)
+            if i + 1 < len(self.layers):
+                x_TH, h_TH = ops.add_rms_norm(m_TH, h_TH, self.layers[i + 1].attn_norm, eps)
+        # Only the sampling rows need the last add, the final norm and the LM head.
+        rows = self._logit_rows(batch)
+        if rows is not None:
+            m_TH, h_TH = m_TH[rows], h_TH[rows]
+        x_BH, _ = ops.add_rms_norm(m_TH, h_TH, self.final_norm, eps)
+        return (x_BH @ self.lm_head.T).float()
