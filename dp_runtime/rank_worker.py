@@ -31,7 +31,7 @@ import importlib.util
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -77,12 +77,16 @@ class RankWorker:
         rank, world_size: this rank and the DP world (``spec.runtime.dp_size`` must equal it).
         group: the device process group (default: the world group when world_size > 1).
         show_progress: a progress bar while graphs are captured.
+        on_phase: called with the name of each construction phase as it begins ("loading
+            weights", "warming up the dispatcher", "capturing graphs"): the launcher's start-up
+            line.
         keep_logits: keep a CPU copy of every sampled logits row in ``sampled_logits[rid]``
             (for comparisons against a reference; costs a device-to-host copy per step).
     """
 
     def __init__(self, spec: RankSpec, *, rank: int = 0, world_size: int = 1, group: Any = None,
-                 show_progress: bool = False, keep_logits: bool = False) -> None:
+                 show_progress: bool = False, keep_logits: bool = False,
+                 on_phase: Callable[[str], None] | None = None) -> None:
         cfg = spec.runtime
         if cfg.dp_size != world_size:
             raise ValueError(f"RankWorker: spec.runtime.dp_size={cfg.dp_size} but world_size={world_size}")
@@ -104,6 +108,7 @@ class RankWorker:
                               finished_requests=0)
         self._memory: dict[str, int] = {}
         self._show_progress = show_progress
+        self._on_phase = on_phase or (lambda name: None)
         # Benchmarks compare graph and eager steps on one worker; set it alike on every rank
         # (it only changes what this rank reports, so the plan stays rank-invariant anyway).
         self.graph_enabled = True
@@ -160,6 +165,7 @@ class RankWorker:
         self.dp_buffers = DPBufferService(cfg, pool, self.rank, group=device_group, device=dev)
         self._memory["dp_buffers"] = pool.total_bytes()  # the pool's first tenant
 
+        self._on_phase("loading weights")
         if spec.is_preset:
             weights = iter_random(mc, ep.rank, ep.size, cfg.dtype, dev, spec.seed)
         else:
@@ -177,6 +183,7 @@ class RankWorker:
         self.model.attention = self.attention
         self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
                                    chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank)
+        self._on_phase("warming up the dispatcher")
         self.dispatcher.warmup()
 
         # Registries share the pool by name. The eager one is built first: it is the larger on
@@ -192,6 +199,7 @@ class RankWorker:
         sizes = cfg.cuda_graph_bs
         self._bucket_plans = {b: FixedPlan.uniform(cfg.dp_size, b) for b in sizes}
         if want_graphs and sizes:
+            self._on_phase("capturing graphs")
             registry = build_decode_registry(sizes[-1], dev, pool, dp_size=cfg.dp_size, user="decode_graph")
             self.graphs = GraphRunner(
                 self.model.forward, self.attention, registry, sizes,
