@@ -1,9 +1,9 @@
 """What a gang's ranks are doing while they set up, for the start-up line.
 
 ``RankPhaseWatcher(gang, on_phase)`` is a context manager around ``Gang.launch``: a thread asks
-every rank actor's ``phase()`` (in the actor's ``progress`` concurrency group, so the answer
+every rank actor's ``phases()`` (in the actor's ``progress`` concurrency group, so the answer
 comes while ``setup`` runs) every ``interval_s`` and hands ``on_phase`` one line whenever it
-changes: ``summarize_phases`` of the answers (``loading weights (2)``, or ``capturing graphs (1),
+changes: ``summarize_phases`` of each rank's current phase (``loading weights (2)``, or ``capturing graphs (1),
 loading weights (1)``). A rank that does not answer yet (its process is starting) counts as
 ``starting``. The watcher only reads: it never changes the gang, and a failed call is ignored.
 """
@@ -64,7 +64,7 @@ class RankPhaseWatcher:
             if not actors:
                 continue
             try:
-                refs = [a.phase.options(concurrency_group="progress").remote() for a in actors]
+                refs = [a.phases.options(concurrency_group="progress").remote() for a in actors]
                 ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(1.0, 2 * self.interval_s))
             except Exception:  # the gang is being torn down under us
                 continue
@@ -72,7 +72,7 @@ class RankPhaseWatcher:
             phases = []
             for ref in refs:
                 try:
-                    phases.append(ray.get(ref) if ref in done else "starting")
+                    phases.append(ray.get(ref)[-1] if ref in done else "starting")
                 except Exception:  # a dead actor: the launcher reports it, not this line
                     phases.append("starting")
             line = summarize_phases(phases)
