@@ -10,6 +10,7 @@ the command exits no process on the machine may still carry it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -51,10 +52,8 @@ def _assert_nothing_left(tag: str, within_s: float = 30.0) -> None:
         time.sleep(0.5)
     cmds = []
     for pid in left:
-        try:
+        with contextlib.suppress(OSError):
             cmds.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
-        except OSError:
-            pass
     assert not left, f"processes left behind: {cmds}"
 
 
@@ -103,10 +102,8 @@ class _Cli:
 
     def kill(self) -> None:
         for pid in _carriers(self.tag):
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)  # only what this test started (the marker)
-            except OSError:
-                pass
 
 
 def test_full_run_counts_ray_start_in_wall_time_and_leaves_nothing(tmp_path):

@@ -222,3 +222,20 @@ def test_torchrun_entry_bad_option_is_printed_once_and_every_rank_exits_2():
     assert logs.count("error: --dispatcher must be one of") == 1, logs[-3000:]
     # The ranks print no traceback of their own (torchrun's own failure report names exit code 2).
     assert "launch/" not in logs and "exitcode  : 2" in logs, logs[-3000:]
+
+
+# -- the README's examples ---------------------------------------------------------------------------
+def test_readme_plan_examples_say_what_the_readme_says():
+    import re
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    assert "../" not in text, "the README points outside the repository"
+    commands = re.findall(r"`?(dp-runtime plan --model qwen3-30b-a3b [^`\n]*)`?", text)
+    fits = [c for c in commands if "--max-running-requests 96" in c]
+    too_big = [c for c in commands if "--gpu-mem-gib 40" in c]
+    assert len(fits) == 1 and len(too_big) == 1, commands
+    out = CliRunner().invoke(app, shlex.split(fits[0])[1:]).stdout
+    assert "FITS: the KV cache holds 468891 tokens" in out and "largest max_running_requests that fits: 113" in out
+    out = CliRunner().invoke(app, shlex.split(too_big[0])[1:]).stdout
+    assert "DOES NOT FIT: weights alone are 56.87 GiB" in out
