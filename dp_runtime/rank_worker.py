@@ -33,7 +33,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -74,12 +74,16 @@ class RankWorker:
         rank, world_size: this rank and the DP world (``spec.runtime.dp_size`` must equal it).
         group: the device process group (default: the world group when world_size > 1).
         show_progress: a progress bar while graphs are captured.
+        on_phase: called with the name of each construction phase as it begins ("loading
+            weights", "warming up the dispatcher", "capturing graphs"): the launcher's start-up
+            line.
         keep_logits: keep a CPU copy of every sampled logits row in ``sampled_logits[rid]``
             (for comparisons against a reference; costs a device-to-host copy per step).
     """
 
     def __init__(self, spec: RankSpec, *, rank: int = 0, world_size: int = 1, group: Any = None,
-                 show_progress: bool = False, keep_logits: bool = False) -> None:
+                 show_progress: bool = False, keep_logits: bool = False,
+                 on_phase: Callable[[str], None] | None = None) -> None:
         cfg = spec.runtime
         if cfg.dp_size != world_size:
             raise ValueError(f"RankWorker: spec.runtime.dp_size={cfg.dp_size} but world_size={world_size}")
@@ -101,6 +105,7 @@ class RankWorker:
                               finished_requests=0)
         self._memory: dict[str, int] = {}
         self._show_progress = show_progress
+        self._on_phase = on_phase or (lambda name: None)
         # Benchmarks compare graph and eager steps on one worker; set it alike on every rank
         # (it only changes what this rank reports, so the plan stays rank-invariant anyway).
         self.graph_enabled = True
@@ -168,6 +173,7 @@ class RankWorker:
         self.dispatcher = make_dispatcher(choices.dispatcher, dcfg, ep=ep, device=dev, **extra)
         self._memory["dispatcher_workspace"] = self.dispatcher.workspace_bytes_per_rank()
 
+        self._on_phase("loading weights")
         if spec.is_preset:
             weights = iter_random(mc, ep.rank, ep.size, cfg.dtype, dev, spec.seed)
         else:
@@ -186,6 +192,7 @@ class RankWorker:
         self.model.attention = self.attention
         self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
                                    chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank)
+        self._on_phase("warming up the dispatcher")
         self.dispatcher.warmup()
 
         # Registries share the pool by name. The eager one is built first: it is the larger on
@@ -200,6 +207,7 @@ class RankWorker:
                                  max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
         sizes = cfg.cuda_graph_bs
         if choices.graphs:
+            self._on_phase("capturing graphs")
             # No graph path reads device-side counts (a graph always gathers MAX_LEN), so the
             # registry holds no global_num_tokens_gpu slot.
             registry = build_decode_registry(sizes[-1], dev, pool, dp_size=cfg.dp_size,

@@ -2,30 +2,27 @@
 
 ``--measure`` (one CUDA GPU) builds the planned rank with ``RankWorker`` and prints predicted
 beside measured bytes for every component it reports (``planner.compare_measured``).
+
+The planner (and torch) is imported inside the command: ``--help`` answers without them.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import typer
 
-from launch.planner import (
-    GIB,
-    GPUS,
-    CapacityPlan,
-    ComparisonRow,
-    PlanInput,
-    compare_measured,
-    gpu_spec,
-    plan_capacity,
-)
+from launch.cli_errors import EXIT_USAGE
+from launch.gpu_specs import GIB, GPUS, gpu_spec
+
+if TYPE_CHECKING:
+    from launch.planner import CapacityPlan, ComparisonRow, PlanInput
 
 __all__ = ["MEASURE_SCHEMA", "measure_workload", "parse_graph_sizes", "plan"]
 
 MEASURE_SCHEMA = "dp-runtime.plan-measure/1"
-_EXIT_USAGE = 2
 
 
 def parse_graph_sizes(text: str) -> tuple[int, ...] | str:
@@ -47,7 +44,7 @@ def parse_graph_sizes(text: str) -> tuple[int, ...] | str:
 
 def _fail(message: str) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
-    return typer.Exit(_EXIT_USAGE)
+    return typer.Exit(EXIT_USAGE)
 
 
 def plan(
@@ -80,6 +77,8 @@ def plan(
                         "(torch.cuda.is_available() is False); run without --measure to plan")
         if dp != 1 or (ep or 1) != 1:
             raise _fail("--measure builds one rank without a process group: use --dp 1 --ep 1")
+    from launch.planner import compare_measured, plan_capacity
+
     try:
         inp = _plan_input(model, dtype, dp, ep, gpu, gpu_mem_gib, nvlink, max_running_requests,
                           chunked_prefill_size, parse_graph_sizes(cuda_graph_bs), context_len, dispatcher,
@@ -104,6 +103,8 @@ def plan(
 def _plan_input(model, dtype, dp, ep, gpu, gpu_mem_gib, nvlink, mrr, chunk, graph_bs, context_len,
                 dispatcher, no_graphs, kv_tokens_per_request, headroom_frac, headroom_min_gib,
                 measure) -> PlanInput:
+    from launch.planner import PlanInput
+
     name, mem, link = None, None, True
     if gpu is not None:
         spec = gpu_spec(gpu)

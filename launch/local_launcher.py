@@ -20,17 +20,23 @@ __all__ = ["launch_local"]
 
 def launch_local(spec: RankSpec, requests: Sequence[Request], *, poll_interval_s: float = 0.1,
                  on_poll: Callable[[PollEvent], None] | None = None, show_progress: bool = False,
-                 worker_factory: Callable[[RankSpec, int, int], Any] | None = None) -> RunReport:
+                 worker_factory: Callable[[RankSpec, int, int], Any] | None = None,
+                 on_phase: Callable[[str], None] | None = None) -> RunReport:
     """Run ``requests`` on one in-process rank (``spec.runtime.world_size`` must be 1); returns
-    the RunReport. Raises ValueError for a multi-rank spec or a request that never fits, and
-    RuntimeError carrying the rank's traceback when its step loop raises."""
+    the RunReport. ``on_phase`` hears the rank's set-up phases (``loading weights``, ...) and
+    ``running``; ``on_poll`` every poll. Raises ValueError for a multi-rank spec or a request
+    that never fits, and RuntimeError carrying the rank's traceback when its step loop raises."""
     if spec.runtime.world_size != 1:
         raise ValueError(f"the local launcher runs world size 1, the spec has {spec.runtime.world_size} "
                          f"(use the Ray launcher or torchrun for more ranks)")
     t0 = time.perf_counter()
-    session = RankSession(spec, 0, 1, show_progress=show_progress, worker_factory=worker_factory)
+    session = RankSession(spec, 0, 1, show_progress=show_progress, worker_factory=worker_factory,
+                          on_phase=on_phase)
+    max_tokens = sum(r.sampling.max_new_tokens for r in requests)
     try:
         setup_s = time.perf_counter() - t0
+        if on_phase is not None:
+            on_phase("running")
         session.submit(list(requests))
         session.start()
         results: dict[str, Any] = {}
@@ -39,7 +45,8 @@ def launch_local(spec: RankSpec, requests: Sequence[Request], *, poll_interval_s
             for res in st.results:
                 results.setdefault(res.rid, res)
             if on_poll is not None:
-                on_poll(PollEvent(0, len(results), len(requests), (), (st,)))
+                on_poll(PollEvent(0, len(results), len(requests), (), (st,),
+                                  tokens=int(st.metrics.get("generated_tokens", 0)), total_tokens=max_tokens))
             if st.state == ERROR:
                 raise RuntimeError(f"rank 0: the step loop raised:\n{st.error}")
             if st.state == DONE:

@@ -5,8 +5,9 @@
 - Strategy: ``STRICT_PACK`` when one node can hold every bundle (the ranks then share a node:
   the DP step sync takes its shared-memory path and NCCL its NVLink path), else ``PACK``
   (fill nodes in turn, spill to the next).
-- Ranks: actors are created per bundle, then asked where they landed; rank order is by node,
-  then by GPU id, then by bundle index (``assign_ranks``), so ranks of one node are contiguous
+- Ranks: actors are created per bundle, then asked where they landed; rank order is by node
+  (IP, then node id), then by GPU id, then by bundle index (``assign_ranks``), so ranks of one
+  node are contiguous
   and follow the GPU numbering whatever order Ray placed the bundles in.
 
 The pure parts (bundle, strategy, rank order) are importable without Ray.
@@ -70,11 +71,14 @@ def _gpu_key(gpu_ids: Sequence[str]) -> tuple[int, ...]:
 
 def assign_ranks(locations: Sequence[Mapping[str, Any]]) -> list[int]:
     """Rank of each bundle: ``locations[i]`` is where bundle i's actor landed (``node_ip``,
-    ``gpu_ids``). Ordered by node IP, then GPU ids, then bundle index. Returns ``ranks`` with
-    ``ranks[i]`` the rank of bundle i (a permutation of ``range(len(locations))``)."""
+    ``node_id``, ``gpu_ids``). Ordered by node IP, then node id (several nodes can share an IP:
+    containers, Ray's test clusters), then GPU ids, then bundle index, so the ranks of one node
+    are contiguous. Returns ``ranks`` with ``ranks[i]`` the rank of bundle i (a permutation of
+    ``range(len(locations))``)."""
     order = sorted(
         range(len(locations)),
-        key=lambda i: (_ip_key(locations[i]["node_ip"]), _gpu_key(locations[i].get("gpu_ids", ())), i),
+        key=lambda i: (_ip_key(locations[i]["node_ip"]), str(locations[i].get("node_id", "")),
+                       _gpu_key(locations[i].get("gpu_ids", ())), i),
     )
     ranks = [0] * len(locations)
     for rank, i in enumerate(order):

@@ -9,7 +9,12 @@ importing this module needs no Ray. Every method is lifecycle, never per step:
 - ``setup(spec, rank, world_size, master_addr, master_port, ...)``: the process group (NCCL+gloo
   on CUDA with the device set from the GPU Ray assigned, gloo on CPU), then the RankWorker;
   collective: every actor of the gang is called together;
-- ``submit`` / ``start`` / ``collect`` / ``health`` / ``stop``: RankSession's lifecycle.
+- ``submit`` / ``start`` / ``collect`` / ``health`` / ``stop``: RankSession's lifecycle;
+- ``phases()``: the set-up phases entered so far, the current one last (``starting``,
+  ``joining the process group``, ``loading weights``, ``warming up the dispatcher``,
+  ``capturing graphs``, ``ready``). The gang declares a ``progress`` concurrency group, and the
+  launcher calls ``phases`` in it, so the answer comes while ``setup`` still runs (the start-up
+  line).
 
 The step loop runs in the session's thread; Ray calls (one thread, one at a time) only read
 what it produced, so a collect costs the loop nothing but a lock.
@@ -36,6 +41,8 @@ class RankActor:
     def __init__(self) -> None:
         self._session: RankSession | None = None
         self._rank: int | None = None
+        # Replaced whole (never mutated): phases() reads it from the progress group's thread.
+        self._phases: tuple[str, ...] = ("starting",)
 
     def where(self) -> dict[str, Any]:
         """Where this actor landed: ``node_ip``, ``node_id``, ``gpu_ids`` (cluster numbering),
@@ -71,6 +78,7 @@ class RankActor:
         if device == "cuda":
             cuda_index = process_group.local_cuda_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         self._rank = rank
+        self._set_phase("joining the process group")
         if world_size > 1:
             info = process_group.init_process_group(rank, world_size, master_addr, master_port, device=device,
                                                     cuda_index=cuda_index, timeout_s=pg_timeout_s)
@@ -79,9 +87,17 @@ class RankActor:
                 torch.cuda.set_device(cuda_index or 0)
             info = process_group.GroupInfo(0, 1, "none", device)
         self._session = RankSession(spec, rank, world_size, show_progress=show_progress,
-                                    worker_factory=worker_factory)
+                                    worker_factory=worker_factory, on_phase=self._set_phase)
+        self._set_phase("ready")
         return {"rank": info.rank, "world_size": info.world_size, "backend": info.backend,
                 "device": info.device, "cuda_index": cuda_index}
+
+    def _set_phase(self, name: str) -> None:
+        self._phases = (*self._phases, name)
+
+    def phases(self) -> tuple[str, ...]:
+        """The set-up phases so far, the current one last (module docstring)."""
+        return self._phases
 
     def submit(self, requests: Sequence[Request]) -> int:
         return self._live().submit(requests)

@@ -45,10 +45,11 @@ class RankStatus:
     loop_s: float = 0.0
 
 
-def _default_worker(spec: RankSpec, rank: int, world_size: int, show_progress: bool) -> Any:
+def _default_worker(spec: RankSpec, rank: int, world_size: int, show_progress: bool,
+                    on_phase: Callable[[str], None] | None) -> Any:
     from dp_runtime.rank_worker import RankWorker
 
-    return RankWorker(spec, rank=rank, world_size=world_size, show_progress=show_progress)
+    return RankWorker(spec, rank=rank, world_size=world_size, show_progress=show_progress, on_phase=on_phase)
 
 
 class RankSession:
@@ -56,18 +57,20 @@ class RankSession:
     session together, after the default process group exists).
 
     ``show_progress``: RankWorker's progress bar while it captures graphs (stderr).
+    ``on_phase(name)``: RankWorker's construction phases as they begin (loading weights, ...).
     ``worker_factory(spec, rank, world_size)`` replaces RankWorker (a test seam; it must offer
     submit / run_until_idle / pop_finished / metrics / close).
     """
 
     def __init__(self, spec: RankSpec, rank: int, world_size: int, *, show_progress: bool = False,
-                 worker_factory: Callable[[RankSpec, int, int], Any] | None = None) -> None:
+                 worker_factory: Callable[[RankSpec, int, int], Any] | None = None,
+                 on_phase: Callable[[str], None] | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         if worker_factory is not None:
             self._worker = worker_factory(spec, rank, world_size)
         else:
-            self._worker = _default_worker(spec, rank, world_size, show_progress)
+            self._worker = _default_worker(spec, rank, world_size, show_progress, on_phase)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._state = READY

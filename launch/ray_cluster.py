@@ -8,28 +8,56 @@
 - ``"auto"``: join the running cluster found on this node (error if none);
 - anything else (``host:port``, ``ray://...``): join that address.
 
-Returns True when this call started Ray, so the caller knows to ``ray.shutdown()`` it.
+Returns True when this call started Ray, so the caller knows to ``stop_ray()`` it.
+
+Ctrl-C while Ray starts or stops is held until that step is over (``interrupts.held_sigint``):
+then Ray is shut down and KeyboardInterrupt raised, so an interrupt never leaves a half-started
+node's processes behind.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["cluster_device", "connect_ray"]
+from launch.interrupts import held_sigint
+
+__all__ = ["cluster_device", "connect_ray", "joins_existing_cluster", "stop_ray"]
+
+
+def joins_existing_cluster(address: str | None) -> bool:
+    """Whether ``connect_ray(address)`` joins a running cluster (an address, or RAY_ADDRESS set by
+    ``ray job submit``) rather than starting a private one."""
+    return address is not None or bool(os.environ.get("RAY_ADDRESS"))
 
 
 def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True) -> bool:
-    """Connect this process to Ray (module docstring); True when Ray was initialised here."""
+    """Connect this process to Ray (module docstring); True when Ray was initialised here.
+    Raises KeyboardInterrupt after a clean shutdown when Ctrl-C came while Ray started."""
     import ray
 
     if ray.is_initialized():
         return False
-    if address is None and not os.environ.get("RAY_ADDRESS"):
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
-                 configure_logging=False)
-    else:
-        ray.init(address=address, log_to_driver=log_to_driver, configure_logging=False)
+    try:
+        with held_sigint():
+            if not joins_existing_cluster(address):
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
+                         configure_logging=False)
+            else:
+                ray.init(address=address, log_to_driver=log_to_driver, configure_logging=False)
+    except BaseException:
+        # Interrupted, or init failed part-way: whatever it started goes with it.
+        stop_ray()
+        raise
     return True
+
+
+def stop_ray() -> None:
+    """``ray.shutdown()`` with Ctrl-C held until it is done (a second Ctrl-C while the cluster
+    stops must not leave its agents running)."""
+    import ray
+
+    with held_sigint():
+        ray.shutdown()
 
 
 def cluster_device(requested: str) -> str:

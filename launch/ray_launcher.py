@@ -36,6 +36,7 @@ from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request, RequestResult
 from launch.gang import UNANSWERED, Gang, GangOptions, GangSetupError, describe_error
 from launch.process_group import DEFAULT_TIMEOUT_S
+from launch.rank_phases import RankPhaseWatcher
 from launch.rank_session import DONE, ERROR, RUNNING, RankStatus
 from launch.run_report import GangFailedError, PollEvent, RankFailure, RunReport
 from launch.workload import split_round_robin
@@ -85,24 +86,31 @@ class LaunchOptions:
 
 
 def launch_ray(spec: RankSpec, requests: Sequence[Request], options: LaunchOptions | None = None, *,
-               on_poll: Callable[[PollEvent], None] | None = None) -> RunReport:
+               on_poll: Callable[[PollEvent], None] | None = None,
+               on_phase: Callable[[str], None] | None = None) -> RunReport:
     """Run ``requests`` on ``spec.runtime.world_size`` Ray rank actors; returns the RunReport
     (results in request order, each rid once). Ray must be initialised (``ray_cluster``).
 
+    ``on_phase(text)`` hears the start-up phases of every attempt (placing the ranks, then what
+    the ranks are doing: ``rank_phases.summarize_phases``), ``on_poll`` every poll of the run.
     Raises ValueError for duplicate rids or a request a rank refuses (it would never fit, so a
     restart cannot help), GangFailedError when ``max_restarts`` restarts did not suffice.
     """
-    return _Supervisor(spec, list(requests), options or LaunchOptions(), on_poll).run()
+    return _Supervisor(spec, list(requests), options or LaunchOptions(), on_poll, on_phase).run()
 
 
 class _Supervisor:
     def __init__(self, spec: RankSpec, requests: list[Request], options: LaunchOptions,
-                 on_poll: Callable[[PollEvent], None] | None) -> None:
+                 on_poll: Callable[[PollEvent], None] | None,
+                 on_phase: Callable[[str], None] | None = None) -> None:
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids):
             dup = sorted({x for x in rids if rids.count(x) > 1})
             raise ValueError(f"duplicate request ids: {dup[:5]}")
         self.spec, self.requests, self.options, self.on_poll = spec, requests, options, on_poll
+        self.on_phase = on_phase
+        self.max_tokens = sum(r.sampling.max_new_tokens for r in requests)
+        self.tokens_before = 0  # output tokens of the results kept from earlier attempts
         self.world = spec.runtime.world_size
         self.device = spec.runtime.device.type
         self.results: dict[str, RequestResult] = {}
@@ -139,11 +147,16 @@ class _Supervisor:
         gang = Gang(self.spec, self.options.gang_options(self.device), attempt)
         try:
             t = time.perf_counter()
+            self._phase(f"placing {self.world} rank{'s' if self.world > 1 else ''}"
+                        + (f" (restart {attempt})" if attempt else ""))
             try:
-                gang.launch()
+                with RankPhaseWatcher(gang, self.on_phase):
+                    gang.launch()
             except GangSetupError as e:
                 return list(e.failures)
             self.setup_s += time.perf_counter() - t
+            self.tokens_before = sum(len(r.output_ids) for r in self.results.values())
+            self._phase("running")
             pending = [r for r in self.requests if r.rid not in self.results]
             failed = self._lifecycle(gang, "submit", gang.submit(split_round_robin(pending, self.world)))
             if failed:
@@ -203,7 +216,10 @@ class _Supervisor:
                     elif st.state != DONE:
                         found.append(self._fail(gang, rank, "error", f"unexpected state {st.state!r} while running"))
             if self.on_poll is not None:
-                self.on_poll(PollEvent(gang.attempt, len(self.results), len(self.requests), gang.actors, tuple(statuses)))
+                live = sum(int(st.metrics.get("generated_tokens", 0)) for st in statuses if st is not None)
+                self.on_poll(PollEvent(gang.attempt, len(self.results), len(self.requests), gang.actors,
+                                       tuple(statuses), tokens=self.tokens_before + live,
+                                       total_tokens=self.max_tokens))
             if found:
                 return self._classify(gang, found)
             if all(isinstance(st, RankStatus) and st.state == DONE for st in outcomes):
@@ -213,6 +229,10 @@ class _Supervisor:
                     raise RuntimeError(f"every rank finished but {len(missing)} requests have no result: {missing[:5]}")
                 return []
             time.sleep(opt.poll_interval_s)
+
+    def _phase(self, text: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(text)
 
     def _absorb(self, st: RankStatus) -> None:
         for res in st.results:

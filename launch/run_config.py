@@ -6,18 +6,34 @@ and the tests build them the same way.
 
 ``dtype="auto"`` is float32 on CPU (bfloat16 matmuls on CPU are slow and the tiny model's
 tests compare float32 tokens) and bfloat16 on CUDA.
+
+Construction checks every field by itself and names it as the command line spells it
+(``--max-new-tokens``), raising UsageError; what needs the model or the runtime config (a
+checkpoint's config.json, the RuntimeConfig rules) is checked by ``spec()``. Importing this
+module imports no torch (the CLI checks options before anything slow starts).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dp_runtime.model.model_config import PRESETS, ModelConfig
-from dp_runtime.rank_spec import RankSpec
-from dp_runtime.serving.request import Request, SamplingParams
-from launch.workload import SyntheticWorkload, load_jsonl
+from launch.cli_errors import UsageError, check_choice
 
-__all__ = ["RunConfig"]
+if TYPE_CHECKING:
+    from dp_runtime.rank_spec import RankSpec
+    from dp_runtime.serving.request import Request
+
+__all__ = ["DISPATCHERS", "DTYPES", "RunConfig"]
+
+# The same names as dispatcher.factory.DISPATCHER_KINDS and RuntimeConfig's dtypes (a test
+# holds them equal); spelled out here so that checking an option imports no torch.
+DISPATCHERS = ("auto", "all_gather", "all_to_all", "flashinfer")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_COUNTS = ("dp", "requests", "prompt_len", "max_new_tokens", "max_running_requests", "chunked_prefill_size")
 
 
 @dataclass(frozen=True)
@@ -36,12 +52,28 @@ class RunConfig:
     dp_sync_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        for name in ("dp", "requests", "prompt_len", "max_new_tokens", "max_running_requests", "chunked_prefill_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in _COUNTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{_option(name)} must be an integer >= 1, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise UsageError(f"--seed must be an integer >= 0, got {self.seed!r}")
+        check_choice("--dispatcher", self.dispatcher, DISPATCHERS)
+        check_choice("--dtype", self.dtype, DTYPES)
+        timeout = self.dp_sync_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout) and timeout > 0):
+            raise UsageError(f"dp_sync_timeout_s must be a number > 0, got {timeout!r}")
+        if self.model not in PRESETS and not Path(self.model).is_dir():
+            raise UsageError(f"--model {self.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                             f"nor a checkpoint directory")
+        if self.workload is not None and not Path(self.workload).is_file():
+            raise UsageError(f"--workload file {self.workload!r} does not exist")
 
     def spec(self, device: str) -> RankSpec:
-        """The RankSpec for ranks on ``device`` (``cpu`` or ``cuda``, already resolved)."""
+        """The RankSpec for ranks on ``device`` (``cpu`` or ``cuda``, already resolved). Raises
+        ValueError from the model config or the RuntimeConfig rules."""
+        from dp_runtime.rank_spec import RankSpec
+
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         return RankSpec.create(
             self.model, dispatcher=self.dispatcher, dp_size=self.dp, device=device, dtype=dtype,
@@ -59,8 +91,15 @@ class RunConfig:
         """The workload file's requests (sampling defaults from the options), else the synthetic
         workload; token ids are checked against the model's vocabulary. Raises WorkloadError
         naming the file and line of a bad workload."""
+        from dp_runtime.serving.request import SamplingParams
+        from launch.workload import SyntheticWorkload, load_jsonl
+
         vocab = self.vocab_size()
         if self.workload:
             return load_jsonl(self.workload, SamplingParams(max_new_tokens=self.max_new_tokens), vocab_size=vocab)
         return SyntheticWorkload(num_requests=self.requests, prompt_len=self.prompt_len,
                                  max_new_tokens=self.max_new_tokens, vocab_size=vocab, seed=self.seed).requests()
+
+
+def _option(field: str) -> str:
+    return "--" + field.replace("_", "-")

@@ -10,6 +10,11 @@ Failure kinds: ``died`` (the rank's actor or process is gone), ``error`` (its st
 ``hung`` (running, but no step completed within the hang timeout), ``setup`` (building the
 group or the worker failed). ``secondary`` marks failures that followed another rank's
 (a peer of a dead rank that timed out in a collective).
+
+Times: ``wall_s`` is the whole run as the user waited for it (with ``ray_start_s``, starting or
+joining Ray, when the CLI did that); ``setup_s`` is building the ranks (placement, process
+groups, weights, graphs), ``run_s`` the step loops. The summary also names what ran:
+``dispatcher``, ``attention`` and ``graphs``, from the ranks' metrics.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class PollEvent:
     total: int
     actors: tuple[Any, ...]
     statuses: tuple[Any, ...]  # RankStatus per rank, None where the call failed
+    tokens: int = 0  # output tokens so far: kept results plus what the live ranks generated
+    total_tokens: int = 0  # the most there can be: every request's max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class RunReport:
     restarts: int = 0
     failures: tuple[RankFailure, ...] = ()
     rank_metrics: tuple[Mapping[str, Any], ...] = ()
+    ray_start_s: float = 0.0
 
     def by_rid(self) -> dict[str, RequestResult]:
         return {r.rid: r for r in self.results}
@@ -114,6 +122,10 @@ class RunSummary:
     restarts: int
     failures: tuple[str, ...] = ()
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    ray_start_s: float = 0.0
+    dispatcher: str | None = None
+    attention: str | None = None
+    graphs: bool | str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -145,4 +157,18 @@ def summarize(report: RunReport) -> RunSummary:
         per_rank_requests=per_req, per_rank_tokens=per_tok, world_size=report.world_size,
         launcher=report.launcher, device=report.device, restarts=report.restarts,
         failures=tuple(f.describe() for f in report.failures), finish_reasons=reasons,
+        ray_start_s=report.ray_start_s, dispatcher=_chosen(report, "dispatcher"),
+        attention=_chosen(report, "attention"), graphs=_chosen(report, "graphs"),
     )
+
+
+def _chosen(report: RunReport, key: str) -> Any:
+    """The value every rank reported for ``key`` (None when none did; the values joined by ``/``
+    if ranks differ, which the cross-rank spec check should have refused)."""
+    values = []
+    for m in report.rank_metrics:
+        if key in m and m[key] not in values:
+            values.append(m[key])
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else "/".join(str(v) for v in values)

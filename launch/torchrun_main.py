@@ -11,13 +11,20 @@ table, or one JSON line with ``--json``; ``--results`` adds every request's outp
 
 ``run_torchrun(spec, requests)`` is the collective part, callable from a test whose process
 group already exists. No restarts here: torchrun's own ``--max-restarts`` restarts the job.
+
+A bad option, workload or model is found before the process group exists, the same on every
+rank: rank 0 prints one line, every rank exits 2 (no traceback without ``--debug``); torchrun
+then reports the ranks' exit code 2 in its own summary. Without torchrun the entry runs one rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -25,12 +32,24 @@ import torch.distributed as dist
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request
 from launch import process_group
+from launch.cli_errors import (
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    LOG_LEVELS,
+    UsageError,
+    check_choice,
+    error_line,
+    is_user_error,
+    print_error,
+)
 from launch.rank_session import ERROR, RankSession
 from launch.run_config import RunConfig
 from launch.run_report import RunReport, summarize
 from launch.workload import split_round_robin
 
 __all__ = ["main", "run_torchrun"]
+
+_PEER_EXIT_DELAY_S = 2.0
 
 
 def run_torchrun(spec: RankSpec, requests: Sequence[Request]) -> RunReport | None:
@@ -72,16 +91,23 @@ def run_torchrun(spec: RankSpec, requests: Sequence[Request]) -> RunReport | Non
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing usage and exiting on every rank."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)
+
+
 def _parser() -> argparse.ArgumentParser:
     d = RunConfig()
-    p = argparse.ArgumentParser(prog="torchrun ... -m launch.torchrun_main", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="torchrun ... -m launch.torchrun_main", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=d.model)
     p.add_argument("--dispatcher", default=d.dispatcher)
     p.add_argument("--requests", type=int, default=d.requests)
     p.add_argument("--prompt-len", type=int, default=d.prompt_len)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--workload", default=None, help="JSONL file, one request per line")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
@@ -90,24 +116,98 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds before a collective gives up (a dead peer)")
     p.add_argument("--json", action="store_true", help="one JSON line on rank 0 instead of a table")
     p.add_argument("--results", action="store_true", help="with --json: add every request's output ids")
+    p.add_argument("--log-level", default="warning", help="debug | info | warning | error")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an error")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    device = process_group.resolve_device(args.device)
-    info = process_group.init_from_env(device=device, timeout_s=args.pg_timeout)
+    """The torchrun entry; returns the exit code (``cli_errors``).
+
+    Every option, the workload and the spec are checked before the process group exists; they
+    are the same on every rank, so a bad one fails every rank alike: rank 0 prints one line, and
+    every rank exits 2 without a traceback (``--debug`` prints it). Ctrl-C exits 130.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    rank = _env_rank()
+    debug = "--debug" in argv
     try:
-        cfg = RunConfig(dp=info.world_size, model=args.model, dispatcher=args.dispatcher, requests=args.requests,
+        return _main(argv, rank)
+    except KeyboardInterrupt:
+        if rank == 0:
+            print("interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except _SameOnEveryRank as e:
+        if rank == 0:
+            print_error(e.__cause__ or e, debug=debug)
+        else:
+            # torchrun stops every rank when the first one exits: let rank 0 print first.
+            time.sleep(_PEER_EXIT_DELAY_S)
+        return EXIT_USAGE
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        # After the group exists a user error may be this rank's alone: each rank names itself.
+        if debug:
+            traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+        print(f"error: rank {rank}: {error_line(e)}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+
+class _SameOnEveryRank(Exception):
+    """A user error found before the process group exists (every rank finds the same one)."""
+
+
+def _main(argv: list[str], rank: int) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        check_choice("--device", args.device, ("auto", "cpu", "cuda"))
+        check_choice("--log-level", args.log_level, LOG_LEVELS)
+        if args.results and not args.json:
+            raise UsageError("--results adds every request's output ids to the --json object; add --json")
+        if not args.pg_timeout > 0:
+            raise UsageError(f"--pg-timeout must be a number of seconds > 0, got {args.pg_timeout}")
+        world = _env_world()
+        cfg = RunConfig(dp=world, model=args.model, dispatcher=args.dispatcher, requests=args.requests,
                         prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, workload=args.workload,
                         dtype=args.dtype, max_running_requests=args.max_running_requests,
                         chunked_prefill_size=args.chunked_prefill_size, seed=args.seed)
-        report = run_torchrun(cfg.spec(device), cfg.load_requests())
+        device = process_group.resolve_device(args.device)
+        spec = cfg.spec(device)
+        requests = cfg.load_requests()
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        raise _SameOnEveryRank(str(e)) from e
+    logging.basicConfig(level=args.log_level.upper(), format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
+    if "RANK" in os.environ:
+        process_group.init_from_env(device=device, timeout_s=args.pg_timeout)
+    try:
+        report = run_torchrun(spec, requests)
     finally:
         process_group.destroy_process_group()
-    if report is not None:
+    if report is not None and rank == 0:
         _print(report, args.json, args.results)
     return 0
+
+
+def _env_rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _env_world() -> int:
+    """WORLD_SIZE as torchrun sets it (1 when run without torchrun)."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(text)
+    except ValueError:
+        raise UsageError(f"WORLD_SIZE must be an integer, got {text!r} (run with torchrun --nproc-per-node N)") from None
+    if world < 1:
+        raise UsageError(f"WORLD_SIZE must be >= 1, got {world}")
+    return world
 
 
 def _print(report: RunReport, as_json: bool, with_results: bool) -> None:

@@ -1,24 +1,29 @@
-"""RAY JOB SUBMIT (slow tier of the CPU unit run, ~25 s): the README's command against a local
-head node.
+"""RAY JOB SUBMIT (slow tier of the CPU unit run, ~30 s): the README's lines, as written, on a
+machine that has just run the Quickstart.
 
-Starts a private head node (``ray start --head --block`` in its own session, its own temp dir
-and free ports, so it neither joins nor disturbs another Ray instance on the machine), submits
-``python -m launch run --dp 2 --requests 4 --device cpu --json --results`` with
-``--working-dir .``, checks
-that the job printed the JSON of a run in which every request finished with the tokens of an
-in-process world-size-1 run, then stops the head by signalling the process it started.
+The README's block is read from README.md and run line by line: its ``export`` lines set the
+environment, its ``ray get-auth-token`` line runs as written, and its ``ray job submit`` line
+runs exactly as written. Two things differ, both for isolation: ``ray start --head`` becomes a
+private head node (``--block`` in its own session, own temp dir and free ports, so it neither
+joins nor disturbs another Ray instance on the machine; same environment as the README's line
+would have), and the job client is pointed at that head's dashboard by RAY_API_SERVER_ADDRESS
+(which Ray's job client honours over ``--address``). ``ray stop`` is replaced by signalling
+the head this test started.
 
-Token auth: Ray 2.60 turns token authentication on for a head node when ~/.ray/auth_token
-exists (any earlier ``ray.init`` writes one), and the job CLI then needs RAY_AUTH_MODE=token.
-The test sets RAY_AUTH_MODE=token and a fresh RAY_AUTH_TOKEN for the head and the client alike
-(the job and its actors inherit them from the head), so it behaves the same on a fresh machine
-and after other tests, and writes no token file.
+HOME is a temporary directory holding ``.ray/auth_token``, the state the Quickstart leaves
+behind (its ``ray.init()`` writes one): with it, Ray 2.60's ``ray start --head`` turns token
+authentication on, and a job client that is not in token mode fails with an
+AuthenticationError. The README's lines must work anyway.
+
+A second test runs ``python -m launch run --dp 2 --requests 4 --device cpu --json --results``
+the same way and checks every request's tokens against an in-process world-size-1 run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -69,14 +74,37 @@ def _wait_http(url: str, head: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"the dashboard at {url} did not answer within {timeout_s} s")
 
 
-@pytest.fixture
-def head_node():
-    """A private head node with the dashboard (the job server lives there); yields its URL."""
+def readme_job_lines() -> list[str]:
+    """The lines of the README's code block that holds ``ray job submit`` (comments dropped)."""
+    text = (REPO / "README.md").read_text()
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        if "ray job submit" in block:
+            return [ln.split("  #")[0].strip() for ln in block.splitlines() if ln.strip()]
+    raise AssertionError("README.md has no ray job submit block")
+
+
+@pytest.fixture(scope="module")
+def head_node(tmp_path_factory):
+    """The README's environment and token lines, then a private head node with the dashboard (the
+    job server lives there); yields ``(url, env, submit_line)``."""
+    home = tmp_path_factory.mktemp("home")
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))  # what the Quickstart leaves
+    env = {**os.environ, "HOME": str(home)}
+    for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_API_SERVER_ADDRESS"):
+        env.pop(var, None)
+    lines = readme_job_lines()
+    submit = [ln for ln in lines if ln.startswith("ray job submit")]
+    assert len(submit) == 1 and any(ln.startswith("ray start --head") for ln in lines), lines
+    for line in lines:
+        if line.startswith("export "):
+            name, _, value = line.removeprefix("export ").partition("=")
+            env[name] = value
+        elif line.startswith("ray get-auth-token"):
+            subprocess.run(["bash", "-c", line], env=env, check=True, timeout=60, capture_output=True)
     gcs, dash, client, agent_http, agent_grpc, metrics, env_agent = _free_ports(7)
     # Short path: Ray's unix sockets live under the temp dir and must stay under 108 bytes.
     temp = tempfile.mkdtemp(prefix="dprt", dir="/tmp")
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    env.pop("RAY_ADDRESS", None)
     log = open(Path(temp) / "head.log", "w")  # noqa: SIM115 - closed in the teardown below
     cmd = [RAY, "start", "--head", "--block", "--disable-usage-stats", "--num-cpus", "4", "--num-gpus", "0",
            "--port", str(gcs), "--include-dashboard=true", "--dashboard-host", "127.0.0.1",
@@ -87,7 +115,7 @@ def head_node():
     url = f"http://127.0.0.1:{dash}"
     try:
         _wait_http(f"{url}/api/version", head, timeout_s=60)
-        yield url, env
+        yield url, env, submit[0]
     finally:
         # SIGTERM to `ray start --block` drains the node and ends every process it started.
         head.send_signal(signal.SIGTERM)
@@ -100,17 +128,33 @@ def head_node():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-@pytest.mark.skipif(RAY is None, reason="the ray CLI is not installed")
-def test_ray_job_submit_runs_the_cli(head_node):
-    url, env = head_node
-    cmd = [RAY, "job", "submit", "--address", url, "--working-dir", ".", "--",
-           "python", "-m", "launch", "run", "--dp", "2", "--requests", "4", "--device", "cpu", "--json", "--results"]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+def _submit(line: str, url: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", line], cwd=REPO, env={**env, "RAY_API_SERVER_ADDRESS": url},
+                          capture_output=True, text=True, timeout=240)
+
+
+def _summary(done: subprocess.CompletedProcess) -> dict:
     logs = done.stdout + done.stderr
     assert done.returncode == 0, logs[-4000:]
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{") and '"submitted"' in ln]
     assert lines, f"no JSON summary in the job's output:\n{logs[-4000:]}"
-    out = json.loads(lines[-1])
+    return json.loads(lines[-1])
+
+
+@pytest.mark.skipif(RAY is None, reason="the ray CLI is not installed")
+def test_readme_ray_job_submit_line_works_as_written(head_node):
+    url, env, line = head_node
+    out = _summary(_submit(line, url, env))
+    assert out["launcher"] == "ray" and out["world_size"] == 2 and out["restarts"] == 0
+    assert out["submitted"] == out["requests"] and out["output_tokens"] > 0
+
+
+@pytest.mark.skipif(RAY is None, reason="the ray CLI is not installed")
+def test_ray_job_submit_runs_the_cli_with_world_size_one_tokens(head_node):
+    url, env, _ = head_node
+    line = ("ray job submit --working-dir . -- python -m launch run --dp 2 --requests 4 --device cpu "
+            "--json --results")
+    out = _summary(_submit(line, url, env))
     assert out["submitted"] == out["requests"] == 4
     assert out["launcher"] == "ray" and out["world_size"] == 2 and out["restarts"] == 0
     assert out["per_rank_requests"] == {"0": 2, "1": 2}

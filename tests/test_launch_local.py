@@ -122,9 +122,10 @@ def test_cli_run_local_table():
     (["--launcher", "local", "--dp", "2"], "runs one rank; got --dp 2"),
     (["--launcher", "local", "--workload", "/nonexistent.jsonl"], "does not exist"),
     (["--launcher", "mpi"], "--launcher must be one of"),
-    (["--launcher", "local", "--requests", "0"], "requests must be >= 1"),
+    (["--launcher", "local", "--requests", "0"], "--requests must be an integer >= 1"),
 ])
 def test_cli_run_bad_options_exit_2(args, message):
     res = CliRunner().invoke(app, ["run", *args, "--json"])
     assert res.exit_code == 2, res.output
-    assert message in json.loads(res.output.strip().splitlines()[-1])["error"]
+    assert message in json.loads(res.stdout.strip().splitlines()[-1])["error"]
+    assert res.stderr.count("\n") == 1 and message in res.stderr

@@ -43,6 +43,14 @@ def test_ranks_follow_node_then_gpu():
     assert assign_ranks(cpu) == [0, 1, 2]
 
 
+def test_ranks_of_one_node_are_contiguous_when_nodes_share_an_ip():
+    # Two nodes behind one IP (containers, Ray's test clusters): bundles placed interleaved.
+    locations = [{"node_ip": "10.0.0.1", "node_id": node, "gpu_ids": []} for node in ("b", "a", "b", "a")]
+    ranks = assign_ranks(locations)
+    by_rank = [locations[ranks.index(r)]["node_id"] for r in range(4)]
+    assert by_rank == ["a", "a", "b", "b"]
+
+
 def test_backend_and_device_index():
     assert backend_for("cpu") == "gloo"
     assert backend_for("cuda") == "cpu:gloo,cuda:nccl"

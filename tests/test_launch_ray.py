@@ -1,6 +1,9 @@
-"""The Ray launcher on a local CPU cluster (one per module): 2 ranks over gloo give the tokens of
-world size 1; a killed rank actor is restarted with the gang and every request finishes exactly
-once; a hung or failing rank is named; the CLI's Ray path; the serving benchmark's Ray path."""
+"""The Ray launcher on Ray's own two-node test cluster on this machine (one per module, 2 CPUs a
+node): 2 ranks over gloo give the tokens of world size 1 and report their start-up phases and
+token counts; 4 ranks span both nodes, node by node, with the tokens of world size 1, and
+killing every rank of one node restarts the gang with every request answered once; a killed
+rank actor is restarted with the gang; a hung or failing rank is named; the CLI's Ray path; the
+serving benchmark's Ray path."""
 
 from __future__ import annotations
 
@@ -28,9 +31,17 @@ FAST = dict(poll_interval_s=0.05, rpc_timeout_s=20.0, setup_timeout_s=60.0, pg_t
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False)
-    yield
+    """Two nodes of 2 CPUs each (Ray's multi-node test cluster, all on this machine): a gang of
+    2 fits one node (STRICT_PACK), a gang of 4 spans both."""
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    nodes.add_node(num_cpus=2)
+    nodes.wait_for_nodes()
+    ray.init(address=nodes.address, configure_logging=False)
+    yield nodes
     ray.shutdown()
+    nodes.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +55,24 @@ def reference():
 def test_two_ranks_give_the_tokens_of_one(cluster, reference):
     cfg = RunConfig(**{**CFG.__dict__, "requests": 8, "max_new_tokens": 8, "max_running_requests": 8})
     requests = cfg.load_requests()
-    report = launch_ray(cfg.spec("cpu"), requests, LaunchOptions(max_restarts=0, **FAST))
+    phases, events, history = [], [], []
+
+    def on_poll(event):
+        events.append(event)
+        if not history:
+            history.extend(ray.get([a.phases.remote() for a in event.actors], timeout=20))
+
+    report = launch_ray(cfg.spec("cpu"), requests, LaunchOptions(max_restarts=0, **FAST),
+                        on_poll=on_poll, on_phase=phases.append)
     assert [r.rid for r in report.results] == [r.rid for r in requests]
     assert {r.rank for r in report.results} == {0, 1}
+    # Start-up phases from the driver and from the ranks while they set up, then the run.
+    assert phases[0] == "placing 2 ranks" and phases[-1] == "running", phases
+    assert any(p.startswith("ranks: ") for p in phases), phases  # sampled while they set up
+    assert history == [("starting", "joining the process group", "loading weights", "warming up the dispatcher",
+                        "ready")] * 2
+    assert events[-1].tokens == events[-1].total_tokens == 64
+    assert [e.tokens for e in events] == sorted(e.tokens for e in events)
     # Greedy decoding of the same model: same tokens whatever the world size (a prefix of the
     # reference's 32 tokens, since only 8 were asked for here).
     for r in report.results:
@@ -77,6 +103,39 @@ def test_killed_rank_restarts_the_gang_and_every_request_finishes_once(cluster, 
     assert [r.rid for r in report.results] == [r.rid for r in requests]
     assert {r.rid: r.output_ids for r in report.results} == reference
     print(f"kill test: {time.perf_counter() - t:.1f} s, failures: {[f.describe() for f in report.failures]}")
+
+
+def test_ranks_span_two_nodes_node_by_node_and_survive_losing_a_node(cluster, reference):
+    """4 ranks on two 2-CPU nodes: ranks 0-1 on one node, 2-3 on the other, the tokens of world
+    size 1; SIGKILL both ranks of the second node mid-run: the gang restarts and every request
+    is answered once, with the same tokens."""
+    import os
+    import signal
+
+    cfg = RunConfig(**{**CFG.__dict__, "dp": 4})
+    requests = cfg.load_requests()
+    seen = {}
+
+    def on_poll(event):
+        if event.attempt == 0 and "nodes" not in seen:
+            where = ray.get([a.where.remote() for a in event.actors], timeout=20)
+            seen["nodes"] = [w["node_id"] for w in where]
+            seen["pids"] = [w["pid"] for w in where]
+        if event.attempt == 0 and "killed" not in seen and event.finished >= 2:
+            node = seen["nodes"][3]
+            seen["killed"] = [r for r in range(4) if seen["nodes"][r] == node]
+            seen["finished"] = event.finished
+            for r in seen["killed"]:
+                os.kill(seen["pids"][r], signal.SIGKILL)  # every rank process of that node dies
+
+    report = launch_ray(cfg.spec("cpu"), requests, LaunchOptions(max_restarts=1, **FAST), on_poll=on_poll)
+    nodes = seen["nodes"]
+    assert len(set(nodes)) == 2 and nodes[0] == nodes[1] and nodes[2] == nodes[3], nodes
+    assert seen["killed"] == [2, 3] and seen["finished"] < len(requests)
+    assert report.restarts == 1
+    assert {f.rank for f in report.failures if not f.secondary} <= {2, 3}
+    assert [r.rid for r in report.results] == [r.rid for r in requests]
+    assert {r.rid: r.output_ids for r in report.results} == reference
 
 
 def _fake_factory(mode: str):

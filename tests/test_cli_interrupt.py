@@ -1,0 +1,130 @@
+"""`dp-runtime run` on a private Ray cluster as a real subprocess (slow tier, ~1 min): a full run
+reports Ray's start-up inside its wall time and leaves no process behind; Ctrl-C (SIGINT to the
+command's process group, as a terminal sends it) while Ray starts and while the ranks run exits
+130 with no traceback and leaves no process behind.
+
+"No process behind" is checked by a marker: the command runs with a unique environment
+variable, which every process it starts inherits (Ray's GCS, raylet, agents, workers); after
+the command exits no process on the machine may still carry it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+REPO = Path(__file__).resolve().parents[1]
+MARKER = "DP_RUNTIME_TEST_MARKER"
+
+
+def _carriers(tag: str) -> list[int]:
+    """Pids of processes whose environment holds MARKER=tag."""
+    needle = f"{MARKER}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def _assert_nothing_left(tag: str, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while (left := _carriers(tag)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    cmds = []
+    for pid in left:
+        with contextlib.suppress(OSError):
+            cmds.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+    assert not left, f"processes left behind: {cmds}"
+
+
+class _Cli:
+    """``python -m launch run ARGS`` in its own session, stderr read line by line."""
+
+    def __init__(self, *args: str) -> None:
+        self.tag = uuid.uuid4().hex
+        env = {**os.environ, "OMP_NUM_THREADS": "1", MARKER: self.tag,
+               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+        env.pop("RAY_ADDRESS", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "launch", "run", *args], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.err: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.err.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if text in self.lines.get(timeout=max(0.0, deadline - time.monotonic())):
+                    return
+            except queue.Empty:
+                break
+        self.kill()
+        pytest.fail(f"no {text!r} on stderr within {timeout_s} s:\n{''.join(self.err)[-3000:]}")
+
+    def ctrl_c(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGINT)  # the whole foreground group, as a terminal does
+
+    def finish(self, timeout_s: float) -> tuple[int, str, str]:
+        try:
+            out = self.proc.stdout.read() if self.proc.wait(timeout_s) is not None else ""
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the command did not end within {timeout_s} s:\n{''.join(self.err)[-3000:]}")
+        time.sleep(0.2)  # the reader thread drains stderr
+        return self.proc.returncode, out, "".join(self.err)
+
+    def kill(self) -> None:
+        for pid in _carriers(self.tag):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)  # only what this test started (the marker)
+
+
+def test_full_run_counts_ray_start_in_wall_time_and_leaves_nothing(tmp_path):
+    cli = _Cli("--requests", "4", "--max-new-tokens", "4", "--num-cpus", "2", "--json")
+    code, out, err = cli.finish(240)
+    assert code == 0, err[-3000:]
+    obj = json.loads(out.strip().splitlines()[-1])
+    assert obj["ray_start_s"] > 0 and obj["setup_s"] > 0 and obj["run_s"] > 0
+    assert obj["wall_s"] >= obj["ray_start_s"] + obj["setup_s"] + obj["run_s"]
+    _assert_nothing_left(cli.tag)
+
+
+@pytest.mark.parametrize(("when", "delay_s"), [("starting Ray", 1.0), ("dp-runtime: running", 0.5)])
+def test_ctrl_c_exits_130_and_leaves_nothing(when, delay_s):
+    # Long enough that the run is still going when the interrupt lands.
+    cli = _Cli("--requests", "16", "--max-new-tokens", "1000", "--prompt-len", "8", "--num-cpus", "2")
+    cli.wait_for(when, timeout_s=180)
+    time.sleep(delay_s)
+    assert len(_carriers(cli.tag)) >= 2  # the marker does find what the command started
+    cli.ctrl_c()
+    code, _, err = cli.finish(120)
+    assert code == 130, err[-3000:]
+    assert "interrupted" in err and "Traceback" not in err and "Segmentation fault" not in err, err[-3000:]
+    _assert_nothing_left(cli.tag)
