@@ -50,9 +50,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dispatcher", default="auto")
     p.add_argument("--attention", default="auto")
+    p.add_argument("--modes", default="graph,eager", help="graph, eager or both")
+    p.add_argument("--profile", action="store_true",
+                   help="kernel census of one graph-replayed step at the smallest batch size")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+    args.modes = [m for m in ("graph", "eager") if m in args.modes.split(",")]
     return args
 
 
@@ -108,6 +112,53 @@ def timed_decode(worker: RankWorker, bs: int, args, tag: str, rank: int) -> list
     return times
 
 
+def kernel_census(worker: RankWorker, bs: int, args, rank: int) -> dict:
+    """One graph-replayed decode step under the torch profiler: GPU activities (kernels, copies,
+    memsets) per layer, GPU busy time against the step's wall time, host time (wall minus busy:
+    the host waits for the step's tokens, so it works while the GPU idles), the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    worker.submit([Request(f"prof{bs}-{rank}-{i}", list(range(1, args.prompt_len + 1)),
+                           SamplingParams(max_new_tokens=8)) for i in range(bs)])
+    while any(not r.prefilled for r in worker.scheduler.running) or worker.scheduler.num_waiting:
+        worker.step()
+    for _ in range(3):
+        worker.step()  # warm: the profiled step is a steady-state replay
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        plan = worker.step()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    assert plan.graph_bucket is not None, "the profiled step did not replay a graph"
+    worker.run_until_idle()
+    worker.pop_finished()
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in gpu)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # the union of the activities' intervals
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    layers = worker.model_config.num_layers
+    by_name: dict[str, list[float]] = {}
+    for e in gpu:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return dict(bs=bs, layers=layers, activities=len(gpu), per_layer=len(gpu) / layers,
+                memcpy=sum(1 for e in gpu if "memcpy" in e.name.lower() or "memset" in e.name.lower()),
+                gpu_busy_us=busy, wall_us=wall_us, host_us=max(0.0, wall_us - busy),
+                top=[(name[:90], len(d), sum(d)) for name, d in top])
+
+
+def print_census(c: dict) -> None:
+    print(f"kernel census, one graph-replayed step at bs {c['bs']}: {c['activities']} GPU activities "
+          f"({c['memcpy']} copies/memsets) = {c['per_layer']:.1f} per layer over {c['layers']} layers; "
+          f"GPU busy {c['gpu_busy_us'] / 1e3:.2f} ms of a {c['wall_us'] / 1e3:.2f} ms step; host "
+          f"{c['host_us'] / 1e3:.2f} ms = {100 * c['host_us'] / max(c['gpu_busy_us'], 1):.1f}% of GPU time")
+    print(f"{'count':>6} {'total us':>9}  kernel")
+    for name, n, us in c["top"]:
+        print(f"{n:>6} {us:>9.1f}  {name}")
+
+
 def main() -> None:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -129,8 +180,9 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     bw = copy_bandwidth(device)
     rows = []
+    census = None
     for bs in args.batch_sizes:
-        for mode in ("graph", "eager"):
+        for mode in args.modes:
             worker.graph_enabled = mode == "graph"
             before = worker.metrics()["graph_steps"]
             times = timed_decode(worker, bs, args, mode, rank)
@@ -139,6 +191,8 @@ def main() -> None:
             floor_ms = touched_weight_bytes(spec, bs, world, rank) / bw * 1e3
             rows.append(dict(bs=bs, mode=mode, step_ms=ms, tok_s_per_gpu=bs / ms * 1e3,
                              floor_pct=100 * floor_ms / ms, floor_ms=floor_ms, graph_steps=replayed))
+            if args.profile and census is None and mode == "graph":
+                census = kernel_census(worker, bs, args, rank)
     m = worker.metrics()
     worker.close()
     all_rows = [rows]
@@ -158,13 +212,16 @@ def main() -> None:
             f"dispatcher {m['dispatcher']}, attention {m['attention']}; prompt {args.prompt_len}; "
             f"build {build_s:.0f} s; copy bandwidth {bw / 1e12:.2f} TB/s; iters {args.iters}")
     if args.json:
-        print(json.dumps(dict(header=head, rows=merged)))
+        print(json.dumps(dict(header=head, rows=merged, census=census)))
         return
     print(head)
+    if census is not None:
+        print_census(census)
     print(f"{'bs':>5} {'mode':>6} {'step ms':>9} {'tok/s/GPU':>10} {'floor ms':>9} {'floor %':>8} {'graph/eager':>12}")
     by = {(r["bs"], r["mode"]): r for r in merged}
     for r in merged:
-        ratio = by[(r["bs"], "eager")]["step_ms"] / by[(r["bs"], "graph")]["step_ms"] if r["mode"] == "graph" else None
+        both = r["mode"] == "graph" and (r["bs"], "eager") in by
+        ratio = by[(r["bs"], "eager")]["step_ms"] / r["step_ms"] if both else None
         print(f"{r['bs']:>5} {r['mode']:>6} {r['step_ms']:>9.2f} {r['tok_s_per_gpu']:>10.0f} {r['floor_ms']:>9.2f} "
               f"{r['floor_pct']:>7.1f}% {'' if ratio is None else f'{ratio:.2f}x':>12}")
 
