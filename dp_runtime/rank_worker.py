@@ -176,7 +176,8 @@ class RankWorker:
         self.attention = self._attention_backend()
         self.model.attention = self.attention
         self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
-                                   chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank)
+                                   chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank,
+                                   vocab_size=mc.vocab_size)
         self.dispatcher.warmup()
 
         # Registries share the pool by name. The eager one is built first: it is the larger on
