@@ -106,10 +106,10 @@ def compare_spec_fields(table: list[dict[str, str]]) -> None:
 
 def check_rank_specs(spec: RankSpec, group: Any = None) -> None:
     """Compare ``spec`` (with its model fingerprint) across the ranks of ``group`` (a CPU/gloo
-    group; None: the default group, or nothing to do at world size 1). A collective: every rank
-    calls it once, before any other collective of its worker. Raises RankSpecMismatchError on
-    every rank alike when they differ."""
-    if world_of(group) == 1:
+    group; None: a worker of world size 1, nothing to compare, even when a default group
+    exists). A collective: every rank calls it once, before any other collective of its
+    worker. Raises RankSpecMismatchError on every rank alike when they differ."""
+    if group is None or world_of(group) == 1:
         return
     mine = spec_fields(spec)
     table: list[Any] = [None] * world_of(group)
