@@ -14,9 +14,10 @@ crossed a pickle (a Ray call, a torchrun object gather) was rebuilt without ``__
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dp_runtime.checks import is_int
 
 if TYPE_CHECKING:
     from dp_runtime.serving.request import Request, RequestResult, SamplingParams
@@ -26,22 +27,10 @@ __all__ = [
     "check_request",
     "check_sampling",
     "duplicate_rids",
-    "is_int",
     "refused_result",
 ]
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64)
-
-
-def is_int(value: Any) -> bool:
-    """True for a Python (or numpy/torch scalar) integer, never for a bool or a float."""
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
 
 
 def check_sampling(sp: SamplingParams) -> str | None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dp_runtime.serving.admission import check_sampling, is_int
+from dp_runtime.checks import is_int
+from dp_runtime.serving.admission import check_sampling
 
 __all__ = ["FINISH_REASONS", "Request", "RequestResult", "SamplingParams"]
 
