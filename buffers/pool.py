@@ -19,12 +19,16 @@ not share one pool between ranks or between concurrently running streams.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["BufferNeed", "BufferPool", "PoolEntry"]
+__all__ = ["BufferNeed", "BufferPool", "PoolEntry", "checked_shape"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,28 @@ class PoolEntry:
     materialized: bool
     users: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+
+
+def checked_shape(shape: Any, what: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints >= 0; raises ValueError starting with ``what`` and naming
+    the shape when a dimension is not an integer (2.7 is refused, not read as 2) or is
+    negative."""
+    dims = tuple(shape)
+    for d in dims:
+        if isinstance(d, bool) or not _is_index(d):
+            raise ValueError(f"{what} {dims}: dimension {d!r} is not an int")
+    out = tuple(operator.index(d) for d in dims)
+    if any(d < 0 for d in out):
+        raise ValueError(f"{what} {out}: a dimension is negative")
+    return out
+
+
+def _is_index(value: Any) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _canonical_device(device: torch.device | str) -> torch.device:
@@ -95,9 +121,7 @@ class BufferPool:
         Raises ValueError when ``name`` was declared with another dtype or device (naming both
         declarations), or when it is already materialized and the new shape does not fit.
         """
-        shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise ValueError(f"{user!r} declared {name!r} with a negative dimension: {shape}")
+        shape = checked_shape(shape, f"{user!r} declared {name!r} with shape")
         need = BufferNeed(name, shape, dtype, _canonical_device(device), user)
         previous = self._needs.get(name, [])
         if previous:
@@ -114,12 +138,22 @@ class BufferPool:
 
     def declare_all(self, needs: list[tuple[str, tuple[int, ...], torch.dtype, torch.device | str]], user: str) -> None:
         """Declare several buffers at once: either all are recorded or, on error, none is."""
-        snapshot = {name: list(v) for name, v in self._needs.items()}
-        try:
+        with self.atomic():
             for name, shape, dtype, device in needs:
                 self.declare(name, shape, dtype, device, user)
-        except Exception:
-            self._needs = snapshot
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[BufferPool]:
+        """Declarations and storage made inside the block are undone when it raises, so a
+        refused declaration (or a failed allocation) leaves the pool as it was."""
+        needs = {name: list(v) for name, v in self._needs.items()}
+        had = set(self._storage)
+        try:
+            yield self
+        except BaseException:
+            self._needs = needs
+            for name in set(self._storage) - had:
+                del self._storage[name]
             raise
 
     def _refuse_growth(self, need: BufferNeed) -> None:
@@ -158,7 +192,7 @@ class BufferPool:
             state = "declared but not materialized" if name in self._needs else "never declared"
             raise KeyError(f"pool buffer {name!r} is {state}")
         storage = self._storage[name]
-        shape = tuple(int(s) for s in shape)
+        shape = checked_shape(shape, f"a view of pool buffer {name!r} with shape")
         numel = math.prod(shape)
         if numel > storage.numel():
             raise ValueError(
@@ -182,10 +216,11 @@ class BufferPool:
         that is already materialized raises (see ``declare``). Runners that know all their needs
         up front should ``declare`` everything, ``materialize()`` once, then take views.
         """
-        need = self.declare(name, shape, dtype, device, user)
-        if name not in self._storage:
-            self.materialize()
-        return self.view(name, need.shape)
+        with self.atomic():  # a refused request leaves nothing declared
+            need = self.declare(name, shape, dtype, device, user)
+            if name not in self._storage:
+                self.materialize()
+            return self.view(name, need.shape)
 
     # -- reporting -----------------------------------------------------------------------------
     def report(self) -> list[PoolEntry]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from buffers.pool import BufferPool
+from buffers.pool import BufferPool, checked_shape
 from buffers.slot import Axis, FillSizes, Slot
 
 __all__ = ["BufferRegistry"]
@@ -62,6 +63,18 @@ class BoundedCache(OrderedDict, Generic[K, V]):
         self.move_to_end(key)
         if len(self) > self.capacity:
             self.popitem(last=False)
+
+
+def _count(value: Any, what: str) -> int:
+    """``value`` as an int >= 0, or ValueError naming ``what`` and the value (2.7 is refused,
+    not truncated to 2)."""
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < 0:
+        raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+    return n
 
 
 @dataclass
@@ -144,10 +157,8 @@ class BufferRegistry:
             if slot.name in self.slots:
                 raise ValueError(f"duplicate slot name {slot.name!r} in registry {user!r}")
             self.slots[slot.name] = slot
-        if max_bs < 0 or max_num_tokens < 0:
-            raise ValueError(f"registry {user!r}: max_bs={max_bs} and max_num_tokens={max_num_tokens} must be >= 0")
-        self.max_bs = int(max_bs)
-        self.max_num_tokens = int(max_num_tokens)
+        self.max_bs = _count(max_bs, f"registry {user!r}: max_bs")
+        self.max_num_tokens = _count(max_num_tokens, f"registry {user!r}: max_num_tokens")
         self.device = torch.device(device)
         self.user = user
         self._pool = pool
@@ -167,6 +178,12 @@ class BufferRegistry:
             raise KeyError(f"registry {user!r}: bind names unknown slots {sorted(unknown)}")
         for name, tensor in bind.items():
             self.bind(name, tensor)
+        # All or nothing: a slot refused half-way (a dtype clash with another user, a bad shape)
+        # must not leave the earlier slots declared in the shared pool.
+        with pool.atomic():
+            self._allocate(pool, user)
+
+    def _allocate(self, pool: BufferPool, user: str) -> None:
         to_allocate = [s for s in self.slots.values() if s.name not in self._buffers]
         packed: dict[torch.dtype, list[Slot]] = {}
         for slot in to_allocate:
@@ -204,7 +221,7 @@ class BufferRegistry:
         return torch.device(slot.device) if slot.device is not None else self.device
 
     def full_shape(self, slot: Slot) -> tuple[int, ...]:
-        shape = tuple(int(s) for s in slot.shape(self.max_bs, self.max_num_tokens))
+        shape = checked_shape(slot.shape(self.max_bs, self.max_num_tokens), f"registry {self.user!r}: slot {slot.name!r} has shape")
         if slot.axis is not Axis.NONE and not -len(shape) <= slot.dim < len(shape):
             raise ValueError(f"slot {slot.name!r}: dim {slot.dim} is outside its shape {shape}")
         return shape
@@ -243,9 +260,15 @@ class BufferRegistry:
 
     # -- fill ----------------------------------------------------------------------------------
     def _sizes(self, raw_bs: int, padded_bs: int, raw_num_tokens: int | None, padded_num_tokens: int | None) -> FillSizes:
+        where = f"registry {self.user!r}: fill"
+        raw_bs, padded_bs = _count(raw_bs, f"{where} raw_bs"), _count(padded_bs, f"{where} padded_bs")
+        if raw_num_tokens is not None:
+            raw_num_tokens = _count(raw_num_tokens, f"{where} raw_num_tokens")
+        if padded_num_tokens is not None:
+            padded_num_tokens = _count(padded_num_tokens, f"{where} padded_num_tokens")
         raw_t = raw_bs if raw_num_tokens is None else raw_num_tokens
         pad_t = (padded_bs if raw_num_tokens is None else raw_t) if padded_num_tokens is None else padded_num_tokens
-        sizes = FillSizes(int(raw_bs), int(padded_bs), int(raw_t), int(pad_t))
+        sizes = FillSizes(raw_bs, padded_bs, raw_t, pad_t)
         for axis, raw, padded in (
             (Axis.BS, sizes.raw_bs, sizes.padded_bs),
             (Axis.TOKENS, sizes.raw_num_tokens, sizes.padded_num_tokens),
@@ -350,8 +373,9 @@ class BufferRegistry:
         """Copy ``batch``'s live rows into the registry and pad the tails (module docstring).
 
         Token sizes default to the batch sizes (decode: one token per request). Raises
-        ValueError naming the slot, the limit and the value when a size is over capacity, and
-        when a batch tensor's dtype or shape does not match its slot.
+        ValueError naming the argument or slot, the limit and the value when a size is not an
+        int or is over capacity, and when a batch tensor's dtype or shape does not match its
+        slot; a refused fill writes nothing (a pending fill_once slot included).
         """
         key = (raw_bs, padded_bs, raw_num_tokens, padded_num_tokens)
         plan = self._plans.get(key)
@@ -360,11 +384,6 @@ class BufferRegistry:
             # which drops every cached plan.
             plan = self._plans[key] = self._build_plan(self._sizes(*key))
         missing: list[str] = []
-        for slot, buf in plan.fill_once:
-            # a slot the batch lacks is skipped entirely, its one-time fill included
-            if slot.name not in self._once_done and slot.read(batch) is not None:
-                buf.fill_(slot.padding.value)
-                self._once_done.add(slot.name)
         srcs = [group.srcs.copy() for group in plan.groups]
         dropped: list[tuple[int, int]] = []
         for live in plan.live:
@@ -385,6 +404,12 @@ class BufferRegistry:
             else:
                 group, at = live.lives[0]
                 srcs[group][at] = src
+        # Writes start only now that every source was checked: a refused fill changes nothing.
+        for slot, buf in plan.fill_once:
+            # a slot the batch lacks is skipped entirely, its one-time fill included
+            if slot.name not in self._once_done and slot.read(batch) is not None:
+                buf.fill_(slot.padding.value)
+                self._once_done.add(slot.name)
         for gi, group in enumerate(plan.groups):
             dsts, gsrcs = group.dsts, srcs[gi]
             if dropped:

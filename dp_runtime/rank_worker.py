@@ -34,6 +34,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -54,6 +55,8 @@ from dp_runtime.serving.sampling import sample_tokens
 from dp_runtime.serving.scheduler import ScheduledStep, Scheduler
 from dp_runtime.sync.dp_buffer import DPBufferService
 from dp_runtime.sync.exchange import LocalExchange
+from dp_runtime.sync.peer_failure import FailureNotice
+from dp_runtime.sync.spec_check import check_rank_specs
 from dp_runtime.sync.step_plan import StepPlan, plan_step
 from dp_runtime.sync.step_sync import NCOLS, DPStepSync
 from dp_runtime.sync.step_table import LocalStepInfo, StepTable
@@ -127,11 +130,14 @@ class RankWorker:
         if not dist.is_initialized() or dist.get_world_size(group) != self.world_size:
             raise RuntimeError(f"RankWorker: world_size={self.world_size} needs an initialised process group of that size")
         group = group if group is not None else dist.group.WORLD
+        # A pure gloo group of the worker's own for the host-side exchanges (step sync, dispatcher
+        # counts): the dispatcher insists on one, and a "cpu:gloo,cuda:nccl" group is not. Its
+        # timeout is the step sync's, so a peer whose forward raised costs the others that, not
+        # the default group's timeout (sync/peer_failure.py). Collective.
+        self._own_cpu_group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                                             timeout=timedelta(seconds=self.spec.runtime.dp_sync_timeout_s))
         if str(dist.get_backend(group)) == "gloo":
-            return group, group
-        # A pure gloo twin for the host-side exchanges (step sync, dispatcher counts): the
-        # dispatcher insists on one, and a "cpu:gloo,cuda:nccl" group is not. Collective.
-        self._own_cpu_group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
+            return self._own_cpu_group, self._own_cpu_group
         return group, self._own_cpu_group
 
     def _choices(self, ep: EPGroup) -> Choices:
@@ -150,8 +156,12 @@ class RankWorker:
         spec, cfg, mc, dev = self.spec, self.spec.runtime, self.model_config, self.device
         device_group, cpu_group = self._groups(group)
         self._cpu_group = cpu_group
+        # First collective of the build: ranks whose specs differ would hang in the dispatcher's
+        # warm-up or give wrong tokens; they raise here, every rank alike, naming the field.
+        check_rank_specs(spec, cpu_group)
         exchange = LocalExchange(NCOLS) if self.world_size == 1 else None
         self.sync = DPStepSync(cfg, cpu_group, exchange=exchange)
+        self._failure = FailureNotice(cpu_group, abandon=self.sync.abandon)
         ep = EPGroup.local() if self.world_size == 1 else EPGroup.from_torch(device_group, cpu_group)
         self.choices = choices = self._choices(ep)
         self.dispatcher_kind = choices.dispatcher
@@ -191,7 +201,8 @@ class RankWorker:
         self.attention = self._attention_backend()
         self.model.attention = self.attention
         self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
-                                   chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank)
+                                   chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank,
+                                   vocab_size=mc.vocab_size)
         self._on_phase("warming up the dispatcher")
         self.dispatcher.warmup()
 
@@ -300,7 +311,16 @@ class RankWorker:
 
     def step(self) -> StepPlan:
         """One DP step (module docstring): a collective that every rank calls the same number of
-        times. Returns the step's plan (``plan.skip``: every rank had nothing to do)."""
+        times. Returns the step's plan (``plan.skip``: every rank had nothing to do). When it
+        raises, the peers are told (sync/peer_failure.py); a rank whose step failed because a
+        peer's did raises PeerRankFailedError naming that rank and its error."""
+        try:
+            return self._step()
+        except Exception as e:
+            self._failure.on_step_error(e, self.sync.steps if self.sync is not None else -1)
+            raise
+
+    def _step(self) -> StepPlan:
         with self._lock:
             scheduled = self.scheduler.next_step()
         plan = self.sync.sync(self._local_info(scheduled))

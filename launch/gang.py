@@ -11,7 +11,9 @@ Bring-up (``Gang.launch``), in this order:
    ``setup_timeout_s``; the first failure ends the wait, so a rank that cannot start does not
    make the others wait for the whole timeout.
 
-A failure raises GangSetupError carrying RankFailure records. ``kill`` ends every actor and
+A failure raises GangSetupError carrying RankFailure records, except a deterministic setup
+error (a ValueError while building a rank's worker, ranks that disagree on their spec), which
+raises ``launch.errors.SetupError`` (a ValueError): a new gang would fail the same way. ``kill`` ends every actor and
 removes the placement group whatever state they are in; ``stop`` first closes workers and
 process groups in order, then kills.
 """
@@ -26,6 +28,7 @@ from typing import Any
 
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request
+from launch.errors import SetupError, is_deterministic_setup_error
 from launch.placement import assign_ranks, create_placement_group
 from launch.process_group import DEFAULT_TIMEOUT_S
 from launch.rank_actor import RankActor
@@ -159,6 +162,9 @@ class Gang:
                     out[i] = ray.get(ref)
                 except Exception as e:
                     kind, msg, detail = describe_error(e)
+                    if phase == "setup" and is_deterministic_setup_error(e):
+                        # A new gang would fail the same way: no restart (exit 2 on the CLI).
+                        raise SetupError(f"rank {i} could not be set up: {msg}", rank=i, detail=detail) from None
                     raise GangSetupError([
                         RankFailure(self.attempt, i, "died" if kind == "died" else "setup",
                                     f"{phase}: {msg}", self._ip(i), detail=detail)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dp_runtime.rank_spec import RankSpec
+from dp_runtime.serving.admission import admit
 from dp_runtime.serving.request import Request
 from launch.rank_session import DONE, ERROR, RankSession
 from launch.run_report import PollEvent, RunReport
@@ -24,11 +25,14 @@ def launch_local(spec: RankSpec, requests: Sequence[Request], *, poll_interval_s
                  on_phase: Callable[[str], None] | None = None) -> RunReport:
     """Run ``requests`` on one in-process rank (``spec.runtime.world_size`` must be 1); returns
     the RunReport. ``on_phase`` hears the rank's set-up phases (``loading weights``, ...) and
-    ``running``; ``on_poll`` every poll. Raises ValueError for a multi-rank spec or a request
-    that never fits, and RuntimeError carrying the rank's traceback when its step loop raises."""
+    ``running``; ``on_poll`` every poll. A request refused at the door
+    (``admission.check_request``) gets a result with its error and is never queued. Raises
+    ValueError for a multi-rank spec, duplicate rids or a request that never fits the KV cache,
+    and RuntimeError carrying the rank's traceback when its step loop raises."""
     if spec.runtime.world_size != 1:
         raise ValueError(f"the local launcher runs world size 1, the spec has {spec.runtime.world_size} "
                          f"(use the Ray launcher or torchrun for more ranks)")
+    accepted, refused = admit(requests, spec.model_config().vocab_size, spec.context_len)
     t0 = time.perf_counter()
     session = RankSession(spec, 0, 1, show_progress=show_progress, worker_factory=worker_factory,
                           on_phase=on_phase)
@@ -37,9 +41,9 @@ def launch_local(spec: RankSpec, requests: Sequence[Request], *, poll_interval_s
         setup_s = time.perf_counter() - t0
         if on_phase is not None:
             on_phase("running")
-        session.submit(list(requests))
+        session.submit(accepted)
         session.start()
-        results: dict[str, Any] = {}
+        results: dict[str, Any] = {r.rid: r for r in refused}
         while True:
             st = session.collect()
             for res in st.results:

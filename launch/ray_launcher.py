@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dp_runtime.rank_spec import RankSpec
+from dp_runtime.serving.admission import admit
 from dp_runtime.serving.request import Request, RequestResult
 from launch.gang import UNANSWERED, Gang, GangOptions, GangSetupError, describe_error
 from launch.process_group import DEFAULT_TIMEOUT_S
@@ -93,8 +94,14 @@ def launch_ray(spec: RankSpec, requests: Sequence[Request], options: LaunchOptio
 
     ``on_phase(text)`` hears the start-up phases of every attempt (placing the ranks, then what
     the ranks are doing: ``rank_phases.summarize_phases``), ``on_poll`` every poll of the run.
-    Raises ValueError for duplicate rids or a request a rank refuses (it would never fit, so a
-    restart cannot help), GangFailedError when ``max_restarts`` restarts did not suffice.
+    A request refused at the door (``admission.check_request``: token ids, sampling, context
+    length) gets a result with its error and is never sent to a rank; a request that fails
+    inside a step on its own comes back with its error too. Both are final: no restart runs
+    them again. Raises ValueError for duplicate rids or a request a rank refuses (it would
+    never fit, so a restart cannot help), SetupError (a ValueError) at once, without a
+    restart, when a rank's setup fails deterministically (a ValueError while building the
+    worker, or ranks that disagree on their spec), GangFailedError when ``max_restarts``
+    restarts did not suffice.
     """
     return _Supervisor(spec, list(requests), options or LaunchOptions(), on_poll, on_phase).run()
 
@@ -103,17 +110,15 @@ class _Supervisor:
     def __init__(self, spec: RankSpec, requests: list[Request], options: LaunchOptions,
                  on_poll: Callable[[PollEvent], None] | None,
                  on_phase: Callable[[str], None] | None = None) -> None:
-        rids = [r.rid for r in requests]
-        if len(set(rids)) != len(rids):
-            dup = sorted({x for x in rids if rids.count(x) > 1})
-            raise ValueError(f"duplicate request ids: {dup[:5]}")
+        # The door: refused requests are answered now (final, never sent to a rank).
+        _, refused = admit(requests, spec.model_config().vocab_size, spec.context_len)
         self.spec, self.requests, self.options, self.on_poll = spec, requests, options, on_poll
         self.on_phase = on_phase
         self.max_tokens = sum(r.sampling.max_new_tokens for r in requests)
         self.tokens_before = 0  # output tokens of the results kept from earlier attempts
         self.world = spec.runtime.world_size
         self.device = spec.runtime.device.type
-        self.results: dict[str, RequestResult] = {}
+        self.results: dict[str, RequestResult] = {r.rid: r for r in refused}
         self.failures: list[RankFailure] = []
         self.rank_metrics: list[dict[str, Any]] = [{} for _ in range(self.world)]
         self.setup_s = self.run_s = 0.0

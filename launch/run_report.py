@@ -144,8 +144,9 @@ def summarize(report: RunReport) -> RunSummary:
     per_tok: dict[int, int] = {r: 0 for r in range(report.world_size)}
     reasons: dict[str, int] = {}
     for r in res:
-        per_req[r.rank] = per_req.get(r.rank, 0) + 1
-        per_tok[r.rank] = per_tok.get(r.rank, 0) + len(r.output_ids)
+        if r.rank >= 0:  # -1: refused at the door, run by no rank
+            per_req[r.rank] = per_req.get(r.rank, 0) + 1
+            per_tok[r.rank] = per_tok.get(r.rank, 0) + len(r.output_ids)
         reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
     ttft = [r.ttft_s for r in res]
     lat = [r.latency_s for r in res]

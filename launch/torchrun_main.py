@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from dp_runtime.rank_spec import RankSpec
+from dp_runtime.serving.admission import admit
 from dp_runtime.serving.request import Request
 from launch import process_group
 from launch.cli_errors import (
@@ -56,16 +57,21 @@ def run_torchrun(spec: RankSpec, requests: Sequence[Request]) -> RunReport | Non
     """Run this rank's share of ``requests`` (collective over the default group when
     ``spec.runtime.world_size > 1``); returns the RunReport on rank 0, None elsewhere.
 
-    Every rank must pass the same ``requests``. Raises RuntimeError carrying the rank's
-    traceback when its step loop raised (its peers then time out in their next collective).
+    Every rank must pass the same ``requests``. A request refused at the door
+    (``admission.check_request``) gets a result with its error and runs nowhere. Raises
+    ValueError naming the rids when two requests share one (on every rank, before any
+    collective), and RuntimeError carrying the rank's traceback when its step loop raised.
     """
     world = spec.runtime.world_size
     rank = dist.get_rank() if world > 1 else 0
+    # Every rank holds the same requests, so every rank refuses the same ones (and raises alike
+    # for duplicate rids) before the first collective.
+    accepted, refused = admit(requests, spec.model_config().vocab_size, spec.context_len)
     t0 = time.perf_counter()
     session = RankSession(spec, rank, world)
     try:
         setup_s = time.perf_counter() - t0
-        session.submit(split_round_robin(requests, world)[rank])
+        session.submit(split_round_robin(accepted, world)[rank])
         final = session.run()
     finally:
         session.close()
@@ -79,7 +85,8 @@ def run_torchrun(spec: RankSpec, requests: Sequence[Request]) -> RunReport | Non
         gathered = [mine]
     if rank != 0:
         return None
-    by_rid = {r.rid: r for part in gathered for r in part[0]}
+    by_rid = {r.rid: r for r in refused}
+    by_rid.update((r.rid, r) for part in gathered for r in part[0])
     missing = [r.rid for r in requests if r.rid not in by_rid]
     if missing:
         raise RuntimeError(f"{len(missing)} requests have no result after every rank finished: {missing[:5]}")

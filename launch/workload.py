@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from dp_runtime.serving.admission import check_request
 from dp_runtime.serving.request import Request, SamplingParams
 
 __all__ = ["SyntheticWorkload", "WorkloadError", "load_jsonl", "split_round_robin"]
@@ -117,17 +118,19 @@ def _parse_line(text: str, lineno: int, defaults: SamplingParams, vocab_size: in
     prompt = obj.get("prompt_ids")
     if not isinstance(prompt, list) or not prompt:
         raise ValueError("'prompt_ids' must be a non-empty list of token ids")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-        raise ValueError("'prompt_ids' must hold non-negative integers")
-    if vocab_size is not None and max(prompt) >= vocab_size:
-        raise ValueError(f"token id {max(prompt)} is not below the model's vocab_size={vocab_size}")
     sampling = {k: obj[k] for k in _SAMPLING_KEYS if k in obj}
-    if "stop_token_ids" in sampling:
+    if isinstance(sampling.get("stop_token_ids"), list):
         sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
     rid = obj.get("rid", f"line{lineno}")
     if not isinstance(rid, str) or not rid:
         raise ValueError(f"'rid' must be a non-empty string, got {rid!r}")
-    return Request(rid, tuple(prompt), replace(defaults, **sampling))
+    # The rules of the door (dp_runtime.serving.admission), the same on every path; json.loads
+    # reads NaN and Infinity, which SamplingParams refuses here.
+    req = Request(rid, tuple(prompt), replace(defaults, **sampling))
+    problem = check_request(req, vocab_size)
+    if problem is not None:
+        raise ValueError(problem)
+    return req
 
 
 def split_round_robin(requests: Sequence[Request], world_size: int) -> list[list[Request]]:

@@ -41,6 +41,11 @@ def layout(g, loc, is_max, counts, rank=0, dp=3, limit=32):
         ((9, 3, False, (1, 2, 3)), ["global_dp_buffer_len=9", "sum(global_num_tokens_cpu)=6"]),
         ((6, 2, False, (1, 2, 3)), ["local_dp_buffer_len=2", "global_num_tokens_cpu[0]=1"]),
         ((-1, 0, False, (0, 0, 0)), ["global_dp_buffer_len=-1"]),
+        # Non-integers are refused, not truncated (2.7 tokens once read as 2).
+        ((6, 2, True, (1, 2.7, 2)), ["global_num_tokens_cpu[1] must be an int, got 2.7"]),
+        ((6.0, 2, True, (1, 2, 2)), ["global_dp_buffer_len must be an int, got 6.0"]),
+        ((6, 2.5, True, (1, 2, 2)), ["local_dp_buffer_len must be an int, got 2.5"]),
+        ((6, 2, True, (1, True, 2)), ["global_num_tokens_cpu[1] must be an int, got True"]),
     ],
 )
 def test_inconsistent_arguments_name_value_and_limit(args, words):

@@ -16,6 +16,7 @@ ray = pytest.importorskip("ray")
 
 from typer.testing import CliRunner  # noqa: E402
 
+from dp_runtime.rank_spec import RankSpec  # noqa: E402
 from launch.cli import app  # noqa: E402
 from launch.local_launcher import launch_local  # noqa: E402
 from launch.ray_launcher import LaunchOptions, launch_ray  # noqa: E402
@@ -209,6 +210,41 @@ def test_setup_failure_is_named(cluster):
         launch_ray(CFG.spec("cpu"), CFG.load_requests()[:2], opts)
     assert [(f.rank, f.kind) for f in info.value.failures] == [(1, "setup")]
     assert info.value.report.results == ()
+
+
+def test_bad_requests_cost_no_other_request_and_no_restart(cluster, reference):
+    """24 requests: one refused at the door (a token id over the vocabulary), one that fails
+    inside a step on its rank (its draw raises). Before: the in-step failure made the rank's loop
+    raise, the gang restarted on the same request until restarts ran out, healthy ones lost."""
+    from dp_runtime.serving.request import Request, SamplingParams
+
+    cfg = RunConfig(**{**CFG.__dict__, "requests": 22, "max_new_tokens": 8, "max_running_requests": 8})
+    good = cfg.load_requests()
+    bad_step = Request("bad-step", good[0].prompt_ids, SamplingParams(max_new_tokens=8, temperature=1e-45))
+    bad_door = Request("bad-door", (1, 2, 10_000))
+    requests = [*good[:5], bad_step, *good[5:17], bad_door, *good[17:]]
+    assert len(requests) == 24
+    report = launch_ray(cfg.spec("cpu"), requests, LaunchOptions(max_restarts=2, **FAST))
+    assert report.restarts == 0 and report.failures == ()
+    assert [r.rid for r in report.results] == [r.rid for r in requests]
+    res = {r.rid: r for r in report.results}
+    assert "vocab_size=256" in res.pop("bad-door").error
+    failed = res.pop("bad-step")
+    assert failed.finish_reason == "error" and "sampling failed (temperature=1e-45" in failed.error
+    assert failed.rank in (0, 1)  # it ran, on a rank, and failed there alone
+    assert {rid: r.output_ids for rid, r in res.items()} == {r.rid: reference[r.rid][:8] for r in good}
+    assert all(r.ok for r in res.values())
+
+
+def test_deterministic_setup_error_is_not_retried(cluster):
+    """Three ranks, two experts: every rank refuses to build (num_experts < ep_size). Before: three
+    gangs over ~30 s, then GangFailedError (exit 1); now SetupError (a ValueError: exit 2) at once."""
+    from launch.errors import SetupError
+
+    spec = RankSpec.create("tiny", model_overrides={"num_experts": 2}, dp_size=3, device="cpu", dtype="float32",
+                           max_running_requests=4, chunked_prefill_size=64, dp_sync_timeout_s=10.0)
+    with pytest.raises(SetupError, match=r"rank \d could not be set up: ValueError: .*num_experts=2 < ep_size=3"):
+        launch_ray(spec, CFG.load_requests()[:3], LaunchOptions(max_restarts=2, **FAST))
 
 
 def test_cli_run_uses_the_connected_cluster(cluster):

@@ -41,6 +41,16 @@ def test_run_torchrun_matches_world_size_one(dist_group):
     assert {r.rid: r.output_ids for r in report.results} == _reference(cfg)
 
 
+@pytest.mark.dist
+def test_run_torchrun_refuses_a_duplicate_rid_on_every_rank(dist_group):
+    # Before: both "r0001" ran (on different ranks); one result was reported twice, one lost.
+    cfg = RunConfig(dp=dist.get_world_size(), requests=3, prompt_len=6, max_new_tokens=2, dp_sync_timeout_s=30.0)
+    reqs = cfg.load_requests()
+    with pytest.raises(ValueError, match=r"duplicate request ids .*\['r0001'\]"):
+        run_torchrun(cfg.spec("cpu"), [*reqs, reqs[1]])
+    dist.barrier()  # raised before any collective, on every rank alike
+
+
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 def test_torchrun_main_two_processes():
     cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "launch.torchrun_main",

@@ -44,10 +44,17 @@ def test_jsonl_reads_requests_with_defaults(tmp_path):
     ("{not json", "invalid JSON"),
     ("[1, 2]", "expected a JSON object"),
     ('{"prompt_ids": []}', "non-empty list"),
-    ('{"prompt_ids": [1, -2]}', "non-negative integers"),
+    ('{"prompt_ids": [1, -2]}', r"prompt_ids\[1\] must be an int >= 0, got -2"),
+    ('{"prompt_ids": [1, 2.5]}', r"prompt_ids\[1\] must be an int >= 0, got 2.5"),
     ('{"prompt_ids": [1], "colour": 3}', "unknown keys \\['colour'\\]"),
-    ('{"prompt_ids": [99]}', "token id 99 is not below the model's vocab_size=10"),
-    ('{"prompt_ids": [1], "max_new_tokens": 0}', "max_new_tokens must be >= 1"),
+    ('{"prompt_ids": [99]}', r"prompt_ids\[0\]=99 is not a token id in \[0, vocab_size=10\)"),
+    ('{"prompt_ids": [1], "max_new_tokens": 0}', "max_new_tokens must be an int >= 1, got 0"),
+    ('{"prompt_ids": [1], "max_new_tokens": 2.5}', "max_new_tokens must be an int >= 1, got 2.5"),
+    # json.loads reads these literals; the sampling rules refuse them.
+    ('{"prompt_ids": [1], "temperature": NaN}', "temperature must be a finite number >= 0, got nan"),
+    ('{"prompt_ids": [1], "temperature": Infinity}', "temperature must be a finite number >= 0, got inf"),
+    ('{"prompt_ids": [1], "top_p": NaN}', r"top_p must be a finite number in \(0, 1\], got nan"),
+    ('{"prompt_ids": [1], "seed": -1}', r"seed must be an int in \[0, 2\*\*64\), got -1"),
 ])
 def test_jsonl_errors_name_the_file_and_line(tmp_path, line, message):
     f = tmp_path / "bad.jsonl"

@@ -152,3 +152,34 @@ def test_report_lists_users_bytes_and_dtypes():
     assert "decode, prefill" in text and str(pool.total_bytes()) in text
 
 
+@pytest.mark.parametrize(("shape", "message"), [
+    ((2.7, 4), r"'u' declared 'x' with shape \(2.7, 4\): dimension 2.7 is not an int"),
+    ((True,), r"dimension True is not an int"),
+    ((3, -1), r"'u' declared 'x' with shape \(3, -1\): a dimension is negative"),
+])
+def test_non_integer_shapes_are_refused_not_truncated(shape, message):
+    pool = BufferPool()
+    with pytest.raises(ValueError, match=message):
+        pool.request("x", shape, torch.float32, "cpu", user="u")
+    with pytest.raises(ValueError, match=message):
+        pool.declare_all([("y", (2,), torch.float32, "cpu"), ("x", shape, torch.float32, "cpu")], user="u")
+    assert pool.report() == [] and pool.total_bytes() == 0  # nothing declared, nothing allocated
+
+
+def test_refused_request_leaves_nothing_declared():
+    pool = BufferPool()
+    pool.request("a", (8,), torch.float32, "cpu", user="first")
+    before = ([(e.name, e.numel) for e in pool.report()], pool.total_bytes(), {k: list(v) for k, v in pool._needs.items()})
+    with pytest.raises(ValueError, match="is materialized with 8 elements"):
+        pool.request("a", (16,), torch.float32, "cpu", user="second")  # storage never grows
+    with pytest.raises(ValueError, match=r"dimension 1\.5 is not an int"):
+        pool.request("c", (2, 1.5), torch.float32, "cpu", user="third")
+    assert ([(e.name, e.numel) for e in pool.report()], pool.total_bytes(),
+            {k: list(v) for k, v in pool._needs.items()}) == before
+    # An allocation that fails after the declaration went through: the declaration is undone,
+    # and so is the storage the same materialize() gave a pending name on the way.
+    pending = pool.declare("b", (4,), torch.float32, "cpu", user="pending")
+    with pytest.raises(RuntimeError):
+        pool.request("huge", (2**62,), torch.float32, "cpu", user="fourth")
+    assert "huge" not in pool._needs and not pool.is_materialized("huge")
+    assert pool._needs["b"] == [pending] and not pool.is_materialized("b")

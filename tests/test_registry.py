@@ -330,3 +330,63 @@ class _PrefillBatch:
         self.seq_lens_cpu = torch.tensor([self.n])
         self.extend_seq_lens = torch.tensor([self.n])
         self.extend_prefix_lens = torch.tensor([0])
+
+
+def _state(reg, pool):
+    """Everything a fill or a declaration could change: every buffer's contents, the pool's
+    declarations and storage names, the registry's one-time-fill bookkeeping."""
+    return ({n: reg.buffer(n).clone() for n in reg.names()}, {n: list(v) for n, v in pool._needs.items()},
+            set(pool._storage), set(reg._once_done))
+
+
+def _same(a, b):
+    return (a[0].keys() == b[0].keys() and all(torch.equal(a[0][n], b[0][n]) for n in a[0])
+            and a[1:] == b[1:])
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((2.7, 8), r"registry 'test': fill raw_bs must be an int >= 0, got 2.7"),
+    ((2, 8.0), r"registry 'test': fill padded_bs must be an int >= 0, got 8.0"),
+    ((2, 8, 3.5, 8), r"registry 'test': fill raw_num_tokens must be an int >= 0, got 3.5"),
+    ((2, 8, 3, True), r"registry 'test': fill padded_num_tokens must be an int >= 0, got True"),
+])
+def test_non_integer_fill_sizes_are_refused(args, message):
+    pool = BufferPool()
+    reg = make_registry(pool=pool)
+    before = _state(reg, pool)
+    with pytest.raises(ValueError, match=message):
+        reg.fill(make_batch(2, 3), *args)
+    assert _same(before, _state(reg, pool))
+
+
+def test_refused_fill_changes_nothing_not_even_a_pending_fill_once_slot():
+    extra = [Slot("req_pool_indices", lambda b, t: (b,), torch.int64, Axis.BS, fill_once(9))]
+    pool = BufferPool()
+    reg = make_registry(pool=pool, extra=extra)
+    for n in reg.names():
+        reg.buffer(n).fill_(POISON if reg.buffer(n).dtype != torch.float32 else 0.25)
+    batch = make_batch(2, 2)
+    batch.req_pool_indices = torch.arange(2)
+    batch.positions = torch.zeros(5, dtype=torch.int64)  # wrong length: the fill is refused
+    before = _state(reg, pool)
+    with pytest.raises(ValueError, match="slot 'positions' expects"):
+        reg.fill(batch, 2, 8)
+    # Before: req_pool_indices had already been filled with 9 and marked done.
+    assert _same(before, _state(reg, pool))
+    batch.positions = torch.zeros(2, dtype=torch.int64)
+    reg.fill(batch, 2, 8)
+    assert reg.buffer("req_pool_indices")[2:].eq(9).all()
+
+
+def test_refused_registry_declares_nothing_in_the_pool():
+    pool = BufferPool()
+    pool.request("seq_lens", (4,), torch.int32, "cpu", user="other")  # a clash for the 2nd slot
+    before = ({n: list(v) for n, v in pool._needs.items()}, set(pool._storage), pool.total_bytes())
+    with pytest.raises(ValueError, match="'seq_lens' declared twice with different dtype"):
+        make_registry(pool=pool)
+    # Before: input_ids (the first slot) stayed declared and was later materialized.
+    assert ({n: list(v) for n, v in pool._needs.items()}, set(pool._storage), pool.total_bytes()) == before
+    for bad, message in [((2.5, 16), "max_bs must be an int >= 0, got 2.5"),
+                         ((8, -1), "max_num_tokens must be an int >= 0, got -1")]:
+        with pytest.raises(ValueError, match=message):
+            make_registry(*bad, pool=BufferPool())

@@ -65,6 +65,19 @@ def test_exited_peer_is_reported_before_the_deadline(shm_path):
     assert info.value.silent_ranks == (1,)
 
 
+def test_abandoned_peer_is_reported_at_once(shm_path):
+    # A live peer whose step raised marks its slots; before, the others waited the full timeout.
+    exs = open_ranks(shm_path, 2, timeout_s=60.0)
+    row = (1,) * NCOLS
+    out = run_ranks([lambda: exs[0].exchange(row), lambda: exs[1].exchange(row)])
+    assert out[0] == out[1] == [row, row]
+    exs[1].abandon()
+    start = time.monotonic()
+    with pytest.raises(DPSyncError, match=r"rank 1 abandoned the step sync .* exchange #2"):
+        exs[0].exchange(row)
+    assert time.monotonic() - start < 5
+
+
 def test_torn_or_stale_row_is_not_accepted(shm_path):
     """A slot whose seq says 'written' but whose checksum does not match is treated as unwritten."""
     exs = open_ranks(shm_path, 2, timeout_s=0.3)

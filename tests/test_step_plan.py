@@ -223,6 +223,17 @@ def test_reports_out_of_limits_are_refused(infos, words):
         assert word in str(info.value)
 
 
+def test_non_integer_counts_are_refused_not_truncated():
+    with pytest.raises(ValueError, match=r"LocalStepInfo.num_tokens must be an int, got 2.7"):
+        LocalStepInfo(2.7)
+    with pytest.raises(ValueError, match=r"LocalStepInfo.num_tokens_for_logprob must be an int, got 1.5"):
+        LocalStepInfo(2, 1.5)
+    # A table built directly (a tool, a bug upstream of the exchange): refused by the plan.
+    rows = [(1, 1, 0, 0, 1), (2.7, 2, 0, 0, 1)] + [(0, 0, 0, 0, 0)] * 2
+    with pytest.raises(ValueError, match=r"rank 1 reported num_tokens=2.7; it must be an int"):
+        plan_step(StepTable.from_rows(rows), cfg())
+
+
 def test_unknown_forward_mode_is_refused():
     rows = [(1, 1, 0, 0, 9)] + [(0, 0, 0, 0, 0)] * 3
     with pytest.raises(ValueError, match="rank 0 reported forward mode 9"):

@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dp_runtime.checks import is_int
+from dp_runtime.serving.admission import check_sampling
+
 __all__ = ["FINISH_REASONS", "Request", "RequestResult", "SamplingParams"]
 
 FINISH_REASONS = ("length", "stop", "error")
@@ -34,12 +37,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        problem = check_sampling(self)  # the one rule set (dp_runtime.serving.admission)
+        if problem is not None:
+            raise ValueError(problem)
 
     @property
     def greedy(self) -> bool:
@@ -61,8 +63,14 @@ class Request:
     arrival_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.rid, str) or not self.rid:
+            raise ValueError(f"request rid must be a non-empty string, got {self.rid!r}")
         if not self.prompt_ids:
             raise ValueError(f"request {self.rid!r}: the prompt is empty")
+        for pos, t in enumerate(self.prompt_ids):
+            # int(2.7) would be 2 and int(True) 1: a token id must already be an integer.
+            if not is_int(t) or t < 0:
+                raise ValueError(f"request {self.rid!r}: prompt_ids[{pos}] must be an int >= 0, got {t!r}")
         if not (math.isfinite(self.arrival_s) and self.arrival_s >= 0):
             raise ValueError(f"request {self.rid!r}: arrival_s must be finite and >= 0, got {self.arrival_s}")
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))

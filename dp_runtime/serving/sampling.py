@@ -8,12 +8,13 @@ sampled row is drawn on the host with the request's own generator (seeded by
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from dp_runtime.serving.request import SamplingParams
 
-__all__ = ["sample_tokens", "top_p_probs"]
+__all__ = ["RowFailure", "sample_tokens", "top_p_probs"]
 
 
 def top_p_probs(probs_V: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -28,20 +29,35 @@ def top_p_probs(probs_V: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum()
 
 
+@dataclass(frozen=True)
+class RowFailure:
+    """Stands in the token list for a row whose token could not be drawn; ``error`` says why.
+    The scheduler fails that request alone (finish_reason "error")."""
+
+    error: str
+
+
 def sample_tokens(
     logits_BV: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> list[int]:
+) -> list[int | RowFailure]:
     """One token per row of ``logits_BV`` (float32, B rows), by each row's ``params``;
-    ``generators[i]`` (a CPU generator) is used only where row ``i`` samples."""
+    ``generators[i]`` (a CPU generator) is used only where row ``i`` samples. A row whose draw
+    raises gets a RowFailure instead of a token; the other rows are unaffected."""
     if logits_BV.shape[0] != len(params):
         raise ValueError(f"sample_tokens: {logits_BV.shape[0]} logits rows for {len(params)} requests")
-    tokens = logits_BV.argmax(dim=-1).tolist()
+    tokens: list[int | RowFailure] = logits_BV.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        probs = torch.softmax(logits_BV[i].float().cpu() / p.temperature, dim=-1)
-        probs = top_p_probs(probs, p.top_p)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        try:
+            probs = torch.softmax(logits_BV[i].float().cpu() / p.temperature, dim=-1)
+            probs = top_p_probs(probs, p.top_p)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        except (RuntimeError, ValueError) as e:
+            # One request's draw failing (e.g. a temperature so small that logits / T overflow
+            # to inf and the probabilities become NaN) must not cost the others their tokens.
+            tokens[i] = RowFailure(f"sampling failed (temperature={p.temperature!r}, top_p={p.top_p!r}): "
+                                   f"{type(e).__name__}: {e}")
     return tokens

@@ -35,10 +35,12 @@ from dataclasses import dataclass, field
 import torch
 
 from dp_runtime.forward_mode import ForwardMode
+from dp_runtime.serving.admission import check_request
 from dp_runtime.serving.forward_batch import ForwardBatch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.paged_batches import decode_forward_batch, extend_forward_batch
 from dp_runtime.serving.request import Request, RequestResult
+from dp_runtime.serving.sampling import RowFailure
 
 __all__ = ["ScheduledStep", "Scheduler"]
 
@@ -93,10 +95,11 @@ class Scheduler:
         allocator: the rank's KVAllocator (its cache gives the device and the slot count).
         max_running_requests, chunked_prefill_size: from the RuntimeConfig.
         rank: the DP rank, recorded in results.
+        vocab_size: the model's vocabulary; prompt token ids must lie below it (None: unchecked).
     """
 
     def __init__(self, allocator: KVAllocator, *, max_running_requests: int, chunked_prefill_size: int,
-                 rank: int = 0) -> None:
+                 rank: int = 0, vocab_size: int | None = None) -> None:
         cache = allocator.cache
         if max_running_requests > cache.max_reqs:
             raise ValueError(
@@ -106,6 +109,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.rank = rank
+        self.vocab_size = vocab_size
         self.waiting: deque[_Req] = deque()
         self.running: list[_Req] = []
         self._reserved = 0  # KV slots the running requests may hold at their end
@@ -114,19 +118,19 @@ class Scheduler:
     # -- requests in -----------------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> None:
         """Queue ``requests``. All or none: raises ValueError naming the request, the limit and the
-        value when one can never run here or its rid is already queued or running."""
+        value when one breaks a rule of the door (``admission.check_request``: token ids in
+        ``[0, vocab_size)``, sampling, context length), can never fit the KV cache, or its rid
+        is already queued or running. A refused request never enters a step."""
         reqs = list(requests)
         seen = set(self._rids)
         for r in reqs:
+            problem = check_request(r, self.vocab_size, self.cache.max_context_len)
+            if problem is not None:
+                raise ValueError(problem)
             if r.rid in seen:
                 raise ValueError(f"request {r.rid!r} is already queued or running on rank {self.rank}")
             seen.add(r.rid)
             need = r.max_total_tokens
-            if need > self.cache.max_context_len:
-                raise ValueError(
-                    f"request {r.rid!r} needs {need} KV tokens (prompt {len(r.prompt_ids)} + "
-                    f"max_new_tokens {r.sampling.max_new_tokens} - 1); max_context_len is {self.cache.max_context_len}"
-                )
             if need > self.cache.num_slots:
                 raise ValueError(
                     f"request {r.rid!r} needs {need} KV tokens; the whole KV cache holds {self.cache.num_slots}"
@@ -210,10 +214,11 @@ class Scheduler:
         return ScheduledStep(batch, reqs, (1,) * len(reqs), (True,) * len(reqs))
 
     # -- results ---------------------------------------------------------------------------------
-    def advance(self, step: ScheduledStep, tokens: list[int | None]) -> list[RequestResult]:
+    def advance(self, step: ScheduledStep, tokens: list[int | RowFailure | None]) -> list[RequestResult]:
         """Record the step: K/V lengths grow, sampled tokens are appended (``tokens[i]`` for the
-        i-th request of the step; None where it did not sample). Returns the requests that
-        finished, whose rows and slots are freed."""
+        i-th request of the step; None where it did not sample; a RowFailure where its draw
+        failed: that request alone finishes with finish_reason "error" and the error). Returns
+        the requests that finished, whose rows and slots are freed."""
         now = time.perf_counter()
         finished = []
         for r, n, samples, tok in zip(step.reqs, step.num_new, step.samples, tokens, strict=True):
@@ -221,6 +226,9 @@ class Scheduler:
             if not step.is_extend:
                 r.decode_steps += 1
             if not samples:
+                continue
+            if isinstance(tok, RowFailure):
+                finished.append(self._finish(r, "error", now, error=f"request {r.request.rid!r}: {tok.error}"))
                 continue
             r.output.append(int(tok))
             r.token_times.append(now - r.t_arrival)
@@ -235,7 +243,7 @@ class Scheduler:
             self.running = [r for r in self.running if r.request.rid not in done]
         return finished
 
-    def _finish(self, r: _Req, reason: str, now: float) -> RequestResult:
+    def _finish(self, r: _Req, reason: str, now: float, error: str | None = None) -> RequestResult:
         slots = self.cache.req_to_token[r.row, : r.kv_len].to(torch.int64)
         self.allocator.free_slots(slots)
         self.allocator.free_row(r.row)
@@ -252,4 +260,5 @@ class Scheduler:
             latency_s=now - r.t_arrival,
             decode_steps=r.decode_steps,
             token_times_s=tuple(r.token_times),
+            error=error,
         )

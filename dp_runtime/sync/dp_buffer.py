@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from buffers.pool import BufferPool
+from dp_runtime.checks import require_int
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.sync.dp_gather import dp_gather, dp_reduce_scatter, dp_scatter
 from dp_runtime.sync.padding_mode import PaddingMode
@@ -87,12 +88,15 @@ def dp_buffer_layout(
 
     Takes the lengths and counts of ``set_dp_buffer_len``, this rank, dp_size and the per-rank
     limit. Returns a DPBufferLayout. Raises ValueError naming the value and the limit when:
+    a length or count is not an int (2.7 tokens is refused, not read as 2);
     the count list's length != dp_size; a count is negative or over ``max_tokens_per_rank``;
     MAX_LEN: ``local < max(counts)``, ``local > max_tokens_per_rank`` or ``global != local *
     dp_size``; SUM_LEN: ``global != sum(counts)`` or ``local != counts[rank]``.
     """
-    counts = tuple(int(n) for n in global_num_tokens_cpu)
-    g, loc = int(global_dp_buffer_len), int(local_dp_buffer_len)
+    counts = tuple(require_int(n, f"set_dp_buffer_len: global_num_tokens_cpu[{r}]")
+                   for r, n in enumerate(global_num_tokens_cpu))
+    g = require_int(global_dp_buffer_len, "set_dp_buffer_len: global_dp_buffer_len")
+    loc = require_int(local_dp_buffer_len, "set_dp_buffer_len: local_dp_buffer_len")
     if len(counts) != dp_size:
         raise ValueError(
             f"set_dp_buffer_len: global_num_tokens_cpu has {len(counts)} entries, dp_size is {dp_size}"

@@ -29,6 +29,9 @@ Waiting spins for a few polls, then yields the CPU, then sleeps in short naps; p
 process ids are known (same pid namespace) a peer whose process has exited is reported at once
 instead of at the deadline. A dead rank therefore never hangs the others forever.
 
+A rank whose step raised marks both its slots abandoned (``abandon``); a peer that finds the
+mark raises at once.
+
 Ownership: one rank creates the file (``create=True``), the others attach; the creator unlinks
 the name as soon as everyone is attached (``unlink()``), so a crash leaves nothing in /dev/shm:
 the mappings live until each rank closes its exchange.
@@ -50,6 +53,7 @@ __all__ = ["ShmExchange", "pid_alive", "shm_file_size"]
 _MAGIC = 0x44505253594E4331  # "DPRSYNC1"
 _HEADER_BYTES = 64
 _LINE = 64
+_ABANDONED = -1  # a slot's seq after its rank gave up (seqs count up from 1)
 
 
 def _stride(ncols: int) -> int:
@@ -214,9 +218,22 @@ class ShmExchange:
                     self._raise_timeout(s, pending, waited, dead)
             time.sleep(self._nap_s)
 
+    def abandon(self) -> None:
+        """Mark this rank's slots as abandoned (its step raised; it will not write again): a
+        peer waiting for its row raises at once instead of at ``timeout_s``. Not a collective."""
+        if self._mm.closed:
+            return
+        for parity in (0, 1):
+            self._seq_fmt.pack_into(self._mm, self._slot(self.rank, parity), _ABANDONED)
+
     def _try_read(self, q: int, s: int, rows: list) -> bool:
         off = self._slot(q, s)
         seq = self._seq_fmt.unpack_from(self._mm, off)[0]
+        if seq == _ABANDONED:
+            raise DPSyncError(
+                f"shm step sync: rank {q} abandoned the step sync (its step raised) while rank "
+                f"{self.rank} waited for exchange #{s}"
+            )
         if seq != s:
             if seq > s:
                 raise DPSyncError(

@@ -124,6 +124,9 @@ def _checked_modes(
     )
     for rank, (n, lp, code, can_graph, is_extend) in enumerate(rows):
         mode = CODE_MODES.get(code)
+        if type(n) is not int or type(lp) is not int:  # exchanged rows hold ints; a float is a bug
+            bad = ("num_tokens", n) if type(n) is not int else ("num_tokens_for_logprob", lp)
+            raise ValueError(f"rank {rank} reported {bad[0]}={bad[1]!r}; it must be an int")
         if not 0 <= n <= limit:
             raise ValueError(
                 f"rank {rank} reported num_tokens={n}; it must be in [0, max_tokens_per_rank={limit}] "

@@ -147,6 +147,16 @@ class DPStepSync:
                 raise err
         raise AssertionError("unreachable: rows differ in a check column")
 
+    def abandon(self) -> None:
+        """This rank will join no further exchange (its step raised): on the shared-memory path
+        the peers waiting for its row raise at once; the gloo path has no such signal (peers
+        wait ``dp_sync_timeout_s``). Later calls here raise DPSyncError. Not a collective."""
+        mark = getattr(self._exchange, "abandon", None)
+        if mark is not None:
+            mark()
+        if self._broken is None:
+            self._broken = DPSyncError("this rank abandoned the step sync after its step raised")
+
     def close(self) -> None:
         """Release the exchange (unmaps the shared file). Not a collective."""
         self._exchange.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from dp_runtime.checks import require_int
 from dp_runtime.forward_mode import ForwardMode
 
 __all__ = ["CODE_MODES", "MODE_CODES", "ROW_WIDTH", "LocalStepInfo", "StepTable"]
@@ -47,6 +48,12 @@ class LocalStepInfo:
     can_run_graph: bool = False
     is_extend: bool = False
     forward_mode: ForwardMode | None = None
+
+    def __post_init__(self) -> None:
+        # to_row() packs int64s: a float count would otherwise travel truncated (2.7 as 2).
+        require_int(self.num_tokens, "LocalStepInfo.num_tokens")
+        if self.num_tokens_for_logprob is not None:
+            require_int(self.num_tokens_for_logprob, "LocalStepInfo.num_tokens_for_logprob")
 
     def to_row(self) -> tuple[int, int, int, int, int]:
         """The ROW_WIDTH int64 values this rank contributes to the exchange."""
