@@ -54,6 +54,7 @@ __all__ = [
     "kv_bytes_per_token",
     "kv_cache_bytes",
     "kv_slots_for_budget",
+    "kv_slots_for_rank",
     "nccl_communicators",
     "nccl_overhead_bytes",
     "weight_bytes_per_rank",
@@ -111,6 +112,31 @@ def kv_slots_for_budget(cfg: ModelConfig, dtype: torch.dtype, budget_bytes: int,
     table = (max_reqs + 1) * max_context_len * 4
     slots = (budget_bytes - table) // kv_bytes_per_token(cfg, dtype) - 1
     return max(0, int(slots))
+
+
+# A CPU rank's KV cache when no size is given: enough for tests and the tiny preset.
+CPU_MAX_KV_TOKENS = 65536
+
+
+def kv_slots_for_rank(spec, device: torch.device) -> int:
+    """The KV slots a rank allocates: ``spec.kv_cache_tokens`` if given; on CPU
+    ``min(max_running_requests * context_len, CPU_MAX_KV_TOKENS)``; on CUDA what
+    ``kv_mem_fraction`` of the free memory holds (``kv_slots_for_budget``). Raises RuntimeError
+    when that is less than one request of ``context_len``."""
+    cfg, mc = spec.runtime, spec.model_config()
+    if spec.kv_cache_tokens is not None:
+        return spec.kv_cache_tokens
+    if device.type != "cuda":
+        return min(cfg.max_running_requests * spec.context_len, CPU_MAX_KV_TOKENS)
+    free, _ = torch.cuda.mem_get_info(device)
+    slots = kv_slots_for_budget(mc, cfg.dtype, int(free * spec.kv_mem_fraction), cfg.max_running_requests,
+                                spec.context_len)
+    if slots < spec.context_len:
+        raise RuntimeError(
+            f"RankWorker: {free / 2**30:.2f} GiB free after the weights gives {slots} KV slots "
+            f"(kv_mem_fraction={spec.kv_mem_fraction}); one request of max_context_len={spec.context_len} needs more"
+        )
+    return slots
 
 
 # -- pool-backed sizes (the runtime's own declarations, on the meta device) ----------------------

@@ -30,11 +30,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-import math
 import threading
-import time
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,6 +40,7 @@ import torch.distributed as dist
 from buffers import BufferPool, build_decode_registry, build_prefill_registry
 from dispatcher import DispatcherConfig, EPGroup, flashinfer_dispatch_verdict, make_dispatcher
 from dp_runtime import memory_sizing
+from dp_runtime.attention import make_attention_backend
 from dp_runtime.choices import Choices, resolve_choices
 from dp_runtime.model.qwen3_moe import Qwen3MoeModel
 from dp_runtime.model.weights import iter_checkpoint, iter_random
@@ -56,6 +54,7 @@ from dp_runtime.serving.scheduler import ScheduledStep, Scheduler
 from dp_runtime.sync.dp_buffer import DPBufferService
 from dp_runtime.sync.exchange import LocalExchange
 from dp_runtime.sync.peer_failure import FailureNotice
+from dp_runtime.sync.rank_groups import min_over_ranks, rank_groups
 from dp_runtime.sync.spec_check import check_rank_specs
 from dp_runtime.sync.step_plan import StepPlan, plan_step
 from dp_runtime.sync.step_sync import NCOLS, DPStepSync
@@ -65,9 +64,6 @@ from graph import EagerRunner, GraphRunner
 __all__ = ["RankWorker"]
 
 logger = logging.getLogger("dp_runtime")
-
-_CPU_MAX_KV_TOKENS = 65536
-
 
 class RankWorker:
     """One DP rank (module docstring).
@@ -124,22 +120,6 @@ class RankWorker:
             raise
 
     # -- construction ----------------------------------------------------------------------------
-    def _groups(self, group: Any) -> tuple[Any, Any]:
-        if self.world_size == 1:
-            return None, None
-        if not dist.is_initialized() or dist.get_world_size(group) != self.world_size:
-            raise RuntimeError(f"RankWorker: world_size={self.world_size} needs an initialised process group of that size")
-        group = group if group is not None else dist.group.WORLD
-        # A pure gloo group of the worker's own for the host-side exchanges (step sync, dispatcher
-        # counts): the dispatcher insists on one, and a "cpu:gloo,cuda:nccl" group is not. Its
-        # timeout is the step sync's, so a peer whose forward raised costs the others that, not
-        # the default group's timeout (sync/peer_failure.py). Collective.
-        self._own_cpu_group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
-                                             timeout=timedelta(seconds=self.spec.runtime.dp_sync_timeout_s))
-        if str(dist.get_backend(group)) == "gloo":
-            return self._own_cpu_group, self._own_cpu_group
-        return group, self._own_cpu_group
-
     def _choices(self, ep: EPGroup) -> Choices:
         spec, mc, dev = self.spec, self.model_config, self.device
         verdict = (False, "not asked")
@@ -154,7 +134,7 @@ class RankWorker:
 
     def _build(self, group: Any) -> None:
         spec, cfg, mc, dev = self.spec, self.spec.runtime, self.model_config, self.device
-        device_group, cpu_group = self._groups(group)
+        device_group, cpu_group, self._own_cpu_group = rank_groups(group, self.world_size, cfg.dp_sync_timeout_s)
         self._cpu_group = cpu_group
         # First collective of the build: ranks whose specs differ would hang in the dispatcher's
         # warm-up or give wrong tokens; they raise here, every rank alike, naming the field.
@@ -193,12 +173,14 @@ class RankWorker:
 
         self.kv_cache = KVCache(
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            num_slots=self._kv_slots(), max_reqs=cfg.max_running_requests, max_context_len=spec.context_len,
+            num_slots=memory_sizing.kv_slots_for_rank(spec, dev), max_reqs=cfg.max_running_requests,
+            max_context_len=spec.context_len,
             dtype=cfg.dtype, device=dev,
         )
         self._memory["kv_cache"] = self.kv_cache.nbytes()
         self.attention_kind = choices.attention
-        self.attention = self._attention_backend()
+        self.attention = make_attention_backend(choices.attention, self.kv_cache, mc,
+                                                check_indices=cfg.flashinfer_checks)
         self.model.attention = self.attention
         self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
                                    chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank,
@@ -235,31 +217,6 @@ class RankWorker:
             self._memory["graph_pool"] = 0
         self._memory["graph_inputs"] = pool.total_bytes() - pool_before
         self._memory["activation_peak"] = 0
-
-    def _kv_slots(self) -> int:
-        spec, cfg, mc = self.spec, self.spec.runtime, self.model_config
-        if spec.kv_cache_tokens is not None:
-            return spec.kv_cache_tokens
-        if self.device.type != "cuda":
-            return min(cfg.max_running_requests * spec.context_len, _CPU_MAX_KV_TOKENS)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        budget = int(free * spec.kv_mem_fraction)
-        slots = memory_sizing.kv_slots_for_budget(mc, cfg.dtype, budget, cfg.max_running_requests, spec.context_len)
-        if slots < spec.context_len:
-            raise RuntimeError(
-                f"RankWorker: {free / 2**30:.2f} GiB free after the weights gives {slots} KV slots "
-                f"(kv_mem_fraction={spec.kv_mem_fraction}); one request of max_context_len={spec.context_len} needs more"
-            )
-        return slots
-
-    def _attention_backend(self):
-        from dp_runtime.attention import FlashInferBackend, TorchSDPABackend
-
-        mc = self.model_config
-        heads = dict(num_q_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
-        if self.attention_kind == "flashinfer":
-            return FlashInferBackend(self.kv_cache, check_indices=self.spec.runtime.flashinfer_checks, **heads)
-        return TorchSDPABackend(self.kv_cache, **heads)
 
     def _capture_plan(self, bucket: int) -> StepPlan:
         cfg = self.spec.runtime
@@ -408,20 +365,14 @@ class RankWorker:
         skipped step, which every rank sees alike."""
         with self._lock:
             wait = self.scheduler.next_arrival_in()
-        if self.world_size == 1:
-            return wait
-        t = torch.tensor([math.inf if wait is None else wait], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu_group)
-        return None if math.isinf(t.item()) else t.item()
+        return min_over_ranks(wait, self._cpu_group)
 
     def generate(self, requests: Iterable[Request]) -> list[RequestResult]:
         """Submit ``requests``, run until every rank is idle, return this rank's results in
         submission order. A collective (every rank calls it, with its own requests)."""
         reqs = list(requests)
         self.submit(reqs)
-        t0 = time.perf_counter()
         self.run_until_idle()
-        self.wall_s = time.perf_counter() - t0
         by_rid = {r.rid: r for r in self.pop_finished()}
         return [by_rid[r.rid] for r in reqs]
 

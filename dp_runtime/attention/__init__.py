@@ -24,4 +24,15 @@ __all__ = [
     "extend_plan_inputs",
     "host_indptr",
     "last_page_len",
+    "make_attention_backend",
 ]
+
+
+def make_attention_backend(kind: str, kv_cache, model_config, *, check_indices: bool = False):
+    """The backend ``kind`` names (``flashinfer`` or ``sdpa``, as ``dp_runtime.choices``
+    resolved it) over ``kv_cache``, with the model's head geometry."""
+    heads = dict(num_q_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
+                 head_dim=model_config.head_dim)
+    if kind == "flashinfer":
+        return FlashInferBackend(kv_cache, check_indices=check_indices, **heads)
+    return TorchSDPABackend(kv_cache, **heads)
