@@ -1,0 +1,383 @@
+"""The rank-local expert sum as a Triton fused MoE: expert-aligned token blocks, two grouped
+GEMMs with fused epilogues, and a deterministic sum over the top-k. Same contract as
+``experts.local_expert_sum``; needs triton (``fused_moe.fused_moe_supported`` says when).
+
+Shapes: N rows a dispatcher delivered, K picks per row, L local experts, H hidden, I expert
+intermediate size. P = N*K picks, flat pick index ``p = n*K + k``; R row slots of the aligned
+layout (``max_blocks * BLOCK_M``).
+
+Four launches per call, sizes fixed by (N, K, L, tile config) on the host, counts only on the
+device: no host sync, CUDA-graph capturable.
+
+1. ``_align_kernel`` (a single program): each expert's picks get consecutive row slots, padded
+   to a multiple of BLOCK_M, so a BLOCK_M-row block belongs to one expert. Writes
+   ``sorted_R`` (the pick in each slot; P in a padding slot), ``block_expert`` (the expert of
+   each block, -1 past the used blocks) and ``num_rows`` (slots in use). Picks whose local id
+   is outside [0, L) get no slot: they are never computed and never multiplied.
+2. ``_expert_gemm_kernel`` GATED: ``act[p] = silu(x[n] @ gate_e.T) * (x[n] @ up_e.T)`` -> (P, I).
+   Each program multiplies its A tile with the matching gate and up tiles, so the SwiGLU is an
+   epilogue and the (P, 2I) pre-activation never reaches memory.
+3. ``_expert_gemm_kernel``: ``y[p] = w[p] * (act[p] @ w2_e.T)`` -> (P, H), the routing weight
+   applied to the fp32 accumulator before rounding to x's dtype.
+4. ``_sum_picks_kernel``: ``out[n] = sum_k y[n*K + k]`` over the valid picks, in k order, fp32.
+   Each output row is reduced by one program in a fixed order (no atomics), so eager and graph
+   replay agree bit for bit. Rows of invalid picks in act and y are never written and are
+   skipped by a masked load, never multiplied: padding rows may hold NaN.
+
+GEMM outputs are indexed by pick, not by slot: act and y have exactly P rows and the sum reads
+a token's K terms as one contiguous (K, H) slab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+__all__ = ["MoeTileConfig", "align_picks", "fused_local_expert_sum", "max_blocks", "tile_config"]
+
+
+@dataclass(frozen=True)
+class MoeTileConfig:
+    """Tiles of the two expert GEMMs. ``block_m``: rows (picks of one expert) per block, the
+    multiple each expert is padded to; ``block_n``: output columns per program (in GEMM1 half
+    are gate columns, half the matching up columns, so both GEMMs keep a BLOCK_M x block_n fp32
+    accumulator); ``block_k``: contraction step; ``group_m``: blocks that walk the column tiles
+    together (L2 reuse of weight tiles); ``num_warps`` / ``num_stages``: Triton launch options."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            # tl.dot needs every tile dimension >= 16; GEMM1 splits block_n into two halves.
+            low = 32 if name == "block_n" else 16
+            if value < low or value & (value - 1):
+                raise ValueError(f"MoeTileConfig.{name}={value}: must be a power of two >= {low}")
+        if self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"MoeTileConfig: group_m, num_warps, num_stages must be >= 1, got {self}")
+
+
+# Tile configs by tokens on the rank (N), for Qwen3-30B-A3B-like layers (top-8 of 128 experts,
+# H 2048, I 768) on H100/H200. A token's K picks spread over the E experts, so an expert block
+# holds about N*K/E rows: up to ~2 for N <= 32, which the smallest tensor-core M (16) pads the
+# least. There the GEMMs stream each touched expert's weights once and are bound by HBM, so the
+# column tiles are narrow enough to give every SM work (GEMM1 at N = 1: 8 experts x 12 column
+# tiles) and the K loop long and deeply pipelined (block_k 128, 4 stages) to keep loads in
+# flight. Blocks of 32-64 rows start to reuse each weight tile across tokens; from ~2048 tokens
+# (~128 rows per expert) the GEMMs are compute-bound and take large tiles with grouped ordering
+# so that neighbouring blocks share weight tiles in L2. Sizes follow the shape of published
+# fused-MoE tunings for this layer; `bench/moe_layer.py --tune` re-measures them on a GPU.
+_TILE_RULE: tuple[tuple[int, MoeTileConfig], ...] = (
+    (32, MoeTileConfig(16, 64, 128, 1, 4, 4)),
+    (128, MoeTileConfig(16, 128, 128, 1, 4, 3)),
+    (512, MoeTileConfig(32, 128, 64, 1, 4, 3)),
+    (1024, MoeTileConfig(64, 128, 64, 8, 4, 3)),
+)
+_LARGE = MoeTileConfig(128, 128, 64, 8, 8, 3)
+
+
+def tile_config(num_tokens: int) -> MoeTileConfig:
+    """The tile config used for a call with ``num_tokens`` rows (see ``_TILE_RULE``)."""
+    for limit, cfg in _TILE_RULE:
+        if num_tokens <= limit:
+            return cfg
+    return _LARGE
+
+
+def max_blocks(num_picks: int, num_local: int, block_m: int) -> int:
+    """Blocks the aligned layout may need: each non-empty expert pads its picks up to a multiple
+    of ``block_m``, and at most min(L, P) experts are non-empty, so
+    sum_e ceil(c_e / BM) <= (P + min(L, P) * (BM - 1)) // BM."""
+    return (num_picks + min(num_local, num_picks) * (block_m - 1)) // block_m
+
+
+@triton.jit(do_not_specialize=["num_picks", "num_blocks"])
+def _align_kernel(
+    ids_ptr,  # (P,) local expert id of each pick; outside [0, num_local) = not computed here
+    sorted_ptr,  # (num_blocks * BLOCK_M,) int32 out: pick of each row slot, num_picks = padding
+    block_expert_ptr,  # (num_blocks,) int32 out: expert of each block, -1 = unused
+    num_rows_ptr,  # (1,) int32 out: row slots in use
+    num_picks,
+    num_local,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # next power of two >= num_local
+    CHUNK: tl.constexpr,  # picks per step: a (CHUNK, BLOCK_E) one-hot stays in registers
+    CHUNK_B: tl.constexpr,  # blocks per step of the block pass
+):
+    experts = tl.arange(0, BLOCK_E)
+
+    # Pass 1: picks per expert. A one-hot compare instead of a histogram lets invalid ids
+    # (another rank's pick, a padding row) simply match no column.
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_picks, CHUNK):
+        picks = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + picks, mask=picks < num_picks, other=-1)
+        hit = (ids[:, None] == experts[None, :]) & (experts[None, :] < num_local)
+        counts += tl.sum(hit.to(tl.int32), axis=0)
+
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)  # inclusive: expert e owns [block_end - blocks, block_end)
+    block_start = block_end - blocks
+    used_blocks = tl.sum(blocks, axis=0)
+    tl.store(num_rows_ptr, used_blocks * BLOCK_M)
+
+    # Pass 2: per block, its expert (the number of experts that end at or before it; empty
+    # experts own no block and padded lanes end at used_blocks), and the sentinel in every slot
+    # past that expert's last pick. Slots written here and in pass 3 are disjoint, so the
+    # passes need no barrier between them.
+    rows = tl.arange(0, BLOCK_M)
+    for b0 in range(0, num_blocks, CHUNK_B):
+        b = b0 + tl.arange(0, CHUNK_B)
+        in_range = b < num_blocks
+        expert_b = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        used = b < used_blocks
+        tl.store(block_expert_ptr + b, tl.where(used, expert_b, -1), mask=in_range)
+        own = (expert_b[:, None] == experts[None, :]) & used[:, None]
+        count_b = tl.sum(tl.where(own, counts[None, :], 0), axis=1)
+        start_b = tl.sum(tl.where(own, block_start[None, :], 0), axis=1)
+        filled_b = count_b - (b - start_b) * BLOCK_M  # picks in this block; <= 0 past the used
+        slots = b[:, None] * BLOCK_M + rows[None, :]
+        pad = (rows[None, :] >= filled_b[:, None]) & in_range[:, None]
+        tl.store(sorted_ptr + slots, tl.full([CHUNK_B, BLOCK_M], 0, tl.int32) + num_picks, mask=pad)
+
+    # Pass 3: each valid pick to its expert's next slot, in pick order (a stable sort by expert).
+    next_slot = block_start * BLOCK_M
+    for start in range(0, num_picks, CHUNK):
+        picks = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + picks, mask=picks < num_picks, other=-1)
+        hit = ((ids[:, None] == experts[None, :]) & (experts[None, :] < num_local)).to(tl.int32)
+        rank = tl.cumsum(hit, axis=0)  # 1-based rank of the pick among this chunk's picks of e
+        slot = tl.sum(hit * (next_slot[None, :] + rank - 1), axis=1)
+        tl.store(sorted_ptr + slot, picks, mask=tl.sum(hit, axis=1) > 0)
+        next_slot += tl.sum(hit, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_picks", "num_blocks"])
+def _expert_gemm_kernel(
+    a_ptr,  # GEMM1: x (N, H); GEMM2: act (P, I). Unit stride along the contraction.
+    stride_am,
+    w_ptr,  # GEMM1: w13 (L, 2I, H); GEMM2: w2 (L, H, I)
+    stride_we,
+    stride_wn,
+    stride_wk,
+    c_ptr,  # GEMM1: act (P, I); GEMM2: y (P, H); rows indexed by pick, unit column stride
+    stride_cm,
+    topk_weights_ptr,  # (P,) fp32 routing weights (GEMM2 only)
+    sorted_ptr,
+    block_expert_ptr,
+    num_rows_ptr,
+    num_picks,
+    num_blocks,
+    n_out,  # output columns: I (GEMM1, per half) or H (GEMM2)
+    k_in,  # contraction: H (GEMM1) or I (GEMM2)
+    A_ROW_DIV: tl.constexpr,  # pick -> A row: pick // K for GEMM1 (token rows), 1 for GEMM2
+    GATED: tl.constexpr,  # GEMM1: gate and up tiles, SwiGLU epilogue; else weighted epilogue
+    EVEN_K: tl.constexpr,  # k_in % BLOCK_K == 0: no contraction mask
+    UPCAST_DOT: tl.constexpr,  # Triton's CPU interpreter only: it has no bf16 matmul
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(n_out, BLOCK_N)
+    # GROUP_M blocks (consecutive blocks are mostly one expert's) take the same column tile
+    # one after another, so that weight tile is read from HBM once and then hit in L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    # The grid covers the worst case; blocks past the used ones exit at once.
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+
+    pick = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pick < num_picks
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Wrapped column indices keep the weight loads in bounds without a mask; the extra columns
+    # are dropped at the store.
+    offs_wn = offs_n % n_out
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pick // A_ROW_DIV).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up_offset = n_out * stride_wn  # up rows follow the gate rows in w13
+    for kk in range(0, tl.cdiv(k_in, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < k_in - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc=acc)
+        if GATED:
+            if EVEN_K:
+                w_up = tl.load(w_ptrs + up_offset)
+            else:
+                w_up = tl.load(w_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
+            if UPCAST_DOT:
+                w_up = w_up.to(tl.float32)
+            acc_up = tl.dot(a, w_up, acc=acc_up)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+
+    if GATED:
+        out = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32
+    else:
+        weight = tl.load(topk_weights_ptr + pick, mask=row_ok, other=0.0).to(tl.float32)
+        out = acc * weight[:, None]
+    c_ptrs = c_ptr + pick.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < n_out))
+
+
+@triton.jit
+def _sum_picks_kernel(
+    y_ptr,  # (P, H) weighted terms, rows indexed by pick
+    ids_ptr,  # (P,) local ids: a term counts only where 0 <= id < num_local
+    out_ptr,
+    stride_om,
+    hidden,
+    num_local,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_row = offs < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        pick = n * TOP_K + k
+        e = tl.load(ids_ptr + pick)
+        if (e >= 0) & (e < num_local):  # uniform per program: an invalid pick's row is not read
+            acc += tl.load(y_ptr + pick * hidden + offs, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+def _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND) -> None:
+    if x_ND.dim() != 2:
+        raise ValueError(f"x_ND: expected (N, H), got shape {tuple(x_ND.shape)}")
+    n, h = x_ND.shape
+    if local_ids_NK.dim() != 2 or local_ids_NK.shape[0] != n:
+        raise ValueError(f"local_ids_NK: expected ({n}, K), got shape {tuple(local_ids_NK.shape)}")
+    if tuple(weights_NK.shape) != tuple(local_ids_NK.shape):
+        raise ValueError(f"weights_NK: expected shape {tuple(local_ids_NK.shape)}, got {tuple(weights_NK.shape)}")
+    if w13_L2IH.dim() != 3 or w13_L2IH.shape[2] != h or w13_L2IH.shape[1] % 2:
+        raise ValueError(f"w13_L2IH: expected (L, 2I, {h}), got shape {tuple(w13_L2IH.shape)}")
+    num_local, inter = w13_L2IH.shape[0], w13_L2IH.shape[1] // 2
+    if tuple(w2_LHI.shape) != (num_local, h, inter):
+        raise ValueError(f"w2_LHI: expected {(num_local, h, inter)}, got shape {tuple(w2_LHI.shape)}")
+    if out_ND is not None and (tuple(out_ND.shape) != (n, h) or out_ND.stride(1) != 1):
+        raise ValueError(f"out_ND: expected ({n}, {h}) with unit column stride, got shape "
+                         f"{tuple(out_ND.shape)} strides {out_ND.stride()}")
+
+
+def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert-aligned blocks of the picks ``ids_P`` (P,) (local expert ids; outside
+    [0, ``num_local``) = not computed here), in one launch. Returns int32 device tensors
+    ``(sorted_R, block_expert, num_rows)``: R = ``max_blocks(P, num_local, block_m) * block_m``
+    row slots, expert by expert and in pick order within an expert, each expert's share padded
+    to a multiple of ``block_m`` with the sentinel P; the expert of each block (-1 past the used
+    ones); the number of slots in use, shape (1,). P must be > 0."""
+    num_picks = ids_P.shape[0]
+    blocks = max_blocks(num_picks, num_local, block_m)
+    slots = blocks * block_m
+    # One int32 workspace for the three outputs: one allocation instead of three.
+    align_ws = torch.empty(slots + blocks + 1, dtype=torch.int32, device=ids_P.device)
+    sorted_R, block_expert, num_rows = align_ws[:slots], align_ws[slots : slots + blocks], align_ws[-1:]
+    block_e = triton.next_power_of_2(num_local)
+    _align_kernel[(1,)](
+        ids_P, sorted_R, block_expert, num_rows, num_picks, num_local, blocks,
+        BLOCK_M=block_m, BLOCK_E=block_e,
+        # Chunks sized so a one-hot tile is 8K int32 (64 per thread over 4 warps): no spills.
+        CHUNK=max(16, 8192 // block_e), CHUNK_B=max(16, 8192 // max(block_e, block_m)),
+        num_warps=4,
+    )
+    return sorted_R, block_expert, num_rows
+
+
+def fused_local_expert_sum(
+    x_ND: torch.Tensor,
+    local_ids_NK: torch.Tensor,
+    weights_NK: torch.Tensor,
+    w13_L2IH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    *,
+    out_ND: torch.Tensor | None = None,
+    config: MoeTileConfig | None = None,
+) -> torch.Tensor:
+    """``sum_k w[n, k] * expert_{id[n, k]}(x[n])`` over the picks this rank serves: the contract
+    of ``experts.local_expert_sum`` in four Triton launches.
+
+    Takes rows ``x_ND`` (N, H), rank-local expert ids ``local_ids_NK`` (N, K; negative or >= L
+    where a pick is another rank's or the row is padding: it adds nothing and is never
+    computed), routing weights ``weights_NK`` (N, K, fp32), the local experts' ``w13_L2IH``
+    (gate rows [0, I), up rows [I, 2I)) and ``w2_LHI``. Writes ``out_ND`` when given (else a
+    new tensor) in x's dtype and returns it. ``config`` overrides ``tile_config(N)``. N = 0
+    launches nothing. No host sync: capturable in a CUDA graph.
+    """
+    _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND)
+    n, hidden = x_ND.shape
+    top_k = local_ids_NK.shape[1]
+    num_local, inter = w13_L2IH.shape[0], w13_L2IH.shape[1] // 2
+    if out_ND is None:
+        out_ND = x_ND.new_empty((n, hidden))
+    num_picks = n * top_k
+    if num_picks == 0:
+        return out_ND.zero_()  # K = 0 sums nothing; N = 0 has no element to write
+    cfg = config or tile_config(n)
+    if x_ND.stride(1) != 1:
+        x_ND = x_ND.contiguous()
+    ids_P = local_ids_NK.contiguous().view(-1)
+    weights_P = weights_NK.contiguous().view(-1)
+
+    sorted_R, block_expert, num_rows = align_picks(ids_P, num_local, cfg.block_m)
+    blocks = block_expert.shape[0]
+
+    upcast = isinstance(_expert_gemm_kernel, InterpretedFunction)
+    act_PI = x_ND.new_empty((num_picks, inter))
+    half_n = cfg.block_n // 2
+    _expert_gemm_kernel[(blocks * triton.cdiv(inter, half_n),)](
+        x_ND, x_ND.stride(0),
+        w13_L2IH, w13_L2IH.stride(0), w13_L2IH.stride(1), w13_L2IH.stride(2),
+        act_PI, act_PI.stride(0),
+        weights_P, sorted_R, block_expert, num_rows, num_picks, blocks, inter, hidden,
+        A_ROW_DIV=top_k, GATED=True, EVEN_K=hidden % cfg.block_k == 0, UPCAST_DOT=upcast,
+        BLOCK_M=cfg.block_m, BLOCK_N=half_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    y_PH = x_ND.new_empty((num_picks, hidden))
+    _expert_gemm_kernel[(blocks * triton.cdiv(hidden, cfg.block_n),)](
+        act_PI, act_PI.stride(0),
+        w2_LHI, w2_LHI.stride(0), w2_LHI.stride(1), w2_LHI.stride(2),
+        y_PH, y_PH.stride(0),
+        weights_P, sorted_R, block_expert, num_rows, num_picks, blocks, hidden, inter,
+        A_ROW_DIV=1, GATED=False, EVEN_K=inter % cfg.block_k == 0, UPCAST_DOT=upcast,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    block_h = min(triton.next_power_of_2(hidden), 1024)
+    _sum_picks_kernel[(n, triton.cdiv(hidden, block_h))](
+        y_PH, ids_P, out_ND, out_ND.stride(0), hidden, num_local,
+        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+    )
+    return out_ND

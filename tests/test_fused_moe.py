@@ -1,0 +1,269 @@
+"""The Triton fused expert path (dp_runtime/model/fused_moe_triton.py) against an fp64 expert
+sum and the torch reference ``local_expert_sum``.
+
+    python -m pytest -q tests/test_fused_moe.py           # no GPU: Triton's CPU interpreter
+    python -m pytest -q -m gpu tests/test_fused_moe.py    # one GPU: real shapes, CUDA graphs
+
+Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET);
+with one, the same small-shape tests run compiled on it. Skipped when triton is not installed.
+
+Error bound (bf16 activations and weights, fp32 routing weights). Products of bf16 values are
+exact in fp32 and every GEMM accumulates in fp32; the fused path then rounds three times to
+bf16: the activation silu(g) * u, each weighted term w_k * y_k, and the output. A rounding with
+unit roundoff u changes a value by at most u times its magnitude, and each of those errors
+reaches the output scaled by at most S[n, h] = sum_k |w_k| (|W2_e| @ |act_k|)[h], so
+
+    |fused - exact| <= (3 u + (H + I + K) 2^-24) S
+
+elementwise, the second term bounding the fp32 accumulations. u = 2^-8 on a GPU (round to
+nearest); 2^-7 in Triton's interpreter, whose fp32 -> bf16 cast truncates. Against the torch
+reference, which rounds at more places (gate and up, silu, the product, each expert output), the
+check is norm-wise: ||fused - ref|| <= 4 u ||ref||, where a wrong expert, weight or a dropped or
+extra pick is an O(1) error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from dp_runtime.model.experts import grouped_mm_supported, local_expert_sum
+from dp_runtime.model.fused_moe import fused_moe_supported
+from dp_runtime.model.fused_moe_triton import (
+    MoeTileConfig,
+    align_picks,
+    fused_local_expert_sum,
+    max_blocks,
+    tile_config,
+)
+from dp_runtime.model.routing import softmax_topk
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _unit_roundoff(device: torch.device) -> float:
+    return 2.0**-8 if device.type == "cuda" else 2.0**-7
+
+
+def _experts(num_local, hidden, inter, device, *, seed=0):
+    """Random bf16 ``w13`` (L, 2I, H) and ``w2`` (L, H, I), drawn on ``device``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.randn(num_local, 2 * inter, hidden, generator=g, device=device) / hidden**0.5
+    w2 = torch.randn(num_local, hidden, inter, generator=g, device=device) / inter**0.5
+    return w13.bfloat16(), w2.bfloat16()
+
+
+def _tokens(num_experts, top_k, hidden, num_tokens, num_local, device, *, seed=0):
+    """Random bf16 rows, their routing over ``num_experts`` experts, and the local ids of a
+    rank holding experts [0, num_local) (-1 for the others)."""
+    g = torch.Generator(device=device).manual_seed(seed + 1000)
+    x = torch.randn(num_tokens, hidden, generator=g, device=device).bfloat16()
+    logits = torch.randn(num_tokens, num_experts, generator=g, device=device)
+    weights, ids = softmax_topk(logits, top_k, renormalize=True)
+    return x, torch.where(ids < num_local, ids, -1), weights
+
+
+def _layer(num_experts, top_k, hidden, inter, num_tokens, num_local, device, *, seed=0):
+    return (*_tokens(num_experts, top_k, hidden, num_tokens, num_local, device, seed=seed),
+            *_experts(num_local, hidden, inter, device, seed=seed))
+
+
+def _exact(x, ids, weights, w13, w2):
+    """fp64 ``sum_k w * expert(x)`` over picks with 0 <= id < L, and S (module docstring)."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64, device=x.device)
+    scale = torch.zeros_like(out)
+    for e in range(w13.shape[0]):
+        rows, ks = (ids == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        h = x[rows].double() @ w13[e].double().T
+        act = F.silu(h[:, :inter]) * h[:, inter:]
+        w = weights[rows, ks].double()[:, None]
+        out.index_add_(0, rows, w * (act @ w2[e].double().T))
+        scale.index_add_(0, rows, w.abs() * (act.abs() @ w2[e].double().abs().T))
+    return out, scale
+
+
+def _assert_within_bound(out, x, ids, weights, w13, w2):
+    exact, scale = _exact(x, ids, weights, w13, w2)
+    hidden, inter, top_k = x.shape[1], w2.shape[2], ids.shape[1]
+    bound = (3 * _unit_roundoff(out.device) + (hidden + inter + top_k) * 2.0**-24) * scale
+    err = (out.double() - exact).abs()
+    worst = (err / bound.clamp_min(1e-300)).max().item()
+    assert bool((err <= bound).all()), f"error exceeds the bf16 bound: max err/bound = {worst:.3f}"
+
+
+def _assert_close_to_reference(out, ref):
+    u = _unit_roundoff(out.device)
+    rel = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
+    assert rel <= 4 * u, f"||fused - ref|| / ||ref|| = {rel:.3g} > 4u = {4 * u:.3g}"
+
+
+# (top_k, num_local, num_tokens) with E = 8, H 64, I 32; num_local 4 = EP 2: about half the
+# picks belong to the other rank; 6 = an uneven partition (padded expert lanes in the kernels).
+SMALL = [(2, 8, 1), (2, 4, 7), (4, 4, 7), (8, 4, 1), (8, 8, 64), (8, 4, 64), (4, 6, 7)]
+
+
+@pytest.mark.parametrize(("top_k", "num_local", "num_tokens"), SMALL)
+def test_matches_exact_and_reference(top_k, num_local, num_tokens):
+    x, ids, weights, w13, w2 = _layer(8, top_k, 64, 32, num_tokens, num_local, DEVICE)
+    out = fused_local_expert_sum(x, ids, weights, w13, w2)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    _assert_within_bound(out, x, ids, weights, w13, w2)
+    _assert_close_to_reference(out, local_expert_sum(x, ids, weights, w13, w2, use_grouped_mm=False))
+
+
+def test_uneven_shapes_and_small_tiles():
+    # H 80 and I 48 are not multiples of block_k 32 (masked contraction) nor of the column tiles
+    # (wrapped weight columns, masked stores); group_m 2 takes the grouped program order.
+    x, ids, weights, w13, w2 = _layer(8, 4, 80, 48, 33, 4, DEVICE, seed=1)
+    cfg = MoeTileConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
+    out = fused_local_expert_sum(x, ids, weights, w13, w2, config=cfg)
+    _assert_within_bound(out, x, ids, weights, w13, w2)
+    _assert_close_to_reference(out, local_expert_sum(x, ids, weights, w13, w2, use_grouped_mm=False))
+
+
+def test_no_rows_launches_nothing_and_returns_out():
+    x, ids, weights, w13, w2 = _layer(8, 2, 64, 32, 0, 4, DEVICE)
+    out = torch.empty(0, 64, dtype=torch.bfloat16, device=DEVICE)
+    assert fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=out) is out
+    assert fused_local_expert_sum(x, ids, weights, w13, w2).shape == (0, 64)
+
+
+def test_invalid_picks_are_never_computed_nor_multiplied():
+    # Row 0 picks only other ranks' experts and holds NaN (like an uninitialised padding row of
+    # a communication workspace); other rows carry NaN weights and out-of-range ids on their
+    # invalid picks. Valid rows must match the reference; row 0 must be exactly zero.
+    x, ids, weights, w13, w2 = _layer(8, 4, 64, 32, 7, 6, DEVICE, seed=2)
+    ids[0] = -1
+    ids[1, 0] = 6  # >= L: not a local expert either (and a padded lane of the kernels)
+    ids[2, 0] = 100
+    x[0] = float("nan")
+    weights = torch.where((ids >= 0) & (ids < 6), weights, float("nan"))
+    out = fused_local_expert_sum(x, ids, weights, w13, w2)
+    assert bool((out[0] == 0).all())
+    clean = torch.where((ids >= 0) & (ids < 6), ids, -1)
+    _assert_within_bound(out, x, clean, torch.nan_to_num(weights), w13, w2)
+
+
+def test_writes_the_given_strided_output_in_place():
+    x, ids, weights, w13, w2 = _layer(8, 2, 64, 32, 7, 8, DEVICE, seed=3)
+    wide = torch.full((7, 96), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    out = wide[:, 16:80]  # row stride 96
+    assert fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=out) is out
+    assert bool((wide[:, :16] == 7).all()) and bool((wide[:, 80:] == 7).all())
+    assert torch.equal(out, fused_local_expert_sum(x, ids, weights, w13, w2))
+
+
+def test_bad_shapes_name_the_argument():
+    x, ids, weights, w13, w2 = _layer(8, 2, 64, 32, 3, 4, DEVICE)
+    with pytest.raises(ValueError, match="weights_NK"):
+        fused_local_expert_sum(x, ids, weights[:, :1], w13, w2)
+    with pytest.raises(ValueError, match="w2_LHI"):
+        fused_local_expert_sum(x, ids, weights, w13, w2[:, :, :16])
+    with pytest.raises(ValueError, match="out_ND"):
+        fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=x.new_empty(3, 32))
+    with pytest.raises(ValueError, match="block_n"):
+        MoeTileConfig(block_m=16, block_n=48, block_k=32, group_m=1, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize(("num_picks", "num_local", "block_m"), [(1, 8, 16), (56, 4, 16), (300, 12, 16), (512, 128, 16), (700, 64, 64)])
+def test_align_picks_blocks_by_expert(num_picks, num_local, block_m):
+    # 512 picks over 128 experts take several chunks of the counting and scatter passes and
+    # several chunks of blocks; ids include other ranks' (-1) and out-of-range ones.
+    g = torch.Generator().manual_seed(num_picks)
+    ids = torch.randint(-1, num_local + 2, (num_picks,), generator=g, dtype=torch.int32)
+    sorted_r, block_expert, num_rows = (t.cpu() for t in align_picks(ids.to(DEVICE), num_local, block_m))
+    blocks = max_blocks(num_picks, num_local, block_m)
+    assert sorted_r.shape == (blocks * block_m,) and block_expert.shape == (blocks,)
+    counts = torch.bincount(ids[(ids >= 0) & (ids < num_local)].long(), minlength=num_local)
+    used = int(((counts + block_m - 1) // block_m).sum())
+    assert int(num_rows) == used * block_m
+    assert bool((block_expert[used:] == -1).all())
+    assert bool((sorted_r[used * block_m :] == num_picks).all()), "unused blocks hold only the sentinel"
+    expected_experts = torch.repeat_interleave(torch.arange(num_local), (counts + block_m - 1) // block_m)
+    assert torch.equal(block_expert[:used].long(), expected_experts)
+    for b in range(used):
+        slot = sorted_r[b * block_m : (b + 1) * block_m]
+        real = slot[slot < num_picks].long()
+        assert bool((ids[real] == block_expert[b]).all())
+        assert bool((slot[len(real):] == num_picks).all()), "padding is the sentinel, after the picks"
+        assert bool((real[1:] > real[:-1]).all()), "pick order within an expert"
+    valid = torch.nonzero((ids >= 0) & (ids < num_local)).flatten()
+    placed = sorted_r[: used * block_m]
+    assert torch.equal(torch.sort(placed[placed < num_picks].long()).values, valid)
+
+
+def test_tile_rule_grows_with_tokens():
+    sizes = [tile_config(n).block_m for n in (1, 32, 33, 256, 1024, 2048, 8192)]
+    assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
+
+
+def test_supported_names_the_reason():
+    ok, reason = fused_moe_supported(torch.device("cpu"), torch.bfloat16)
+    assert not ok and "cpu" in reason
+    if torch.cuda.is_available():
+        ok, reason = fused_moe_supported(torch.device("cuda"), torch.float32)
+        assert not ok and "float32" in reason
+
+
+# -- GPU: Qwen3-30B-A3B shapes (E 128, top-8, H 2048, I 768) --------------------------------------
+
+REAL = {"num_experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}
+
+
+def _real_layer(num_tokens, num_local, seed=0):
+    x, ids, weights, w13, w2 = _layer(REAL["num_experts"], REAL["top_k"], REAL["hidden"], REAL["inter"],
+                                      num_tokens, num_local, torch.device("cuda"), seed=seed)
+    return x, ids, weights, w13, w2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_local", [128, 64])
+@pytest.mark.parametrize("num_tokens", [0, 1, 8, 64, 256, 2048])
+def test_gpu_real_shapes_match_grouped_mm(num_tokens, num_local):
+    ok, reason = fused_moe_supported(torch.device("cuda"), torch.bfloat16)
+    if not ok:
+        pytest.skip(reason)
+    x, ids, weights, w13, w2 = _real_layer(num_tokens, num_local)
+    if num_tokens and num_local < REAL["num_experts"]:
+        ids[: max(1, num_tokens // 8)] = -1  # tokens routed to no local expert
+    out = fused_local_expert_sum(x, ids, weights, w13, w2)
+    grouped = grouped_mm_supported(x.device, x.dtype)
+    ref = local_expert_sum(x, ids, weights, w13, w2, use_grouped_mm=grouped)
+    assert out.shape == ref.shape
+    if num_tokens == 0:
+        return
+    if num_local < REAL["num_experts"]:
+        assert bool((out[: max(1, num_tokens // 8)] == 0).all())
+    _assert_close_to_reference(out, ref)
+    if num_tokens <= 256:  # the fp64 sum loops over experts: keep it to decode sizes
+        _assert_within_bound(out, x, ids, weights, w13, w2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_local", [128, 64])
+def test_gpu_graph_replay_equals_eager_bitwise(num_local):
+    ok, reason = fused_moe_supported(torch.device("cuda"), torch.bfloat16)
+    if not ok:
+        pytest.skip(reason)
+    x, ids, weights, w13, w2 = _real_layer(64, num_local, seed=4)
+    out = torch.empty_like(x)
+    fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=out)
+    # New routing in the same buffers: the counts, blocks and padding live on the device, so
+    # the replay follows the new routing, not the one seen at capture.
+    for seed in (5, 6):
+        new = _tokens(REAL["num_experts"], REAL["top_k"], REAL["hidden"], 64, num_local, x.device, seed=seed)
+        for buf, value in zip((x, ids, weights), new, strict=True):
+            buf.copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fused_local_expert_sum(x, ids, weights, w13, w2))
