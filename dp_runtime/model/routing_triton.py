@@ -36,9 +36,9 @@ def _softmax_topk_kernel(
     is_expert = experts < num_experts
     x = tl.load(logits_ptr + t * stride_lt + experts, mask=is_expert, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
+    # Lanes past E get probability 0; they also have the highest indices, so the lowest-index
+    # tie-break never takes one while an expert (even one whose probability underflowed) is left.
     p = p / tl.sum(p, axis=0)
-    # Lanes past E rank below every probability (which is >= 0), even one that underflowed.
-    p = tl.where(is_expert, p, -1.0)
 
     slots = tl.arange(0, BLOCK_K)
     top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -58,7 +58,8 @@ def _softmax_topk_kernel(
 def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, *, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing.softmax_topk`` in one launch: logits (T, E) in bf16, fp16 or fp32 to
     ``(weights_TK fp32, ids_TK int32)``, largest weight first. T = 0 launches nothing; no host
-    sync. Weights match torch's within fp32 rounding (a few ulp: exp and sum order differ)."""
+    sync. Weights match torch's within fp32 rounding (tens of ulp at most: the order of the
+    sum differs, and on GPUs Triton's exp is the hardware's approximate exp2)."""
     check_top_k(logits_TE, top_k)
     t, e = logits_TE.shape
     weights_TK = torch.empty((t, top_k), dtype=torch.float32, device=logits_TE.device)
