@@ -7,6 +7,10 @@
 #   bash bench/run_gpu.sh serve2  # two GPUs: serve_step (DP 2, EP 2)
 #   bash bench/run_gpu.sh tests2  # two GPUs: every gpu and gpu2 test
 #   bash bench/run_gpu.sh serve   # two GPUs: serve_step at DP 1 and DP 2, plan --measure
+#   bash bench/run_gpu.sh kernels # one GPU: kernel tests, moe_layer, a kernel census of serve_step
+#   bash bench/run_gpu.sh compare1 # one GPU: serve_step DP 1 vs earlier trees
+#   bash bench/run_gpu.sh compare2 # two GPUs: serve_step DP 2 (auto and all_gather) vs earlier trees
+# Earlier trees for side-by-side runs come as .bases/*.tar.xz (git archive --prefix=NAME/ COMMIT).
 #   bash bench/run_gpu.sh load    # two GPUs: prefill and serve_load (qwen3-30b-a3b) at DP 1 and DP 2
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -20,6 +24,9 @@ echo "commit $commit, $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv
 step() { local name=$1; shift; echo "== $name: $*"; local t=$(date +%s); "$@" > "$log/$name.log" 2>&1; local rc=$?
          echo "   rc=$rc in $(( $(date +%s) - t )) s"; tail -n "${TAIL:-25}" "$log/$name.log"; }
 ngpu=$(nvidia-smi -L | wc -l)
+# --base flags for compare_trees.py: every .bases/*.tar.xz, unpacked once under /tmp/bases
+bases() { mkdir -p /tmp/bases; for t in .bases/*.tar.xz; do [ -e "$t" ] || continue
+          tar xJf "$t" -C /tmp/bases; done; for d in /tmp/bases/*/; do echo -n "--base ${d%/} "; done; }
 case "${1:-one}" in
   one)
     step gpu_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
@@ -66,5 +73,21 @@ case "${1:-one}" in
     step serve_load_1 python bench/serve_load.py --model qwen3-30b-a3b --device cuda ${LOAD_ARGS:-}
     step serve_load_2 torchrun --standalone --nproc-per-node 2 bench/serve_load.py --model qwen3-30b-a3b \
       --device cuda ${LOAD_ARGS:-}
+    ;;
+  kernels)  # one GPU: the decode kernels' tests, the expert path bench, a census, DP 1 vs earlier trees
+    step kernel_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_qk_norm_rope.py \
+      tests/test_fused_moe.py tests/test_routing_triton.py
+    step moe_layer python bench/moe_layer.py ${MOE_ARGS:-}
+    step census python bench/serve_step.py --batch-sizes 1,64 --modes graph --profile ${SERVE_ARGS:-}
+    ;;
+  compare1)  # one GPU: DP 1 decode against earlier trees (after `kernels` on the same machine: JIT cached)
+    step compare_1 python bench/compare_trees.py $(bases) -- python bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 ${SERVE_ARGS:-}
+    ;;
+  compare2)  # two GPUs: DP 2 / EP 2 decode, the auto dispatcher and all_gather, against earlier trees
+    step compare_2_auto python bench/compare_trees.py --nproc 2 $(bases) -- bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 ${SERVE_ARGS:-}
+    step compare_2_all_gather python bench/compare_trees.py --nproc 2 $(bases) -- bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 --dispatcher all_gather ${SERVE_ARGS:-}
     ;;
 esac

@@ -130,6 +130,21 @@ def kernel_census(worker: RankWorker, bs: int, args, rank: int) -> dict:
         plan = worker.step()
         wall_us = (time.perf_counter() - t0) * 1e6
     assert plan.graph_bucket is not None, "the profiled step did not replay a graph"
+    # Where the host time goes: CPU-side ops by self time (waits for the GPU left out), and the
+    # Python functions of one more step by cumulative time (cProfile: relative, it adds overhead).
+    waits = ("synchronize", "cudaMemcpy ", "cudaStreamSynchronize", "aten::item", "aten::_local_scalar_dense")
+    cpu_ops = [(a.key[:70], a.count, a.self_cpu_time_total) for a in prof.key_averages()
+               if a.self_cpu_time_total > 0 and not any(w in a.key for w in waits)]
+    cpu_ops.sort(key=lambda r: -r[2])
+    import cProfile
+    import pstats
+
+    prof_py = cProfile.Profile()
+    prof_py.runcall(worker.step)
+    stats = pstats.Stats(prof_py)
+    funcs = sorted(((f"{k[0].split('/')[-1]}:{k[2]}", v[3]) for k, v in stats.stats.items()
+                    if any(d in k[0] for d in ("dp_runtime", "graph/", "buffers/", "dispatcher/"))),
+                   key=lambda r: -r[1])
     worker.run_until_idle()
     worker.pop_finished()
     gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -146,7 +161,8 @@ def kernel_census(worker: RankWorker, bs: int, args, rank: int) -> dict:
     return dict(bs=bs, layers=layers, activities=len(gpu), per_layer=len(gpu) / layers,
                 memcpy=sum(1 for e in gpu if "memcpy" in e.name.lower() or "memset" in e.name.lower()),
                 gpu_busy_us=busy, wall_us=wall_us, host_us=max(0.0, wall_us - busy),
-                top=[(name[:90], len(d), sum(d)) for name, d in top])
+                top=[(name[:90], len(d), sum(d)) for name, d in top], cpu_ops=cpu_ops[:12],
+                py_funcs=[(name, round(t * 1e6, 1)) for name, t in funcs[:15]])
 
 
 def print_census(c: dict) -> None:
@@ -157,6 +173,12 @@ def print_census(c: dict) -> None:
     print(f"{'count':>6} {'total us':>9}  kernel")
     for name, n, us in c["top"]:
         print(f"{n:>6} {us:>9.1f}  {name}")
+    print(f"{'count':>6} {'self us':>9}  host op (waits for the GPU left out)")
+    for name, n, us in c["cpu_ops"]:
+        print(f"{n:>6} {us:>9.1f}  {name}")
+    print(f"{'cum us':>16}  Python function (cProfile of another replayed step)")
+    for name, us in c["py_funcs"]:
+        print(f"{us:>16.1f}  {name}")
 
 
 def main() -> None:

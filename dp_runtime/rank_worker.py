@@ -246,7 +246,7 @@ class RankWorker:
             out: dict[str, Any] = dict(self._counters)
         out.update(rank=self.rank, waiting=self.scheduler.num_waiting, running=len(self.scheduler.running),
                    dispatcher=self.dispatcher_kind, attention=self.attention_kind, elementwise=self.model.ops.name,
-                   choices=dataclasses.asdict(self.choices),
+                   experts=self.model.experts.name, choices=dataclasses.asdict(self.choices),
                    graphs=self.graphs is not None, kv_slots=self.kv_cache.num_slots,
                    free_kv_slots=self.scheduler.allocator.num_free_slots)
         return out

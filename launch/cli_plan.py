@@ -59,7 +59,7 @@ def plan(
     chunked_prefill_size: int = typer.Option(8192, "--chunked-prefill-size", help="Tokens of one prefill chunk."),
     cuda_graph_bs: str = typer.Option("auto", "--cuda-graph-bs", help="Capture sizes: auto, none, or a comma list."),
     context_len: int | None = typer.Option(None, "--context-len", help="Longest prompt + output (default: min(model limit, 4096))."),
-    dispatcher: str = typer.Option("auto", "--dispatcher", help="auto | all_gather | all_to_all | flashinfer."),
+    dispatcher: str = typer.Option("auto", "--dispatcher", help="auto | local (one rank) | all_gather | all_to_all | flashinfer."),
     no_graphs: bool = typer.Option(False, "--no-graphs", help="Eager only (no CUDA graphs)."),
     kv_tokens_per_request: int | None = typer.Option(
         None, "--kv-tokens-per-request", help="KV tokens guaranteed per running request (default: --context-len)."),

@@ -181,7 +181,7 @@ def _launch_logging(console: Any, as_json: bool, level: str):
 def run(
     dp: int = typer.Option(None, "--dp", help="DP ranks (default: 2 with --launcher ray, 1 with local)."),
     model: str = typer.Option("tiny", "--model", help="Preset name (tiny, qwen3-30b-a3b) or a HF checkpoint dir."),
-    dispatcher: str = typer.Option("auto", "--dispatcher", help="auto | all_gather | all_to_all | flashinfer."),
+    dispatcher: str = typer.Option("auto", "--dispatcher", help="auto | local (one rank) | all_gather | all_to_all | flashinfer."),
     requests: int = typer.Option(16, "--requests", help="Synthetic requests (ignored with --workload)."),
     prompt_len: int = typer.Option(32, "--prompt-len", help="Synthetic prompt length in tokens."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Tokens to generate per request."),

@@ -1,5 +1,6 @@
 """GPU models the planner and the benchmarks know by name: usable memory, whether their GPUs talk
-over NVLink, and the dense bf16 tensor-core peak that MFU is measured against."""
+over NVLink, the dense bf16 tensor-core peak that MFU is measured against, and the HBM bandwidth
+that bytes floors are measured against."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class GpuSpec:
     mem_bytes: int
     nvlink: bool
     bf16_dense_tflops: float
+    hbm_bytes_per_s: float  # the vendor's peak HBM bandwidth: the denominator of bytes floors
 
 
 def _gib(x: float) -> int:
@@ -31,13 +33,13 @@ def _gib(x: float) -> int:
 # Rounded figures; pass --gpu-mem-gib for an exact one. Peaks: the datasheets' dense bf16 tensor
 # figures (Hopper's datasheets quote them with 2:4 sparsity: halved here).
 GPUS: dict[str, GpuSpec] = {
-    "h100": GpuSpec("H100 80GB SXM", _gib(79.1), True, 989.4),
-    "h100-pcie": GpuSpec("H100 80GB PCIe", _gib(79.1), False, 756.5),
-    "h200": GpuSpec("H200 141GB SXM", _gib(139.8), True, 989.4),
-    "a100-80gb": GpuSpec("A100 80GB SXM", _gib(79.15), True, 312.0),
-    "a100-40gb": GpuSpec("A100 40GB SXM", _gib(39.39), True, 312.0),
-    "l40s": GpuSpec("L40S 48GB", _gib(44.39), False, 362.1),
-    "rtx-4090": GpuSpec("RTX 4090 24GB", _gib(23.6), False, 165.2),
+    "h100": GpuSpec("H100 80GB SXM", _gib(79.1), True, 989.4, 3.35e12),
+    "h100-pcie": GpuSpec("H100 80GB PCIe", _gib(79.1), False, 756.5, 2.0e12),
+    "h200": GpuSpec("H200 141GB SXM", _gib(139.8), True, 989.4, 4.8e12),
+    "a100-80gb": GpuSpec("A100 80GB SXM", _gib(79.15), True, 312.0, 2.039e12),
+    "a100-40gb": GpuSpec("A100 40GB SXM", _gib(39.39), True, 312.0, 1.555e12),
+    "l40s": GpuSpec("L40S 48GB", _gib(44.39), False, 362.1, 0.864e12),
+    "rtx-4090": GpuSpec("RTX 4090 24GB", _gib(23.6), False, 165.2, 1.008e12),
 }
 _GPU_ALIASES = {"h100-sxm": "h100", "h100-80gb": "h100", "h200-141gb": "h200", "a100": "a100-80gb",
                 "4090": "rtx-4090"}

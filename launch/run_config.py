@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DISPATCHERS", "DTYPES", "RunConfig"]
 
-# The same names as dispatcher.factory.DISPATCHER_KINDS and RuntimeConfig's dtypes (a test
+# The same names as dp_runtime.choices.DISPATCHERS and RuntimeConfig's dtypes (a test
 # holds them equal); spelled out here so that checking an option imports no torch.
-DISPATCHERS = ("auto", "all_gather", "all_to_all", "flashinfer")
+DISPATCHERS = ("auto", "local", "all_gather", "all_to_all", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _COUNTS = ("dp", "requests", "prompt_len", "max_new_tokens", "max_running_requests", "chunked_prefill_size")
 

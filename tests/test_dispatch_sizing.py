@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dispatcher.config import DispatcherConfig
 from dispatcher.sizing import (
     all_to_all_buffer_bytes,
     flashinfer_aux_bytes,
@@ -25,10 +24,16 @@ def test_max_tokens_per_rank_is_the_larger_limit():
         max_tokens_per_rank(-1, 4)
 
 
-def test_config_for_runtime_does_not_multiply_by_ep_size():
-    cfg = DispatcherConfig.for_runtime(num_experts=256, top_k=8, hidden_size=7168, dtype=torch.bfloat16,
-                                       chunked_prefill_size=4096, max_running_requests=512)
-    assert cfg.max_tokens_per_rank == 4096
+def test_one_max_tokens_per_rank_for_runtime_and_dispatcher():
+    """The runtime's per-rank token limit is the dispatcher sizing's, never times ep_size, and
+    aligned to attn_tp_size in one place."""
+    from dp_runtime.config import RuntimeConfig
+
+    assert max_tokens_per_rank(4096, 512) == 4096 and max_tokens_per_rank(100, 300, 4) == 300
+    assert max_tokens_per_rank(4098, 512, 4) == 4100
+    rt = RuntimeConfig(dp_size=4, attn_tp_size=2, max_running_requests=64, chunked_prefill_size=4097,
+                       hidden_size=64, device="cpu")
+    assert rt.max_tokens_per_rank == max_tokens_per_rank(4097, 64, 2) == 4098
 
 
 def test_aux_region_by_hand():

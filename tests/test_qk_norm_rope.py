@@ -2,8 +2,10 @@
 
 Without a GPU the kernel runs in Triton's CPU interpreter (tests/conftest.py sets
 TRITON_INTERPRET), whose fp32 -> bf16 casts truncate instead of rounding to nearest: there the
-comparison allows two bf16 units in the last place; on a GPU (``-m gpu``) the kernel must equal
-the separate ops bit for bit in bf16, since it rounds at the same points.
+comparison allows two bf16 units in the last place (of the head's largest element). On a GPU
+(``-m gpu``) one unit: the kernel rounds at the same points as the separate ops, but sums the
+squares of the norm in another order (and may fuse a multiply-add), which moves the fp32 value
+by a few fp32 ulps and, rarely, the bf16 result by one.
 """
 
 from __future__ import annotations
@@ -74,9 +76,9 @@ def test_no_tokens_is_no_launch():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(1, 32, 4, 128), (64, 32, 4, 128), (300, 16, 2, 64)])
-def test_bitwise_equal_on_the_gpu(t, hq, hkv, d):
+def test_within_one_bf16_ulp_on_the_gpu(t, hq, hkv, d):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    _check("cuda", 0, t=t, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16)
+    _check("cuda", 1, t=t, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16)
     yarn = YarnScaling(factor=4.0, original_max_position_embeddings=16)
-    _check("cuda", 0, t=t, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, yarn=yarn, strided=True)
+    _check("cuda", 1, t=t, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, yarn=yarn, strided=True)

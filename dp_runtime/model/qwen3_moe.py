@@ -40,7 +40,7 @@ from dispatcher.partition import ExpertPartition
 from dispatcher.plan import FixedPlan
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.model.elementwise_ops import elementwise_ops
-from dp_runtime.model.experts import grouped_mm_supported, local_expert_sum
+from dp_runtime.model.expert_path import expert_path
 from dp_runtime.model.layers import RotaryEmbedding, qk_norm_attention
 from dp_runtime.model.model_config import ModelConfig
 from dp_runtime.model.tensor_names import expert_names, layer_names
@@ -77,7 +77,8 @@ class Qwen3MoeModel:
         dispatcher: the EP dispatcher (``dispatcher.make_dispatcher``); its EP group decides
             which experts this rank holds.
         dtype, device: of the weights and hidden states.
-        use_grouped_mm: None for "when supported" (CUDA sm90+, bf16), else forced.
+        expert_kernels: None for the fastest that runs here (``expert_path``), else ``triton``,
+            ``grouped_mm`` or ``dense``.
     """
 
     def __init__(
@@ -89,7 +90,7 @@ class Qwen3MoeModel:
         dispatcher,
         dtype: torch.dtype,
         device: torch.device | str,
-        use_grouped_mm: bool | None = None,
+        expert_kernels: str | None = None,
     ) -> None:
         device = torch.device(device)
         self.cfg, self.attention, self.dispatcher = cfg, attention, dispatcher
@@ -98,7 +99,7 @@ class Qwen3MoeModel:
         self.partition = ExpertPartition(cfg.num_experts, ep_size)
         self.first_expert = self.partition.first(ep_rank)
         self.num_local_experts = self.partition.num_local(ep_rank)
-        self.use_grouped_mm = grouped_mm_supported(device, dtype) if use_grouped_mm is None else use_grouped_mm
+        self.experts = expert_path(device, dtype, cfg.top_k, cfg.norm_topk_prob, expert_kernels)
         self._allocate()
         want = expected_shapes(cfg, ep_rank, ep_size)
         seen: set[str] = set()
@@ -185,19 +186,22 @@ class Qwen3MoeModel:
 
     # -- forward ---------------------------------------------------------------------------------
     def _moe(self, layer: _Layer, x_TH: torch.Tensor, plan) -> torch.Tensor:
-        probs_TE = torch.softmax((x_TH @ layer.w_router.T).float(), dim=-1)
-        weights_TK, ids_TK = torch.topk(probs_TE, self.cfg.top_k, dim=-1)
-        if self.cfg.norm_topk_prob:
-            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
-        # Hugging Face rounds the routing weights to the model dtype before weighting.
-        weights_TK = weights_TK.to(x_TH.dtype).float()
+        weights_TK, ids_TK = self.experts.route(x_TH @ layer.w_router.T)
         d = self.dispatcher
-        handle, inputs = d.dispatch(x_TH, ids_TK.to(torch.int32), weights_TK, plan)
-        out_ND = local_expert_sum(
-            inputs.hidden_ND, inputs.local_expert_ids_NK, inputs.weights_NK, layer.w13, layer.w2,
-            use_grouped_mm=self.use_grouped_mm, out_ND=d.expert_output_buffer(handle),
-        )
+        handle, inputs = d.dispatch(x_TH, ids_TK, weights_TK, plan)
+        out_ND = self.experts.experts(inputs.hidden_ND, self._local_ids(inputs), inputs.weights_NK, layer.w13,
+                                      layer.w2, out_ND=d.expert_output_buffer(handle))
         return d.combine(out_ND, handle)
+
+    def _local_ids(self, inputs) -> torch.Tensor:
+        """Rank-local expert ids of the delivered picks. The fused path skips any id outside
+        [0, L) itself, so a shift is all it needs (none at EP 1); the torch paths want -1 there."""
+        if self.experts.name != "triton":
+            return inputs.local_expert_ids_NK
+        if inputs.given_local_ids_NK is not None:
+            return inputs.given_local_ids_NK
+        ids = inputs.expert_ids_NK
+        return ids if inputs.first_expert == 0 else ids - inputs.first_expert
 
     def _mlp(self, layer: _Layer, x_TH: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_and_mul(x_TH @ layer.w13.T) @ layer.w2.T

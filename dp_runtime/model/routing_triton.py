@@ -30,6 +30,7 @@ def _softmax_topk_kernel(
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,  # next power of two >= num_experts
     BLOCK_K: tl.constexpr,  # next power of two >= TOP_K
+    ROUND_BF16: tl.constexpr,  # round the weights through bf16 (what Hugging Face's models do)
 ):
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
@@ -50,15 +51,19 @@ def _softmax_topk_kernel(
         p = tl.where(experts == idx, -2.0, p)  # taken: below every lane still in the running
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=0)  # slots >= TOP_K hold 0
+    if ROUND_BF16:
+        top_w = top_w.to(tl.bfloat16).to(tl.float32)
     out = t * TOP_K + slots
     tl.store(weights_ptr + out, top_w, mask=slots < TOP_K)
     tl.store(ids_ptr + out, top_i, mask=slots < TOP_K)
 
 
-def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, *, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, *, renormalize: bool,
+                        round_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing.softmax_topk`` in one launch: logits (T, E) in bf16, fp16 or fp32 to
-    ``(weights_TK fp32, ids_TK int32)``, largest weight first. T = 0 launches nothing; no host
-    sync. Weights match torch's within fp32 rounding (tens of ulp at most: the order of the
+    ``(weights_TK fp32, ids_TK int32)``, largest weight first, rounded through bf16 when
+    ``round_bf16`` (a bf16 model's weights, as transformers rounds them). T = 0 launches nothing;
+    no host sync. Weights match torch's within fp32 rounding (tens of ulp at most: the order of the
     sum differs, and on GPUs Triton's exp is the hardware's approximate exp2)."""
     check_top_k(logits_TE, top_k)
     t, e = logits_TE.shape
@@ -72,6 +77,7 @@ def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, *, renormalize: boo
     _softmax_topk_kernel[(t,)](
         logits_TE, logits_TE.stride(0), weights_TK, ids_TK, e,
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        ROUND_BF16=round_bf16,
         # A row of up to 1024 experts fits one warp's registers (32 per thread): the reductions
         # stay within the warp, with no shared-memory round trips.
         num_warps=1 if block_e <= 1024 else 4,

@@ -1,0 +1,324 @@
+"""One MoE layer's expert path on one GPU: our grouped-GEMM path, the Triton fused MoE and
+(optionally) FlashInfer's CUTLASS fused MoE against the bytes floor, side by side in one run.
+
+    python bench/moe_layer.py                  # N 1 8 64 256 2048 at EP 1 and EP 2; < 1 min after compiles
+    python bench/moe_layer.py --flashinfer     # + flashinfer.fused_moe.cutlass_fused_moe (its sm90
+                                               #   module JIT-builds for > 19 min when not cached)
+    python bench/moe_layer.py --tune           # + sweep the Triton tile configs per row (minutes)
+
+Layer: Qwen3-30B-A3B's experts (E 128, top-8, H 2048, I 768, bf16, random weights), routed from
+random router logits (softmax, top-8, renormalised). EP 2 is rank 0 of two: L 64 local experts;
+picks of experts 64..127 belong to the other rank (about half of them).
+
+Paths, on the same rows, routing and weights:
+- grouped: ``experts.local_expert_sum(use_grouped_mm=True)``, today's path (argsort, two
+  ``torch._grouped_mm``, SiLU-and-mul, weighted sum);
+- triton: ``fused_moe_triton.fused_local_expert_sum`` (align, two GEMMs with fused epilogues,
+  top-k sum; tile config by ``tile_config(N)``);
+- flashinfer: ``cutlass_fused_moe`` on global expert ids with ``ep_size``/``ep_rank``, fc1 laid
+  out as [up; gate] (its SwiGLU convention);
+- floor: the bytes a layer must move (weights of the distinct local experts at least one pick
+  uses, x read, output written, ids and weights read) over the GPU's HBM bandwidth from
+  ``launch/gpu_specs.py`` (a measured copy bandwidth for a GPU not listed there).
+
+Timing: a path runs ``--layers`` layers, each with its own weights and routing, captured once as
+a CUDA graph; the graph is replayed ``--inner`` times between two CUDA events, ``--repeats``
+times; a cell is the median time per layer in microseconds. Distinct layers (4 x 1.2 GB of
+experts at EP 1) mean a layer's experts have left L2 by the time they are read again, as in a
+model's step. ``kernels``: GPU operations (kernels, copies, memsets) of one call, counted by the
+torch profiler over eager calls. ``check``: each path's output against the grouped path's (the
+dense loop where grouped GEMM is missing): ``||out - ref|| / ||ref||``, flagged BAD above
+4 * 2^-8 (tests/test_fused_moe.py derives that bound).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dp_runtime.model.experts import grouped_mm_supported, local_expert_sum
+from dp_runtime.model.fused_moe import fused_moe_supported
+from dp_runtime.model.routing import softmax_topk
+from launch.gpu_specs import gpu_spec_for_device
+
+REL_BOUND = 4 * 2.0**-8
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer's inputs: rows, routing (global ids for FlashInfer, local ids for ours) and
+    this rank's experts; ``w31`` is fc1 in FlashInfer's [up; gate] order (None without it)."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    local_ids: torch.Tensor
+    weights: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w31: torch.Tensor | None
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 2048])
+    p.add_argument("--ep", type=int, nargs="+", default=[1, 2], help="EP sizes (rank 0 of each)")
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--inner", type=int, default=10)
+    p.add_argument("--flashinfer", action="store_true", help="also time flashinfer's cutlass_fused_moe")
+    p.add_argument("--tune", action="store_true", help="sweep Triton tile configs per row, print the best")
+    args = p.parse_args()
+    for ep in args.ep:
+        if ep < 1 or args.experts % ep:
+            p.error(f"--ep {ep}: must divide --experts {args.experts}")
+    return args
+
+
+def _experts(args, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(layer)
+    e, h, i = args.experts, args.hidden, args.inter
+    w13 = (torch.randn(e, 2 * i, h, generator=g, device=device) / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, generator=g, device=device) / i**0.5).bfloat16()
+    return w13, w2
+
+
+def _layer(args, experts, w31, layer: int, num_tokens: int, ep: int) -> Layer:
+    device = experts[0].device
+    g = torch.Generator(device=device).manual_seed(1000 * layer + num_tokens)
+    x = torch.randn(num_tokens, args.hidden, generator=g, device=device).bfloat16()
+    logits = torch.randn(num_tokens, args.experts, generator=g, device=device)
+    weights, ids = softmax_topk(logits, args.top_k, renormalize=True)
+    num_local = args.experts // ep
+    local_ids = torch.where(ids < num_local, ids, -1)
+    w13, w2 = (w[:num_local] for w in experts)
+    return Layer(x, ids, local_ids, weights, w13, w2, None if w31 is None else w31[:num_local])
+
+
+def _floor_bytes(args, layer: Layer) -> int:
+    n = layer.x.shape[0]
+    touched = torch.unique(layer.local_ids[layer.local_ids >= 0]).numel()
+    weight_bytes = touched * 3 * args.hidden * args.inter * 2
+    return weight_bytes + 2 * n * args.hidden * 2 + n * args.top_k * (4 + 4)
+
+
+def _bandwidth(device) -> tuple[float, str]:
+    spec = gpu_spec_for_device(torch.cuda.get_device_name(device))
+    if spec is not None:
+        return spec.hbm_bytes_per_s, f"{spec.name} spec"
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * n * 10 / (start.elapsed_time(end) / 1e3), "measured copy"
+
+
+def _graph_us(run: Callable[[], None], layers: int, repeats: int, inner: int) -> float:
+    """Median microseconds per layer of ``run`` replayed from a CUDA graph."""
+    run()  # compiles, autotunes and allocates outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(inner):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / inner / layers)
+    del graph
+    return statistics.median(samples)
+
+
+def _ops_per_call(run: Callable[[], None], calls: int) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(ops) / calls
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
+
+
+def _paths(layers: list[Layer], ep: int, outs) -> dict[str, Callable[[], None]]:
+    """Path name -> a call running every layer into that path's output buffers."""
+    grouped = grouped_mm_supported(layers[0].x.device, layers[0].x.dtype)
+
+    def ours(use_grouped: bool):
+        def run():
+            for layer, out in zip(layers, outs["grouped"], strict=True):
+                local_expert_sum(layer.x, layer.local_ids, layer.weights, layer.w13, layer.w2,
+                                 use_grouped_mm=use_grouped, out_ND=out)
+        return run
+
+    paths = {"grouped": ours(grouped)}
+    if "triton" in outs:
+        from dp_runtime.model.fused_moe_triton import fused_local_expert_sum
+
+        def triton_run():
+            for layer, out in zip(layers, outs["triton"], strict=True):
+                fused_local_expert_sum(layer.x, layer.local_ids, layer.weights, layer.w13, layer.w2, out_ND=out)
+        paths["triton"] = triton_run
+    if "flashinfer" in outs:
+        from flashinfer.fused_moe import cutlass_fused_moe
+
+        def flashinfer_run():
+            for layer, out in zip(layers, outs["flashinfer"], strict=True):
+                cutlass_fused_moe(
+                    input=layer.x, token_selected_experts=layer.ids, token_final_scales=layer.weights,
+                    fc1_expert_weights=layer.w31, fc2_expert_weights=layer.w2, output_dtype=layer.x.dtype,
+                    quant_scales=None, ep_size=ep, ep_rank=0, output=out,
+                )
+        paths["flashinfer"] = flashinfer_run
+    return paths
+
+
+def _row(ep: int, n: int, floor_us: float, names: list[str], us: dict, ops: dict, checks: list[str]) -> list[str]:
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a and b else "-"
+
+    row = [str(ep), str(n), f"{floor_us:.1f}"] + [f"{us[name]:.1f}" if name in us else "-" for name in names]
+    row += [ratio(us.get("triton"), floor_us), ratio(us.get("grouped"), us.get("triton"))]
+    row += [ratio(us.get("flashinfer"), us.get("triton"))] if "flashinfer" in names else []
+    row += ["/".join(f"{ops[name]:.0f}" if name in ops else "-" for name in names), ", ".join(checks) or "-"]
+    return row
+
+
+def _tune(args, layers: list[Layer], baseline_us: float) -> str:
+    """The fastest tile config for these layers among a sweep around the expected rows per
+    expert block, as one line."""
+    from dp_runtime.model.fused_moe_triton import MoeTileConfig, fused_local_expert_sum
+
+    n = layers[0].x.shape[0]
+    rows = max(1.0, n * args.top_k / args.experts)  # mean rows an expert gets
+    block_ms = [m for m in (16, 32, 64, 128) if m == 16 or rows / 2 <= m <= 2 * rows]
+    outs = [torch.empty_like(layer.x) for layer in layers]
+    best: tuple[float, MoeTileConfig] | None = None
+    failed = 0
+    for m in block_ms:
+        for bn in (64, 128, 256):
+            for bk in (64, 128):
+                for stages in (3, 4):
+                    cfg = MoeTileConfig(m, bn, bk, 8 if m >= 64 else 1, 4 if m * bn <= 64 * 128 else 8, stages)
+
+                    def run(cfg=cfg):
+                        for layer, out in zip(layers, outs, strict=True):
+                            fused_local_expert_sum(layer.x, layer.local_ids, layer.weights, layer.w13,
+                                                   layer.w2, out_ND=out, config=cfg)
+                    try:
+                        us = _graph_us(run, len(layers), repeats=10, inner=5)
+                    except Exception:  # a config past the shared memory or registers of this GPU
+                        failed += 1
+                        continue
+                    if best is None or us < best[0]:
+                        best = (us, cfg)
+    if best is None:
+        return f"no config ran ({failed} failed)"
+    us, cfg = best
+    return (f"best {us:.1f} us ({baseline_us / us:.2f}x the rule's) block_m {cfg.block_m} block_n {cfg.block_n} "
+            f"block_k {cfg.block_k} group_m {cfg.group_m} warps {cfg.num_warps} stages {cfg.num_stages}"
+            + (f"; {failed} configs did not run" if failed else ""))
+
+
+def main() -> None:
+    args = _parse()
+    if not torch.cuda.is_available():
+        print("moe_layer: needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
+    device = torch.device("cuda")
+    bw, bw_source = _bandwidth(device)
+    ok, triton_note = fused_moe_supported(device, torch.bfloat16)
+    names = ["grouped"] + (["triton"] if ok else [])
+    fi_note = ""
+    if args.flashinfer:
+        try:
+            import flashinfer.fused_moe  # noqa: F401
+
+            names.append("flashinfer")
+        except ImportError as exc:
+            fi_note = f"flashinfer not importable ({exc})"
+
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip() or "unknown"
+    print(f"# moe_layer  date {datetime.date.today()}  GPU {torch.cuda.get_device_name(device)}  "
+          f"HBM {bw / 1e12:.2f} TB/s ({bw_source})  torch {torch.__version__}  commit {commit}")
+    print(f"# E {args.experts} top-{args.top_k} H {args.hidden} I {args.inter} bf16, {args.layers} layers per graph; "
+          f"triton: {triton_note}" + (f"; {fi_note}" if fi_note else ""))
+
+    experts = [_experts(args, layer, device) for layer in range(args.layers)]
+    w31 = None
+    if "flashinfer" in names:
+        i = args.inter
+        w31 = [torch.cat([w13[:, i:], w13[:, :i]], dim=1) for w13, _ in experts]
+
+    head = ["ep", "tokens", "floor_us"] + [f"{name}_us" for name in names] + ["triton/floor", "grouped/triton"]
+    head += ["fi/triton"] if "flashinfer" in names else []
+    head += ["kernels " + "/".join(name[0] for name in names), "check (rel err)"]
+    rows, tune_lines = [], []
+    for ep in args.ep:
+        for n in args.tokens:
+            layers = [_layer(args, experts[j], None if w31 is None else w31[j], j, n, ep) for j in range(args.layers)]
+            floor_us = statistics.mean(_floor_bytes(args, layer) for layer in layers) / bw * 1e6
+            outs = {name: [torch.empty_like(layer.x) for layer in layers] for name in names}
+            paths = _paths(layers, ep, outs)
+            us, ops, checks = {}, {}, []
+            for name, run in paths.items():
+                try:
+                    run()
+                    torch.cuda.synchronize()
+                    if name != "grouped" and "grouped" in us:
+                        err = _rel_err(outs[name][0], outs["grouped"][0])
+                        checks.append(f"{name[0]} {err:.1e}" + ("" if err <= REL_BOUND else " BAD"))
+                    us[name] = _graph_us(run, args.layers, args.repeats, args.inner)
+                    ops[name] = _ops_per_call(run, args.layers)
+                except Exception as exc:  # a peer that fails here must not hide the others' numbers
+                    print(f"# {name} failed at ep {ep} tokens {n}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+            row = _row(ep, n, floor_us, names, us, ops, checks)
+            rows.append(row)
+            print("# " + "  ".join(f"{h}={c}" for h, c in zip(head, row, strict=True)), flush=True)
+            if args.tune and "triton" in us:
+                tune_lines.append(f"ep {ep} tokens {n}: " + _tune(args, layers, us["triton"]))
+            del layers, outs, paths
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    print()
+    print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
+    for r in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    for line in tune_lines:
+        print("# tune " + line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Which kernels run a rank's MoE layer: routing (softmax, top-k, renormalise) and the routed
+experts, chosen once per model and reported by name.
+
+- ``triton``: one routing kernel (``routing_triton``) and the fused expert path
+  (``fused_moe_triton``: pick alignment, two grouped GEMMs with SwiGLU and the routing weight in
+  their epilogues, a deterministic sum over the top-k) — CUDA, bf16, triton importable.
+- ``grouped_mm``: torch routing and ``torch._grouped_mm`` (CUDA sm90+, bf16), the fallback.
+- ``dense``: torch routing and every local expert on every row (CPU and everywhere else).
+
+A fused kernel that cannot run is named with the reason in one log line, once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dp_runtime.model.experts import grouped_mm_supported, local_expert_sum
+from dp_runtime.model.fused_moe import fused_moe_supported
+from dp_runtime.model.routing import softmax_topk
+
+__all__ = ["ExpertPath", "expert_path"]
+
+logger = logging.getLogger("dp_runtime")
+_logged: set[str] = set()
+
+
+@dataclass(frozen=True)
+class ExpertPath:
+    """The chosen kernels: ``route(logits_TE) -> (weights_TK fp32, ids_TK int32)`` and
+    ``experts(x_ND, local_ids_NK, weights_NK, w13, w2, out_ND) -> out_ND``."""
+
+    name: str
+    reason: str
+    route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    experts: Callable[..., torch.Tensor]
+
+
+def expert_path(device: torch.device, dtype: torch.dtype, top_k: int, renormalize: bool,
+                prefer: str | None = None) -> ExpertPath:
+    """The fastest path that runs here (module docstring); ``prefer`` forces one by name."""
+    ok, why = fused_moe_supported(device, dtype)
+    if prefer not in (None, "triton", "grouped_mm", "dense"):
+        raise ValueError(f"expert path must be triton, grouped_mm or dense, got {prefer!r}")
+    if prefer == "triton" and not ok:
+        raise ValueError(f"expert path 'triton' cannot run here: {why}")
+    if (prefer is None and ok) or prefer == "triton":
+        from dp_runtime.model.fused_moe_triton import fused_local_expert_sum
+        from dp_runtime.model.routing_triton import softmax_topk_triton
+
+        def route_triton(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return softmax_topk_triton(logits_TE, top_k, renormalize=renormalize, round_bf16=True)
+
+        def fused(x, ids, w, w13, w2, out_ND=None):
+            return fused_local_expert_sum(x, ids, w, w13, w2, out_ND=out_ND)
+
+        return ExpertPath("triton", why, route_triton, fused)
+
+    def route_torch(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights_TK, ids_TK = softmax_topk(logits_TE, top_k, renormalize=renormalize)
+        # Hugging Face rounds the routing weights to the model dtype before weighting.
+        return weights_TK.to(dtype).float(), ids_TK
+
+    grouped = grouped_mm_supported(device, dtype) if prefer is None else prefer == "grouped_mm"
+    name = "grouped_mm" if grouped else "dense"
+
+    def unfused(x, ids, w, w13, w2, out_ND=None):
+        return local_expert_sum(x, ids, w, w13, w2, use_grouped_mm=grouped, out_ND=out_ND)
+
+    if prefer is None and device.type == "cuda" and why not in _logged:
+        _logged.add(why)
+        logger.warning("fused MoE kernels not used (%s): routing and experts run %s", why, name)
+    return ExpertPath(name, "configured" if prefer else why, route_torch, unfused)
