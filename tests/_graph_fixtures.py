@@ -1,12 +1,16 @@
 """Shared helpers of the graph/ tests: a tiny plan type, a model stack and its runners.
 
-The StepPlan of dp_runtime is read duck-typed by graph/: ``Plan`` here is the smallest thing
-that satisfies ``graph.StepPlanView``.
+The model is the reference model (``dp_runtime.model.qwen3_moe``) with random weights
+(``tests/support/local_model.py``) at small shapes, on one rank: its dispatcher is the local
+one, so every plan handed to it must list one rank. The StepPlan of dp_runtime is read
+duck-typed by graph/ and by the dispatcher: ``Plan`` here is the smallest thing that satisfies
+both.
 """
 
 from __future__ import annotations
 
 import functools
+import zlib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -15,11 +19,13 @@ import torch
 
 from buffers import BufferPool, build_decode_registry, build_prefill_registry
 from dp_runtime.attention import TorchSDPABackend
-from dp_runtime.moe_stack import MoEStack, MoEStackConfig
+from dp_runtime.model.model_config import ModelConfig
+from dp_runtime.model.qwen3_moe import Qwen3MoeModel
 from dp_runtime.serving.forward_batch import capture_batch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.kv_cache import KVCache
 from graph import EagerRunner, GraphRunner, bucket_for
+from tests.support.local_model import local_model
 
 
 class Padding(Enum):
@@ -34,6 +40,10 @@ class Plan:
     runtime_max_tokens_per_rank: int
     global_num_tokens_cpu: tuple[int, ...]
 
+    @property
+    def fingerprint(self) -> int:
+        return zlib.crc32(repr((self.global_num_tokens_cpu, self.runtime_max_tokens_per_rank)).encode())
+
 
 def graph_plan(bucket: int, counts: tuple[int, ...] | None = None) -> Plan:
     """The plan of a graph step at ``bucket`` (what dp_runtime's plan_step gives: MAX_LEN,
@@ -47,41 +57,41 @@ def agreed_plan(n: int, sizes, counts: tuple[int, ...] | None = None) -> Plan:
     return Plan(n, Padding.MAX_LEN, bucket_for(tuple(sizes), n), counts if counts is not None else (n,))
 
 
-TINY = MoEStackConfig(
+TINY = ModelConfig(
     vocab_size=96,
     hidden_size=32,
     num_layers=2,
-    num_q_heads=4,
+    num_heads=4,
     num_kv_heads=2,
     head_dim=8,
     num_experts=4,
     top_k=2,
-    expert_intermediate_size=16,
-    max_position=256,
+    moe_intermediate_size=16,
+    max_position_embeddings=256,
 )
 
 # GPU tests: bf16 and FlashInfer-supported head dim 128 (the bench's FlashInfer kernels too).
-SMALL_GPU = MoEStackConfig(
+SMALL_GPU = ModelConfig(
     vocab_size=512,
     hidden_size=256,
     num_layers=3,
-    num_q_heads=8,
+    num_heads=8,
     num_kv_heads=2,
     head_dim=128,
     num_experts=8,
     top_k=2,
-    expert_intermediate_size=128,
-    max_position=512,
+    moe_intermediate_size=128,
+    max_position_embeddings=512,
 )
 
 
 @dataclass
 class Stack:
-    config: MoEStackConfig
+    config: ModelConfig
     cache: KVCache
     allocator: KVAllocator
     backend: Any
-    model: MoEStack
+    model: Qwen3MoeModel
     pool: BufferPool = field(default_factory=BufferPool)
 
     @property
@@ -91,7 +101,7 @@ class Stack:
 
 def make_stack(
     *,
-    config: MoEStackConfig = TINY,
+    config: ModelConfig = TINY,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     backend: str = "sdpa",
@@ -100,7 +110,10 @@ def make_stack(
     num_slots: int = 4096,
     seed: int = 0,
     deterministic: bool = False,
+    flashinfer_module: Any = None,
 ) -> Stack:
+    """A KV cache, its allocator, an attention backend over it and the model calling it.
+    ``flashinfer_module``: FlashInfer itself (None) or a stand-in (``flashinfer_emulator``)."""
     cache = KVCache(
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
@@ -111,16 +124,17 @@ def make_stack(
         dtype=dtype,
         device=device,
     )
-    heads = {"num_q_heads": config.num_q_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim}
+    heads = {"num_q_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim}
     if backend == "sdpa":
         attn = TorchSDPABackend(cache, **heads)
     elif backend == "flashinfer":
         from dp_runtime.attention import FlashInferBackend
 
-        attn = FlashInferBackend(cache, deterministic=deterministic, **heads)
+        attn = FlashInferBackend(cache, deterministic=deterministic, flashinfer_module=flashinfer_module, **heads)
     else:
         raise ValueError(backend)
-    model = MoEStack(config, attn, dtype=dtype, device=device, seed=seed)
+    # No step writes more tokens than the cache has slots: a bound for every test's steps.
+    model = local_model(config, attn, dtype=dtype, device=device, seed=seed, max_tokens_per_rank=num_slots)
     return Stack(config, cache, KVAllocator(cache), attn, model)
 
 
@@ -131,7 +145,7 @@ def make_graph_runner(stack: Stack, sizes, *, backend: Any = None, forward=None,
         return graph_plan(bucket, (bucket,) * dp_size)
 
     return GraphRunner(
-        forward if forward is not None else stack.model,
+        forward if forward is not None else stack.model.forward,
         backend if backend is not None else stack.backend,
         registry,
         sizes,
@@ -151,7 +165,7 @@ def make_eager_runner(
             bs, tokens, stack.device, BufferPool(), register_input_embeds=False, dp_size=dp_size, user="eager"
         )
 
-    return EagerRunner(stack.model, stack.backend, factory, no_copy=no_copy, max_bs=max_bs, max_num_tokens=max_num_tokens)
+    return EagerRunner(stack.model.forward, stack.backend, factory, no_copy=no_copy, max_bs=max_bs, max_num_tokens=max_num_tokens)
 
 
 def assert_same_greedy(graph_logits: torch.Tensor, eager_logits: torch.Tensor) -> None:

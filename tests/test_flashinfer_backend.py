@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _graph_fixtures import TINY, Stack, agreed_plan, make_eager_runner, make_graph_runner
+from _graph_fixtures import Stack, agreed_plan, make_eager_runner, make_graph_runner, make_stack
 from flashinfer_emulator import emulated_flashinfer
 
 from dp_runtime.attention import (
@@ -19,7 +19,6 @@ from dp_runtime.attention import (
 )
 from dp_runtime.env import read_env
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.moe_stack import MoEStack
 from dp_runtime.serving.forward_batch import ForwardBatch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.kv_cache import KVCache
@@ -112,21 +111,15 @@ def test_ragged_and_paged_layouts_agree():
 
 
 def _model_stack(backend_name: str, deterministic: bool = False) -> Stack:
-    cache = KVCache(
-        num_layers=TINY.num_layers, num_kv_heads=TINY.num_kv_heads, head_dim=TINY.head_dim, num_slots=4096,
-        max_reqs=64, max_context_len=96, dtype=torch.float32, device="cpu",
-    )
-    heads = {"num_q_heads": TINY.num_q_heads, "num_kv_heads": TINY.num_kv_heads, "head_dim": TINY.head_dim}
     if backend_name == "sdpa":
-        attn = TorchSDPABackend(cache, **heads)
-    else:
-        attn = FlashInferBackend(cache, deterministic=deterministic, flashinfer_module=emulated_flashinfer(), **heads)
-    model = MoEStack(TINY, attn, dtype=torch.float32, device="cpu", seed=0)
-    return Stack(TINY, cache, KVAllocator(cache), attn, model)
+        return make_stack()
+    return make_stack(backend="flashinfer", deterministic=deterministic, flashinfer_module=emulated_flashinfer())
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_model_logits_match_sdpa_through_the_eager_runner(deterministic):
+    # The extend gives each request's last-token logits; the decode step after it reads the
+    # K/V that every extend token wrote.
     outs = []
     for name in ("flashinfer", "sdpa"):
         stack = _model_stack(name, deterministic)
@@ -134,6 +127,7 @@ def test_model_logits_match_sdpa_through_the_eager_runner(deterministic):
         reqs = add_requests(stack.allocator, PREFIXES, seed=11)
         ext = runner.run(extend_batch(stack.allocator, reqs, EXTENDS, list(range(1, 42)))).clone()
         dec = runner.run(decode_batch(stack.allocator, reqs, [3, 1, 4, 1])).clone()
+        assert ext.shape == dec.shape == (len(PREFIXES), stack.config.vocab_size)
         outs.append((ext, dec))
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-4)

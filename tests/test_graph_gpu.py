@@ -13,6 +13,8 @@ import pytest
 import torch
 from _graph_fixtures import (
     SMALL_GPU,
+    Padding,
+    Plan,
     agreed_plan,
     assert_same_greedy,
     graph_plan,
@@ -23,7 +25,7 @@ from _graph_fixtures import (
 
 from dp_runtime.attention import KVLayout
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.model.experts import routed_experts
+from dp_runtime.model.experts import local_expert_sum
 from dp_runtime.serving.forward_batch import idle_batch
 from graph import capture_sizes
 from tests.support.synthetic_batch import add_requests, decode_batch, extend_batch
@@ -91,11 +93,14 @@ def test_replay_after_refill_answers_for_the_new_batch(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_idle_rank_replays_with_zero_live_rows(backend):
+def test_idle_batch_replays_with_zero_live_rows(backend):
+    # Zero live rows replay a bucket of padded rows. The model's dispatcher is one rank's, so
+    # the plan lists one rank; IDLE ranks of a DP-2 step are in test_model_gpu2.py.
     stack = gpu_stack(backend)
-    runner = make_graph_runner(stack, (4, 8), dp_size=2)
+    runner = make_graph_runner(stack, (4, 8))
     runner.capture()
-    out = runner.replay(idle_batch("cuda", (0, 5)), graph_plan(8, (0, 5)))
+    plan = Plan(5, Padding.MAX_LEN, 8, (0,))
+    out = runner.replay(idle_batch("cuda", plan), plan)
     assert out.shape == (0, stack.config.vocab_size)
     runner.destroy()
 
@@ -209,7 +214,7 @@ def test_flashinfer_attention_matches_sdpa_on_extend_and_decode(deterministic):
 
     c = SMALL_GPU
     stack = gpu_stack("sdpa")
-    heads = {"num_q_heads": c.num_q_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
+    heads = {"num_q_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
     fi = FlashInferBackend(stack.cache, deterministic=deterministic, check_indices=True, **heads)
     ref = TorchSDPABackend(stack.cache, **heads)
     reqs = add_requests(stack.allocator, PREFIXES, seed=11)
@@ -218,7 +223,7 @@ def test_flashinfer_attention_matches_sdpa_on_extend_and_decode(deterministic):
     def qkv(t):
         return tuple(
             torch.randn(t, h, c.head_dim, generator=gen, device="cuda").bfloat16()
-            for h in (c.num_q_heads, c.num_kv_heads, c.num_kv_heads)
+            for h in (c.num_heads, c.num_kv_heads, c.num_kv_heads)
         )
 
     for batch in (
@@ -234,14 +239,15 @@ def test_flashinfer_attention_matches_sdpa_on_extend_and_decode(deterministic):
 
 
 def _record_routing(stack) -> list[torch.Tensor]:
-    """Each MoE call's expert choice per token (sorted top-k ids), appended in call order."""
+    """Each MoE call's expert choice per token (sorted top-k ids), appended in call order
+    (the model's own router arithmetic, read before it runs)."""
     calls: list[torch.Tensor] = []
     real, c = stack.model._moe, stack.config
 
-    def moe(layer, x):
+    def moe(layer, x, plan):
         probs = torch.softmax((x @ layer.w_router.T).float(), dim=-1)
         calls.append(torch.topk(probs, c.top_k, dim=-1).indices.sort(dim=-1).values)
-        return real(layer, x)
+        return real(layer, x, plan)
 
     stack.model._moe = moe
     return calls
@@ -251,7 +257,7 @@ def _assert_close_but_routing_flips(got, want, routes_got, routes_want, what: st
     """Rows whose top-k expert choice differs in some layer are a discontinuity (a near-tie of
     router probabilities decided differently by bf16 rounding), not an attention error: they
     are reported and left out; every other row must be within bf16 tolerance. A flip is rare:
-    more than two such rows fails."""
+    more than two such rows fails. ``routes_*`` hold the routing of the logit rows only."""
     flipped = torch.zeros(got.shape[0], dtype=torch.bool, device=got.device)
     for a, b in zip(routes_got, routes_want, strict=True):
         flipped |= (a != b).any(dim=-1)
@@ -284,22 +290,28 @@ def test_flashinfer_matches_sdpa_on_extend_and_decode(deterministic):
         ids = list(range(1, 42))
         ext = runner.run(extend_batch(stack.allocator, reqs, EXTENDS, ids)).clone()
         dec = runner.run(decode_batch(stack.allocator, reqs, [3, 1, 4, 1])).clone()
+        assert ext.shape == dec.shape == (len(PREFIXES), stack.config.vocab_size)
         outs.append((ext, dec))
         n = stack.config.num_layers
-        routes.append((calls[:n], calls[n : 2 * n]))
+        # The extend's logits are each request's last token: its routing rows are those.
+        last = torch.tensor(EXTENDS, device="cuda").cumsum(0) - 1
+        routes.append(([r[last] for r in calls[:n]], calls[n : 2 * n]))
     _assert_close_but_routing_flips(outs[0][0], outs[1][0], routes[0][0], routes[1][0], "extend")
     _assert_close_but_routing_flips(outs[0][1], outs[1][1], routes[0][1], routes[1][1], "decode")
 
 
 def test_grouped_mm_experts_match_dense_on_gpu():
+    # Every pick local (one rank's experts), as the local dispatcher hands them over.
     gen = torch.Generator(device="cuda").manual_seed(0)
     t, h, i, e, k = 37, 256, 128, 16, 4
     x = torch.randn(t, h, generator=gen, device="cuda").bfloat16()
     w13 = (torch.randn(e, 2 * i, h, generator=gen, device="cuda") * h**-0.5).bfloat16()
     w2 = (torch.randn(e, h, i, generator=gen, device="cuda") * i**-0.5).bfloat16()
     weights, ids = torch.randn(t, e, generator=gen, device="cuda").softmax(-1).topk(k, dim=-1)
+    ids = ids.to(torch.int32)
     if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._grouped_mm needs sm90+")
-    got = routed_experts(x, ids, weights, w13, w2, use_grouped_mm=True)
-    want = routed_experts(x, ids, weights, w13, w2, use_grouped_mm=False)
+    got = local_expert_sum(x, ids, weights, w13, w2, use_grouped_mm=True)
+    want = local_expert_sum(x, ids, weights, w13, w2, use_grouped_mm=False)
+    assert got.shape == (t, h) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)

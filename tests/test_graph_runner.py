@@ -22,6 +22,7 @@ from dp_runtime.attention import TorchSDPABackend
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.serving.forward_batch import ForwardBatch, idle_batch
 from graph import AttentionMetadataBackend, GraphRunner
+from tests.support.local_model import with_attention
 from tests.support.synthetic_batch import add_requests, decode_batch, extend_batch
 
 
@@ -243,6 +244,23 @@ def test_replay_equals_eager_for_every_bucket_and_between(live):
     assert_same_greedy(replay, eager)
 
 
+def test_replay_on_its_own_backend_instance_equals_eager():
+    # What the decode benchmark does: the graphs call a second attention backend over the same
+    # KV cache (its own metadata), through a copy of the model that shares the weights.
+    stack = make_stack()
+    graph_backend = TorchSDPABackend(stack.cache, num_q_heads=4, num_kv_heads=2, head_dim=8)
+    graph_model = with_attention(stack.model, graph_backend)
+    assert graph_model.attention is graph_backend and stack.model.attention is stack.backend
+    assert graph_model.embed is stack.model.embed and graph_model.dispatcher is stack.model.dispatcher
+    runner = make_graph_runner(stack, (4, 8), backend=graph_backend, forward=graph_model.forward)
+    runner.capture()
+    batch = _live_batch(stack, [6, 25, 11, 40, 3], [9, 8, 7, 6, 5])
+    eager = make_eager_runner(stack).run(batch)
+    replay = runner.replay(batch, agreed_plan(5, runner.sizes))
+    torch.testing.assert_close(replay, eager, atol=1e-5, rtol=1e-5)
+    assert graph_backend.metadata is not None and stack.backend.metadata is not graph_backend.metadata
+
+
 def test_replay_after_refill_answers_for_the_new_batch():
     stack = make_stack()
     runner = make_graph_runner(stack, (4, 8))
@@ -259,8 +277,8 @@ def test_replay_after_refill_answers_for_the_new_batch():
 
 def test_idle_batch_replays_the_bucket_with_zero_live_rows():
     runner, backend = echo_runner(dp_size=2)
-    idle = idle_batch("cpu", (0, 4))
     plan = Plan(4, Padding.MAX_LEN, 4, (0, 4))
+    idle = idle_batch("cpu", plan)
     assert runner.can_run(idle, plan)
     out = runner.replay(idle, plan)
     replay = backend.last("replay")
@@ -271,10 +289,14 @@ def test_idle_batch_replays_the_bucket_with_zero_live_rows():
 
 
 def test_idle_batch_through_the_model():
+    # Zero live rows replay bucket 4 of padded rows through the model and return none. The
+    # model's dispatcher is one rank's, so the plans list one rank (the echo test above has the
+    # DP-2 plan; test_model_dist.py runs IDLE ranks through a two-rank dispatcher).
     stack = make_stack()
-    runner = make_graph_runner(stack, (1, 2, 4), dp_size=2)
+    runner = make_graph_runner(stack, (1, 2, 4))
     runner.capture()
-    out = runner.replay(idle_batch("cpu", (0, 3)), Plan(3, Padding.MAX_LEN, 4, (0, 3)))
+    plan = Plan(3, Padding.MAX_LEN, 4, (0,))
+    out = runner.replay(idle_batch("cpu", plan), plan)
     assert out.shape == (0, stack.config.vocab_size)
 
 

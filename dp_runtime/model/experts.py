@@ -1,7 +1,8 @@
 """Routed experts of one MoE layer on one rank: grouped GEMM, or a dense loop where it is not.
 
-Shapes: T tokens, K experts per token, E experts, H hidden, I expert intermediate size.
-Weights: ``w13_E2IH`` (gate and up, stacked, nn.Linear layout) and ``w2_EHI``.
+Shapes: T tokens (N rows a dispatcher delivered), K experts per token, E experts (L local to
+this rank), H hidden, I expert intermediate size. Weights: ``w13_E2IH`` (gate and up, stacked,
+nn.Linear layout) and ``w2_EHI``.
 
 Both paths are capturable (no host sync, static shapes) and deterministic: each token's K
 expert outputs are put back in (token, k) order and summed in float32, never scattered with
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["grouped_mm_supported", "local_expert_sum", "routed_experts"]
+__all__ = ["grouped_mm_supported", "local_expert_sum"]
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -51,22 +52,6 @@ def _dense(x_TH: torch.Tensor, ids_TK: torch.Tensor, w13_E2IH: torch.Tensor, w2_
         y = (F.silu(gate) * up) @ w2_EHI[e].T
         out = torch.where((ids_TK == e)[..., None], y[:, None, :], out)
     return out
-
-
-def routed_experts(
-    x_TH: torch.Tensor,
-    ids_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
-    w13_E2IH: torch.Tensor,
-    w2_EHI: torch.Tensor,
-    *,
-    use_grouped_mm: bool,
-) -> torch.Tensor:
-    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` as (T, H) in ``x``'s dtype."""
-    if x_TH.shape[0] == 0:
-        return x_TH.new_zeros((0, w2_EHI.shape[1]))
-    per_k = (_grouped if use_grouped_mm else _dense)(x_TH, ids_TK, w13_E2IH, w2_EHI)
-    return (per_k.float() * weights_TK.float()[..., None]).sum(1).to(x_TH.dtype)
 
 
 def local_expert_sum(

@@ -1,11 +1,12 @@
-"""The compact MoE stack used by the graph tests and the decode benchmark: experts and layers."""
+"""Pieces of the reference model on their own: the rank-local experts (dense loop and grouped
+GEMM), RMSNorm and the rotary embedding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dp_runtime.model.experts import routed_experts
+from dp_runtime.model.experts import local_expert_sum
 from dp_runtime.model.layers import RotaryEmbedding, rms_norm
 
 
@@ -16,38 +17,68 @@ def _experts(t=9, h=32, i=16, e=4, k=2, dtype=torch.float32, seed=0):
     w2 = (torch.randn(e, h, i, generator=gen) * i**-0.5).to(dtype)
     logits = torch.randn(t, e, generator=gen)
     weights, ids = logits.softmax(-1).topk(k, dim=-1)
-    return x, ids, weights, w13, w2
+    return x, ids.to(torch.int32), weights, w13, w2
 
 
 def _loop_reference(x, ids, weights, w13, w2):
+    """Per token and pick, in float64; a negative id adds nothing."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
+            if e < 0:
+                continue
             gate, up = (w13[e].double() @ x[t].double()).chunk(2)
             out[t] += weights[t, j].double() * (w2[e].double() @ (torch.nn.functional.silu(gate) * up))
     return out
 
 
+def _grouped_or_skip(*args, **kw):
+    try:
+        return local_expert_sum(*args, use_grouped_mm=True, **kw)
+    except (RuntimeError, NotImplementedError) as e:  # no CPU grouped GEMM in this torch
+        pytest.skip(f"torch._grouped_mm unavailable here: {e}")
+
+
 def test_dense_experts_match_a_per_token_loop():
     x, ids, weights, w13, w2 = _experts()
-    got = routed_experts(x, ids, weights, w13, w2, use_grouped_mm=False)
+    got = local_expert_sum(x, ids, weights, w13, w2, use_grouped_mm=False)
     torch.testing.assert_close(got.double(), _loop_reference(x, ids, weights, w13, w2), atol=1e-5, rtol=1e-5)
 
 
 def test_grouped_mm_experts_match_dense():
     x, ids, weights, w13, w2 = _experts(t=13, h=64, i=32, e=8, k=3, dtype=torch.bfloat16)
-    try:
-        got = routed_experts(x, ids, weights, w13, w2, use_grouped_mm=True)
-    except (RuntimeError, NotImplementedError) as e:  # no CPU grouped GEMM in this torch
-        pytest.skip(f"torch._grouped_mm unavailable here: {e}")
-    want = routed_experts(x, ids, weights, w13, w2, use_grouped_mm=False)
+    got = _grouped_or_skip(x, ids, weights, w13, w2)
+    want = local_expert_sum(x, ids, weights, w13, w2, use_grouped_mm=False)
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_zero_tokens():
+@pytest.mark.parametrize("grouped", [False, True])
+def test_other_ranks_picks_and_padding_rows_add_nothing_even_when_nan(grouped):
+    # A dispatcher marks another rank's picks and padded rows with a negative id; those rows may
+    # hold NaN (uninitialised workspace). They must add exactly nothing, and never leak NaN.
+    dtype = torch.bfloat16 if grouped else torch.float32
+    x, ids, weights, w13, w2 = _experts(t=8, h=64, i=32, e=4, k=2, dtype=dtype, seed=1)
+    ids[1, 0] = -1  # one pick served elsewhere
+    ids[5:] = -1  # padded rows
+    x[5:] = float("nan")
+    weights[5:] = float("nan")
+    out = _grouped_or_skip(x, ids, weights, w13, w2) if grouped else local_expert_sum(
+        x, ids, weights, w13, w2, use_grouped_mm=False)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+    want = _loop_reference(x[:5].float(), ids[:5], weights[:5], w13.float(), w2.float())
+    tol = 3e-2 if grouped else 1e-5
+    torch.testing.assert_close(out[:5].double(), want, atol=tol, rtol=tol)
+
+
+def test_zero_rows_and_the_output_buffer():
     x, ids, weights, w13, w2 = _experts(t=0)
-    assert routed_experts(x, ids, weights, w13, w2, use_grouped_mm=True).shape == (0, 32)
+    assert local_expert_sum(x, ids, weights, w13, w2, use_grouped_mm=False).shape == (0, 32)
+    x, ids, weights, w13, w2 = _experts(t=5)
+    buf = torch.full((5, 32), float("nan"))
+    out = local_expert_sum(x, ids, weights, w13, w2, use_grouped_mm=False, out_ND=buf)
+    assert out is buf and torch.isfinite(buf).all()
 
 
 def test_rms_norm_and_rotary():
