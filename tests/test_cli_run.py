@@ -202,7 +202,7 @@ def test_json_names_what_ran_and_the_times_add_up():
     assert (out["dispatcher"], out["attention"], out["graphs"]) == ("local", "sdpa", False)
     assert out["ray_start_s"] == 0.0 and out["wall_s"] >= out["setup_s"] + out["run_s"] > 0
     table = CliRunner().invoke(app, ["run", "--launcher", "local", "--requests", "1", "--max-new-tokens", "1"])
-    assert "all_to_all / sdpa / off" in table.stdout and "set up ranks" in table.stdout
+    assert "local / sdpa / off" in table.stdout and "set up ranks" in table.stdout
 
 
 # -- the torchrun entry ------------------------------------------------------------------------------
