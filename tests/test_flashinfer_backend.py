@@ -243,3 +243,23 @@ def test_a_real_flashinfer_backend_still_needs_cuda():
     with pytest.raises(ValueError, match="CUDA KV cache"):
         FlashInferBackend(make_cache(), num_q_heads=HQ, num_kv_heads=HKV, head_dim=D)
 
+
+
+@pytest.mark.gpu
+def test_kv_index_list_in_one_kernel_equals_the_torch_build():
+    """The Triton gather of a decode replay's KV slots equals the torch ops it replaces, for
+    rows of different lengths (one longer than the kernel's block) and a zero-length row."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from dp_runtime.attention.kv_indices import build_kv_indices, host_indptr
+
+    g = torch.Generator().manual_seed(0)
+    req_to_token = torch.randint(1, 10**6, (9, 3000), generator=g, dtype=torch.int32).cuda()
+    rows = torch.tensor([3, 1, 8, 5], device="cuda")
+    for lens in ([1, 7, 2500, 33], [1, 1, 1, 1], [0, 4, 1025, 2]):
+        lens_cpu = torch.tensor(lens)
+        indptr = host_indptr(lens_cpu)
+        total = int(indptr[-1])
+        fused = build_kv_indices(req_to_token, rows, lens_cpu.cuda(), total, indptr_cpu=indptr)
+        ops = build_kv_indices(req_to_token, rows, lens_cpu.cuda(), total)
+        assert torch.equal(fused, ops)

@@ -257,7 +257,7 @@ class FlashInferBackend:
             )
         rows, lens = req_pool_indices[:bs], seq_lens[:bs]
         self._verify_lens(where, rows, lens, lens_cpu)
-        indices = build_kv_indices(self.kv_cache.req_to_token, rows, lens, total)
+        indices = build_kv_indices(self.kv_cache.req_to_token, rows, lens, total, indptr_cpu=indptr)
         self._verify_indices(where, indices)
         wrapper.plan(indptr, indices, self._decode_last_page_len(lens_cpu), *self._heads(), 1, **self._plan_kw())
 

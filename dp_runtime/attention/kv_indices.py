@@ -91,18 +91,57 @@ def extend_plan_inputs(extend_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor
 
 
 def build_kv_indices(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor, total: int
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor, total: int,
+    indptr_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The flattened KV slots (int32, ``total``,) of the first ``lens[i]`` tokens of each row.
 
-    ``total`` must equal ``lens.sum()`` (the caller knows it on the host).
+    ``total`` must equal ``lens.sum()`` (the caller knows it on the host). With the host CSR
+    offsets ``indptr_cpu`` on CUDA and triton importable it is one kernel (and one copy of the
+    offsets); otherwise about eight torch ops.
     """
     device = req_to_token.device
     if total == 0:
         return torch.empty(0, dtype=torch.int32, device=device)
+    if indptr_cpu is not None and device.type == "cuda" and _triton_gather is not None:
+        return _triton_gather(req_to_token, req_pool_indices, indptr_cpu, total)
     lens = lens.to(torch.int64)
     ends = torch.cumsum(lens, 0)
     pos = torch.arange(total, device=device)
     row = torch.searchsorted(ends, pos, right=True)  # which request each position belongs to
     col = pos - (ends - lens)[row]
     return req_to_token[req_pool_indices[row], col]
+
+
+def _load_triton_gather():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _gather_rows_kernel(req_to_token_ptr, row_stride, rows_ptr, indptr_ptr, out_ptr, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        start = tl.load(indptr_ptr + i)
+        n = tl.load(indptr_ptr + i + 1) - start
+        row = tl.load(rows_ptr + i).to(tl.int64)
+        slots = tl.load(req_to_token_ptr + row * row_stride + j, mask=j < n)
+        tl.store(out_ptr + start + j, slots, mask=j < n)
+
+    def gather(req_to_token: torch.Tensor, rows: torch.Tensor, indptr_cpu: torch.Tensor, total: int) -> torch.Tensor:
+        bs = int(indptr_cpu.shape[0]) - 1
+        longest = int((indptr_cpu[1:] - indptr_cpu[:-1]).max())
+        indptr = indptr_cpu.to(req_to_token.device, non_blocking=True)
+        out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
+        block = 1024
+        _gather_rows_kernel[(bs, triton.cdiv(longest, block))](
+            req_to_token, req_to_token.stride(0), rows, indptr, out, BLOCK=block, num_warps=4)
+        return out
+
+    return gather
+
+
+# One launch for the whole index list where triton runs (decode replays build it every step).
+_triton_gather = _load_triton_gather()

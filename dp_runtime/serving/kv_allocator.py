@@ -32,15 +32,15 @@ class KVAllocator:
     def free_row(self, row: int) -> None:
         self._free_rows.append(int(row))
 
-    def alloc_slots(self, n: int) -> torch.Tensor:
-        """``n`` free slots as an int64 tensor on the cache's device. Raises ValueError when
-        fewer than ``n`` are free (naming both)."""
+    def alloc_slots(self, n: int, *, on_host: bool = False) -> torch.Tensor:
+        """``n`` free slots as an int64 tensor on the cache's device (on the host with
+        ``on_host``). Raises ValueError when fewer than ``n`` are free (naming both)."""
         if n > self._free_slots.numel():
             raise ValueError(
                 f"KVAllocator: asked for {n} KV slots, {self._free_slots.numel()} of {self.cache.num_slots} are free"
             )
         slots, self._free_slots = self._free_slots[:n], self._free_slots[n:]
-        return slots.to(self.cache.device)
+        return slots if on_host else slots.to(self.cache.device)
 
     def free_slots(self, slots: torch.Tensor) -> None:
         self._free_slots = torch.cat([self._free_slots, slots.to("cpu", torch.int64)])
