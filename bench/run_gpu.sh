@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: GPU tests, then benchmarks; logs under $OUT (or ./gpu-logs).
-#   bash bench/run_gpu.sh one     # one GPU: gpu tests, registry fill, decode graph
+#   bash bench/run_gpu.sh one     # one GPU: gpu tests, registry fill, decode graph, moe layer
 #   bash bench/run_gpu.sh multi   # 2-4 GPUs: gpu2 tests, dp_sync and dispatch at 2 and 4 ranks
 #   bash bench/run_gpu.sh model1  # one GPU: model tests, serve_step (DP 1), plan --measure
 #   bash bench/run_gpu.sh model2  # two GPUs: model gpu/gpu2 tests, Ray actors on 2 GPUs
@@ -32,6 +32,7 @@ case "${1:-one}" in
     step gpu_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
     step registry_fill python bench/registry_fill.py
     step decode_graph python bench/decode_graph.py ${DECODE_ARGS:-}
+    step moe_layer python bench/moe_layer.py
     ;;
   multi)
     step gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs tests/

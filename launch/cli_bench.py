@@ -40,6 +40,7 @@ BENCHES: dict[str, BenchInfo] = {
     "serve_step": BenchInfo(False, "one serving step of a rank worker, end to end"),
     "serve_load": BenchInfo(True, "arriving requests at several rates: throughput, TTFT, ITL, TPOT, concurrency"),
     "prefill": BenchInfo(True, "prefill throughput and MFU of the rank worker (one chunk, 8 x 1024, 64 x 128)"),
+    "moe_layer": BenchInfo(False, "one MoE layer's experts: grouped GEMM vs Triton fused vs the bytes floor"),
 }
 
 
@@ -82,7 +83,7 @@ def _listing() -> str:
 
 
 def bench(
-    name: str | None = typer.Argument(None, help="Benchmark: registry_fill, decode_graph, dp_sync, dispatch, serve_step, serve_load, prefill."),
+    name: str | None = typer.Argument(None, help="Benchmark: registry_fill, decode_graph, dp_sync, dispatch, serve_step, serve_load, prefill, moe_layer."),
     args: Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script (after --).")] = None,
     nproc: int | None = typer.Option(None, "--nproc", help="Ranks under torchrun (dp_sync, dispatch, serve_load, prefill)."),
     list_: bool = typer.Option(False, "--list", help="List the benchmarks and exit."),

@@ -66,8 +66,8 @@ def gpu_spec_for_device(device_name: str) -> GpuSpec | None:
         return GPUS["h200"]
     if "h100" in n:
         return None if "nvl" in n else GPUS["h100-pcie" if "pcie" in n else "h100"]
-    if "a100" in n:
-        return GPUS["a100-40gb" if "40gb" in n else "a100-80gb"]
+    if "a100" in n:  # the PCIe cards' bandwidth and clocks differ from the SXM ones listed
+        return None if "pcie" in n else GPUS["a100-40gb" if "40gb" in n else "a100-80gb"]
     if "l40s" in n:
         return GPUS["l40s"]
     if "4090" in n:
