@@ -148,6 +148,9 @@ class FlashInferBackend:
         self._ragged = self._fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         # Never rewritten after creation, so an asynchronous copy from it cannot race.
         self._ones_host = torch.ones(kv_cache.max_reqs + 1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        # Decode plans' host indptr, reused: the step loop reads each step's tokens before the
+        # next plan, so the previous plan's copy out of it has completed.
+        self._indptr_host = torch.empty(kv_cache.max_reqs + 2, dtype=torch.int32, pin_memory=torch.cuda.is_available())
         # Graph mode: its own workspace, wrappers and fixed buffers (init_capture).
         self.graph_workspace: torch.Tensor | None = None
         self._graph_max_bs = 0
@@ -248,7 +251,7 @@ class FlashInferBackend:
     ) -> None:
         lens_cpu = seq_lens_cpu[:bs] if seq_lens_cpu is not None else seq_lens[:bs].cpu()
         self._check_lens(where, bs, lens_cpu, max_bs=max_bs, max_bs_name=max_bs_name, min_len=1)
-        indptr = host_indptr(lens_cpu)
+        indptr = host_indptr(lens_cpu, self._indptr_host)
         total = int(indptr[-1])
         if indices_capacity is not None and total > indices_capacity:
             raise ValueError(

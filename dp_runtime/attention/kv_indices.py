@@ -23,11 +23,16 @@ def _pin() -> bool:
     return torch.cuda.is_available()
 
 
-def host_indptr(lens_cpu: torch.Tensor) -> torch.Tensor:
+def host_indptr(lens_cpu: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """CSR offsets ``[0, l0, l0+l1, ...]`` (int32, host; pinned when CUDA is present, so a
-    ``non_blocking`` copy to the device does not wait for the stream)."""
+    ``non_blocking`` copy to the device does not wait for the stream). Written into the leading
+    rows of ``scratch`` when given and long enough (a pinned allocation costs tens of us; the
+    caller must know the previous use has been copied)."""
     n = int(lens_cpu.shape[0])
-    out = torch.empty(n + 1, dtype=torch.int32, pin_memory=_pin())
+    if scratch is not None and scratch.shape[0] > n:
+        out = scratch[: n + 1]
+    else:
+        out = torch.empty(n + 1, dtype=torch.int32, pin_memory=_pin())
     out[0] = 0
     torch.cumsum(lens_cpu.to(torch.int32), 0, out=out[1:])
     return out
