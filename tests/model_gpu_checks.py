@@ -20,11 +20,12 @@ def prompts_for(rank: int, world: int) -> list[tuple[int, list[int]]]:
     return [(i, p) for i, p in enumerate(prompts) if i % world == rank]
 
 
-def run(ckpt, *, rank: int, world: int, graphs: bool, attention: str, dispatcher: str):
+def run(ckpt, *, rank: int, world: int, graphs: bool, attention: str, dispatcher: str, dp_padding=None):
     """Tokens and sampled logits of this rank's prompts, and the worker's metrics."""
     spec = RankSpec.create(str(ckpt), dp_size=world, max_running_requests=4, chunked_prefill_size=16,
                            cuda_graph_bs=(1, 2, 4), dtype="bfloat16", device="cuda", max_context_len=96,
-                           attention=attention, dispatcher=dispatcher, use_cuda_graph=graphs)
+                           attention=attention, dispatcher=dispatcher, use_cuda_graph=graphs,
+                           dp_padding=dp_padding)
     with RankWorker(spec, rank=rank, world_size=world, keep_logits=True) as w:
         reqs = [Request(f"p{i}", p, SamplingParams(max_new_tokens=NEW)) for i, p in prompts_for(rank, world)]
         results = w.generate(reqs)

@@ -14,7 +14,10 @@ from tests.model_gpu_checks import NEW, compare_to_reference, prompts_for, run
 
 pytestmark = pytest.mark.gpu2
 
-DISPATCHERS = ["all_gather"] + (["flashinfer"] if importlib.util.find_spec("flashinfer") else [])
+# all_gather runs through the DP buffer service: every eager step forced to MAX_LEN, then to
+# SUM_LEN (NCCL's uneven all-gather and reduce-scatter); graph steps gather MAX_LEN at the bucket.
+DISPATCHERS = [("all_gather", "max_len"), ("all_gather", "sum_len")] + (
+    [("flashinfer", None)] if importlib.util.find_spec("flashinfer") else [])
 ATTENTION = "flashinfer" if importlib.util.find_spec("flashinfer") else "sdpa"
 
 
@@ -31,11 +34,12 @@ def setup(dist_group, tmp_path_factory):
     return ckpt, rank, world, refs
 
 
-@pytest.mark.parametrize("dispatcher", DISPATCHERS)
-def test_two_gpus_graphs_and_eager_agree_and_match_transformers(setup, dispatcher):
+@pytest.mark.parametrize(("dispatcher", "padding"), DISPATCHERS)
+def test_two_gpus_graphs_and_eager_agree_and_match_transformers(setup, dispatcher, padding):
     ckpt, rank, world, refs = setup
-    eager = run(ckpt, rank=rank, world=world, graphs=False, attention=ATTENTION, dispatcher=dispatcher)
-    graph = run(ckpt, rank=rank, world=world, graphs=True, attention=ATTENTION, dispatcher=dispatcher)
+    kw = dict(rank=rank, world=world, attention=ATTENTION, dispatcher=dispatcher, dp_padding=padding)
+    eager = run(ckpt, graphs=False, **kw)
+    graph = run(ckpt, graphs=True, **kw)
     problems = compare_to_reference(*graph[:2], refs) + compare_to_reference(*eager[:2], refs)
     if graph[0] != eager[0]:
         problems.append(f"graph tokens {graph[0]} != eager tokens {eager[0]}")
