@@ -10,6 +10,8 @@
 #   bash bench/run_gpu.sh kernels # one GPU: kernel tests, moe_layer, a kernel census of serve_step
 #   bash bench/run_gpu.sh compare1 # one GPU: serve_step DP 1 vs earlier trees
 #   bash bench/run_gpu.sh compare2 # two GPUs: serve_step DP 2 (auto and all_gather) vs earlier trees
+#   bash bench/run_gpu.sh final2  # two GPUs: every gpu2 test and the 2-GPU Ray test
+#   bash bench/run_gpu.sh benches2 # two GPUs: DP 1 and DP 2 (auto, all_gather) vs earlier trees, census
 # Earlier trees for side-by-side runs come as .bases/*.tar.xz (git archive --prefix=NAME/ COMMIT).
 #   bash bench/run_gpu.sh load    # two GPUs: prefill and serve_load (qwen3-30b-a3b) at DP 1 and DP 2
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
@@ -84,6 +86,19 @@ case "${1:-one}" in
   compare1)  # one GPU: DP 1 decode against earlier trees (after `kernels` on the same machine: JIT cached)
     step compare_1 python bench/compare_trees.py $(bases) -- python bench/serve_step.py \
       --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 ${SERVE_ARGS:-}
+    ;;
+  final2)  # two GPUs, after the code is done: every gpu2 test and the 2-GPU Ray test
+    step gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs tests/
+    step ray_gpu_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_launch_ray.py
+    ;;
+  benches2)  # two GPUs: DP 1 and DP 2 decode against earlier trees, and a census at DP 2
+    step compare_1 python bench/compare_trees.py $(bases) -- python bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 ${SERVE_ARGS:-}
+    step compare_2_auto python bench/compare_trees.py --nproc 2 $(bases) -- bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 ${SERVE_ARGS:-}
+    step compare_2_all_gather python bench/compare_trees.py --nproc 2 $(bases) -- bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 --dispatcher all_gather ${SERVE_ARGS:-}
+    step census_1 python bench/serve_step.py --batch-sizes 1,256 --modes graph --profile ${SERVE_ARGS:-}
     ;;
   compare2)  # two GPUs: DP 2 / EP 2 decode, the auto dispatcher and all_gather, against earlier trees
     step compare_2_auto python bench/compare_trees.py --nproc 2 $(bases) -- bench/serve_step.py \
