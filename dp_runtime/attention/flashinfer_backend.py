@@ -1,49 +1,21 @@
 """Attention with FlashInfer over the paged KV cache (page size 1; CUDA only).
 
-Decode uses ``BatchDecodeWithPagedKVCacheWrapper``. Extend runs eager with
-``BatchPrefillWithRaggedKVCacheWrapper`` and/or ``BatchPrefillWithPagedKVCacheWrapper`` as
-``choose_kv_layout`` says.
+Decode: ``BatchDecodeWithPagedKVCacheWrapper``. Extend (eager only): the ragged and/or paged
+prefill wrappers, as ``kv_layout.choose_kv_layout`` says; the layout is stored in
+``FlashInferMetadata`` and both the plans and the forward follow it.
 
-Two sets of wrappers, never shared between the two runner modes:
+Two wrapper sets, never shared: eager (``init_forward_metadata``: decode, paged and ragged
+prefill on the eager workspace) and graphs (``init_capture``: one decode wrapper per bucket on a
+workspace of their own, over fixed index buffers for ``max_bs`` requests of ``max_context_len``
+tokens). A batch beyond a limit raises naming it before FlashInfer is called.
 
-- eager (``init_forward_metadata``): one decode, one paged-prefill and one ragged-prefill
-  wrapper on the eager float workspace. FlashInfer sizes their index buffers at every plan;
-  the backend still refuses a batch beyond the cache's limits (``max_reqs`` requests,
-  ``max_context_len`` tokens each) with an error naming the limit and the value.
-- graphs (``init_capture`` / ``*_capture`` / ``*_replay``): one decode wrapper per bucket with
-  ``use_cuda_graph=True``, on a float workspace of their own, whose indptr / indices /
-  last-page-length buffers are the leading rows of fixed buffers sized in ``init_capture`` for
-  ``max_bs`` requests of ``max_context_len`` tokens (one replay runs at a time). A replay that
-  does not fit raises before FlashInfer is called.
+Hazard: a plan stages data in pinned host buffers that the next plan of the wrapper rewrites;
+the host must not plan it again before the GPU has started the previous copy (the step loop
+reads its tokens every step). ``check_indices=True`` (``RuntimeConfig.flashinfer_checks``) makes
+every plan outside a capture sync and verify lengths and KV indices on the host.
 
-An eager plan therefore never rewrites what a captured graph reads, and a replay's plan never
-rewrites the eager wrappers' state.
-
-The layout is chosen by one function (``kv_layout.choose_kv_layout``) with the same inputs at
-capture, replay and eager, and stored in ``FlashInferMetadata``: the planner plans the
-wrappers that layout needs and the forward runs the wrappers of that layout, never a second
-opinion. The decode planner takes the bucket ``bs`` it is given and reads ``[:bs]`` of longer
-buffers; index lists are built on the device from host-known lengths, so a replay enqueues
-without waiting for the GPU.
-
-FlashInfer semantics this relies on (0.7.2.post1, read in its source): ``plan`` takes int32
-host indptrs; a request's KV length is ``max(pages - 1, 0) * page_size + last_page_len`` (0 for
-a request with no pages); a causal mask is aligned to the end of the KV: query ``i`` of a
-request with ``qo_len`` queries and ``kv_len`` keys sees keys ``<= kv_len - qo_len + i``; the
-returned log-sum-exp is base 2, which is what ``merge_state`` takes.
-
-Hazard: FlashInfer's plan stages its scheduling metadata through a pinned host buffer per
-wrapper and copies it to the device asynchronously; the next plan of that wrapper rewrites it.
-The host must therefore not plan a wrapper again before the GPU has started the previous step's
-copy: a step loop that reads its sampled tokens every step (a sync) is safe.
-
-Debugging: ``check_indices=True`` (``RuntimeConfig.flashinfer_checks``, or
-``DP_RUNTIME_FLASHINFER_CHECKS=1`` through it) makes every plan
-outside a capture synchronize and verify, on the host, that the device lengths equal the host
-ones and that every KV index lies in the cache: what would otherwise be an illegal memory
-access inside a kernel becomes an error naming the batch.
-
-FlashInfer is imported when a backend is constructed, so this module imports without it.
+The FlashInfer semantics this relies on, and the rest of the story: docs/graph.md
+("FlashInferBackend"). FlashInfer is imported when a backend is constructed.
 """
 
 from __future__ import annotations

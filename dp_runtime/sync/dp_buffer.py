@@ -4,27 +4,19 @@ Shapes (legend): ``G`` = global_dp_buffer_len (rows of the gathered buffer), ``L
 local_dp_buffer_len (rows of this rank's local buffer), ``D`` = hidden_size, ``R`` = dp_size,
 ``K`` = the MoE top-k of the routing rows.
 
-Each step the rank calls ``set_dp_buffer_len`` (``set_from_plan`` with the StepPlan) with the
-step's ``global_num_tokens_cpu``; the service lays the gathered buffers out for it
-(``DPBufferLayout``) and the gather-style MoE path (the all-gather dispatcher) gathers hidden
-rows and routing into them and reduce-scatters its expert outputs back through it. The padding
-mode decides what moves: MAX_LEN moves each rank's slot padded to ``L``; SUM_LEN only live rows.
+Each step ``set_dp_buffer_len`` (``set_from_plan`` with the StepPlan) lays the buffers out for
+the step's ``global_num_tokens_cpu``; the all-gather dispatcher gathers hidden rows and routing
+into them and reduce-scatters its expert outputs back through the service. Storage comes from
+the rank's ``buffers.BufferPool`` once, at the largest size the config allows, and only with
+``allocate=True`` (all-to-all dispatchers: layouts only). Steps take views of it, so addresses
+never move and a graph may keep them; the views are valid until the next ``set_dp_buffer_len``.
 
-Storage comes from the rank's ``buffers.BufferPool``, requested once at construction at the
-largest size the config allows, and only when a gather-style path will use it
-(``allocate=False`` for all-to-all dispatchers: the layout is still computed every step, but
-no gathered storage exists). Every step takes views of that storage, so addresses never move
-and a captured graph may keep them. The views are valid until the next ``set_dp_buffer_len``.
+Layout (``dp_buffer_layout``, pure): MAX_LEN ``G = L * R``, rank ``r`` at ``r * L``, its first
+``global_num_tokens[r]`` rows live; SUM_LEN ``G = sum(global_num_tokens)``, rank ``r`` after the
+counts before it, ``L`` = its count.
 
-Layout of the gathered buffers (``dp_buffer_layout``, a pure function of the arguments):
-
-- MAX_LEN: ``G = L * R``; rank ``r``'s rows start at ``r * L`` (``offsets``), its first
-  ``global_num_tokens[r]`` rows are live, the rest padding.
-- SUM_LEN: ``G = sum(global_num_tokens)``; rank ``r``'s rows start at the sum of the counts
-  before it; ``L`` = this rank's count.
-
-Serialization hazard (as for the pool): the buffers are shared by every forward of the rank,
-which is safe because those forwards run one after another on one stream.
+Hazard (as for the pool): the buffers are shared by every forward of the rank, which is safe
+because those forwards run one after another on one stream. The story: docs/dp_sync.md.
 """
 
 from __future__ import annotations

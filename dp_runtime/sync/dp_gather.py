@@ -1,31 +1,18 @@
-"""dp_gather (local -> global) and dp_scatter (global -> local) for both padding modes.
+"""dp_gather (local -> global), dp_scatter and dp_reduce_scatter (global -> local), both paddings.
 
 Shapes (legend): ``T`` = rows this rank brings, ``G`` = rows of the gathered buffer, ``P`` =
 per-rank rows under MAX_LEN (``G = P * R``), ``D`` = hidden size, ``R`` = dp_size.
 
-MAX_LEN (``dp_gather``): the rank writes its rows into its own slot ``[r*P, (r+1)*P)`` of the
-global buffer (zeroing the slot's tail) and runs an in-place ``all_gather_into_tensor`` with
-that slot as input. In place because NCCL supports it natively (input == output + r * chunk):
-no staging buffer, no extra copy.
+- MAX_LEN gather: the rank's rows go into its own slot (tail zeroed), then an in-place
+  ``all_gather_into_tensor`` with the slot as input (no staging buffer).
+- SUM_LEN gather: an uneven all-gather straight into the buffer's rows, live rows only (CUDA:
+  torch's list ``all_gather``, coalesced NCCL broadcasts; gloo: a variable-split all-to-all).
+- ``dp_reduce_scatter`` (the MoE combine): CUDA MAX_LEN ``reduce_scatter_tensor`` of the padded
+  slots; CUDA SUM_LEN an uneven reduce-scatter of live rows; gloo: each peer's live rows by
+  all-to-all, summed in fp32 in rank order.
 
-SUM_LEN (``dp_gather``): an uneven all-gather straight into the rows of the global buffer, so
-each rank receives exactly the others' live rows: no padding, no staging, no compaction. On
-CUDA it is NCCL broadcasts from every rank coalesced into one group (``all_gather_v``; it
-replaced zero + ``all_reduce``, which reached only about 55% of a raw all-gather of the same
-bytes on H200s, docs/BENCHMARKS.md); on gloo, which has no uneven all-gather, a variable-split
-all-to-all that sends the rank's rows to every peer (``all_to_all_v``).
-
-A CUDA graph always gathers under MAX_LEN (the bucket on every rank): the shapes, offsets and
-addresses are the same at every replay, so no offset has to be computed on the device.
-
-``dp_scatter`` takes this rank's rows back (a slice, or a copy into ``out_TD``);
-``dp_reduce_scatter`` sums over ranks first (the MoE combine): MAX_LEN on CUDA is one
-``reduce_scatter_tensor`` over the padded slots; SUM_LEN on CUDA an uneven reduce-scatter (NCCL
-reduces, coalesced); on gloo every rank sends each peer that peer's live rows by all-to-all and
-sums what it receives in fp32, in rank order (deterministic, and no padding row travels).
-
-With world size 1 (no process group) the collectives are skipped: same answer.
-Every function is a collective over ``group`` except the scatters; ranks with zero rows join.
+World size 1 skips the collectives (same answer). Every function but ``dp_scatter`` is a
+collective over ``group``; ranks with zero rows join. The full table: docs/dp_sync.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,23 @@
 """PaddingMode and the rule that picks it for a step (a pure function).
 
-MAX_LEN: every rank's rows are padded to the same length ``L`` (the step's max, or the graph
-bucket); the gathered buffer holds ``L * dp_size`` rows, rank ``r`` at rows ``[r*L, r*L + n_r)``.
-The gather is one ``all_gather_into_tensor``: per rank it moves ``(dp_size - 1) * L`` rows.
-
-SUM_LEN: no padding; the gathered buffer holds ``sum(n)`` rows, rank ``r`` at
-``offset_r = n_0 + ... + n_{r-1}``. The gather writes the rank's rows into a zeroed buffer and
-sums over ranks with ``all_reduce``: a ring all-reduce moves ``2 * (dp_size - 1) / dp_size``
-times the buffer, i.e. ``2 * (dp_size - 1) / dp_size * sum(n)`` rows per rank.
-
-So MAX_LEN moves no more than SUM_LEN exactly when ``max(n) * dp_size <= 2 * sum(n)``: that is
-where the threshold of the rule comes from.
+MAX_LEN: every rank's rows are padded to one length ``L`` (the step's max, or the graph bucket);
+the gathered buffer holds ``L * dp_size`` rows, rank ``r`` at ``[r*L, r*L + n_r)``.
+SUM_LEN: no padding; ``sum(n)`` rows, rank ``r`` at ``n_0 + ... + n_{r-1}``; only live rows move.
 
 The rule, first match wins (``n`` are the per-rank counts aligned up to ``attn_tp_size``):
 
-=====  ========================================  ==========  =====================================
-order  condition                                 mode        why
-=====  ========================================  ==========  =====================================
-1      the step replays a CUDA graph             MAX_LEN     a graph is captured at ``bucket`` rows
-                                                             per rank: its shapes are MAX_LEN
-2      the config sets ``dp_padding``            override    the operator's choice (legal on every
-                                                             eager step)
-3      extend step (any rank) and dp_size > 1    SUM_LEN     prefill counts are large and uneven
-4      ``max(n) * dp_size <= 2 * sum(n)``        MAX_LEN     pays no more bytes than SUM_LEN, and
-                                                             one all-gather is the cheaper launch
-5      otherwise                                 SUM_LEN     padding would cost more than the sum
-=====  ========================================  ==========  =====================================
+=====  ========================================  ==========
+order  condition                                 mode
+=====  ========================================  ==========
+1      the step replays a CUDA graph             MAX_LEN
+2      the config sets ``dp_padding``            override
+3      extend step (any rank) and dp_size > 1    SUM_LEN
+4      ``max(n) * dp_size <= 2 * sum(n)``        MAX_LEN
+5      otherwise                                 SUM_LEN
+=====  ========================================  ==========
 
-(With dp_size == 1 rule 4 always holds: ``max == sum``.) A step where every rank is empty is
-skipped by every rank and has no padding; its plan says MAX_LEN with a zero-length buffer.
+Why each rule, and what each mode moves: docs/dp_sync.md ("The padding rule"). A step where every
+rank is empty is skipped and has no padding; its plan says MAX_LEN with a zero-length buffer.
 """
 
 from __future__ import annotations
