@@ -33,10 +33,13 @@ FAST = dict(poll_interval_s=0.05, rpc_timeout_s=20.0, setup_timeout_s=60.0, pg_t
 @pytest.fixture(scope="module")
 def cluster():
     """Two nodes of 2 CPUs each (Ray's multi-node test cluster, all on this machine): a gang of
-    2 fits one node (STRICT_PACK), a gang of 4 spans both."""
+    2 fits one node (STRICT_PACK), a gang of 4 spans both. The head node also holds this
+    machine's GPUs, so the GPU test's gang of {GPU: 1} bundles packs onto it."""
+    import torch
     from ray.cluster_utils import Cluster
 
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    head = {"num_cpus": 2, "num_gpus": torch.cuda.device_count(), "include_dashboard": False}
+    nodes = Cluster(initialize_head=True, head_node_args=head)
     nodes.add_node(num_cpus=2)
     nodes.wait_for_nodes()
     ray.init(address=nodes.address, configure_logging=False)
