@@ -196,9 +196,9 @@ def graph_input_bytes_by_name(config: RuntimeConfig, *, decode_graphs: bool = Tr
     largest of its declarations. Each registry is built by its builder into a meta pool of its own and the
     per-name maxima are taken, which is what one shared pool materializes whatever the order.
 
-    Difference from CUDA, bounded: there a registry packs its computed per-step counters
-    (``num_token_non_padded``, ``global_num_tokens*_gpu``) into one block per registry instead
-    of sharing them by name, which adds ``4 * (1 + 2 * dp_size)`` bytes.
+    Difference from CUDA, bounded: there a registry packs its computed per-step counter
+    (``num_token_non_padded``) into one block of its own instead of sharing it by name, which
+    adds 4 bytes per registry.
     """
     prefill_pool = BufferPool()
     build_prefill_registry(

@@ -12,10 +12,11 @@ Fields:
   checkpoint directory (config.json and *.safetensors).
 - ``model_overrides``: ModelConfig fields replaced after loading the config (``num_layers`` for
   a shorter benchmark stack); only with a preset.
-- ``dispatcher``: ``auto`` | ``all_gather`` | ``all_to_all`` | ``flashinfer``.
+- ``dispatcher``: ``auto`` | ``local`` (world size 1) | ``all_gather`` | ``all_to_all`` |
+  ``flashinfer`` (``dp_runtime.choices`` resolves ``auto``).
 - ``attention``: ``auto`` (FlashInfer on CUDA when it imports, else torch SDPA) | ``sdpa`` |
   ``flashinfer``.
-- ``use_cuda_graph``: None for "on CUDA when the dispatcher is capturable"; False: eager only.
+- ``use_cuda_graph``: None for "on for CUDA"; False: eager only (``dp_runtime.choices``).
 - ``kv_cache_tokens``: KV slots per rank; None sizes them: on CUDA from ``kv_mem_fraction`` of the
   memory free after weights, on CPU ``max_running_requests * max_context_len`` capped at 65536.
 - ``max_context_len``: longest prompt + output of one request (None: the model's limit, capped

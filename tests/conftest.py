@@ -1,4 +1,4 @@
-"""Test tiers (see docs/testing.md): unit (plain pytest), `dist` (under torchrun, gloo), `gpu`
+"""Test tiers (see README.md, "Test tiers"): unit (plain pytest), `dist` (under torchrun, gloo), `gpu`
 (one CUDA GPU) and `gpu2` (two CUDA GPUs with NCCL, under torchrun).
 
 Under torchrun every rank collects the same tests and takes the same skip decisions, because

@@ -69,8 +69,8 @@ class FlashInferBackend:
         workspace_bytes: FlashInfer's float workspace (split-KV partial results), one for the
             eager wrappers and one more for the graph wrappers (allocated by ``init_capture``).
         scale: softmax scale, default ``1/sqrt(head_dim)``.
-        check_indices: verify every plan on the host (syncs; see the module docstring); None
-            reads ``DP_RUNTIME_FLASHINFER_CHECKS``.
+        check_indices: verify every plan on the host (syncs; see the module docstring); the
+            rank worker passes ``RuntimeConfig.flashinfer_checks`` (``DP_RUNTIME_FLASHINFER_CHECKS``).
         flashinfer_module: the module providing the wrappers and ``merge_state``; None imports
             ``flashinfer``. Tests pass a pure-torch emulation, which may run on CPU.
     """
