@@ -51,7 +51,7 @@ import torch
 from dp_runtime.model.experts import grouped_mm_supported, local_expert_sum
 from dp_runtime.model.fused_moe import fused_moe_supported
 from dp_runtime.model.routing import softmax_topk
-from launch.gpu_specs import gpu_spec_for_device
+from launch.gpu_specs import gpu_spec_for_device, measure_copy_bandwidth
 
 REL_BOUND = 4 * 2.0**-8
 
@@ -121,17 +121,7 @@ def _bandwidth(device) -> tuple[float, str]:
     spec = gpu_spec_for_device(torch.cuda.get_device_name(device))
     if spec is not None:
         return spec.hbm_bytes_per_s, f"{spec.name} spec"
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * n * 10 / (start.elapsed_time(end) / 1e3), "measured copy"
+    return measure_copy_bandwidth(device), "measured copy"
 
 
 def _graph_us(run: Callable[[], None], layers: int, repeats: int, inner: int) -> float:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import subprocess
@@ -44,11 +43,8 @@ from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.request import Request, SamplingParams
 from launch import process_group
+from launch.cli_errors import UsageError, bench_main
 from launch.gpu_specs import gpu_spec_for_device
-
-
-class UsageError(ValueError):
-    """A bad option: one line on stderr, exit 2."""
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -195,21 +191,7 @@ def print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
-    try:
-        args = parse_args(argv)
-        report = run(args)
-    except (UsageError, ValueError, OSError) as e:
-        if debug and not isinstance(e, UsageError):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if report is not None:
-        if args.json:
-            print(json.dumps(report), flush=True)
-        else:
-            print_table(report)
-    return 0
+    return bench_main(argv, parse_args, run, print_table)
 
 
 if __name__ == "__main__":

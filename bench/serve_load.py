@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import math
 import os
 import random
@@ -57,6 +56,7 @@ from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request, RequestResult, SamplingParams
 from launch import process_group
+from launch.cli_errors import UsageError, bench_main
 from launch.run_report import percentile
 from launch.workload import split_round_robin
 
@@ -67,9 +67,6 @@ SHAREGPT_LIKE = {
     "output": ((1, 32, 0.25), (32, 128, 0.25), (128, 256, 0.25), (256, 512, 0.25)),
 }
 
-
-class UsageError(ValueError):
-    """A bad option: one line on stderr, exit 2."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,22 +415,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
-    try:
-        args = parse_args(argv)
-        report = run(args)
-    except (UsageError, ValueError, OSError) as e:
-        # Bad options, a model that cannot hold them, a missing checkpoint: the user's to fix.
-        if debug and not isinstance(e, UsageError):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if report is not None:
-        if args.json:
-            print(json.dumps(report), flush=True)
-        else:
-            print_table(report)
-    return 0
+    return bench_main(argv, parse_args, run, print_table)
 
 
 if __name__ == "__main__":

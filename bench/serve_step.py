@@ -39,6 +39,7 @@ from dp_runtime import memory_sizing
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.request import Request, SamplingParams
+from launch.gpu_specs import measure_copy_bandwidth
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,22 +59,6 @@ def parse_args() -> argparse.Namespace:
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
     args.modes = [m for m in ("graph", "eager") if m in args.modes.split(",")]
     return args
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted)."""
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * n * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def touched_weight_bytes(spec: RankSpec, bs: int, dp: int, ep_rank: int) -> float:
@@ -200,7 +185,7 @@ def main() -> None:
     t0 = time.perf_counter()
     worker = RankWorker(spec, rank=rank, world_size=world, show_progress=rank == 0)
     build_s = time.perf_counter() - t0
-    bw = copy_bandwidth(device)
+    bw = measure_copy_bandwidth(device)
     rows = []
     census = None
     for bs in args.batch_sizes:

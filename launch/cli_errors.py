@@ -17,7 +17,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "LOG_LEVELS", "UsageError",
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "LOG_LEVELS", "UsageError", "bench_main",
            "check_choice", "error_line", "is_user_error"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -56,3 +56,26 @@ def print_error(exc: BaseException, *, debug: bool = False) -> None:
     if debug:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     print(f"error: {error_line(exc)}", file=sys.stderr, flush=True)
+
+
+def bench_main(argv, parse_args, run, print_table) -> int:
+    """The ``main`` of a benchmark script: parse, run, print a table (or the report as one JSON
+    line with ``--json``). A user error (bad options, a model that cannot hold them, a missing
+    checkpoint) is one ``error:`` line and exit 2; ``--debug`` keeps the traceback."""
+    import json
+
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(argv)
+        report = run(args)
+    except (UsageError, ValueError, OSError) as e:
+        if debug and not isinstance(e, UsageError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if report is not None:
+        if args.json:
+            print(json.dumps(report), flush=True)
+        else:
+            print_table(report)
+    return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GIB", "GPUS", "GpuSpec", "gpu_spec", "gpu_spec_for_device"]
+__all__ = ["GIB", "GPUS", "GpuSpec", "gpu_spec", "gpu_spec_for_device", "measure_copy_bandwidth"]
 
 GIB = 1 << 30
 
@@ -73,3 +73,22 @@ def gpu_spec_for_device(device_name: str) -> GpuSpec | None:
     if "4090" in n:
         return GPUS["rtx-4090"]
     return None
+
+
+def measure_copy_bandwidth(device) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy on ``device`` (read + write counted):
+    the bandwidth the benchmarks' bytes floors use where no spec applies, or beside it."""
+    import torch
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * n * 10 / (start.elapsed_time(end) / 1e3)
