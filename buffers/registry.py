@@ -1,133 +1,34 @@
 """BufferRegistry: the graph-resident inputs of one runner, filled then viewed every step.
 
-``fill(batch, raw_bs, padded_bs, raw_num_tokens, padded_num_tokens)`` does, in order:
-
-1. checks capacity (raw <= padded <= the slot's maximum, per axis);
-2. resets the padded tail ``[raw:padded)`` of each slot by its padding policy and copies the
-   live rows ``[0:raw)`` of each plain slot from the batch, as grouped copies: one
-   ``torch._foreach_copy_`` per (device, dtype), with pad values read from small constant
-   tensors so that pads and copies travel in the same launch;
-3. runs the post-fill hooks of computed slots (they see the copied rows).
-
-Rows at or beyond ``padded`` are never written. The slice views each size needs are built once
-and cached by size, so a step's host cost is the grouped copies plus a few dict lookups.
+``fill(batch, raw_bs, padded_bs, raw_num_tokens, padded_num_tokens)`` checks capacity (raw <=
+padded <= the slot's maximum), resets each slot's padded tail ``[raw:padded)`` by its padding
+policy and copies the live rows ``[0:raw)`` from the batch as grouped copies (one
+``torch._foreach_copy_`` per device and dtype, pads read from small constant tensors so they
+travel in the same launch), then runs the computed slots' post-fill hooks. Rows at or beyond
+``padded`` are never written; a refused fill writes nothing. The plan of each size is built once
+(``fill_plan.py``, bounded cache).
 
 ``view(template, padded_bs, padded_num_tokens)`` returns ``dataclasses.replace(template, ...)``
-whose slot fields are views of the registry's storage, ``batch_size=padded_bs``. A plain slot
-the last fill found as None stays None; computed slots are always exposed; dotted (nested) slots
-are not top-level fields and are read with ``registry.views(...)`` instead.
-
-Only ``fill`` writes these buffers; the storage itself belongs to the ``BufferPool`` (or to the
-object a builder bound them from).
+with slot fields as views of the storage and ``batch_size=padded_bs``: a plain slot the last
+fill found None stays None, computed slots are always exposed, dotted (nested) slots are read
+with ``views(...)``. Only ``fill`` writes these buffers; the storage belongs to the
+``BufferPool`` (or to the object a builder bound them from). docs/buffers.md has the rest.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import operator
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import torch
 
+from buffers import fill_plan as fp
 from buffers.pool import BufferPool, checked_shape
 from buffers.slot import Axis, FillSizes, Slot
 
 __all__ = ["BufferRegistry"]
-
-# Entries each per-size cache keeps (least recently used go first).
-PER_SIZE_CACHE = 256
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class BoundedCache(OrderedDict, Generic[K, V]):
-    """A dict that keeps its ``capacity`` most recently used entries."""
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity = capacity
-
-    def get(self, key: K, default: V | None = None) -> V | None:  # type: ignore[override]
-        if key in self:
-            self.move_to_end(key)
-            return self[key]
-        return default
-
-    def __setitem__(self, key: K, value: V) -> None:
-        super().__setitem__(key, value)
-        self.move_to_end(key)
-        if len(self) > self.capacity:
-            self.popitem(last=False)
-
-
-def _count(value: Any, what: str) -> int:
-    """``value`` as an int >= 0, or ValueError naming ``what`` and the value (2.7 is refused,
-    not truncated to 2)."""
-    try:
-        n = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        n = None
-    if n is None or n < 0:
-        raise ValueError(f"{what} must be an int >= 0, got {value!r}")
-    return n
-
-
-@dataclass
-class _CopyGroup:
-    """Copies and pads that one ``torch._foreach_copy_`` call can carry.
-
-    On CUDA that call is one launch only when every pair shares device and dtype and is dense
-    with matching strides; pairs that are not (the ``[:, :raw]`` slice of a ``(3, T)`` slot)
-    travel in a group of their own so they do not push the whole group onto the slow path.
-    """
-
-    dsts: list[torch.Tensor]
-    srcs: list[torch.Tensor | None]  # None: a live source, read from the batch at fill time
-
-
-@dataclass(frozen=True)
-class _Live:
-    """Where a plain slot's live copies and pads sit among the plan's groups.
-
-    A slot whose axis is dim 1 of a 2-D buffer (``(3, T)`` mrope positions) is copied row by
-    row: each row slice is dense, so it joins the one-launch group instead of a strided one.
-    """
-
-    slot: Slot
-    shape: torch.Size  # what the batch tensor must look like for this fill
-    dtype: torch.dtype
-    lives: tuple[tuple[int, int], ...]  # (group, index) of each live pair (one per row if split)
-    pads: tuple[tuple[int, int], ...]  # (group, index) of each pad pair
-    split_rows: bool
-
-
-@dataclass
-class _Pack:
-    """Computed CUDA slots of one dtype laid out in one storage: their host values (cached,
-    immutable tensors the hooks return) are concatenated once per distinct set of values and
-    go over in one transfer."""
-
-    block: torch.Tensor
-    members: list[tuple[Slot, torch.Tensor]]
-    cache: dict[tuple[int, ...], tuple[torch.Tensor, list[torch.Tensor]]]
-
-
-@dataclass
-class _FillPlan:
-    """Everything a fill of one size needs, built once per size."""
-
-    sizes: FillSizes
-    groups: list[_CopyGroup]
-    live: list[_Live]
-    fill_once: list[tuple[Slot, torch.Tensor]]  # slots whose buffer still awaits its one fill
-    computed: list[tuple[Slot, torch.Tensor]]  # unpacked computed slots: (slot, whole buffer)
-    plain: frozenset[str]  # names of the plain (copied) slots
-
 
 class BufferRegistry:
     """The named input buffers of one runner (see the module docstring).
@@ -157,16 +58,16 @@ class BufferRegistry:
             if slot.name in self.slots:
                 raise ValueError(f"duplicate slot name {slot.name!r} in registry {user!r}")
             self.slots[slot.name] = slot
-        self.max_bs = _count(max_bs, f"registry {user!r}: max_bs")
-        self.max_num_tokens = _count(max_num_tokens, f"registry {user!r}: max_num_tokens")
+        self.max_bs = fp.count_arg(max_bs, f"registry {user!r}: max_bs")
+        self.max_num_tokens = fp.count_arg(max_num_tokens, f"registry {user!r}: max_num_tokens")
         self.device = torch.device(device)
         self.user = user
         self._pool = pool
         self._buffers: dict[str, torch.Tensor] = {}
         # Per-size caches, bounded: an eager runner sees every prefill size from 1 to the chunk,
         # and each entry holds views; the hot sizes of a serving loop stay, the rest are evicted.
-        self._plans: BoundedCache[tuple[int, int, int | None, int | None], _FillPlan] = BoundedCache(PER_SIZE_CACHE)
-        self._padded: BoundedCache[tuple[int, int], dict[str, torch.Tensor]] = BoundedCache(PER_SIZE_CACHE)
+        self._plans: fp.BoundedCache[tuple[int, int, int | None, int | None], fp.FillPlan] = fp.BoundedCache(fp.PER_SIZE_CACHE)
+        self._padded: fp.BoundedCache[tuple[int, int], dict[str, torch.Tensor]] = fp.BoundedCache(fp.PER_SIZE_CACHE)
         self._pad_sources: dict[str, torch.Tensor] = {}
         self._packs = []
         self._once_done: set[str] = set()
@@ -197,7 +98,7 @@ class BufferRegistry:
             numel = sum(math.prod(self.full_shape(m)) for m in members)
             pool.declare(self._pack_name(dtype), (numel,), dtype, self.device, user)
         pool.materialize()
-        self._packs: list[_Pack] = []
+        self._packs: list[fp.PackedSlots] = []
         for dtype, members in packed.items():
             numel = sum(math.prod(self.full_shape(m)) for m in members)
             block = pool.view(self._pack_name(dtype), (numel,))
@@ -207,7 +108,7 @@ class BufferRegistry:
                 self._buffers[m.name] = block[start : start + n].view(self.full_shape(m))
                 views.append((m, self._buffers[m.name]))
                 start += n
-            self._packs.append(_Pack(block, views, {}))
+            self._packs.append(fp.PackedSlots(block, views, {}))
         for slot in to_allocate:
             if slot.name not in self._buffers:
                 self._buffers[slot.name] = pool.view(slot.name, self.full_shape(slot))
@@ -261,11 +162,11 @@ class BufferRegistry:
     # -- fill ----------------------------------------------------------------------------------
     def _sizes(self, raw_bs: int, padded_bs: int, raw_num_tokens: int | None, padded_num_tokens: int | None) -> FillSizes:
         where = f"registry {self.user!r}: fill"
-        raw_bs, padded_bs = _count(raw_bs, f"{where} raw_bs"), _count(padded_bs, f"{where} padded_bs")
+        raw_bs, padded_bs = fp.count_arg(raw_bs, f"{where} raw_bs"), fp.count_arg(padded_bs, f"{where} padded_bs")
         if raw_num_tokens is not None:
-            raw_num_tokens = _count(raw_num_tokens, f"{where} raw_num_tokens")
+            raw_num_tokens = fp.count_arg(raw_num_tokens, f"{where} raw_num_tokens")
         if padded_num_tokens is not None:
-            padded_num_tokens = _count(padded_num_tokens, f"{where} padded_num_tokens")
+            padded_num_tokens = fp.count_arg(padded_num_tokens, f"{where} padded_num_tokens")
         raw_t = raw_bs if raw_num_tokens is None else raw_num_tokens
         pad_t = (padded_bs if raw_num_tokens is None else raw_t) if padded_num_tokens is None else padded_num_tokens
         sizes = FillSizes(raw_bs, padded_bs, raw_t, pad_t)
@@ -298,15 +199,15 @@ class BufferRegistry:
             self._pad_sources[slot.name] = src
         return src
 
-    def _build_plan(self, sizes: FillSizes) -> _FillPlan:
+    def _build_plan(self, sizes: FillSizes) -> fp.FillPlan:
         groups: dict[tuple[torch.device, torch.dtype, bool], int] = {}
-        plan = _FillPlan(sizes, [], [], [], [], frozenset())
+        plan = fp.FillPlan(sizes, [], [], [], [], frozenset())
 
         def place(dst: torch.Tensor, src: torch.Tensor | None) -> tuple[int, int]:
             key = (dst.device, dst.dtype, dst.is_contiguous())
             if key not in groups:
                 groups[key] = len(plan.groups)
-                plan.groups.append(_CopyGroup([], []))
+                plan.groups.append(fp.CopyGroup([], []))
             group = plan.groups[groups[key]]
             group.dsts.append(dst)
             group.srcs.append(src)
@@ -320,7 +221,7 @@ class BufferRegistry:
                     plan.computed.append((slot, buf))
                 continue
             if slot.axis is Axis.NONE:
-                plan.live.append(_Live(slot, buf.shape, buf.dtype, (place(buf, None),), (), False))
+                plan.live.append(fp.LiveSlot(slot, buf.shape, buf.dtype, (place(buf, None),), (), False))
                 continue
             raw, padded = sizes.raw(slot.axis), sizes.padded(slot.axis)
             kind = slot.padding.kind
@@ -342,7 +243,7 @@ class BufferRegistry:
             if pads:
                 pad_src = self._pad_source(slot)[tail]
                 pad_at = tuple(place(pick(buf[tail], r), pick(pad_src, r)) for r in rows)
-            plan.live.append(_Live(slot, live.shape, buf.dtype, lives, pad_at, split))
+            plan.live.append(fp.LiveSlot(slot, live.shape, buf.dtype, lives, pad_at, split))
         plan.plain = frozenset(s.name for s in self.slots.values() if not s.computed)
         return plan
 
@@ -431,7 +332,7 @@ class BufferRegistry:
             torch._foreach_copy_(dsts, csrcs, non_blocking=True)
         self._present = plan.plain if not missing else plan.plain.difference(missing)
 
-    def _fill_pack(self, pack: _Pack, batch: Any, sizes: FillSizes) -> None:
+    def _fill_pack(self, pack: fp.PackedSlots, batch: Any, sizes: FillSizes) -> None:
         outs = [slot.compute(buf, batch, sizes) for slot, buf in pack.members]
         if not all(o is not None and o.device.type == "cpu" for o in outs):
             for (_, buf), out in zip(pack.members, outs, strict=True):

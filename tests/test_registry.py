@@ -301,7 +301,7 @@ def test_per_size_caches_stay_bounded_over_every_prefill_size():
     """An eager prefill of every size from 1 to 1024 tokens keeps at most PER_SIZE_CACHE fill
     plans and padded views: memory does not grow with the number of distinct sizes."""
     from buffers import BufferPool, build_prefill_registry
-    from buffers.registry import PER_SIZE_CACHE
+    from buffers.fill_plan import PER_SIZE_CACHE
 
     reg = build_prefill_registry(4, 1024, "cpu", BufferPool(), register_input_embeds=False)
     for n in range(1, 1025):
