@@ -310,11 +310,8 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int) -> tuple[torc
     _align_kernel[(1,)](
         ids_P, sorted_R, block_expert, num_rows, num_picks, num_local, blocks,
         BLOCK_M=block_m, BLOCK_E=block_e,
-        # Chunks sized so a one-hot tile is at most 8K int32 (64 per thread over 4 warps: no
-        # spills), and no larger than the work: at decode (8 picks, 8 blocks) a 64-row chunk was
-        # 4-8x idle lanes, and this one-program kernel is on every layer's critical path.
-        CHUNK=min(max(16, 8192 // block_e), max(16, triton.next_power_of_2(num_picks))),
-        CHUNK_B=min(max(16, 8192 // max(block_e, block_m)), max(16, triton.next_power_of_2(blocks))),
+        # Chunks sized so a one-hot tile is 8K int32 (64 per thread over 4 warps): no spills.
+        CHUNK=max(16, 8192 // block_e), CHUNK_B=max(16, 8192 // max(block_e, block_m)),
         num_warps=4,
     )
     return sorted_R, block_expert, num_rows
