@@ -267,3 +267,26 @@ def test_gpu_graph_replay_equals_eager_bitwise(num_local):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, fused_local_expert_sum(x, ids, weights, w13, w2))
+
+
+def test_decode_picks_skip_the_alignment_and_match_the_aligned_path():
+    """Up to UNALIGNED_PICKS picks, each pick is a block of its own (no alignment launch); the
+    result equals the aligned path's on the same inputs, non-local picks included."""
+    from dp_runtime.model import fused_moe_triton as fmt
+    from dp_runtime.model.moe_align import UNALIGNED_PICKS, unaligned_blocks
+
+    ids = torch.tensor([3, -1, 7, 0], dtype=torch.int32, device=DEVICE)
+    sorted_R, block_expert, num_rows = unaligned_blocks(ids, 16)
+    assert block_expert is ids and int(num_rows) == 4 * 16
+    assert sorted_R.view(4, 16)[:, 0].tolist() == [0, 1, 2, 3] and (sorted_R.view(4, 16)[:, 1:] == 4).all()
+    for num_tokens in (1, 2):  # top-8: 8 and 16 picks, both at or under the threshold
+        x, ids_NK, weights, w13, w2 = _layer(16, 8, 64, 32, num_tokens, 12, DEVICE, seed=num_tokens)
+        assert ids_NK.numel() <= UNALIGNED_PICKS
+        fast = fused_local_expert_sum(x, ids_NK, weights, w13, w2)
+        limit, fmt.UNALIGNED_PICKS = fmt.UNALIGNED_PICKS, 0  # force the aligned path
+        try:
+            aligned = fused_local_expert_sum(x, ids_NK, weights, w13, w2)
+        finally:
+            fmt.UNALIGNED_PICKS = limit
+        assert torch.equal(fast, aligned)
+        _assert_within_bound(fast, x, ids_NK, weights, w13, w2)

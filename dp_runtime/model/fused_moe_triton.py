@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from dp_runtime.model.moe_align import UNALIGNED_PICKS, align_picks, max_blocks, unaligned_blocks
+
 __all__ = ["MoeTileConfig", "align_picks", "fused_local_expert_sum", "max_blocks", "tile_config"]
 
 
@@ -95,75 +97,6 @@ def tile_config(num_tokens: int) -> MoeTileConfig:
     return _LARGE
 
 
-def max_blocks(num_picks: int, num_local: int, block_m: int) -> int:
-    """Blocks the aligned layout may need: each non-empty expert pads its picks up to a multiple
-    of ``block_m``, and at most min(L, P) experts are non-empty, so
-    sum_e ceil(c_e / BM) <= (P + min(L, P) * (BM - 1)) // BM."""
-    return (num_picks + min(num_local, num_picks) * (block_m - 1)) // block_m
-
-
-@triton.jit(do_not_specialize=["num_picks", "num_blocks"])
-def _align_kernel(
-    ids_ptr,  # (P,) local expert id of each pick; outside [0, num_local) = not computed here
-    sorted_ptr,  # (num_blocks * BLOCK_M,) int32 out: pick of each row slot, num_picks = padding
-    block_expert_ptr,  # (num_blocks,) int32 out: expert of each block, -1 = unused
-    num_rows_ptr,  # (1,) int32 out: row slots in use
-    num_picks,
-    num_local,
-    num_blocks,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,  # next power of two >= num_local
-    CHUNK: tl.constexpr,  # picks per step: a (CHUNK, BLOCK_E) one-hot stays in registers
-    CHUNK_B: tl.constexpr,  # blocks per step of the block pass
-):
-    experts = tl.arange(0, BLOCK_E)
-
-    # Pass 1: picks per expert. A one-hot compare instead of a histogram lets invalid ids
-    # (another rank's pick, a padding row) simply match no column.
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_picks, CHUNK):
-        picks = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + picks, mask=picks < num_picks, other=-1)
-        hit = (ids[:, None] == experts[None, :]) & (experts[None, :] < num_local)
-        counts += tl.sum(hit.to(tl.int32), axis=0)
-
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    block_end = tl.cumsum(blocks, axis=0)  # inclusive: expert e owns [block_end - blocks, block_end)
-    block_start = block_end - blocks
-    used_blocks = tl.sum(blocks, axis=0)
-    tl.store(num_rows_ptr, used_blocks * BLOCK_M)
-
-    # Pass 2: per block, its expert (the number of experts that end at or before it; empty
-    # experts own no block and padded lanes end at used_blocks), and the sentinel in every slot
-    # past that expert's last pick. Slots written here and in pass 3 are disjoint, so the
-    # passes need no barrier between them.
-    rows = tl.arange(0, BLOCK_M)
-    for b0 in range(0, num_blocks, CHUNK_B):
-        b = b0 + tl.arange(0, CHUNK_B)
-        in_range = b < num_blocks
-        expert_b = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
-        used = b < used_blocks
-        tl.store(block_expert_ptr + b, tl.where(used, expert_b, -1), mask=in_range)
-        own = (expert_b[:, None] == experts[None, :]) & used[:, None]
-        count_b = tl.sum(tl.where(own, counts[None, :], 0), axis=1)
-        start_b = tl.sum(tl.where(own, block_start[None, :], 0), axis=1)
-        filled_b = count_b - (b - start_b) * BLOCK_M  # picks in this block; <= 0 past the used
-        slots = b[:, None] * BLOCK_M + rows[None, :]
-        pad = (rows[None, :] >= filled_b[:, None]) & in_range[:, None]
-        tl.store(sorted_ptr + slots, tl.full([CHUNK_B, BLOCK_M], 0, tl.int32) + num_picks, mask=pad)
-
-    # Pass 3: each valid pick to its expert's next slot, in pick order (a stable sort by expert).
-    next_slot = block_start * BLOCK_M
-    for start in range(0, num_picks, CHUNK):
-        picks = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + picks, mask=picks < num_picks, other=-1)
-        hit = ((ids[:, None] == experts[None, :]) & (experts[None, :] < num_local)).to(tl.int32)
-        rank = tl.cumsum(hit, axis=0)  # 1-based rank of the pick among this chunk's picks of e
-        slot = tl.sum(hit * (next_slot[None, :] + rank - 1), axis=1)
-        tl.store(sorted_ptr + slot, picks, mask=tl.sum(hit, axis=1) > 0)
-        next_slot += tl.sum(hit, axis=0)
-
-
 @triton.jit(do_not_specialize=["num_picks", "num_blocks"])
 def _expert_gemm_kernel(
     a_ptr,  # GEMM1: x (N, H); GEMM2: act (P, I). Unit stride along the contraction.
@@ -180,6 +113,7 @@ def _expert_gemm_kernel(
     num_rows_ptr,
     num_picks,
     num_blocks,
+    num_local,
     n_out,  # output columns: I (GEMM1, per half) or H (GEMM2)
     k_in,  # contraction: H (GEMM1) or I (GEMM2)
     A_ROW_DIV: tl.constexpr,  # pick -> A row: pick // K for GEMM1 (token rows), 1 for GEMM2
@@ -204,9 +138,12 @@ def _expert_gemm_kernel(
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
 
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    # Unaligned blocks carry a pick's raw id: another rank's expert or a padding row is skipped.
+    if (expert < 0) | (expert >= num_local):
+        return
     pick = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pick < num_picks
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Wrapped column indices keep the weight loads in bounds without a mask; the extra columns
@@ -293,30 +230,6 @@ def _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND) -> N
                          f"{tuple(out_ND.shape)} strides {out_ND.stride()}")
 
 
-def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Expert-aligned blocks of the picks ``ids_P`` (P,) (local expert ids; outside
-    [0, ``num_local``) = not computed here), in one launch. Returns int32 device tensors
-    ``(sorted_R, block_expert, num_rows)``: R = ``max_blocks(P, num_local, block_m) * block_m``
-    row slots, expert by expert and in pick order within an expert, each expert's share padded
-    to a multiple of ``block_m`` with the sentinel P; the expert of each block (-1 past the used
-    ones); the number of slots in use, shape (1,). P must be > 0."""
-    num_picks = ids_P.shape[0]
-    blocks = max_blocks(num_picks, num_local, block_m)
-    slots = blocks * block_m
-    # One int32 workspace for the three outputs: one allocation instead of three.
-    align_ws = torch.empty(slots + blocks + 1, dtype=torch.int32, device=ids_P.device)
-    sorted_R, block_expert, num_rows = align_ws[:slots], align_ws[slots : slots + blocks], align_ws[-1:]
-    block_e = triton.next_power_of_2(num_local)
-    _align_kernel[(1,)](
-        ids_P, sorted_R, block_expert, num_rows, num_picks, num_local, blocks,
-        BLOCK_M=block_m, BLOCK_E=block_e,
-        # Chunks sized so a one-hot tile is 8K int32 (64 per thread over 4 warps): no spills.
-        CHUNK=max(16, 8192 // block_e), CHUNK_B=max(16, 8192 // max(block_e, block_m)),
-        num_warps=4,
-    )
-    return sorted_R, block_expert, num_rows
-
-
 def fused_local_expert_sum(
     x_ND: torch.Tensor,
     local_ids_NK: torch.Tensor,
@@ -352,7 +265,10 @@ def fused_local_expert_sum(
     ids_P = local_ids_NK.contiguous().view(-1)
     weights_P = weights_NK.contiguous().view(-1)
 
-    sorted_R, block_expert, num_rows = align_picks(ids_P, num_local, cfg.block_m)
+    if num_picks <= UNALIGNED_PICKS:
+        sorted_R, block_expert, num_rows = unaligned_blocks(ids_P, cfg.block_m)
+    else:
+        sorted_R, block_expert, num_rows = align_picks(ids_P, num_local, cfg.block_m)
     blocks = block_expert.shape[0]
 
     upcast = isinstance(_expert_gemm_kernel, InterpretedFunction)
@@ -362,7 +278,7 @@ def fused_local_expert_sum(
         x_ND, x_ND.stride(0),
         w13_L2IH, w13_L2IH.stride(0), w13_L2IH.stride(1), w13_L2IH.stride(2),
         act_PI, act_PI.stride(0),
-        weights_P, sorted_R, block_expert, num_rows, num_picks, blocks, inter, hidden,
+        weights_P, sorted_R, block_expert, num_rows, num_picks, blocks, num_local, inter, hidden,
         A_ROW_DIV=top_k, GATED=True, EVEN_K=hidden % cfg.block_k == 0, UPCAST_DOT=upcast,
         BLOCK_M=cfg.block_m, BLOCK_N=half_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -372,7 +288,7 @@ def fused_local_expert_sum(
         act_PI, act_PI.stride(0),
         w2_LHI, w2_LHI.stride(0), w2_LHI.stride(1), w2_LHI.stride(2),
         y_PH, y_PH.stride(0),
-        weights_P, sorted_R, block_expert, num_rows, num_picks, blocks, hidden, inter,
+        weights_P, sorted_R, block_expert, num_rows, num_picks, blocks, num_local, hidden, inter,
         A_ROW_DIV=1, GATED=False, EVEN_K=inter % cfg.block_k == 0, UPCAST_DOT=upcast,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
