@@ -13,45 +13,21 @@ crossed a pickle (a Ray call, a torchrun object gather) was rebuilt without ``__
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from dp_runtime.checks import is_int
+from dp_runtime.serving.request import check_sampling
 
 if TYPE_CHECKING:
-    from dp_runtime.serving.request import Request, RequestResult, SamplingParams
+    from dp_runtime.serving.request import Request, RequestResult
 
 __all__ = [
     "admit",
     "check_request",
-    "check_sampling",
     "duplicate_rids",
     "refused_result",
 ]
-
-SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64)
-
-
-def check_sampling(sp: SamplingParams) -> str | None:
-    """The first rule ``sp`` breaks, as a message naming the field, the rule and the value;
-    None when it is valid."""
-    n = sp.max_new_tokens
-    if not is_int(n) or n < 1:
-        return f"SamplingParams.max_new_tokens must be an int >= 1, got {n!r}"
-    t = sp.temperature
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-        return f"SamplingParams.temperature must be a finite number >= 0, got {t!r}"
-    p = sp.top_p
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
-        return f"SamplingParams.top_p must be a finite number in (0, 1], got {p!r}"
-    s = sp.seed
-    if not is_int(s) or not 0 <= s < SEED_LIMIT:
-        return f"SamplingParams.seed must be an int in [0, 2**64), got {s!r}"
-    stops = sp.stop_token_ids
-    if not isinstance(stops, tuple) or not all(is_int(x) and x >= 0 for x in stops):
-        return f"SamplingParams.stop_token_ids must be a tuple of ints >= 0, got {stops!r}"
-    return None
 
 
 def check_request(req: Request, vocab_size: int | None = None, context_len: int | None = None) -> str | None:

@@ -12,11 +12,34 @@ import math
 from dataclasses import dataclass, field
 
 from dp_runtime.checks import is_int
-from dp_runtime.serving.admission import check_sampling
 
-__all__ = ["FINISH_REASONS", "Request", "RequestResult", "SamplingParams"]
+__all__ = ["FINISH_REASONS", "Request", "RequestResult", "SamplingParams", "check_sampling"]
 
 FINISH_REASONS = ("length", "stop", "error")
+
+
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64)
+
+
+def check_sampling(sp: SamplingParams) -> str | None:
+    """The first rule ``sp`` breaks, as a message naming the field, the rule and the value;
+    None when it is valid."""
+    n = sp.max_new_tokens
+    if not is_int(n) or n < 1:
+        return f"SamplingParams.max_new_tokens must be an int >= 1, got {n!r}"
+    t = sp.temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        return f"SamplingParams.temperature must be a finite number >= 0, got {t!r}"
+    p = sp.top_p
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
+        return f"SamplingParams.top_p must be a finite number in (0, 1], got {p!r}"
+    s = sp.seed
+    if not is_int(s) or not 0 <= s < SEED_LIMIT:
+        return f"SamplingParams.seed must be an int in [0, 2**64), got {s!r}"
+    stops = sp.stop_token_ids
+    if not isinstance(stops, tuple) or not all(is_int(x) and x >= 0 for x in stops):
+        return f"SamplingParams.stop_token_ids must be a tuple of ints >= 0, got {stops!r}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -39,7 +62,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        problem = check_sampling(self)  # the one rule set (dp_runtime.serving.admission)
+        problem = check_sampling(self)  # the rules admission applies at every door too
         if problem is not None:
             raise ValueError(problem)
 
