@@ -95,3 +95,25 @@ def test_rms_norm_and_rotary():
     a = (rope.apply(q, k, torch.full((3,), 7))[0][:, :1] * rope.apply(q, k, torch.full((3,), 4))[1]).sum(-1)
     b = (rope.apply(q, k, torch.full((3,), 13))[0][:, :1] * rope.apply(q, k, torch.full((3,), 10))[1]).sum(-1)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_fused_kernel_that_cannot_run_is_logged_once_with_its_reason(caplog):
+    """On a CUDA device where the fused kernels cannot serve the dtype, the model falls back to
+    torch ops and says which kernels and why, once however often it is asked."""
+    import logging
+
+    from dp_runtime.model import fallback_log
+    from dp_runtime.model.elementwise_ops import TorchOps, elementwise_ops
+    from dp_runtime.model.expert_path import expert_path
+
+    fallback_log._logged.clear()  # "once per process": start from a process that logged none
+    caplog.set_level(logging.WARNING, logger="dp_runtime")
+    cuda = torch.device("cuda")
+    for _ in range(3):
+        assert isinstance(elementwise_ops(cuda, torch.float32), TorchOps)
+        assert expert_path(cuda, torch.float32, top_k=2, renormalize=True).name == "dense"
+    lines = [r.getMessage() for r in caplog.records if r.name == "dp_runtime"]
+    norm = [m for m in lines if "RMSNorm" in m]
+    moe = [m for m in lines if "fused MoE kernels not used" in m]
+    assert len(norm) == 1 and "dtype torch.float32 is not bf16/fp16" in norm[0]
+    assert len(moe) == 1 and "torch.float32" in moe[0] and "run dense" in moe[0]

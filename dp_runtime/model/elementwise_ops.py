@@ -18,6 +18,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from dp_runtime.model.fallback_log import log_fallback
 from dp_runtime.model.layers import RotaryEmbedding, rms_norm
 
 __all__ = ["FlashInferOps", "TorchOps", "elementwise_ops"]
@@ -101,8 +102,20 @@ class FlashInferOps:
 
 
 def elementwise_ops(device: torch.device, dtype: torch.dtype) -> TorchOps | FlashInferOps:
-    """FlashInfer's kernels on CUDA in bf16/fp16 when flashinfer imports, else torch's."""
-    if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and importlib.util.find_spec("flashinfer") is not None):
-        return FlashInferOps()
+    """FlashInfer's kernels on CUDA in bf16/fp16 when flashinfer imports, else torch's; on CUDA
+    a fallback is logged once, naming the kernels and the reason."""
+    if device.type != "cuda":
+        return TorchOps()
+    if dtype not in (torch.bfloat16, torch.float16):
+        why = f"dtype {dtype} is not bf16/fp16"
+    elif importlib.util.find_spec("flashinfer") is None:
+        why = "flashinfer does not import"
+    else:
+        ops = FlashInferOps()
+        if not ops.fused_qk_prologue:
+            log_fallback("fused q/k norm + RoPE + KV store kernel not used (triton does not import): "
+                      "FlashInfer's norm and RoPE, and separate KV copies")
+        return ops
+    log_fallback(f"fused RMSNorm / add+RMSNorm / SiLU-and-mul / RoPE kernels not used ({why}): torch ops")
     return TorchOps()
+

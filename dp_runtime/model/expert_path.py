@@ -12,20 +12,18 @@ A fused kernel that cannot run is named with the reason in one log line, once pe
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dp_runtime.model.experts import grouped_mm_supported, local_expert_sum
+from dp_runtime.model.fallback_log import log_fallback
 from dp_runtime.model.fused_moe import fused_moe_supported
 from dp_runtime.model.routing import softmax_topk
 
 __all__ = ["ExpertPath", "expert_path"]
 
-logger = logging.getLogger("dp_runtime")
-_logged: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,6 @@ def expert_path(device: torch.device, dtype: torch.dtype, top_k: int, renormaliz
     def unfused(x, ids, w, w13, w2, out_ND=None):
         return local_expert_sum(x, ids, w, w13, w2, use_grouped_mm=grouped, out_ND=out_ND)
 
-    if prefer is None and device.type == "cuda" and why not in _logged:
-        _logged.add(why)
-        logger.warning("fused MoE kernels not used (%s): routing and experts run %s", why, name)
+    if prefer is None and device.type == "cuda":
+        log_fallback(f"fused MoE kernels not used ({why}): routing and experts run {name}")
     return ExpertPath(name, "configured" if prefer else why, route_torch, unfused)
