@@ -56,7 +56,9 @@ def main() -> None:
     keys = a.key.split(",")
     print()
     for t, doc in zip(trees, docs, strict=True):
-        print(f"{t.name or 'this tree'}: {doc['header'].splitlines()[0]}")
+        head = doc["header"]  # a line of text, or a dict (prefill.py, serve_load.py)
+        head = head.splitlines()[0] if isinstance(head, str) else ", ".join(f"{k} {v}" for k, v in head.items())
+        print(f"{t.name or 'this tree'}: {head}")
     names = [t.name for t in trees]
     print(" ".join(f"{k:>6}" for k in keys) + "".join(f" {n[:14]:>14} {'ratio':>6}" for n in names))
     by_tree = [{tuple(r[k] for k in keys): r for r in doc["rows"]} for doc in docs]
@@ -69,9 +71,9 @@ def main() -> None:
         print(" ".join(f"{v!s:>6}" for v in key) + cells)
         table.append(dict(zip(keys, key, strict=True), values=vals))
     for name, doc in zip(names, docs, strict=True):
-        if doc.get("census"):
-            c = doc["census"]
-            print(f"{name} census: {c['per_layer']:.1f} GPU activities/layer, GPU busy {c['gpu_busy_us'] / 1e3:.2f} ms,"
+        census = doc.get("census") or []
+        for c in [census] if isinstance(census, dict) else census:  # one dict in older trees
+            print(f"{name} census at bs {c['bs']}: {c['per_layer']:.1f} GPU activities/layer, GPU busy {c['gpu_busy_us'] / 1e3:.2f} ms,"
                   f" host {c['host_us'] / 1e3:.2f} ms ({100 * c['host_us'] / max(c['gpu_busy_us'], 1):.0f}% of GPU)")
             for kname, n, us in c["top"][:8]:
                 print(f"    {n:>5} {us:>9.1f} us  {kname}")

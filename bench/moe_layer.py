@@ -5,6 +5,7 @@
     python bench/moe_layer.py --flashinfer     # + flashinfer.fused_moe.cutlass_fused_moe (its sm90
                                                #   module JIT-builds for > 19 min when not cached)
     python bench/moe_layer.py --tune           # + sweep the Triton tile configs per row (minutes)
+    python bench/moe_layer.py --split          # + the Triton path's microseconds per kernel per row
 
 Layer: Qwen3-30B-A3B's experts (E 128, top-8, H 2048, I 768, bf16, random weights), routed from
 random router logits (softmax, top-8, renormalised). EP 2 is rank 0 of two: L 64 local experts;
@@ -15,6 +16,8 @@ Paths, on the same rows, routing and weights:
   ``torch._grouped_mm``, SiLU-and-mul, weighted sum);
 - triton: ``fused_moe_triton.fused_local_expert_sum`` (align, two GEMMs with fused epilogues,
   top-k sum; tile config by ``tile_config(N)``);
+- triton_1p: the same with the pick alignment forced into one program at every size (the
+  layout before the three-launch parallel form, ``moe_align.PARALLEL_PICKS``);
 - flashinfer: ``cutlass_fused_moe`` on global expert ids with ``ep_size``/``ep_rank``, fc1 laid
   out as [up; gate] (its SwiGLU convention);
 - floor: the bytes a layer must move (weights of the distinct local experts at least one pick
@@ -83,6 +86,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--inner", type=int, default=10)
     p.add_argument("--flashinfer", action="store_true", help="also time flashinfer's cutlass_fused_moe")
     p.add_argument("--tune", action="store_true", help="sweep Triton tile configs per row, print the best")
+    p.add_argument("--split", action="store_true", help="print the Triton path's time per kernel per row")
     args = p.parse_args()
     for ep in args.ep:
         if ep < 1 or args.experts % ep:
@@ -145,7 +149,8 @@ def _graph_us(run: Callable[[], None], layers: int, repeats: int, inner: int) ->
     return statistics.median(samples)
 
 
-def _ops_per_call(run: Callable[[], None], calls: int) -> float:
+def _gpu_ops(run: Callable[[], None]) -> list:
+    """The GPU activities (kernels, copies, memsets) of one eager call, by the torch profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     run()
@@ -153,8 +158,20 @@ def _ops_per_call(run: Callable[[], None], calls: int) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(ops) / calls
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _ops_per_call(run: Callable[[], None], calls: int) -> float:
+    return len(_gpu_ops(run)) / calls
+
+
+def _kernel_split(run: Callable[[], None], calls: int) -> str:
+    """Microseconds per call by kernel (eager, profiled): where a path's time goes."""
+    by: dict[str, float] = {}
+    for e in _gpu_ops(run):
+        name = e.name.split("(")[0].removeprefix("void ")[:32]
+        by[name] = by.get(name, 0.0) + (e.time_range.end - e.time_range.start) / calls
+    return " ".join(f"{k} {v:.1f}" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -176,10 +193,24 @@ def _paths(layers: list[Layer], ep: int, outs) -> dict[str, Callable[[], None]]:
     if "triton" in outs:
         from dp_runtime.model.fused_moe_triton import fused_local_expert_sum
 
-        def triton_run():
-            for layer, out in zip(layers, outs["triton"], strict=True):
-                fused_local_expert_sum(layer.x, layer.local_ids, layer.weights, layer.w13, layer.w2, out_ND=out)
-        paths["triton"] = triton_run
+        def fused(name: str, parallel_picks: int | None = None):
+            from dp_runtime.model import moe_align
+
+            def run():
+                # parallel_picks: side by side, the alignment in one program at every size (the
+                # layout before the three-launch form); the threshold is read at each call.
+                saved = moe_align.PARALLEL_PICKS
+                moe_align.PARALLEL_PICKS = saved if parallel_picks is None else parallel_picks
+                try:
+                    for layer, out in zip(layers, outs[name], strict=True):
+                        fused_local_expert_sum(layer.x, layer.local_ids, layer.weights, layer.w13, layer.w2,
+                                               out_ND=out)
+                finally:
+                    moe_align.PARALLEL_PICKS = saved
+            return run
+        paths["triton"] = fused("triton")
+        if "triton_1p" in outs:
+            paths["triton_1p"] = fused("triton_1p", parallel_picks=1 << 40)
     if "flashinfer" in outs:
         from flashinfer.fused_moe import cutlass_fused_moe
 
@@ -199,7 +230,8 @@ def _row(ep: int, n: int, floor_us: float, names: list[str], us: dict, ops: dict
         return f"{a / b:.2f}" if a and b else "-"
 
     row = [str(ep), str(n), f"{floor_us:.1f}"] + [f"{us[name]:.1f}" if name in us else "-" for name in names]
-    row += [ratio(us.get("triton"), floor_us), ratio(us.get("grouped"), us.get("triton"))]
+    row += [ratio(us.get("triton"), floor_us), ratio(us.get("grouped"), us.get("triton")),
+            ratio(us.get("triton_1p"), us.get("triton"))]
     row += [ratio(us.get("flashinfer"), us.get("triton"))] if "flashinfer" in names else []
     row += ["/".join(f"{ops[name]:.0f}" if name in ops else "-" for name in names), ", ".join(checks) or "-"]
     return row
@@ -219,7 +251,7 @@ def _tune(args, layers: list[Layer], baseline_us: float) -> str:
     for m in block_ms:
         for bn in (64, 128, 256):
             for bk in (64, 128):
-                for stages in (3, 4):
+                for stages in (2, 3, 4):
                     cfg = MoeTileConfig(m, bn, bk, 8 if m >= 64 else 1, 4 if m * bn <= 64 * 128 else 8, stages)
 
                     def run(cfg=cfg):
@@ -249,7 +281,7 @@ def main() -> None:
     device = torch.device("cuda")
     bw, bw_source = _bandwidth(device)
     ok, triton_note = fused_moe_supported(device, torch.bfloat16)
-    names = ["grouped"] + (["triton"] if ok else [])
+    names = ["grouped"] + (["triton", "triton_1p"] if ok else [])
     fi_note = ""
     if args.flashinfer:
         try:
@@ -272,10 +304,10 @@ def main() -> None:
         i = args.inter
         w31 = [torch.cat([w13[:, i:], w13[:, :i]], dim=1) for w13, _ in experts]
 
-    head = ["ep", "tokens", "floor_us"] + [f"{name}_us" for name in names] + ["triton/floor", "grouped/triton"]
+    head = ["ep", "tokens", "floor_us"] + [f"{name}_us" for name in names] + ["triton/floor", "grouped/triton", "1p/triton"]
     head += ["fi/triton"] if "flashinfer" in names else []
-    head += ["kernels " + "/".join(name[0] for name in names), "check (rel err)"]
-    rows, tune_lines = [], []
+    head += ["kernels " + "/".join(names), "check (rel err)"]
+    rows, tune_lines, split_lines = [], [], []
     for ep in args.ep:
         for n in args.tokens:
             layers = [_layer(args, experts[j], None if w31 is None else w31[j], j, n, ep) for j in range(args.layers)]
@@ -289,7 +321,7 @@ def main() -> None:
                     torch.cuda.synchronize()
                     if name != "grouped" and "grouped" in us:
                         err = _rel_err(outs[name][0], outs["grouped"][0])
-                        checks.append(f"{name[0]} {err:.1e}" + ("" if err <= REL_BOUND else " BAD"))
+                        checks.append(f"{name} {err:.1e}" + ("" if err <= REL_BOUND else " BAD"))
                     us[name] = _graph_us(run, args.layers, args.repeats, args.inner)
                     ops[name] = _ops_per_call(run, args.layers)
                 except Exception as exc:  # a peer that fails here must not hide the others' numbers
@@ -298,6 +330,8 @@ def main() -> None:
             row = _row(ep, n, floor_us, names, us, ops, checks)
             rows.append(row)
             print("# " + "  ".join(f"{h}={c}" for h, c in zip(head, row, strict=True)), flush=True)
+            if args.split and "triton" in paths:
+                split_lines.append(f"ep {ep} tokens {n}: " + _kernel_split(paths["triton"], args.layers))
             if args.tune and "triton" in us:
                 tune_lines.append(f"ep {ep} tokens {n}: " + _tune(args, layers, us["triton"]))
             del layers, outs, paths
@@ -306,6 +340,8 @@ def main() -> None:
     print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    for line in split_lines:
+        print("# us per layer by kernel, triton, " + line)
     for line in tune_lines:
         print("# tune " + line)
 

@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention", default="auto")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU (default: by GPU name)")
     p.add_argument("--json", action="store_true", help="one JSON line on stdout instead of the table")
+    p.add_argument("--profile", action="store_true",
+                   help="the top GPU kernels of one more step of the first shape (torch profiler)")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     args = p.parse_args(argv)
     args.shapes = parse_shapes(args.shapes or ("1x8192,8x1024,64x128" if args.device == "cuda" else "1x1024,8x128,64x16"))
@@ -122,6 +124,22 @@ def timed_prefill(worker: RankWorker, b: int, n: int, iters: int, rank: int, tag
     return times
 
 
+def profiled_prefill(worker: RankWorker, b: int, n: int, rank: int) -> dict:
+    """One more step of ``b`` x ``n`` under the torch profiler: GPU busy time and top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.gpu_kernels import busy_us, gpu_events, top_kernels
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        timed_prefill(worker, b, n, 1, rank, "prof")
+        wall_us = (time.perf_counter() - t0) * 1e6
+    events = gpu_events(prof)
+    return dict(shape=f"{b}x{n}", wall_us=wall_us, gpu_busy_us=busy_us(events), activities=len(events),
+                top=top_kernels(events, 15))
+
+
 def run(args: argparse.Namespace) -> dict | None:
     process_group.resolve_device(args.device)  # ValueError for cuda without a GPU
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -138,12 +156,14 @@ def run(args: argparse.Namespace) -> dict | None:
         t0 = time.perf_counter()
         with RankWorker(spec, rank=rank, world_size=world, show_progress=rank == 0 and not args.json) as worker:
             build_s = time.perf_counter() - t0
-            rows = []
+            rows, profile = [], None
             for b, n in args.shapes:
                 if args.warmup:
                     timed_prefill(worker, b, n, args.warmup, rank, "warm")
                 ms = statistics.median(timed_prefill(worker, b, n, args.iters, rank, "t")) * 1e3
                 rows.append(dict(shape=f"{b}x{n}", prompts=b, prompt_len=n, step_ms=ms))
+                if args.profile and profile is None and args.device == "cuda":
+                    profile = profiled_prefill(worker, b, n, rank)
             m = worker.metrics()
         if world > 1:
             every = [None] * world
@@ -173,7 +193,7 @@ def run(args: argparse.Namespace) -> dict | None:
                   world_size=world, model=args.model, layers=args.layers, dtype=str(spec.runtime.dtype).replace("torch.", ""),
                   dispatcher=m["dispatcher"], attention=m["attention"], peak_tflops=peak, iters=args.iters,
                   build_s=build_s)
-    return dict(header=header, rows=rows)
+    return dict(header=header, rows=rows, profile=profile)
 
 
 def print_table(report: dict) -> None:
@@ -188,6 +208,13 @@ def print_table(report: dict) -> None:
         mfu = "-" if r["mfu_pct"] is None else f"{r['mfu_pct']:.1f}%"
         print(f"{r['shape']:>8} {r['step_ms']:>9.2f} {r['tok_s']:>10.0f} {r['tok_s_per_gpu']:>10.0f} "
               f"{r['tflop_s_per_gpu']:>12.3g} {mfu:>7} {r['attention_flops_pct']:>10.1f}%")
+    prof = report.get("profile")
+    if prof:
+        from bench.gpu_kernels import print_top
+
+        print(f"profile of one {prof['shape']} step (rank 0): {prof['activities']} GPU activities, GPU busy "
+              f"{prof['gpu_busy_us'] / 1e3:.1f} ms of {prof['wall_us'] / 1e3:.1f} ms")
+        print_top(prof["top"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,9 @@
 #   bash bench/run_gpu.sh benches2 # two GPUs: DP 1 and DP 2 (auto, all_gather) vs earlier trees, census
 # Earlier trees for side-by-side runs come as .bases/*.tar.xz (git archive --prefix=NAME/ COMMIT).
 #   bash bench/run_gpu.sh load    # two GPUs: prefill and serve_load (qwen3-30b-a3b) at DP 1 and DP 2
+#   bash bench/run_gpu.sh prefill1 # one GPU: kernel tests, moe_layer split, prefill vs trees (ATTN_BENCH=1:
+#                                  #   + prefill attention FA2/FA3/SDPA)
+#   bash bench/run_gpu.sh decode1  # one GPU: decode vs earlier trees, census at 64/256, tile sweep at 64/256
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -86,6 +89,20 @@ case "${1:-one}" in
   compare1)  # one GPU: DP 1 decode against earlier trees (after `kernels` on the same machine: JIT cached)
     step compare_1 python bench/compare_trees.py $(bases) -- python bench/serve_step.py \
       --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 ${SERVE_ARGS:-}
+    ;;
+  prefill1)  # one GPU: the expert kernels' tests and split, prefill attention, prefill against earlier trees
+    step kernel_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_qk_norm_rope.py \
+      tests/test_fused_moe.py tests/test_routing_triton.py tests/test_graph_gpu.py -k "not graph_gpu or attention"
+    step moe_layer python bench/moe_layer.py --split --ep 1 2 --tokens 1 8 64 256 2048 8192 ${MOE_ARGS:-}
+    [ -n "${ATTN_BENCH:-}" ] && step prefill_attention python bench/prefill_attention.py
+    step prefill_compare python bench/compare_trees.py --key shape $(bases) -- python bench/prefill.py --iters 3 --warmup 1
+    step prefill_profile python bench/prefill.py --iters 1 --warmup 1 --shapes 1x8192 --profile
+    ;;
+  decode1)  # one GPU: DP 1 decode against earlier trees, a census at bs 64 and 256, the tile sweep
+    step compare_1 python bench/compare_trees.py $(bases) -- python bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 ${SERVE_ARGS:-}
+    step census python bench/serve_step.py --batch-sizes 64,256 --modes graph --profile
+    TAIL=8 step moe_tune timeout 240 python bench/moe_layer.py --tune --ep 1 --tokens 64 256
     ;;
   final2)  # two GPUs, after the code is done: every gpu2 test and the 2-GPU Ray test
     step gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs tests/

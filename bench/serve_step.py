@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
+from bench.gpu_kernels import busy_us, gpu_events, print_top, top_kernels
 from dp_runtime import memory_sizing
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
@@ -53,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attention", default="auto")
     p.add_argument("--modes", default="graph,eager", help="graph, eager or both")
     p.add_argument("--profile", action="store_true",
-                   help="kernel census of one graph-replayed step at the smallest batch size")
+                   help="kernel census of one graph-replayed step at each batch size")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
@@ -132,21 +133,13 @@ def kernel_census(worker: RankWorker, bs: int, args, rank: int) -> dict:
                    key=lambda r: -r[1])
     worker.run_until_idle()
     worker.pop_finished()
-    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in gpu)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:  # the union of the activities' intervals
-        busy += max(0.0, b - max(a, end))
-        end = max(end, b)
+    gpu = gpu_events(prof)
+    busy = busy_us(gpu)
     layers = worker.model_config.num_layers
-    by_name: dict[str, list[float]] = {}
-    for e in gpu:
-        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
     return dict(bs=bs, layers=layers, activities=len(gpu), per_layer=len(gpu) / layers,
                 memcpy=sum(1 for e in gpu if "memcpy" in e.name.lower() or "memset" in e.name.lower()),
                 gpu_busy_us=busy, wall_us=wall_us, host_us=max(0.0, wall_us - busy),
-                top=[(name[:90], len(d), sum(d)) for name, d in top], cpu_ops=cpu_ops[:12],
+                top=top_kernels(gpu), cpu_ops=cpu_ops[:12],
                 py_funcs=[(name, round(t * 1e6, 1)) for name, t in funcs[:15]])
 
 
@@ -155,9 +148,7 @@ def print_census(c: dict) -> None:
           f"({c['memcpy']} copies/memsets) = {c['per_layer']:.1f} per layer over {c['layers']} layers; "
           f"GPU busy {c['gpu_busy_us'] / 1e3:.2f} ms of a {c['wall_us'] / 1e3:.2f} ms step; host "
           f"{c['host_us'] / 1e3:.2f} ms = {100 * c['host_us'] / max(c['gpu_busy_us'], 1):.1f}% of GPU time")
-    print(f"{'count':>6} {'total us':>9}  kernel")
-    for name, n, us in c["top"]:
-        print(f"{n:>6} {us:>9.1f}  {name}")
+    print_top(c["top"])
     print(f"{'count':>6} {'self us':>9}  host op (waits for the GPU left out)")
     for name, n, us in c["cpu_ops"]:
         print(f"{n:>6} {us:>9.1f}  {name}")
@@ -187,7 +178,7 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     bw = measure_copy_bandwidth(device)
     rows = []
-    census = None
+    census = []
     for bs in args.batch_sizes:
         for mode in args.modes:
             worker.graph_enabled = mode == "graph"
@@ -198,8 +189,8 @@ def main() -> None:
             floor_ms = touched_weight_bytes(spec, bs, world, rank) / bw * 1e3
             rows.append(dict(bs=bs, mode=mode, step_ms=ms, tok_s_per_gpu=bs / ms * 1e3,
                              floor_pct=100 * floor_ms / ms, floor_ms=floor_ms, graph_steps=replayed))
-            if args.profile and census is None and mode == "graph":
-                census = kernel_census(worker, bs, args, rank)
+            if args.profile and mode == "graph":
+                census.append(kernel_census(worker, bs, args, rank))
     m = worker.metrics()
     worker.close()
     all_rows = [rows]
@@ -222,8 +213,8 @@ def main() -> None:
         print(json.dumps(dict(header=head, rows=merged, census=census)))
         return
     print(head)
-    if census is not None:
-        print_census(census)
+    for c in census:
+        print_census(c)
     print(f"{'bs':>5} {'mode':>6} {'step ms':>9} {'tok/s/GPU':>10} {'floor ms':>9} {'floor %':>8} {'graph/eager':>12}")
     by = {(r["bs"], r["mode"]): r for r in merged}
     for r in merged:

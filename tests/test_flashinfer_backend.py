@@ -97,6 +97,26 @@ def test_attention_matches_sdpa_on_extend_with_prefixes_then_decode(deterministi
     torch.testing.assert_close(got, ref.forward(q, k, v, 0, dec), atol=1e-5, rtol=1e-5)
 
 
+def test_long_extends_plan_the_auto_backend_wrapper_and_still_match_sdpa():
+    # A request with LONG_EXTEND_TOKENS new tokens or more: the ragged pass runs on the wrapper
+    # made with backend="auto" (FA3 on sm90); shorter steps keep FA2's. Both match SDPA.
+    from dp_runtime.attention.flashinfer_backend import LONG_EXTEND_TOKENS
+
+    cache = make_cache(max_context_len=LONG_EXTEND_TOKENS + 64, num_slots=2048)
+    alloc = KVAllocator(cache)
+    fi = fi_backend(cache)
+    ref = TorchSDPABackend(cache, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    for extends, long in (([LONG_EXTEND_TOKENS, 5], True), ([LONG_EXTEND_TOKENS - 1, 5], False)):
+        reqs = add_requests(alloc, [0, 9], seed=3)
+        batch = extend_batch(alloc, reqs, extends, list(range(sum(extends))))
+        q, k, v = qkv(sum(extends), seed=4)
+        fi.init_forward_metadata(batch)
+        assert (fi.metadata.ragged is fi._ragged_long) is long
+        got = fi.forward(q, k, v, 0, batch)
+        ref.init_forward_metadata(batch)
+        torch.testing.assert_close(got, ref.forward(q, k, v, 0, batch), atol=1e-5, rtol=1e-5)
+
+
 def test_ragged_and_paged_layouts_agree():
     outs = []
     for deterministic in (False, True):

@@ -36,13 +36,13 @@ BACKENDS = ["sdpa", "flashinfer"]
 SIZES = capture_sizes(32)  # 1, 2, 4, 8, 16, 24, 32
 
 
-def gpu_stack(backend: str, **kw):
+def gpu_stack(backend: str, max_context_len: int = 256, **kw):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     torch.manual_seed(0)
     return make_stack(
         config=SMALL_GPU, device="cuda", dtype=torch.bfloat16, backend=backend,
-        max_reqs=320, max_context_len=256, num_slots=320 * 240, **kw,
+        max_reqs=320, max_context_len=max_context_len, num_slots=320 * 240, **kw,
     )
 
 
@@ -206,14 +206,16 @@ def test_flashinfer_layout_choice_is_the_same_at_capture_replay_and_eager(monkey
 PREFIXES, EXTENDS = [0, 30, 7, 0], [12, 5, 20, 4]
 
 
+@pytest.mark.parametrize("extends", [EXTENDS, [300, 5, 260, 4]], ids=["short", "long"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_flashinfer_attention_matches_sdpa_on_extend_and_decode(deterministic):
-    """The attention alone, same cache, same q/k/v: no MoE routing between the two outputs."""
+def test_flashinfer_attention_matches_sdpa_on_extend_and_decode(deterministic, extends):
+    """The attention alone, same cache, same q/k/v: no MoE routing between the two outputs.
+    ``long``: a request of LONG_EXTEND_TOKENS or more new tokens (the FA3 wrapper on sm90)."""
     pytest.importorskip("flashinfer")
     from dp_runtime.attention import FlashInferBackend, TorchSDPABackend
 
     c = SMALL_GPU
-    stack = gpu_stack("sdpa")
+    stack = gpu_stack("sdpa", max_context_len=512)
     heads = {"num_q_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
     fi = FlashInferBackend(stack.cache, deterministic=deterministic, check_indices=True, **heads)
     ref = TorchSDPABackend(stack.cache, **heads)
@@ -227,7 +229,7 @@ def test_flashinfer_attention_matches_sdpa_on_extend_and_decode(deterministic):
         )
 
     for batch in (
-        extend_batch(stack.allocator, reqs, EXTENDS, list(range(sum(EXTENDS)))),
+        extend_batch(stack.allocator, reqs, extends, list(range(sum(extends)))),
         decode_batch(stack.allocator, reqs, [3, 1, 4, 1]),
     ):
         q, k, v = qkv(batch.num_tokens)

@@ -67,6 +67,16 @@ def test_strided_rows_yarn_and_float32():
     _check("cpu", 1e-3, t=3, hq=2, hkv=1, d=8, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("norm", [True, False])
+def test_token_blocks_of_prefill_steps(norm, monkeypatch):
+    # Large steps take 16 tokens per program; 37 tokens leave a partial last block whose masked
+    # rows must write nothing (the NaN-filled cache checks the slots outside the step).
+    from dp_runtime.model import qk_norm_rope
+
+    monkeypatch.setattr(qk_norm_rope, "_BLOCK_T_FROM", 1)
+    _check("cpu", 2, t=37, hq=4, hkv=2, d=16, dtype=torch.bfloat16, norm=norm)
+
+
 def test_no_tokens_is_no_launch():
     q, k = qk_norm_rope_store(torch.empty(0, 64), None, None, torch.zeros(4, 8), torch.empty(0, dtype=torch.long),
                               torch.empty(0, dtype=torch.long), torch.empty(1, 2, 8), torch.empty(1, 2, 8),
@@ -75,7 +85,7 @@ def test_no_tokens_is_no_launch():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(1, 32, 4, 128), (64, 32, 4, 128), (300, 16, 2, 64)])
+@pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(1, 32, 4, 128), (64, 32, 4, 128), (300, 16, 2, 64), (2100, 32, 4, 128)])
 def test_within_one_bf16_ulp_on_the_gpu(t, hq, hkv, d):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -1,6 +1,6 @@
 """Expert-aligned blocks of a MoE layer's picks, for the fused expert GEMMs
 (``fused_moe_triton``): each local expert's picks gathered into blocks of ``block_m`` row slots,
-in one Triton launch; or, for a handful of picks (decode), one block per pick with no launch.
+in one Triton launch (three for many picks); or, for a handful of picks (decode), one block per pick with no launch.
 
 Shapes: P picks (tokens x top-k), L local experts, R row slots.
 """
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["UNALIGNED_PICKS", "align_picks", "max_blocks", "unaligned_blocks"]
+__all__ = ["PARALLEL_PICKS", "UNALIGNED_PICKS", "align_picks", "max_blocks", "unaligned_blocks"]
 
 
 def max_blocks(num_picks: int, num_local: int, block_m: int) -> int:
@@ -21,6 +21,48 @@ def max_blocks(num_picks: int, num_local: int, block_m: int) -> int:
     of ``block_m``, and at most min(L, P) experts are non-empty, so
     sum_e ceil(c_e / BM) <= (P + min(L, P) * (BM - 1)) // BM."""
     return (num_picks + min(num_local, num_picks) * (block_m - 1)) // block_m
+
+
+@triton.jit
+def _write_blocks(block_expert_ptr, sorted_ptr, counts, block_start, block_end, used_blocks, num_blocks,
+                  num_picks, experts, first, stride, BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr):
+    """Per block, its expert (the number of experts that end at or before it; empty experts own
+    no block and padded lanes end at used_blocks), and the sentinel in every slot past that
+    expert's last pick, for the CHUNK_B-block tiles from ``first`` on, ``stride`` blocks apart.
+    The pick scatter writes the other slots: the two need no barrier."""
+    rows = tl.arange(0, BLOCK_M)
+    for b0 in range(first, num_blocks, stride):
+        b = b0 + tl.arange(0, CHUNK_B)
+        in_range = b < num_blocks
+        expert_b = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        used = b < used_blocks
+        tl.store(block_expert_ptr + b, tl.where(used, expert_b, -1), mask=in_range)
+        own = (expert_b[:, None] == experts[None, :]) & used[:, None]
+        count_b = tl.sum(tl.where(own, counts[None, :], 0), axis=1)
+        start_b = tl.sum(tl.where(own, block_start[None, :], 0), axis=1)
+        filled_b = count_b - (b - start_b) * BLOCK_M  # picks in this block; <= 0 past the used
+        slots = b[:, None] * BLOCK_M + rows[None, :]
+        pad = (rows[None, :] >= filled_b[:, None]) & in_range[:, None]
+        tl.store(sorted_ptr + slots, tl.full([CHUNK_B, BLOCK_M], 0, tl.int32) + num_picks, mask=pad)
+
+
+@triton.jit
+def _one_hot(ids_ptr, start, num_picks, num_local, experts, CHUNK: tl.constexpr):
+    """Picks [start, start + CHUNK) against the experts: a (CHUNK, BLOCK_E) int32 one-hot in
+    which invalid ids (another rank's pick, a padding row) match no column."""
+    picks = start + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + picks, mask=picks < num_picks, other=-1)
+    return ((ids[:, None] == experts[None, :]) & (experts[None, :] < num_local)).to(tl.int32), picks
+
+
+@triton.jit
+def _scatter_chunk(ids_ptr, sorted_ptr, start, next_slot, num_picks, num_local, experts, CHUNK: tl.constexpr):
+    """Each valid pick of one chunk to its expert's next slot, in pick order (a stable sort)."""
+    hit, picks = _one_hot(ids_ptr, start, num_picks, num_local, experts, CHUNK)
+    rank = tl.cumsum(hit, axis=0)  # 1-based rank of the pick among this chunk's picks of e
+    slot = tl.sum(hit * (next_slot[None, :] + rank - 1), axis=1)
+    tl.store(sorted_ptr + slot, picks, mask=tl.sum(hit, axis=1) > 0)
+    return tl.sum(hit, axis=0)
 
 
 @triton.jit(do_not_specialize=["num_picks", "num_blocks"])
@@ -37,52 +79,87 @@ def _align_kernel(
     CHUNK: tl.constexpr,  # picks per step: a (CHUNK, BLOCK_E) one-hot stays in registers
     CHUNK_B: tl.constexpr,  # blocks per step of the block pass
 ):
+    """The whole layout in one program: the fewest launches for a few chunks of picks."""
     experts = tl.arange(0, BLOCK_E)
-
-    # Pass 1: picks per expert. A one-hot compare instead of a histogram lets invalid ids
-    # (another rank's pick, a padding row) simply match no column.
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, num_picks, CHUNK):
-        picks = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + picks, mask=picks < num_picks, other=-1)
-        hit = (ids[:, None] == experts[None, :]) & (experts[None, :] < num_local)
-        counts += tl.sum(hit.to(tl.int32), axis=0)
-
+        hit, _ = _one_hot(ids_ptr, start, num_picks, num_local, experts, CHUNK)
+        counts += tl.sum(hit, axis=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, axis=0)  # inclusive: expert e owns [block_end - blocks, block_end)
     block_start = block_end - blocks
     used_blocks = tl.sum(blocks, axis=0)
     tl.store(num_rows_ptr, used_blocks * BLOCK_M)
-
-    # Pass 2: per block, its expert (the number of experts that end at or before it; empty
-    # experts own no block and padded lanes end at used_blocks), and the sentinel in every slot
-    # past that expert's last pick. Slots written here and in pass 3 are disjoint, so the
-    # passes need no barrier between them.
-    rows = tl.arange(0, BLOCK_M)
-    for b0 in range(0, num_blocks, CHUNK_B):
-        b = b0 + tl.arange(0, CHUNK_B)
-        in_range = b < num_blocks
-        expert_b = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
-        used = b < used_blocks
-        tl.store(block_expert_ptr + b, tl.where(used, expert_b, -1), mask=in_range)
-        own = (expert_b[:, None] == experts[None, :]) & used[:, None]
-        count_b = tl.sum(tl.where(own, counts[None, :], 0), axis=1)
-        start_b = tl.sum(tl.where(own, block_start[None, :], 0), axis=1)
-        filled_b = count_b - (b - start_b) * BLOCK_M  # picks in this block; <= 0 past the used
-        slots = b[:, None] * BLOCK_M + rows[None, :]
-        pad = (rows[None, :] >= filled_b[:, None]) & in_range[:, None]
-        tl.store(sorted_ptr + slots, tl.full([CHUNK_B, BLOCK_M], 0, tl.int32) + num_picks, mask=pad)
-
-    # Pass 3: each valid pick to its expert's next slot, in pick order (a stable sort by expert).
+    _write_blocks(block_expert_ptr, sorted_ptr, counts, block_start, block_end, used_blocks, num_blocks,
+                  num_picks, experts, 0, CHUNK_B, BLOCK_M, CHUNK_B)
     next_slot = block_start * BLOCK_M
     for start in range(0, num_picks, CHUNK):
-        picks = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + picks, mask=picks < num_picks, other=-1)
-        hit = ((ids[:, None] == experts[None, :]) & (experts[None, :] < num_local)).to(tl.int32)
-        rank = tl.cumsum(hit, axis=0)  # 1-based rank of the pick among this chunk's picks of e
-        slot = tl.sum(hit * (next_slot[None, :] + rank - 1), axis=1)
-        tl.store(sorted_ptr + slot, picks, mask=tl.sum(hit, axis=1) > 0)
-        next_slot += tl.sum(hit, axis=0)
+        next_slot += _scatter_chunk(ids_ptr, sorted_ptr, start, next_slot, num_picks, num_local, experts, CHUNK)
+
+
+@triton.jit(do_not_specialize=["num_picks", "per_prog"])
+def _chunk_counts_kernel(ids_ptr, table_ptr, num_picks, num_local, per_prog, BLOCK_E: tl.constexpr,
+                         CHUNK: tl.constexpr):
+    """Parallel layout, launch 1 of 3: program c counts its picks [c * per_prog, (c + 1) *
+    per_prog) per expert into row c of the table."""
+    c = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(c * per_prog, tl.minimum((c + 1) * per_prog, num_picks), CHUNK):
+        hit, _ = _one_hot(ids_ptr, start, num_picks, num_local, experts, CHUNK)
+        counts += tl.sum(hit, axis=0)
+    tl.store(table_ptr + c * BLOCK_E + experts, counts)
+
+
+@triton.jit(do_not_specialize=["num_progs"])
+def _chunk_offsets_kernel(
+    table_ptr,  # (num_progs, BLOCK_E) in: picks per program and expert; out: each program's first slot per expert
+    experts_ptr,  # (2, BLOCK_E) out: picks per expert, and where each expert's blocks end
+    num_rows_ptr,
+    num_progs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    ROWS: tl.constexpr,  # table rows per step: a (ROWS, BLOCK_E) tile
+):
+    """Parallel layout, launch 2 of 3 (one program): each expert's picks and blocks, the slots
+    in use, and each program's first slot per expert (an exclusive prefix over the rows)."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for r0 in range(0, num_progs, ROWS):
+        rs = r0 + tl.arange(0, ROWS)
+        tile = tl.load(table_ptr + rs[:, None] * BLOCK_E + experts[None, :], mask=rs[:, None] < num_progs, other=0)
+        counts += tl.sum(tile, axis=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)
+    tl.store(num_rows_ptr, tl.sum(blocks, axis=0) * BLOCK_M)
+    tl.store(experts_ptr + experts, counts)
+    tl.store(experts_ptr + BLOCK_E + experts, block_end)
+    next_slot = (block_end - blocks) * BLOCK_M
+    for r0 in range(0, num_progs, ROWS):  # each tile is read before it is overwritten
+        rs = r0 + tl.arange(0, ROWS)
+        ptrs = table_ptr + rs[:, None] * BLOCK_E + experts[None, :]
+        tile = tl.load(ptrs, mask=rs[:, None] < num_progs, other=0)
+        tl.store(ptrs, next_slot[None, :] + tl.cumsum(tile, axis=0) - tile, mask=rs[:, None] < num_progs)
+        next_slot += tl.sum(tile, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_picks", "num_blocks", "per_prog"])
+def _chunk_scatter_kernel(ids_ptr, table_ptr, experts_ptr, sorted_ptr, block_expert_ptr, num_picks, num_local,
+                          num_blocks, per_prog, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                          CHUNK_B: tl.constexpr):
+    """Parallel layout, launch 3 of 3: program c places its picks in their slots, in pick order,
+    and writes its share of the blocks (every num_programs-th tile of CHUNK_B blocks)."""
+    c = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.load(experts_ptr + experts)
+    block_end = tl.load(experts_ptr + BLOCK_E + experts)
+    block_start = block_end - (counts + BLOCK_M - 1) // BLOCK_M
+    used_blocks = tl.max(block_end, axis=0)
+    _write_blocks(block_expert_ptr, sorted_ptr, counts, block_start, block_end, used_blocks, num_blocks,
+                  num_picks, experts, c * CHUNK_B, tl.num_programs(0) * CHUNK_B, BLOCK_M, CHUNK_B)
+    next_slot = tl.load(table_ptr + c * BLOCK_E + experts)
+    for start in range(c * per_prog, tl.minimum((c + 1) * per_prog, num_picks), CHUNK):
+        next_slot += _scatter_chunk(ids_ptr, sorted_ptr, start, next_slot, num_picks, num_local, experts, CHUNK)
 
 
 # Up to this many picks (two tokens at top-8) each pick is a block of its own and the alignment
@@ -90,6 +167,11 @@ def _align_kernel(
 # weights aligned blocks would, and the one-program alignment launch (about 8 us of a ~90 us
 # layer at bs 1 on an H200) leaves the critical path.
 UNALIGNED_PICKS = 16
+
+# Beyond this many picks the layout takes three launches with one program per chunk of picks
+# instead of one program looping over every chunk twice (see ``align_picks``).
+PARALLEL_PICKS = 256
+MAX_PROGRAMS = 128  # programs of the parallel form's counting and scatter launches
 
 
 @functools.lru_cache(maxsize=64)
@@ -110,25 +192,45 @@ def unaligned_blocks(ids_P: torch.Tensor, block_m: int) -> tuple[torch.Tensor, t
 
 def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert-aligned blocks of the picks ``ids_P`` (P,) (local expert ids; outside
-    [0, ``num_local``) = not computed here), in one launch. Returns int32 device tensors
+    [0, ``num_local``) = not computed here). Returns int32 device tensors
     ``(sorted_R, block_expert, num_rows)``: R = ``max_blocks(P, num_local, block_m) * block_m``
     row slots, expert by expert and in pick order within an expert, each expert's share padded
     to a multiple of ``block_m`` with the sentinel P; the expert of each block (-1 past the used
-    ones); the number of slots in use, shape (1,). P must be > 0."""
+    ones); the number of slots in use, shape (1,). P must be > 0.
+
+    Up to ``PARALLEL_PICKS`` picks one program does it all (one launch); beyond, up to
+    ``MAX_PROGRAMS`` programs each count a share of the picks, one program turns the counts into
+    blocks and each program's first slots, and the programs again place their picks and each
+    write a share of the blocks (three launches; the serial part reads at most MAX_PROGRAMS
+    rows of counts, whatever P)."""
     num_picks = ids_P.shape[0]
     blocks = max_blocks(num_picks, num_local, block_m)
     slots = blocks * block_m
-    # One int32 workspace for the three outputs: one allocation instead of three.
-    align_ws = torch.empty(slots + blocks + 1, dtype=torch.int32, device=ids_P.device)
-    sorted_R, block_expert, num_rows = align_ws[:slots], align_ws[slots : slots + blocks], align_ws[-1:]
     block_e = triton.next_power_of_2(num_local)
-    _align_kernel[(1,)](
-        ids_P, sorted_R, block_expert, num_rows, num_picks, num_local, blocks,
-        BLOCK_M=block_m, BLOCK_E=block_e,
-        # Chunks sized so a one-hot tile is 8K int32 (64 per thread over 4 warps): no spills.
-        CHUNK=max(16, 8192 // block_e), CHUNK_B=max(16, 8192 // max(block_e, block_m)),
-        num_warps=4,
-    )
+    # Tiles of 8K int32 (64 per thread over 4 warps): no spills.
+    chunk, chunk_b = max(16, 8192 // block_e), max(16, 8192 // max(block_e, block_m))
+    parallel = num_picks > PARALLEL_PICKS
+    # Parallel form: at most MAX_PROGRAMS programs, each a whole number of chunks.
+    chunks = triton.cdiv(num_picks, chunk)
+    per_prog = triton.cdiv(chunks, MAX_PROGRAMS) * chunk
+    progs = triton.cdiv(num_picks, per_prog)
+    # One int32 workspace for the outputs (and the parallel form's tables): one allocation.
+    extra = (progs + 2) * block_e if parallel else 0
+    align_ws = torch.empty(slots + blocks + 1 + extra, dtype=torch.int32, device=ids_P.device)
+    sorted_R, block_expert = align_ws[:slots], align_ws[slots : slots + blocks]
+    num_rows, tables = align_ws[slots + blocks : slots + blocks + 1], align_ws[slots + blocks + 1 :]
+    if not parallel:
+        _align_kernel[(1,)](
+            ids_P, sorted_R, block_expert, num_rows, num_picks, num_local, blocks,
+            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, CHUNK_B=chunk_b, num_warps=4,
+        )
+        return sorted_R, block_expert, num_rows
+    table, per_expert = tables[: progs * block_e], tables[progs * block_e :]
+    _chunk_counts_kernel[(progs,)](ids_P, table, num_picks, num_local, per_prog, BLOCK_E=block_e, CHUNK=chunk,
+                                   num_warps=4)
+    _chunk_offsets_kernel[(1,)](table, per_expert, num_rows, progs, BLOCK_M=block_m, BLOCK_E=block_e,
+                                ROWS=max(1, 8192 // block_e), num_warps=4)
+    _chunk_scatter_kernel[(progs,)](ids_P, table, per_expert, sorted_R, block_expert, num_picks, num_local, blocks,
+                                    per_prog, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, CHUNK_B=chunk_b,
+                                    num_warps=4)
     return sorted_R, block_expert, num_rows
-
-

@@ -3,8 +3,8 @@
 Written with separate kernels, the step between the fused QKV projection and attention costs
 about nine launches per layer at decode: q and k made contiguous (they are strided views of the
 projection's output), a norm for each, the rotary (which wants rows again), and an index copy
-each for K and V into the cache. Here one program handles one (token, head) pair of the
-projection's output, read in place:
+each for K and V into the cache. Here one program handles one head of one token (of a block of
+16 tokens in large prefill steps) of the projection's output, read in place:
 
 - a q head: RMSNorm with ``q_norm`` (when the model has it), RoPE at the token's position, and
   the result written to the dense ``q`` output ``[T, Hq, D]``;
@@ -40,49 +40,58 @@ if triton is not None:
         qkv_ptr, qkv_row_stride,
         q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, loc_ptr,
         q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,
-        eps,
+        eps, num_tokens,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+        BLOCK_T: tl.constexpr,
     ):
-        t = tl.program_id(0)
+        ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # this program's tokens
         h = tl.program_id(1)  # [0, HQ): q heads; [HQ, HQ + HKV): k heads (and their v)
         half = HALF
-        offs = tl.arange(0, HALF)
-        row = qkv_ptr + t.to(tl.int64) * qkv_row_stride
+        t_ok = ts < num_tokens
+        m = t_ok[:, None]
+        offs = tl.arange(0, HALF)[None, :]
+        rows = qkv_ptr + ts.to(tl.int64)[:, None] * qkv_row_stride
         is_q = h < HQ
         col = h * D  # q heads then k heads lie back to back in the projection's output
-        x1 = tl.load(row + col + offs).to(tl.float32)
-        x2 = tl.load(row + col + half + offs).to(tl.float32)
+        x1 = tl.load(rows + col + offs, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(rows + col + half + offs, mask=m, other=0.0).to(tl.float32)
         out_dtype = q_out_ptr.dtype.element_ty
         if HAS_NORM:
-            rstd = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+            rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]
             w_ptr = tl.where(is_q, q_norm_ptr, k_norm_ptr)
             w1 = tl.load(w_ptr + offs).to(tl.float32)
             w2 = tl.load(w_ptr + half + offs).to(tl.float32)
             # round to the model dtype between norm and rotary, as the separate ops do
             x1 = (x1 * rstd * w1).to(out_dtype).to(tl.float32)
             x2 = (x2 * rstd * w2).to(out_dtype).to(tl.float32)
-        pos = tl.load(pos_ptr + t)
-        cs = cos_sin_ptr + pos * D
-        cos = tl.load(cs + offs)
-        sin = tl.load(cs + half + offs)
+        pos = tl.load(pos_ptr + ts, mask=t_ok, other=0)
+        cs = cos_sin_ptr + pos.to(tl.int64)[:, None] * D
+        cos = tl.load(cs + offs, mask=m, other=0.0)
+        sin = tl.load(cs + half + offs, mask=m, other=0.0)
         y1 = (x1 * cos - x2 * sin).to(out_dtype)
         y2 = (x2 * cos + x1 * sin).to(out_dtype)
         if is_q:
-            dst = q_out_ptr + (t.to(tl.int64) * HQ + h) * D
-            tl.store(dst + offs, y1)
-            tl.store(dst + half + offs, y2)
+            dst = q_out_ptr + (ts.to(tl.int64)[:, None] * HQ + h) * D
+            tl.store(dst + offs, y1, mask=m)
+            tl.store(dst + half + offs, y2, mask=m)
         else:
             j = h - HQ
-            dst = k_out_ptr + (t.to(tl.int64) * HKV + j) * D
-            tl.store(dst + offs, y1)
-            tl.store(dst + half + offs, y2)
-            slot = tl.load(loc_ptr + t).to(tl.int64)
+            dst = k_out_ptr + (ts.to(tl.int64)[:, None] * HKV + j) * D
+            tl.store(dst + offs, y1, mask=m)
+            tl.store(dst + half + offs, y2, mask=m)
+            slot = tl.load(loc_ptr + ts, mask=t_ok, other=0).to(tl.int64)[:, None]
             kc = k_cache_ptr + (slot * HKV + j) * D
-            tl.store(kc + offs, y1)
-            tl.store(kc + half + offs, y2)
-            full = tl.arange(0, D)
-            v = tl.load(row + (HQ + HKV + j) * D + full)
-            tl.store(v_cache_ptr + (slot * HKV + j) * D + full, v)
+            tl.store(kc + offs, y1, mask=m)
+            tl.store(kc + half + offs, y2, mask=m)
+            full = tl.arange(0, D)[None, :]
+            v = tl.load(rows + (HQ + HKV + j) * D + full, mask=m, other=0.0)
+            tl.store(v_cache_ptr + (slot * HKV + j) * D + full, v, mask=m)
+
+
+# Tokens per program: one at decode sizes (every (token, head) pair a program of one warp, the
+# most parallel); blocks of 16 for prefill, where a program per pair (over 300K of them at 8192
+# tokens) spends its time starting and stopping rather than moving bytes.
+_BLOCK_T_FROM = 1024
 
 
 def qk_norm_rope_store(
@@ -116,13 +125,14 @@ def qk_norm_rope_store(
         raise ValueError("qk_norm_rope_store: the projection's rows must be contiguous")
     has_norm = q_norm is not None
     w = q_norm if has_norm else cos_sin_PD  # any pointer: unread without a norm
-    _qk_norm_rope_store_kernel[(t, num_heads + num_kv_heads)](
+    block_t = 1 if t < _BLOCK_T_FROM else 16
+    _qk_norm_rope_store_kernel[(triton.cdiv(t, block_t), num_heads + num_kv_heads)](
         qkv_TX, qkv_TX.stride(0),
         w, k_norm if has_norm else w, cos_sin_PD, positions_T, out_cache_loc_T,
         q, k, k_cache_SHD, v_cache_SHD,
-        eps,
-        HQ=num_heads, HKV=num_kv_heads, D=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm,
-        num_warps=1 if head_dim <= 128 else 2,
+        eps, t,
+        HQ=num_heads, HKV=num_kv_heads, D=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm, BLOCK_T=block_t,
+        num_warps=(1 if head_dim <= 128 else 2) if block_t == 1 else 4,
     )
     return q, k
 
