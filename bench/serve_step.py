@@ -104,7 +104,10 @@ def kernel_census(worker: RankWorker, bs: int, args, rank: int) -> dict:
     the host waits for the step's tokens, so it works while the GPU idles), the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    worker.submit([Request(f"prof{bs}-{rank}-{i}", list(range(1, args.prompt_len + 1)),
+    # Random prompts, as timed_decode's: identical rows would all route to the same 8 experts.
+    g = torch.Generator().manual_seed(10_000 + bs)
+    vocab = worker.model_config.vocab_size
+    worker.submit([Request(f"prof{bs}-{rank}-{i}", torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist(),
                            SamplingParams(max_new_tokens=8)) for i in range(bs)])
     while any(not r.prefilled for r in worker.scheduler.running) or worker.scheduler.num_waiting:
         worker.step()

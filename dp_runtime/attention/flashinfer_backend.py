@@ -38,11 +38,16 @@ from dp_runtime.attention.plan_checks import check_lens, verify_indices, verify_
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.serving.kv_cache import KVCache
 
-__all__ = ["LONG_EXTEND_TOKENS", "FlashInferBackend", "FlashInferMetadata"]
+__all__ = ["LONG_EXTEND_TOKENS", "NO_SPLIT_KV_BS", "FlashInferBackend", "FlashInferMetadata"]
 
 # A RAGGED extend whose longest request brings at least this many new tokens plans the
 # wrapper on FlashInfer's "auto" backend (FA3 on sm90); shorter ones FA2.
 LONG_EXTEND_TOKENS = 256
+
+# Decode batches of at least this many requests plan without splitting a request's KV: with
+# 4+ KV heads per request there are enough (request, head) work items to fill the GPU, and
+# the split's merge kernel (a launch per layer, captured into every graph) goes away.
+NO_SPLIT_KV_BS = 64
 
 def _import_flashinfer() -> Any:
     try:
@@ -192,7 +197,8 @@ class FlashInferBackend:
         verify_lens(self.check_indices, self.kv_cache, where, rows, lens, lens_cpu)
         indices = build_kv_indices(self.kv_cache.req_to_token, rows, lens, total, indptr_cpu=indptr)
         verify_indices(self.check_indices, self.kv_cache, where, indices)
-        wrapper.plan(indptr, indices, self._decode_last_page_len(lens_cpu), *self._heads(), 1, **self._plan_kw())
+        wrapper.plan(indptr, indices, self._decode_last_page_len(lens_cpu), *self._heads(), 1,
+                     disable_split_kv=bs >= NO_SPLIT_KV_BS, **self._plan_kw())
 
     def _plan_paged(
         self,
