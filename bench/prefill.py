@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import statistics
 import subprocess
@@ -80,11 +81,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention", default="auto")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU (default: by GPU name)")
     p.add_argument("--json", action="store_true", help="one JSON line on stdout instead of the table")
+    p.add_argument("--modes", default="eager",
+                   help="graph,eager: each shape with extend graphs (token buckets up to "
+                        "cuda_graph_extend_tokens; larger steps stay eager) and without, side by side")
     p.add_argument("--profile", action="store_true",
                    help="the top GPU kernels of one more step of the first shape (torch profiler)")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     args = p.parse_args(argv)
     args.shapes = parse_shapes(args.shapes or ("1x8192,8x1024,64x128" if args.device == "cuda" else "1x1024,8x128,64x16"))
+    args.modes = [m for m in ("graph", "eager") if m in args.modes.split(",")]
+    if not args.modes:
+        raise UsageError("--modes takes graph and/or eager, comma-separated")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     return args
@@ -157,12 +164,16 @@ def run(args: argparse.Namespace) -> dict | None:
         with RankWorker(spec, rank=rank, world_size=world, show_progress=rank == 0 and not args.json) as worker:
             build_s = time.perf_counter() - t0
             rows, profile = [], None
-            for b, n in args.shapes:
+            for (b, n), mode in itertools.product(args.shapes, args.modes):
+                worker.graph_enabled = mode == "graph"
+                before = worker.metrics()["extend_graph_steps"]
                 if args.warmup:
                     timed_prefill(worker, b, n, args.warmup, rank, "warm")
                 ms = statistics.median(timed_prefill(worker, b, n, args.iters, rank, "t")) * 1e3
-                rows.append(dict(shape=f"{b}x{n}", prompts=b, prompt_len=n, step_ms=ms))
-                if args.profile and profile is None and args.device == "cuda":
+                graphed = worker.metrics()["extend_graph_steps"] - before
+                rows.append(dict(shape=f"{b}x{n}", mode=mode if graphed else "eager", prompts=b, prompt_len=n,
+                                 step_ms=ms))
+                if args.profile and profile is None and args.device == "cuda" and mode == "eager":
                     profile = profiled_prefill(worker, b, n, rank)
             m = worker.metrics()
         if world > 1:
@@ -203,10 +214,10 @@ def print_table(report: dict) -> None:
     print(f"date {h['date']}  {h['device']} x{h['world_size']}  commit {h['commit']}\ncommand: {h['command']}\n"
           f"model {h['model']}{layers} {h['dtype']}, random weights; dispatcher {h['dispatcher']}, attention "
           f"{h['attention']}; {peak}; median of {h['iters']}; build {h['build_s']:.0f} s")
-    print(f"{'shape':>8} {'step ms':>9} {'tok/s':>10} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>12} {'MFU':>7} {'attn FLOPs':>11}")
+    print(f"{'shape':>8} {'mode':>6} {'step ms':>9} {'tok/s':>10} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>12} {'MFU':>7} {'attn FLOPs':>11}")
     for r in report["rows"]:
         mfu = "-" if r["mfu_pct"] is None else f"{r['mfu_pct']:.1f}%"
-        print(f"{r['shape']:>8} {r['step_ms']:>9.2f} {r['tok_s']:>10.0f} {r['tok_s_per_gpu']:>10.0f} "
+        print(f"{r['shape']:>8} {r['mode']:>6} {r['step_ms']:>9.2f} {r['tok_s']:>10.0f} {r['tok_s_per_gpu']:>10.0f} "
               f"{r['tflop_s_per_gpu']:>12.3g} {mfu:>7} {r['attention_flops_pct']:>10.1f}%")
     prof = report.get("profile")
     if prof:

@@ -17,6 +17,8 @@
 #   bash bench/run_gpu.sh prefill1 # one GPU: kernel tests, moe_layer split, prefill vs trees (ATTN_BENCH=1:
 #                                  #   + prefill attention FA2/FA3/SDPA)
 #   bash bench/run_gpu.sh decode1  # one GPU: decode vs earlier trees, census at 64/256, tile sweep at 64/256
+#   bash bench/run_gpu.sh serve2s  # two GPUs: model gpu2 tests, bs-1 host check, serve_load DP 1/2, prefill DP 2
+#   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -103,6 +105,28 @@ case "${1:-one}" in
       --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 ${SERVE_ARGS:-}
     step census python bench/serve_step.py --batch-sizes 64,256 --modes graph --profile
     TAIL=8 step moe_tune timeout 240 python bench/moe_layer.py --tune --ep 1 --tokens 64 256
+    ;;
+  extend1)  # one GPU: model/graph GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
+    step gpu_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_model_gpu.py tests/test_graph_gpu.py \
+      tests/test_extend_graphs.py
+    step prefill_graphs python bench/prefill.py --iters 5 --warmup 2 --shapes ${EXTEND_SHAPES:-1x16,8x16,1x128,1x256} \
+      --modes graph,eager
+    step compare_1 python bench/compare_trees.py $(bases) -- python bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 ${SERVE_ARGS:-}
+    ;;
+  serve2s)  # two GPUs: model gpu2 tests (no FlashInfer dispatcher: its JIT takes minutes), the bs-1 host check,
+            # serve_load at DP 1 and DP 2, prefill at DP 2 (all_gather)
+    step gpu2_model torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs \
+      tests/test_model_gpu2.py -k "not flashinfer"
+    TAIL=3 step bs1_no_extend python bench/serve_step.py --batch-sizes 1,64 --modes graph --iters 40 --extend-tokens none
+    TAIL=3 step bs1_extend python bench/serve_step.py --batch-sizes 1,64 --modes graph --iters 40
+    TAIL=3 step bs1_gc_freeze python bench/serve_step.py --batch-sizes 1,64 --modes graph --iters 40 --gc-freeze
+    step serve_load_1 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates 4,16,64,inf \
+      --num-requests 64 --max-running-requests 64
+    step serve_load_2 torchrun --standalone --nproc-per-node 2 bench/serve_load.py --model qwen3-30b-a3b \
+      --device cuda --rates 4,16,64,inf --num-requests 64 --max-running-requests 64 --dispatcher all_gather
+    step prefill_2 torchrun --standalone --nproc-per-node 2 bench/prefill.py --shapes 1x8192,1x128 \
+      --modes graph,eager --iters 3 --warmup 1 --dispatcher all_gather
     ;;
   final2)  # two GPUs, after the code is done: every gpu2 test and the 2-GPU Ray test
     step gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs tests/

@@ -23,7 +23,8 @@ its ``arrival_s``, all submitted at once; a rank's scheduler admits a request no
 arrival (between steps), and every rank's step loop (``RankWorker.run_until_idle``) goes on,
 IDLE where a rank has nothing, until no rank has a request left to arrive. So the torchrun path
 (a RankSession per process), the Ray path (the RankActors of one gang, kept for every rate) and
-one in-process rank run the same code. ``--warmup`` requests run first and are not reported.
+one in-process rank run the same code. ``--warmup`` requests (and one prompt of a whole prefill chunk) run first and are
+not reported.
 
 Columns per rate: ``req/s`` and ``out tok/s``: finished requests and output tokens over the
 duration (submit to the last token); TTFT: arrival to first token; ITL: the gaps between
@@ -299,8 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _vocab(model: str) -> int:
-    return (ModelConfig.preset(model) if model in PRESETS else ModelConfig.from_dir(model)).vocab_size
+def _model_config(model: str) -> ModelConfig:
+    return ModelConfig.preset(model) if model in PRESETS else ModelConfig.from_dir(model)
 
 
 def build_spec(args: argparse.Namespace, world: int, device: str, requests: list[Request]) -> RankSpec:
@@ -318,10 +319,19 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     torchrun = "WORLD_SIZE" in os.environ
     if torchrun and args.launcher == "ray":
         raise UsageError("--launcher ray starts its own ranks; do not run it under torchrun")
-    vocab = _vocab(args.model)
+    mc = _model_config(args.model)
+    vocab = mc.vocab_size
     batches = [(rate, make_requests(args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}"))
                for i, rate in enumerate(args.rates)]
     warm = make_requests(args.warmup, math.inf, args.lengths, args.arrival, vocab, args.seed, "warm")
+    if warm:
+        # One prompt of a whole prefill chunk: the first step of that size compiles the kernel
+        # variants of large steps (Triton's expert GEMM tiles), seconds that would otherwise
+        # land in the TTFT of the first timed rate that fills a chunk.
+        rng = random.Random(f"{args.seed}-warm-chunk")
+        chunk = min(args.chunked_prefill_size, mc.max_positions - 1)
+        warm.append(Request("warm-chunk", [rng.randrange(vocab) for _ in range(chunk)],
+                            SamplingParams(max_new_tokens=1), arrival_s=0.0))
     every = [r for _, b in batches for r in b] + warm
     ray_started = own_group = False
     if args.launcher == "ray":
@@ -419,4 +429,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if os.environ.get("BENCH_STACKS_AFTER_S"):  # a hung run: every thread's stack, then exit
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["BENCH_STACKS_AFTER_S"]), exit=True)
     sys.exit(main())

@@ -53,12 +53,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dispatcher", default="auto")
     p.add_argument("--attention", default="auto")
     p.add_argument("--modes", default="graph,eager", help="graph, eager or both")
+    p.add_argument("--extend-tokens", default="auto",
+                   help="token buckets of extend graphs: auto (RuntimeConfig's), none, or e.g. 16,64,256")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.collect() and gc.freeze() once the worker is built (start-up objects leave the GC's scans)")
     p.add_argument("--profile", action="store_true",
                    help="kernel census of one graph-replayed step at each batch size")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
     args.modes = [m for m in ("graph", "eager") if m in args.modes.split(",")]
+    ext = args.extend_tokens
+    args.extend_tokens = ext if ext == "auto" else () if ext == "none" else tuple(int(x) for x in ext.split(","))
     return args
 
 
@@ -174,11 +180,16 @@ def main() -> None:
         "qwen3-30b-a3b", model_overrides=overrides, dp_size=world, max_running_requests=mrr,
         chunked_prefill_size=8192, cuda_graph_bs=tuple(args.batch_sizes), dtype="bfloat16", device="cuda",
         dispatcher=args.dispatcher, attention=args.attention, max_context_len=args.prompt_len + 64,
-        kv_cache_tokens=mrr * (args.prompt_len + 64),
+        kv_cache_tokens=mrr * (args.prompt_len + 64), cuda_graph_extend_tokens=args.extend_tokens,
     )
     t0 = time.perf_counter()
     worker = RankWorker(spec, rank=rank, world_size=world, show_progress=rank == 0)
     build_s = time.perf_counter() - t0
+    if args.gc_freeze:
+        import gc
+
+        gc.collect()
+        gc.freeze()
     bw = measure_copy_bandwidth(device)
     rows = []
     census = []

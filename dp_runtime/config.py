@@ -22,6 +22,9 @@ cuda_graph_max_bs                     0 <= value <= max_running_requests, a mult
 cuda_graph_bs (capture sizes, tokens  strictly increasing, each > 0 and a multiple of     graph/'s
 per rank)                             ``attn_tp_size``; the last equals                   capture_sizes
                                       ``cuda_graph_max_bs``; empty iff that is 0          policy
+cuda_graph_extend_tokens (token        strictly increasing, each > 0, a multiple of        16, 32, 64,
+buckets of extend graphs)             ``attn_tp_size`` and <= max_tokens_per_rank;        128, 256,
+                                      empty: extend steps run eager                       capped
 dp_padding                            None / "auto" (the rule) / "max_len" / "sum_len"     None
 dp_sync_exchange                      "auto" (same node: shm, else gloo) / "shm" / "gloo"  env or auto
 dp_sync_timeout_s                     > 0                                                  (120)
@@ -78,6 +81,9 @@ _DTYPES = {
 }
 _EXCHANGES = ("auto", "shm", "gloo")
 _AUTO_GRAPH_MAX_BS = 256
+# Token buckets of extend graphs: small extend steps (a chunk's tail, short prompts) are bound by
+# host time when eager; from a few hundred tokens on the GPU work hides it.
+_AUTO_EXTEND_TOKENS = (16, 32, 64, 128, 256)
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -101,6 +107,7 @@ class RuntimeConfig:
     chunked_prefill_size: int = 8192
     cuda_graph_max_bs: int | str = "auto"
     cuda_graph_bs: tuple[int, ...] | str = "auto"
+    cuda_graph_extend_tokens: tuple[int, ...] | str = "auto"
     hidden_size: int = 4096
     dtype: torch.dtype | str = torch.bfloat16
     device: torch.device | str = "auto"
@@ -149,6 +156,13 @@ class RuntimeConfig:
         elif isinstance(bs, str):
             raise _fail('cuda_graph_bs must be "auto" or a sequence of ints', cuda_graph_bs=bs)
         out["cuda_graph_bs"] = tuple(bs)
+        ext = self.cuda_graph_extend_tokens
+        if ext == "auto":
+            cap = max_tokens_per_rank(self.chunked_prefill_size, self.max_running_requests, self.attn_tp_size)
+            ext = tuple(n for n in _AUTO_EXTEND_TOKENS if n <= cap and n % self.attn_tp_size == 0)
+        elif isinstance(ext, str):
+            raise _fail('cuda_graph_extend_tokens must be "auto" or a sequence of ints', cuda_graph_extend_tokens=ext)
+        out["cuda_graph_extend_tokens"] = tuple(ext)
         dtype = self.dtype
         if isinstance(dtype, str):
             if dtype.lower() not in _DTYPES:
@@ -211,6 +225,7 @@ class RuntimeConfig:
                 attn_tp_size=self.attn_tp_size,
             )
         self._validate_capture_sizes()
+        self._validate_extend_tokens()
         if self.dp_sync_exchange not in _EXCHANGES:
             raise _fail(
                 f"dp_sync_exchange must be one of {_EXCHANGES}",
@@ -241,6 +256,19 @@ class RuntimeConfig:
                 cuda_graph_bs=sizes,
                 cuda_graph_max_bs=max_bs,
             )
+
+    def _validate_extend_tokens(self) -> None:
+        sizes, tp = self.cuda_graph_extend_tokens, self.attn_tp_size
+        if any(isinstance(s, bool) or not isinstance(s, int) for s in sizes):
+            raise _fail("cuda_graph_extend_tokens must hold ints", cuda_graph_extend_tokens=sizes)
+        if any(b <= a for a, b in pairwise(sizes)) or any(s <= 0 for s in sizes):
+            raise _fail("cuda_graph_extend_tokens must be strictly increasing and > 0", cuda_graph_extend_tokens=sizes)
+        if any(s % tp for s in sizes):
+            raise _fail("every cuda_graph_extend_tokens size must be a multiple of attn_tp_size",
+                        cuda_graph_extend_tokens=sizes, attn_tp_size=tp)
+        if sizes and sizes[-1] > self.max_tokens_per_rank:
+            raise _fail("cuda_graph_extend_tokens must not exceed max_tokens_per_rank",
+                        cuda_graph_extend_tokens=sizes, max_tokens_per_rank=self.max_tokens_per_rank)
 
     # -- derived sizes ---------------------------------------------------------------------------
     @property

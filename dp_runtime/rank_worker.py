@@ -11,7 +11,8 @@ One step (``step()``), the same sequence on every rank::
     sync.sync(LocalStepInfo)     the one exchange of counts; every rank gets the same StepPlan
     plan.skip                    every rank had nothing: all return here, together
     dp_buffers.set_from_plan     set_dp_buffer_len for the step
-    graph replay                 when the plan has a bucket (DECODE on every busy rank, fits)
+    graph replay                 when the plan has a bucket: a decode graph (DECODE on every
+                                 busy rank) or extend pieces (EXTEND on every busy rank), fits
     or eager                     otherwise (prefill, SUM_LEN, a batch over the largest graph)
     sample, scheduler.advance    only on a rank with a batch; an IDLE rank ran the forward
                                  with zero rows (it joins the dispatcher's collectives) and
@@ -21,7 +22,7 @@ The host waits for each step's tokens before planning the next (sampling reads t
 never runs a step ahead of the GPU: FlashInfer's plan state, staged in host buffers that the
 next plan overwrites, is safe.
 
-Teardown (``close``): graphs first, then the dispatcher, then the step sync; the process group
+Teardown (``close``): graphs first (extend pieces, then decode graphs), then the dispatcher, then the step sync; the process group
 belongs to whoever created it and is destroyed after.
 """
 
@@ -37,15 +38,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from buffers import BufferPool, build_decode_registry, build_prefill_registry
+from buffers import BufferPool, build_prefill_registry
 from dispatcher import DispatcherConfig, EPGroup, flashinfer_dispatch_verdict, make_dispatcher
 from dp_runtime import memory_sizing
 from dp_runtime.attention import make_attention_backend
 from dp_runtime.choices import Choices, resolve_choices
+from dp_runtime.graph_setup import RankGraphs, capture_rank_graphs
 from dp_runtime.model.qwen3_moe import Qwen3MoeModel
 from dp_runtime.model.weights import iter_checkpoint, iter_random
 from dp_runtime.rank_spec import RankSpec
-from dp_runtime.serving.forward_batch import capture_batch, idle_batch
+from dp_runtime.serving.forward_batch import idle_batch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.kv_cache import KVCache
 from dp_runtime.serving.request import Request, RequestResult
@@ -56,10 +58,10 @@ from dp_runtime.sync.exchange import LocalExchange
 from dp_runtime.sync.peer_failure import FailureNotice
 from dp_runtime.sync.rank_groups import min_over_ranks, rank_groups
 from dp_runtime.sync.spec_check import check_rank_specs
-from dp_runtime.sync.step_plan import StepPlan, plan_step
+from dp_runtime.sync.step_plan import StepPlan
 from dp_runtime.sync.step_sync import NCOLS, DPStepSync
-from dp_runtime.sync.step_table import LocalStepInfo, StepTable
-from graph import EagerRunner, GraphRunner
+from dp_runtime.sync.step_table import LocalStepInfo
+from graph import AttentionSplit, EagerRunner, GraphRunner, PiecewiseRunner
 
 __all__ = ["RankWorker"]
 
@@ -99,7 +101,8 @@ class RankWorker:
         self.device = device
         self._lock = threading.Lock()
         self._finished: list[RequestResult] = []
-        self._counters = dict(steps=0, graph_steps=0, eager_steps=0, idle_steps=0, skipped_steps=0,
+        self._counters = dict(steps=0, graph_steps=0, extend_graph_steps=0, eager_steps=0, idle_steps=0,
+                              skipped_steps=0,
                               extend_steps=0, decode_steps=0, generated_tokens=0, prefill_tokens=0,
                               finished_requests=0)
         self._memory: dict[str, int] = {}
@@ -110,6 +113,8 @@ class RankWorker:
         self.graph_enabled = True
         self.sampled_logits: dict[str, list[torch.Tensor]] | None = {} if keep_logits else None
         self.graphs: GraphRunner | None = None
+        self.extend_graphs: PiecewiseRunner | None = None
+        self.rank_graphs: RankGraphs | None = None
         self.dispatcher = None
         self.sync: DPStepSync | None = None
         self._own_cpu_group = None
@@ -181,7 +186,8 @@ class RankWorker:
         self.attention_kind = choices.attention
         self.attention = make_attention_backend(choices.attention, self.kv_cache, mc,
                                                 check_indices=cfg.flashinfer_checks)
-        self.model.attention = self.attention
+        # The model attends through a seam that extend graphs cut their pieces at.
+        self.model.attention = AttentionSplit(self.attention)
         self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
                                    chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank,
                                    vocab_size=mc.vocab_size)
@@ -198,32 +204,17 @@ class RankWorker:
 
         self.eager = EagerRunner(self.model.forward, self.attention, eager_registry, no_copy=cfg.eager_input_no_copy,
                                  max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
-        sizes = cfg.cuda_graph_bs
+        self.rank_graphs = None
         if choices.graphs:
-            self._on_phase("capturing graphs")
-            # No graph path reads device-side counts (a graph always gathers MAX_LEN), so the
-            # registry holds no global_num_tokens_gpu slot.
-            registry = build_decode_registry(sizes[-1], dev, pool, dp_size=cfg.dp_size,
-                                             register_global_num_tokens=False, user="decode_graph")
-            self.graphs = GraphRunner(
-                self.model.forward, self.attention, registry, sizes,
-                capture_batch=self._capture_batch, capture_plan=self._capture_plan,
-                set_plan=self.dp_buffers.set_from_plan, use_cuda_graph=dev.type == "cuda",
+            self.rank_graphs = capture_rank_graphs(
+                cfg=cfg, forward=self.model.forward, split=self.model.attention, attention=self.attention, pool=pool,
+                device=dev, set_plan=self.dp_buffers.set_from_plan, max_context_len=spec.context_len,
                 show_progress=self._show_progress,
-            )
-            self.graphs.capture()
-            self._memory["graph_pool"] = self.graphs.capture_memory_bytes
-        else:
-            self._memory["graph_pool"] = 0
+                on_phase=self._on_phase)
+            self.graphs, self.extend_graphs = self.rank_graphs.decode, self.rank_graphs.extend
+        self._memory["graph_pool"] = 0 if self.rank_graphs is None else self.rank_graphs.memory_bytes
         self._memory["graph_inputs"] = pool.total_bytes() - pool_before
         self._memory["activation_peak"] = 0
-
-    def _capture_plan(self, bucket: int) -> StepPlan:
-        cfg = self.spec.runtime
-        return plan_step(StepTable.from_counts([bucket] * cfg.dp_size, can_run_graph=True), cfg)
-
-    def _capture_batch(self, bs: int, num_tokens: int, plan: StepPlan):
-        return capture_batch(bs, num_tokens, plan, device=self.device)
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> None:
@@ -261,9 +252,11 @@ class RankWorker:
     def _local_info(self, step: ScheduledStep | None) -> LocalStepInfo:
         if step is None:
             return LocalStepInfo(0)
-        bs = step.batch.batch_size
-        graph_ok = (self.graphs is not None and self.graph_enabled and not step.is_extend
-                    and bs <= self.graphs.sizes[-1])
+        if step.is_extend:
+            runner, size = self.extend_graphs, step.num_tokens
+        else:
+            runner, size = self.graphs, step.batch.batch_size
+        graph_ok = runner is not None and self.graph_enabled and size <= runner.sizes[-1]
         return LocalStepInfo(step.num_tokens, can_run_graph=graph_ok, is_extend=step.is_extend)
 
     def step(self) -> StepPlan:
@@ -291,9 +284,11 @@ class RankWorker:
             batch = idle_batch(self.device, plan)
         else:
             batch = dataclasses.replace(scheduled.batch, plan=plan)
-        if plan.graph_bucket is not None and self.graphs is not None:
-            logits = self.graphs.replay(batch, plan)
+        runner = self.extend_graphs if plan.is_extend else self.graphs
+        if plan.graph_bucket is not None and runner is not None:
+            logits = runner.replay(batch, plan)
             c["graph_steps"] += 1
+            c["extend_graph_steps"] += plan.is_extend
         else:
             logits = self._eager(batch)
             c["eager_steps"] += 1
@@ -380,9 +375,9 @@ class RankWorker:
     def close(self) -> None:
         """Release graphs, then the dispatcher, then the step sync (idempotent; not a collective).
         The process group is the caller's to destroy, after this."""
-        if self.graphs is not None:
-            self.graphs.destroy()
-            self.graphs = None
+        if self.rank_graphs is not None:
+            self.rank_graphs.destroy()
+        self.rank_graphs = self.graphs = self.extend_graphs = None
         if self.dispatcher is not None:
             self.dispatcher.close()
             self.dispatcher = None

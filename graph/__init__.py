@@ -10,15 +10,18 @@ from graph.capture_sizes import bucket_for, capture_sizes, default_capture_sizes
 from graph.eager_runner import EagerRunner, next_power_of_two
 from graph.forward_mode import ForwardMode
 from graph.graph_runner import GraphRunner
+from graph.piecewise_runner import AttentionSplit, PiecewiseRunner
 from graph.runner_batch import RunnerBatch
 from graph.step_plan_view import StepPlanView, padding_name
 
 __all__ = [
     "AttentionMetadataBackend",
+    "AttentionSplit",
     "CaptureRecord",
     "EagerRunner",
     "ForwardMode",
     "GraphRunner",
+    "PiecewiseRunner",
     "RunnerBatch",
     "StepPlanView",
     "bucket_for",

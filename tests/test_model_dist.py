@@ -45,17 +45,20 @@ def setup(dist_group):
         tmp.cleanup()
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-runner"])
+@pytest.mark.parametrize("graphs", [False, True, "extend"], ids=["eager", "graph-runner", "extend-graphs"])
 @pytest.mark.parametrize(("dispatcher", "padding"), [("all_gather", "max_len"), ("all_gather", "sum_len"),
                                                      ("all_to_all", None)])
 def test_every_rank_matches_transformers(setup, dispatcher, padding, graphs):
     """With all_gather the tokens travel through the DP buffer service, laid out by each
     step's padding mode: forced MAX_LEN (slots padded to the longest rank) or SUM_LEN (live
-    rows only) on every eager step; graph steps always gather MAX_LEN at the bucket."""
+    rows only) on every eager step; graph steps always gather MAX_LEN at the bucket.
+    ``extend-graphs``: prefill chunks replay token buckets in pieces too, an IDLE rank with them
+    (the ranks with fewer prompts idle through the others' prefill steps)."""
     ckpt, rank, world, mine, refs = setup
     spec = RankSpec.create(str(ckpt), dp_size=world, max_running_requests=2, chunked_prefill_size=12,
                            dtype="float32", device="cpu", max_context_len=64, dispatcher=dispatcher,
-                           use_cuda_graph=graphs, dp_padding=padding)
+                           use_cuda_graph=bool(graphs), dp_padding=padding,
+                           cuda_graph_extend_tokens=(4, 12) if graphs == "extend" else ())
     with RankWorker(spec, rank=rank, world_size=world) as w:
         assert w.dispatcher.ep.size == world
         assert w.dp_buffers.allocates == (dispatcher == "all_gather")
@@ -67,7 +70,8 @@ def test_every_rank_matches_transformers(setup, dispatcher, padding, graphs):
     mine_bad = [(res.rid, res.output_ids, tuple(refs[int(res.rid[1:])])) for res in results
                 if res.output_ids != tuple(refs[int(res.rid[1:])]) or res.rank != rank]
     report = [None] * world
-    dist.all_gather_object(report, (mine_bad, m["steps"], m["skipped_steps"], m["idle_steps"], m["graph_steps"]))
+    dist.all_gather_object(report, (mine_bad, m["steps"], m["skipped_steps"], m["idle_steps"],
+                                    m["graph_steps"] if graphs != "extend" else m["extend_graph_steps"]))
     assert all(not bad for bad, *_ in report), [bad for bad, *_ in report]
     assert len({(steps, skipped) for _, steps, skipped, _, _ in report}) == 1  # the same steps everywhere
     assert all(idle > 0 for _, _, _, idle, _ in report[1:])  # rank 0 had one request more: the others idled

@@ -144,6 +144,29 @@ def test_idle_rank_flags_neither_block_a_graph_nor_make_an_extend_step():
     assert plan.graph_bucket == 2 and not plan.is_extend
 
 
+def test_extend_steps_take_the_extend_token_buckets():
+    # Every busy rank extends (an IDLE one replays too): the bucket comes from
+    # cuda_graph_extend_tokens, MAX_LEN at it; above the largest token bucket, eager.
+    c = cfg(cuda_graph_extend_tokens=(16, 64, 256))
+    infos = [LocalStepInfo(40, can_run_graph=True, is_extend=True), LocalStepInfo(0),
+             LocalStepInfo(9, can_run_graph=True, is_extend=True), LocalStepInfo(3, can_run_graph=True, is_extend=True)]
+    plan = plan_step(StepTable.from_locals(infos), c)
+    assert plan.is_extend and plan.graph_bucket == 64 and plan.padding is MAX
+    assert plan.local_dp_buffer_lens == (64,) * 4 and plan.runtime_max_tokens_per_rank == 64
+    big = plan_step(StepTable.from_counts([300, 1, 1, 1], can_run_graph=True, is_extend=True), c)
+    assert big.graph_bucket is None
+    assert plan_step(StepTable.from_counts([5] * 4, can_run_graph=True, is_extend=True),
+                     cfg(cuda_graph_extend_tokens=())).graph_bucket is None
+
+
+def test_a_step_mixing_decode_and_extend_ranks_runs_eager():
+    # Each rank's flag says "my batch fits a graph of its kind"; a decode graph and extend
+    # pieces are different graphs, so a mixed step has no bucket on any rank.
+    infos = [LocalStepInfo(2, can_run_graph=True), LocalStepInfo(8, can_run_graph=True, is_extend=True)] * 2
+    plan = plan_step(StepTable.from_locals(infos), cfg())
+    assert plan.is_extend and plan.graph_bucket is None
+
+
 def test_no_bucket_over_largest_capture_size_or_without_sizes():
     plan = plan_step(StepTable.from_counts([33, 1, 1, 1], can_run_graph=True), cfg())
     assert plan.graph_bucket is None

@@ -197,8 +197,9 @@ class FlashInferBackend:
         verify_lens(self.check_indices, self.kv_cache, where, rows, lens, lens_cpu)
         indices = build_kv_indices(self.kv_cache.req_to_token, rows, lens, total, indptr_cpu=indptr)
         verify_indices(self.check_indices, self.kv_cache, where, indices)
-        wrapper.plan(indptr, indices, self._decode_last_page_len(lens_cpu), *self._heads(), 1,
-                     disable_split_kv=bs >= NO_SPLIT_KV_BS, **self._plan_kw())
+        no_split = {"disable_split_kv": True} if bs >= NO_SPLIT_KV_BS else {}
+        wrapper.plan(indptr, indices, self._decode_last_page_len(lens_cpu), *self._heads(), 1, **no_split,
+                     **self._plan_kw())
 
     def _plan_paged(
         self,

@@ -87,10 +87,21 @@ def capture_batch(
     """A dummy batch of ``bs`` requests to capture a graph with (``GraphRunner.capture_batch``).
 
     Every index points at the reserved padding targets (request row 0, KV slot 0) with length
-    ``seq_len_fill_value``, so the capture's warm-up runs read and write nothing live.
+    ``seq_len_fill_value``, so the capture's warm-up runs read and write nothing live. An
+    EXTEND batch (extend graphs) spreads ``num_tokens`` new tokens over the ``bs`` requests as
+    evenly as it can, with no prefix (each request's length is its new tokens).
     """
     device = torch.device(device)
     zeros_t = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    lens = [seq_len_fill_value] * bs
+    extend = {}
+    if forward_mode is ForwardMode.EXTEND:
+        if not 1 <= bs <= num_tokens:
+            raise ValueError(f"capture_batch: an EXTEND batch needs 1 <= bs <= num_tokens, got {bs} and {num_tokens}")
+        lens = [num_tokens // bs + (i < num_tokens % bs) for i in range(bs)]
+        extend = dict(extend_seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
+                      extend_prefix_lens=torch.zeros(bs, dtype=torch.int64, device=device),
+                      extend_seq_lens_cpu=tuple(lens), extend_prefix_lens_cpu=(0,) * bs)
     return ForwardBatch(
         forward_mode=forward_mode,
         batch_size=bs,
@@ -98,7 +109,8 @@ def capture_batch(
         positions=zeros_t.clone(),
         out_cache_loc=zeros_t.clone(),
         req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=device),
-        seq_lens=torch.full((bs,), seq_len_fill_value, dtype=torch.int64, device=device),
-        seq_lens_cpu=torch.full((bs,), seq_len_fill_value, dtype=torch.int64),
+        seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
+        seq_lens_cpu=torch.tensor(lens, dtype=torch.int64),
         plan=plan,
+        **extend,
     )

@@ -16,8 +16,10 @@ What ``plan_step`` decides, in order:
    mode it reported. ``global_num_tokens_cpu``: each count aligned up to ``attn_tp_size``.
    ``is_extend``: some rank with tokens extends.
 4. Graph bucket: the smallest capture size >= the max aligned count, only when every rank that
-   has work reports ``can_run_graph`` (an IDLE rank replays the graph with zero live rows) and
-   the max fits the largest capture size; else None (eager).
+   has work reports ``can_run_graph`` (an IDLE rank replays the graph with zero live rows), no
+   rank decodes while another extends, and the max fits the largest capture size; else None
+   (eager). The sizes are ``cuda_graph_bs`` for a decode step and ``cuda_graph_extend_tokens``
+   (token buckets of the extend graphs) for an extend step.
 5. Padding: ``choose_padding_mode`` (rule table in ``dp_runtime.sync.padding_mode``).
 6. Sizes: with a bucket ``B``: MAX_LEN, ``B`` rows per rank, ``global_dp_buffer_len = B * dp``,
    ``runtime_max_tokens_per_rank = B``. Eager MAX_LEN: ``M = max(aligned)`` rows per rank,
@@ -148,6 +150,8 @@ def _checked_modes(
         modes.append(mode)
         graph_ok = graph_ok and can_graph
         extend = extend or is_extend
+    if extend and ForwardMode.DECODE in modes:
+        graph_ok = False  # decode and extend graphs are different graphs: ranks must agree on one
     return tuple(modes), graph_ok, extend
 
 
@@ -187,7 +191,7 @@ def plan_step(table: StepTable, config: RuntimeConfig) -> StepPlan:
     max_n = max(aligned)
 
     bucket = None
-    sizes = config.cuda_graph_bs
+    sizes = config.cuda_graph_extend_tokens if is_extend else config.cuda_graph_bs
     if graph_ok and sizes and max_n <= sizes[-1]:
         bucket = sizes[bisect_left(sizes, max_n)]
 
