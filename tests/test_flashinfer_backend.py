@@ -240,6 +240,34 @@ def test_graph_limits_are_named():
         )
 
 
+def test_large_graph_buckets_plan_decode_without_kv_splits(monkeypatch):
+    # Graph buckets of NO_SPLIT_KV_BS requests or more plan with disable_split_kv (no merge
+    # kernel); smaller buckets and every eager decode plan keep FlashInfer's split.
+    from dp_runtime.attention.flashinfer_backend import NO_SPLIT_KV_BS
+
+    big = NO_SPLIT_KV_BS
+    fi = fi_backend(make_cache(max_reqs=big))
+    seen = []
+    wrapper_cls = type(fi._decode)  # graph and eager decode wrappers are one class
+    real = wrapper_cls.plan
+
+    def plan(self, *args, **kw):
+        seen.append(kw.get("disable_split_kv", False))
+        return real(self, *args, **kw)
+    monkeypatch.setattr(wrapper_cls, "plan", plan)
+    ones = torch.ones(big, dtype=torch.int64)
+    fi.init_capture(max_bs=big, max_num_tokens=big)
+    for bs in (big, big // 2):
+        fi.init_forward_metadata_capture(bs=bs, num_tokens=bs, req_pool_indices=ones[:bs] * 0, seq_lens=ones[:bs],
+                                         forward_mode=ForwardMode.DECODE)
+    fi.init_forward_metadata_replay(bs=big, raw_bs=big, req_pool_indices=ones * 0, seq_lens=ones, seq_lens_sum=big,
+                                    forward_mode=ForwardMode.DECODE, seq_lens_cpu=ones)
+    alloc = KVAllocator(fi.kv_cache)
+    reqs = add_requests(alloc, [1] * big, seed=5)
+    fi.init_forward_metadata(decode_batch(alloc, reqs, [1] * big))
+    assert seen == [True, False, True, False]
+
+
 def test_checks_catch_host_device_length_mismatch_and_out_of_range_indices():
     cache = make_cache(num_slots=100)
     fi = fi_backend(cache, check_indices=True)

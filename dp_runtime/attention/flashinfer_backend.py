@@ -44,7 +44,7 @@ __all__ = ["LONG_EXTEND_TOKENS", "NO_SPLIT_KV_BS", "FlashInferBackend", "FlashIn
 # wrapper on FlashInfer's "auto" backend (FA3 on sm90); shorter ones FA2.
 LONG_EXTEND_TOKENS = 256
 
-# Decode batches of at least this many requests plan without splitting a request's KV: with
+# Decode graph buckets of at least this many requests plan without splitting a request's KV: with
 # 4+ KV heads per request there are enough (request, head) work items to fill the GPU, and
 # the split's merge kernel (a launch per layer, captured into every graph) goes away.
 NO_SPLIT_KV_BS = 64
@@ -197,7 +197,8 @@ class FlashInferBackend:
         verify_lens(self.check_indices, self.kv_cache, where, rows, lens, lens_cpu)
         indices = build_kv_indices(self.kv_cache.req_to_token, rows, lens, total, indptr_cpu=indptr)
         verify_indices(self.check_indices, self.kv_cache, where, indices)
-        no_split = {"disable_split_kv": True} if bs >= NO_SPLIT_KV_BS else {}
+        # Graph buckets only: the measured case (the eager decode wrapper keeps FlashInfer's split).
+        no_split = {"disable_split_kv": True} if bs >= NO_SPLIT_KV_BS and indices_capacity is not None else {}
         wrapper.plan(indptr, indices, self._decode_last_page_len(lens_cpu), *self._heads(), 1, **no_split,
                      **self._plan_kw())
 
