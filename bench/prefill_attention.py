@@ -64,13 +64,14 @@ def main() -> None:
                 ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
                 w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
                 w.plan(indptr, indptr, h, kv, d, causal=True, q_data_type=torch.bfloat16)
-                times[backend] = _time_ms(lambda w=w: w.run(q, k, v), args.iters)
-            except Exception as exc:  # noqa: BLE001 - a backend that cannot run here is reported, not fatal
+                times[backend] = _time_ms(lambda w=w, q=q, k=k, v=v: w.run(q, k, v), args.iters)
+            except Exception as exc:  # a backend that cannot run here is reported, not fatal
                 print(f"# {part} {backend}: {type(exc).__name__}: {str(exc)[:200]}")
         qs = q.view(b, n, h, d).transpose(1, 2)
         ks = k.view(b, n, kv, d).transpose(1, 2).repeat_interleave(h // kv, dim=1)
         vs = v.view(b, n, kv, d).transpose(1, 2).repeat_interleave(h // kv, dim=1)
-        times["sdpa"] = _time_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True), args.iters)
+        times["sdpa"] = _time_ms(lambda qs=qs, ks=ks, vs=vs: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
+                                 args.iters)
         for name, ms in times.items():
             ratio = f"{times['fa2'] / ms:.2f}x" if "fa2" in times else "-"
             print(f"{part:>8} {name:>8} {ms:>8.3f} {flops / ms / 1e9:>8.0f} {ratio:>7}")

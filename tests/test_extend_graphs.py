@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from buffers import BufferPool, build_prefill_registry
+from dp_runtime.config import RuntimeConfig
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
@@ -17,7 +18,6 @@ from dp_runtime.serving.forward_batch import ForwardBatch, capture_batch, idle_b
 from dp_runtime.serving.request import Request, SamplingParams
 from dp_runtime.sync.step_plan import plan_step
 from dp_runtime.sync.step_table import StepTable
-from dp_runtime.config import RuntimeConfig
 from graph import AttentionSplit, PiecewiseRunner
 
 
