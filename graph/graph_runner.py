@@ -42,7 +42,7 @@ from graph.forward_mode import ForwardMode
 from graph.runner_batch import RunnerBatch
 from graph.step_plan_view import StepPlanView, padding_name
 
-__all__ = ["GraphRunner"]
+__all__ = ["GraphRunner", "capture_largest_first"]
 
 # (bs, num_tokens, plan) -> a batch of bs requests with valid dummy inputs (request row 0,
 # KV slot 0, length 1) and plan.global_num_tokens_cpu as its per-rank counts.
@@ -67,6 +67,29 @@ def _gc_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def capture_largest_first(sizes: Sequence[int], store: dict, capture_one: Callable[[int, Any], Any], *,
+                          device: torch.device, use_cuda_graph: bool, label: str, show_progress: bool,
+                          on_error: Callable[[], None]) -> int:
+    """``store[size] = capture_one(size, stream)`` for each size, largest first (the first capture
+    sizes the shared pool's blocks and the smaller ones reuse them), the GC frozen, on one side
+    stream (None without CUDA), a tqdm bar. On a failure ``on_error()`` releases what was captured
+    before the error propagates. Returns the device memory grown over the captures."""
+    stream, before = None, 0
+    if use_cuda_graph:
+        before = torch.cuda.memory_allocated(device)
+        stream = torch.cuda.Stream(device=device)
+    try:
+        with _gc_frozen():
+            bar = tqdm(list(sizes)[::-1], desc=f"capture {label}", unit="graph", disable=not show_progress)
+            for size in bar:
+                bar.set_postfix(size=size)
+                store[size] = capture_one(size, stream)
+    except BaseException:
+        on_error()
+        raise
+    return torch.cuda.memory_allocated(device) - before if use_cuda_graph else 0
 
 
 def _slice_rows(out: Any, padded_n: int, raw_n: int, padded_bs: int, raw_bs: int) -> Any:
@@ -186,23 +209,11 @@ class GraphRunner:
             raise RuntimeError("GraphRunner.capture: already captured; call destroy() first")
         largest = self.sizes[-1]
         self.backend.init_capture(max_bs=largest, max_num_tokens=largest * self.num_tokens_per_bs)
-        stream = None
-        before = 0
         if self.use_cuda_graph:
-            before = torch.cuda.memory_allocated(self.registry.device)
             self._pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream(device=self.registry.device)
-        try:
-            with _gc_frozen():
-                bar = tqdm(self.sizes[::-1], desc="capture graphs", unit="graph", disable=not self.show_progress)
-                for bs in bar:
-                    bar.set_postfix(bs=bs)
-                    self._captured[bs] = self._capture_one(bs, stream)
-        except BaseException:
-            self.destroy()
-            raise
-        if self.use_cuda_graph:
-            self.capture_memory_bytes = torch.cuda.memory_allocated(self.registry.device) - before
+        self.capture_memory_bytes = capture_largest_first(
+            self.sizes, self._captured, self._capture_one, device=self.registry.device,
+            use_cuda_graph=self.use_cuda_graph, label="graphs", show_progress=self.show_progress, on_error=self.destroy)
 
     def _capture_one(self, bs: int, stream: torch.cuda.Stream | None) -> _Captured:
         n = bs * self.num_tokens_per_bs

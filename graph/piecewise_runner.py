@@ -39,12 +39,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from buffers import BufferRegistry
 from graph.capture_sizes import bucket_for
 from graph.forward_mode import ForwardMode
-from graph.graph_runner import _gc_frozen
+from graph.graph_runner import capture_largest_first
 from graph.step_plan_view import StepPlanView
 
 __all__ = ["AttentionSplit", "PiecewiseRunner"]
@@ -185,23 +184,12 @@ class PiecewiseRunner:
         captured so far are released before the error propagates."""
         if self._buckets:
             raise RuntimeError("PiecewiseRunner.capture: already captured; call destroy() first")
-        stream, before = None, 0
-        if self.use_cuda_graph:
-            before = torch.cuda.memory_allocated(self.registry.device)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream(device=self.registry.device)
-        try:
-            with _gc_frozen():
-                bar = tqdm(self.sizes[::-1], desc="capture extend graphs", unit="bucket", disable=not self.show_progress)
-                for tokens in bar:
-                    bar.set_postfix(tokens=tokens)
-                    self._buckets[tokens] = self._capture_one(tokens, stream)
-        except BaseException:
-            self.destroy()
-            raise
-        if self.use_cuda_graph:
-            self.capture_memory_bytes = torch.cuda.memory_allocated(self.registry.device) - before
+        if self.use_cuda_graph and self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        self.capture_memory_bytes = capture_largest_first(
+            self.sizes, self._buckets, self._capture_one, device=self.registry.device,
+            use_cuda_graph=self.use_cuda_graph, label="extend graphs", show_progress=self.show_progress,
+            on_error=self.destroy)
 
     def _out_buffer(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
         width = q.shape[1] * q.shape[2] if q.dim() == 3 else q.shape[1]
