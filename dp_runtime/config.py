@@ -237,19 +237,20 @@ class RuntimeConfig:
         if self.dtype not in set(_DTYPES.values()):
             raise _fail("dtype must be bfloat16, float16 or float32", dtype=self.dtype)
 
-    def _validate_capture_sizes(self) -> None:
-        sizes, max_bs, tp = self.cuda_graph_bs, self.cuda_graph_max_bs, self.attn_tp_size
+    def _check_sizes(self, name: str) -> tuple[int, ...]:
+        """A list of graph sizes: ints, strictly increasing, > 0, multiples of attn_tp_size."""
+        sizes, tp = getattr(self, name), self.attn_tp_size
         if any(isinstance(s, bool) or not isinstance(s, int) for s in sizes):
-            raise _fail("cuda_graph_bs must hold ints", cuda_graph_bs=sizes)
+            raise _fail(f"{name} must hold ints", **{name: sizes})
         if any(b <= a for a, b in pairwise(sizes)) or any(s <= 0 for s in sizes):
-            raise _fail("cuda_graph_bs must be strictly increasing and > 0", cuda_graph_bs=sizes)
+            raise _fail(f"{name} must be strictly increasing and > 0", **{name: sizes})
         unaligned = [s for s in sizes if s % tp]
         if unaligned:
-            raise _fail(
-                "every cuda_graph_bs size must be a multiple of attn_tp_size",
-                unaligned=unaligned,
-                attn_tp_size=tp,
-            )
+            raise _fail(f"every {name} size must be a multiple of attn_tp_size", unaligned=unaligned, attn_tp_size=tp)
+        return sizes
+
+    def _validate_capture_sizes(self) -> None:
+        sizes, max_bs = self._check_sizes("cuda_graph_bs"), self.cuda_graph_max_bs
         if (sizes[-1] if sizes else 0) != max_bs:
             raise _fail(
                 "the largest cuda_graph_bs size must equal cuda_graph_max_bs (no sizes iff 0)",
@@ -258,14 +259,7 @@ class RuntimeConfig:
             )
 
     def _validate_extend_tokens(self) -> None:
-        sizes, tp = self.cuda_graph_extend_tokens, self.attn_tp_size
-        if any(isinstance(s, bool) or not isinstance(s, int) for s in sizes):
-            raise _fail("cuda_graph_extend_tokens must hold ints", cuda_graph_extend_tokens=sizes)
-        if any(b <= a for a, b in pairwise(sizes)) or any(s <= 0 for s in sizes):
-            raise _fail("cuda_graph_extend_tokens must be strictly increasing and > 0", cuda_graph_extend_tokens=sizes)
-        if any(s % tp for s in sizes):
-            raise _fail("every cuda_graph_extend_tokens size must be a multiple of attn_tp_size",
-                        cuda_graph_extend_tokens=sizes, attn_tp_size=tp)
+        sizes = self._check_sizes("cuda_graph_extend_tokens")
         if sizes and sizes[-1] > self.max_tokens_per_rank:
             raise _fail("cuda_graph_extend_tokens must not exceed max_tokens_per_rank",
                         cuda_graph_extend_tokens=sizes, max_tokens_per_rank=self.max_tokens_per_rank)

@@ -22,8 +22,8 @@ The host waits for each step's tokens before planning the next (sampling reads t
 never runs a step ahead of the GPU: FlashInfer's plan state, staged in host buffers that the
 next plan overwrites, is safe.
 
-Teardown (``close``): graphs first (extend pieces, then decode graphs), then the dispatcher, then the step sync; the process group
-belongs to whoever created it and is destroyed after.
+Teardown (``close``): graphs first (extend pieces, then decode graphs), then the dispatcher,
+then the step sync; the process group belongs to whoever created it and is destroyed after.
 """
 
 from __future__ import annotations
@@ -102,9 +102,8 @@ class RankWorker:
         self._lock = threading.Lock()
         self._finished: list[RequestResult] = []
         self._counters = dict(steps=0, graph_steps=0, extend_graph_steps=0, eager_steps=0, idle_steps=0,
-                              skipped_steps=0,
-                              extend_steps=0, decode_steps=0, generated_tokens=0, prefill_tokens=0,
-                              finished_requests=0)
+                              skipped_steps=0, extend_steps=0, decode_steps=0, generated_tokens=0,
+                              prefill_tokens=0, finished_requests=0)
         self._memory: dict[str, int] = {}
         self._show_progress = show_progress
         self._on_phase = on_phase or (lambda name: None)
@@ -112,8 +111,6 @@ class RankWorker:
         # (it only changes what this rank reports, so the plan stays rank-invariant anyway).
         self.graph_enabled = True
         self.sampled_logits: dict[str, list[torch.Tensor]] | None = {} if keep_logits else None
-        self.graphs: GraphRunner | None = None
-        self.extend_graphs: PiecewiseRunner | None = None
         self.rank_graphs: RankGraphs | None = None
         self.dispatcher = None
         self.sync: DPStepSync | None = None
@@ -123,6 +120,16 @@ class RankWorker:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def graphs(self) -> GraphRunner | None:
+        """The decode graphs (None without graphs)."""
+        return None if self.rank_graphs is None else self.rank_graphs.decode
+
+    @property
+    def extend_graphs(self) -> PiecewiseRunner | None:
+        """The extend pieces (None without graphs or without extend token buckets)."""
+        return None if self.rank_graphs is None else self.rank_graphs.extend
 
     # -- construction ----------------------------------------------------------------------------
     def _choices(self, ep: EPGroup) -> Choices:
@@ -204,14 +211,12 @@ class RankWorker:
 
         self.eager = EagerRunner(self.model.forward, self.attention, eager_registry, no_copy=cfg.eager_input_no_copy,
                                  max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
-        self.rank_graphs = None
         if choices.graphs:
             self.rank_graphs = capture_rank_graphs(
                 cfg=cfg, forward=self.model.forward, split=self.model.attention, attention=self.attention, pool=pool,
                 device=dev, set_plan=self.dp_buffers.set_from_plan, max_context_len=spec.context_len,
                 show_progress=self._show_progress,
                 on_phase=self._on_phase)
-            self.graphs, self.extend_graphs = self.rank_graphs.decode, self.rank_graphs.extend
         self._memory["graph_pool"] = 0 if self.rank_graphs is None else self.rank_graphs.memory_bytes
         self._memory["graph_inputs"] = pool.total_bytes() - pool_before
         self._memory["activation_peak"] = 0
@@ -377,7 +382,7 @@ class RankWorker:
         The process group is the caller's to destroy, after this."""
         if self.rank_graphs is not None:
             self.rank_graphs.destroy()
-        self.rank_graphs = self.graphs = self.extend_graphs = None
+            self.rank_graphs = None
         if self.dispatcher is not None:
             self.dispatcher.close()
             self.dispatcher = None

@@ -42,7 +42,7 @@ from graph.forward_mode import ForwardMode
 from graph.runner_batch import RunnerBatch
 from graph.step_plan_view import StepPlanView, padding_name
 
-__all__ = ["GraphRunner", "capture_largest_first"]
+__all__ = ["GraphRunner", "capture_largest_first", "checked_sizes", "resolve_cuda_graph"]
 
 # (bs, num_tokens, plan) -> a batch of bs requests with valid dummy inputs (request row 0,
 # KV slot 0, length 1) and plan.global_num_tokens_cpu as its per-rank counts.
@@ -67,6 +67,25 @@ def _gc_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def checked_sizes(owner: str, sizes: Sequence[int]) -> tuple[int, ...]:
+    """``sizes`` sorted and unique; ValueError naming ``owner`` unless non-empty and positive."""
+    out = tuple(sorted({int(s) for s in sizes}))
+    if not out or out[0] < 1:
+        raise ValueError(f"{owner}: sizes must be a non-empty list of positive ints, got {list(sizes)}")
+    return out
+
+
+def resolve_cuda_graph(owner: str, use_cuda_graph: bool | None, registry: BufferRegistry) -> bool:
+    """Whether to capture real CUDA graphs: None means when CUDA is available and the registry is
+    on CUDA; True without them raises ValueError naming ``owner``."""
+    cuda_ok = torch.cuda.is_available() and registry.device.type == "cuda"
+    if use_cuda_graph is None:
+        return cuda_ok
+    if use_cuda_graph and not cuda_ok:
+        raise ValueError(f"{owner}: use_cuda_graph=True needs CUDA and a CUDA registry (device {registry.device})")
+    return bool(use_cuda_graph)
 
 
 def capture_largest_first(sizes: Sequence[int], store: dict, capture_one: Callable[[int, Any], Any], *,
@@ -148,9 +167,7 @@ class GraphRunner:
         warmup_runs: int = 2,
         show_progress: bool = True,
     ) -> None:
-        self.sizes = tuple(sorted({int(s) for s in sizes}))
-        if not self.sizes or self.sizes[0] < 1:
-            raise ValueError(f"GraphRunner: sizes must be a non-empty list of positive ints, got {list(sizes)}")
+        self.sizes = checked_sizes("GraphRunner", sizes)
         if forward_mode is ForwardMode.IDLE:
             raise ValueError("GraphRunner: cannot capture IDLE; IDLE batches replay the captured mode")
         if num_tokens_per_bs < 1:
@@ -164,17 +181,12 @@ class GraphRunner:
                 f"GraphRunner: largest bucket {largest} ({largest * num_tokens_per_bs} tokens) exceeds registry "
                 f"{registry.user!r} capacity max_bs={registry.max_bs}, max_num_tokens={registry.max_num_tokens}"
             )
-        cuda_ok = torch.cuda.is_available() and registry.device.type == "cuda"
-        if use_cuda_graph is None:
-            use_cuda_graph = cuda_ok
-        elif use_cuda_graph and not cuda_ok:
-            raise ValueError(f"GraphRunner: use_cuda_graph=True needs CUDA and a CUDA registry (device {registry.device})")
+        self.use_cuda_graph = resolve_cuda_graph("GraphRunner", use_cuda_graph, registry)
         self.forward = forward
         self.backend = backend
         self.registry = registry
         self.forward_mode = forward_mode
         self.num_tokens_per_bs = int(num_tokens_per_bs)
-        self.use_cuda_graph = bool(use_cuda_graph)
         self.warmup_runs = int(warmup_runs)
         self.show_progress = show_progress
         self._capture_batch = capture_batch

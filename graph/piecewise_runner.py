@@ -43,7 +43,7 @@ import torch
 from buffers import BufferRegistry
 from graph.capture_sizes import bucket_for
 from graph.forward_mode import ForwardMode
-from graph.graph_runner import capture_largest_first
+from graph.graph_runner import capture_largest_first, checked_sizes, resolve_cuda_graph
 from graph.step_plan_view import StepPlanView
 
 __all__ = ["AttentionSplit", "PiecewiseRunner"]
@@ -139,9 +139,7 @@ class PiecewiseRunner:
         warmup_runs: int = 2,
         show_progress: bool = True,
     ) -> None:
-        self.sizes = tuple(sorted({int(s) for s in sizes}))
-        if not self.sizes or self.sizes[0] < 1:
-            raise ValueError(f"PiecewiseRunner: sizes must be a non-empty list of positive ints, got {list(sizes)}")
+        self.sizes = checked_sizes("PiecewiseRunner", sizes)
         if max_requests < 1:
             raise ValueError(f"PiecewiseRunner: max_requests must be >= 1, got {max_requests}")
         self.max_requests = int(max_requests)
@@ -153,10 +151,7 @@ class PiecewiseRunner:
             )
         if split.backend is not backend:
             raise ValueError("PiecewiseRunner: the split must wrap the backend the runner plans")
-        cuda_ok = torch.cuda.is_available() and registry.device.type == "cuda"
-        self.use_cuda_graph = cuda_ok if use_cuda_graph is None else bool(use_cuda_graph)
-        if self.use_cuda_graph and not cuda_ok:
-            raise ValueError(f"PiecewiseRunner: use_cuda_graph=True needs CUDA and a CUDA registry (device {registry.device})")
+        self.use_cuda_graph = resolve_cuda_graph("PiecewiseRunner", use_cuda_graph, registry)
         self.forward, self.split, self.backend, self.registry = forward, split, backend, registry
         self.warmup_runs = int(warmup_runs)
         self.show_progress = show_progress
@@ -173,10 +168,6 @@ class PiecewiseRunner:
     def slots(self, tokens: int) -> int:
         """Request slots of the bucket of ``tokens`` tokens."""
         return min(tokens, self.max_requests)
-
-    def num_graphs(self, bucket: int) -> int:
-        """Graphs of one bucket: attention layers + 1 with CUDA, 0 for the stand-in."""
-        return len(self._buckets[bucket].graphs)
 
     # -- capture -------------------------------------------------------------------------------
     def capture(self) -> None:

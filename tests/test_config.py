@@ -30,6 +30,13 @@ def test_defaults_resolve_every_auto():
     )
 
 
+def test_auto_extend_tokens_are_capped_by_the_largest_step():
+    assert RuntimeConfig().cuda_graph_extend_tokens == (16, 32, 64, 128, 256)
+    # max_tokens_per_rank = max(chunked_prefill_size, max_running_requests) = 100
+    assert RuntimeConfig(chunked_prefill_size=100, max_running_requests=8).cuda_graph_extend_tokens == (16, 32, 64)
+    assert RuntimeConfig(chunked_prefill_size=8, max_running_requests=8).cuda_graph_extend_tokens == ()
+
+
 def test_frozen():
     c = RuntimeConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -93,6 +100,17 @@ def test_derived_sizes():
             ["no sizes iff 0", "cuda_graph_max_bs=0"],
         ),
         ({"cuda_graph_bs": "some"}, ['"auto" or a sequence', "'some'"]),
+        ({"cuda_graph_extend_tokens": (16, 8)}, ["cuda_graph_extend_tokens must be strictly increasing", "(16, 8)"]),
+        ({"cuda_graph_extend_tokens": (16, 16.5)}, ["cuda_graph_extend_tokens must hold ints", "16.5"]),
+        (
+            {"attn_tp_size": 2, "cuda_graph_extend_tokens": (16, 33)},
+            ["every cuda_graph_extend_tokens size must be a multiple of attn_tp_size", "unaligned=[33]"],
+        ),
+        (
+            {"chunked_prefill_size": 64, "max_running_requests": 8, "cuda_graph_extend_tokens": (16, 128)},
+            ["must not exceed max_tokens_per_rank", "max_tokens_per_rank=64", "(16, 128)"],
+        ),
+        ({"cuda_graph_extend_tokens": "some"}, ['"auto" or a sequence of ints', "'some'"]),
         ({"dtype": "int8"}, ["dtype must be", "'int8'"]),
         ({"dtype": torch.int32}, ["dtype must be", "torch.int32"]),
         ({"dp_padding": "middle"}, ["padding mode 'middle'"]),
