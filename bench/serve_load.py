@@ -194,7 +194,11 @@ class InProcessRank:
         self.session.submit(split_round_robin(requests, self.world)[self.rank])
         st = self.session.run()
         if st.state != "done":
-            raise RuntimeError(f"rank {self.rank}: the step loop raised:\n{st.error}")
+            message = f"rank {self.rank}: the step loop raised:\n{st.error}"
+            # Shown now: the teardown on the way out may block on a peer, and then the raised
+            # error would never be printed.
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            raise RuntimeError(message)
         self.metrics = dict(st.metrics)
         parts = [list(st.results)]
         if self.world > 1:
@@ -352,6 +356,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         elif device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         rank = dist.get_rank() if world > 1 else 0
+    failed = True
     try:
         spec = build_spec(args, world, device, every)
         t0 = time.perf_counter()
@@ -372,9 +377,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                                      latency_s=r.latency_s, error=r.error) for r in results]
         finally:
             ranks.close()
+        failed = False
     finally:
         if own_group:
-            process_group.destroy_process_group()
+            # After a failure a peer may wait in a collective for this rank: abort, do not wait.
+            process_group.destroy_process_group(abort=failed)
         if ray_started:
             ray.shutdown()
     if rank != 0:

@@ -8,12 +8,14 @@ communicator to the rank's own GPU rather than to GPU 0 of every process.
 Two ways in: ``init_process_group(rank, world, addr, port, ...)`` for a launcher that chose the
 rendezvous itself (the Ray actors: rank 0 publishes its node IP and a free port), and
 ``init_from_env`` for torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK).
-Teardown is ``destroy_process_group()``, called after the worker that used the group is closed.
+Teardown is ``destroy_process_group()``, called after the worker that used the group is closed;
+``destroy_process_group(abort=True)`` after a failure, which does not wait for the peers.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 __all__ = [
     "GroupInfo",
@@ -35,6 +38,8 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
+
+logger = logging.getLogger("launch")
 
 
 @dataclass(frozen=True)
@@ -164,10 +169,29 @@ def init_from_env(
                               device=device, cuda_index=cuda_index, timeout_s=timeout_s)
 
 
-def destroy_process_group() -> None:
-    """Destroy the default group if there is one (after every user of it is closed)."""
-    if dist.is_initialized():
+def destroy_process_group(abort: bool = False) -> None:
+    """Destroy the default group if there is one (after every user of it is closed).
+
+    ``abort=True`` is the teardown after a failure: it does not wait for the peers and never
+    raises (an error is logged at debug; the failure on its way out is the one to report).
+    """
+    if not dist.is_initialized():
+        return
+    if not abort:
         dist.destroy_process_group()
+        return
+    # After this rank failed, a peer may be blocked in an NCCL collective waiting for it, and a
+    # plain destroy then waits for that peer forever, so the error on its way out is never
+    # printed. Aborting the communicators returns at once. The abort is private torch API that
+    # older torch lacks; there the plain destroy is all there is.
+    abort_group = getattr(c10d, "_abort_process_group", None)
+    try:
+        if abort_group is not None:
+            abort_group()
+        else:
+            dist.destroy_process_group()
+    except Exception:
+        logger.debug("tearing down the process group of a failed job raised", exc_info=True)
 
 
 def _bracket(addr: str) -> str:

@@ -6,14 +6,16 @@ to it only between steps (submit, start, collect, stop); the step loop itself ne
 the launcher, because a Ray round trip (~2 ms) must not be paid per step.
 
 States: ``ready`` (built, not started) -> ``running`` (``run_until_idle`` in the thread) ->
-``done`` (it returned: every rank was idle) or ``error`` (it raised; the traceback is kept) ->
-``closed``. ``submit`` + ``start`` may follow ``done`` for another round of work.
+``done`` (it returned: every rank was idle) or ``error`` (it raised; the traceback is kept, and
+logged at once on the ``launch`` logger) -> ``closed``. ``submit`` + ``start`` may follow ``done``
+for another round of work.
 
 Progress for hang detection is ``metrics()["steps"]``, reported by every ``collect``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import traceback
@@ -25,6 +27,8 @@ from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request, RequestResult
 
 __all__ = ["RankSession", "RankStatus"]
+
+logger = logging.getLogger("launch")
 
 READY, RUNNING, DONE, ERROR, CLOSED = "ready", "running", "done", "error", "closed"
 
@@ -100,8 +104,13 @@ class RankSession:
         try:
             self._worker.run_until_idle(stop=self._stop)
         except BaseException:
+            error = traceback.format_exc()
+            # Logged here, before the state says "error": whoever acts on that state tears the
+            # job down (kills the actor, destroys the process group), and a teardown that blocks
+            # or kills would otherwise leave the error unseen.
+            logger.error("rank %d: the step loop raised:\n%s", self.rank, error.rstrip())
             with self._lock:
-                self._state, self._error = ERROR, traceback.format_exc()
+                self._state, self._error = ERROR, error
                 self._t_end = time.perf_counter()
         else:
             with self._lock:

@@ -189,10 +189,13 @@ def _main(argv: list[str], rank: int) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
     if "RANK" in os.environ:
         process_group.init_from_env(device=device, timeout_s=args.pg_timeout)
+    failed = True
     try:
         report = run_torchrun(spec, requests)
+        failed = False
     finally:
-        process_group.destroy_process_group()
+        # After a failure a peer may wait in a collective for this rank: abort, do not wait.
+        process_group.destroy_process_group(abort=failed)
     if report is not None and rank == 0:
         _print(report, args.json, args.results)
     return 0

@@ -11,10 +11,12 @@ import time
 from itertools import pairwise
 
 import pytest
+import torch.distributed as dist
 
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.request import Request, SamplingParams
+from launch import process_group, rank_session
 from tests.support.bench_scripts import check_serve_load_report, load_bench
 
 
@@ -107,3 +109,43 @@ def test_serve_load_bad_options_are_one_line_and_exit_2(capsys, argv, message):
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+class _FailingWorker:
+    def submit(self, requests):
+        pass
+
+    def run_until_idle(self, stop=None):
+        raise RuntimeError("boom on rank 0")
+
+    def pop_finished(self):
+        return []
+
+    def metrics(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+def test_serve_load_shows_a_rank_error_then_aborts_its_group(monkeypatch, capsys):
+    # Before: the error was only raised, and the group's destroy on the way out waited forever for
+    # the peer stuck in NCCL, so it was never printed. Here rank 0 of a 2-rank torchrun job fails
+    # (its group is a one-process gloo group: the peer never takes part).
+    monkeypatch.setattr(rank_session, "_default_worker", lambda *args: _FailingWorker())
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(process_group, "init_from_env", lambda device: process_group.init_process_group(
+        0, 1, "127.0.0.1", process_group.free_port(), timeout_s=30.0))
+    aborts, destroy = [], process_group.destroy_process_group
+
+    def recorded_destroy(abort=False):
+        aborts.append(abort)
+        destroy(abort)
+
+    monkeypatch.setattr(process_group, "destroy_process_group", recorded_destroy)
+    with pytest.raises(RuntimeError, match="rank 0: the step loop raised"):
+        load_bench("serve_load").main(["--device", "cpu", "--num-requests", "2", "--warmup", "0", "--json"])
+    err = capsys.readouterr().err
+    assert "error: rank 0: the step loop raised:\n" in err and "RuntimeError: boom on rank 0" in err, err
+    assert aborts == [True] and not dist.is_initialized()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import pytest
@@ -76,6 +77,32 @@ def test_session_keeps_the_traceback():
     st = s.run()
     assert st.state == "error"
     assert "RuntimeError: boom in the step loop" in st.error and "Traceback" in st.error
+    s.close()
+
+
+def test_session_logs_the_error_before_it_reports_it(caplog):
+    # Before: the traceback was only kept for collect, and a teardown that then blocked (the
+    # process group's destroy waiting for a peer stuck in NCCL) meant it was never printed.
+    s = RankSession(None, 3, 4, worker_factory=lambda spec, rank, world: _FakeWorker(fail=True))
+    state_when_logged = []
+
+    class _StateAtEmit(logging.Handler):
+        def emit(self, record):
+            state_when_logged.append(s.state())
+
+    probe = _StateAtEmit(logging.ERROR)
+    logging.getLogger("launch").addHandler(probe)
+    try:
+        with caplog.at_level(logging.ERROR, logger="launch"):
+            st = s.run()
+    finally:
+        logging.getLogger("launch").removeHandler(probe)
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    text = record.getMessage()
+    assert text.startswith("rank 3: the step loop raised:\n"), text
+    assert "RuntimeError: boom in the step loop" in text and st.error.rstrip() in text
+    assert state_when_logged == ["running"]  # logged before any launcher could see "error"
+    assert st.state == "error"
     s.close()
 
 

@@ -1,12 +1,20 @@
 """The pure parts of placement and the process group: bundles, strategy, rank order, backend,
-device index."""
+device index; and the group's teardown on a one-process gloo group."""
 
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from launch.placement import assign_ranks, bundle_for, check_fits, choose_strategy
-from launch.process_group import backend_for, free_port, local_cuda_index
+from launch.process_group import (
+    backend_for,
+    destroy_process_group,
+    free_port,
+    init_process_group,
+    local_cuda_index,
+)
 
 
 def test_bundles():
@@ -62,3 +70,37 @@ def test_backend_and_device_index():
     with pytest.raises(ValueError, match="no GPU was assigned"):
         local_cuda_index([], "0")
     assert 0 < free_port() < 65536
+
+
+@pytest.fixture
+def one_rank_group():
+    init_process_group(0, 1, "127.0.0.1", free_port(), timeout_s=30.0)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_abort_tears_the_group_down(one_rank_group):
+    destroy_process_group(abort=True)
+    assert not dist.is_initialized()
+
+
+def test_destroy_without_a_group_does_nothing():
+    assert not dist.is_initialized()
+    destroy_process_group()
+    destroy_process_group(abort=True)
+    assert not dist.is_initialized()
+
+
+def test_abort_falls_back_to_destroy_on_a_torch_without_it(one_rank_group, monkeypatch):
+    monkeypatch.delattr(c10d, "_abort_process_group")
+    destroy_process_group(abort=True)
+    assert not dist.is_initialized()
+
+
+def test_abort_never_raises(one_rank_group, monkeypatch):
+    def broken():
+        raise RuntimeError("communicator already gone")
+
+    monkeypatch.setattr(c10d, "_abort_process_group", broken)
+    destroy_process_group(abort=True)  # the failure on its way out is the one to report

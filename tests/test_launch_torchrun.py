@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from launch import torchrun_main
 from launch.local_launcher import launch_local
 from launch.run_config import RunConfig
 from launch.torchrun_main import run_torchrun
@@ -49,6 +50,29 @@ def test_run_torchrun_refuses_a_duplicate_rid_on_every_rank(dist_group):
     with pytest.raises(ValueError, match=r"duplicate request ids .*\['r0001'\]"):
         run_torchrun(cfg.spec("cpu"), [*reqs, reqs[1]])
     dist.barrier()  # raised before any collective, on every rank alike
+
+
+@pytest.mark.parametrize("error, code", [(RuntimeError("the step loop raised"), None), (ValueError("bad rid"), 2)])
+def test_torchrun_main_aborts_the_group_after_a_failure(monkeypatch, capsys, error, code):
+    # A plain destroy waits for the peers, and one stuck in an NCCL collective never comes:
+    # after a failure the group is aborted; the exit code and the user-error line stay as they were.
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    aborts = []
+    monkeypatch.setattr(torchrun_main.process_group, "destroy_process_group", lambda abort=False: aborts.append(abort))
+
+    def failing_run(spec, requests):
+        raise error
+
+    monkeypatch.setattr(torchrun_main, "run_torchrun", failing_run)
+    argv = ["--requests", "2", "--device", "cpu"]
+    if code is None:
+        with pytest.raises(RuntimeError, match="the step loop raised"):
+            torchrun_main.main(argv)
+    else:
+        assert torchrun_main.main(argv) == code
+        assert capsys.readouterr().err == "error: rank 0: bad rid\n"
+    assert aborts == [True]
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
