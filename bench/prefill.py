@@ -123,6 +123,7 @@ def timed_prefill(worker: RankWorker, b: int, n: int, iters: int, rank: int, tag
                                SamplingParams(max_new_tokens=1)) for j in range(b)])
         t0 = time.perf_counter()
         plan = worker.step()
+        worker.wait_tokens()  # the step ends with its first tokens on the host
         times.append(time.perf_counter() - t0)
         done = worker.pop_finished()
         if not plan.is_extend or len(done) != b or worker.has_work:

@@ -18,6 +18,9 @@
 #                                  #   + prefill attention FA2/FA3/SDPA)
 #   bash bench/run_gpu.sh decode1  # one GPU: decode vs earlier trees, census at 64/256, tile sweep at 64/256
 #   bash bench/run_gpu.sh serve2s  # two GPUs: model gpu2 tests, bs-1 host check, serve_load DP 1/2, prefill DP 2
+#   bash bench/run_gpu.sh overlap1 # one GPU: overlap GPU tests, decode vs trees, census at bs 1/64/256
+#   bash bench/run_gpu.sh load1    # one GPU: extend/prefill vs trees, serve_load DP 1
+#   bash bench/run_gpu.sh diag2    # two GPUs: census at bs 1/64/256, serve_load DP 2 (whole log), prefill DP 2
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -126,6 +129,28 @@ case "${1:-one}" in
     step serve_load_2 torchrun --standalone --nproc-per-node 2 bench/serve_load.py --model qwen3-30b-a3b \
       --device cuda --rates 4,16,64,inf --num-requests 64 --max-running-requests 64 --dispatcher all_gather
     step prefill_2 torchrun --standalone --nproc-per-node 2 bench/prefill.py --shapes 1x8192,1x128 \
+      --modes graph,eager --iters 3 --warmup 1 --dispatcher all_gather
+    ;;
+  overlap1)  # one GPU: overlap/model/graph GPU tests, decode vs earlier trees, a census at bs 1/64/256
+    step gpu_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_overlap_gpu.py tests/test_model_gpu.py \
+      tests/test_graph_gpu.py tests/test_extend_graphs.py
+    step compare_1 python bench/compare_trees.py $(bases) -- python bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,64,256} --iters 30 --modes graph ${SERVE_ARGS:-}
+    step census python bench/serve_step.py --batch-sizes 1,64,256 --modes graph --profile --iters 5
+    ;;
+  load1)  # one GPU: extend steps and prefill vs earlier trees, serve_load at DP 1
+    step prefill_compare python bench/compare_trees.py --key shape $(bases) -- python bench/prefill.py --iters 5 \
+      --warmup 2 --shapes 1x128,8x16,1x8192 --modes graph
+    step serve_load_1 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates 4,16,64,inf \
+      --num-requests 64 --max-running-requests 64
+    ;;
+  diag2)  # two GPUs: a census at bs 1/64/256 (DP 1), serve_load at DP 2 with its whole log, prefill at DP 2
+    step census_1 python bench/serve_step.py --batch-sizes 1,64,256 --modes graph --profile --iters 20
+    BENCH_STACKS_AFTER_S=${STACKS_S:-150} step serve_load_2 timeout 280 torchrun --standalone --nproc-per-node 2 \
+      bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates ${LOAD_RATES:-16,inf} --num-requests 64 \
+      --max-running-requests 64 --dispatcher all_gather
+    grep -n -i -B2 -A12 "error\|Traceback" "$log/serve_load_2.log" | head -80
+    step prefill_2 timeout 200 torchrun --standalone --nproc-per-node 2 bench/prefill.py --shapes 1x8192,1x128 \
       --modes graph,eager --iters 3 --warmup 1 --dispatcher all_gather
     ;;
   final2)  # two GPUs, after the code is done: every gpu2 test and the 2-GPU Ray test

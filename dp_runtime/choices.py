@@ -19,13 +19,15 @@ Rules:
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from dp_runtime.attention.backend import flashinfer_unsupported
 
-__all__ = ["CAPTURABLE_DISPATCHERS", "DISPATCHERS", "Choices", "resolve_choices"]
+__all__ = ["CAPTURABLE_DISPATCHERS", "DISPATCHERS", "Choices", "rank_choices", "resolve_choices"]
 
 DISPATCHERS = ("auto", "local", "all_gather", "all_to_all", "flashinfer")
 # all_to_all reads its split sizes on the host: no CUDA graph can hold it.
@@ -101,3 +103,19 @@ def resolve_choices(
     else:
         attn, attn_why = "flashinfer", "auto: FlashInfer kernels exist for this geometry"
     return Choices(kind, why, graphs, graphs_why, attn, attn_why)
+
+
+def rank_choices(spec: Any, head_dim: int, world_size: int, device: torch.device, ep: Any) -> Choices:
+    """``resolve_choices`` for a rank built from ``spec`` (a RankSpec). A collective when the
+    dispatcher is "auto" over several ranks: every rank asks FlashInfer's dispatcher together."""
+    from dispatcher import flashinfer_dispatch_verdict
+
+    verdict = (False, "not asked")
+    if spec.dispatcher == "auto" and world_size > 1:
+        verdict = flashinfer_dispatch_verdict(ep, device)
+    return resolve_choices(
+        dispatcher=spec.dispatcher, use_cuda_graph=spec.use_cuda_graph, attention=spec.attention,
+        world_size=world_size, device_type=device.type, dtype=spec.runtime.dtype, head_dim=head_dim,
+        capture_sizes=spec.runtime.cuda_graph_bs, flashinfer_dispatch=verdict,
+        flashinfer_importable=importlib.util.find_spec("flashinfer") is not None,
+    )

@@ -32,6 +32,8 @@ dp_sync_shm_dir                       a directory                               
 eager_input_no_copy                   bool / "auto": the eager runner's no-copy escape       env, False
                                       hatch (the batch's own tensors, no registry)
 flashinfer_checks                     bool / "auto": host checks of every FlashInfer plan    env, False
+overlap_schedule                      bool: the host schedules step N+1 while the GPU       (True)
+                                      runs step N (docs/model.md, "Overlapped steps")
 dtype                                 a torch.dtype or a name: bfloat16, bf16, float16,   (bfloat16)
                                       fp16, float32, fp32
 device                                anything ``torch.device`` takes                     cuda if
@@ -117,6 +119,7 @@ class RuntimeConfig:
     dp_sync_shm_dir: str = "auto"
     eager_input_no_copy: bool | str = "auto"
     flashinfer_checks: bool | str = "auto"
+    overlap_schedule: bool = True
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -194,6 +197,8 @@ class RuntimeConfig:
             elif not isinstance(value, bool):
                 raise _fail(f'{name} must be a bool or "auto"', **{name: value})
             out[name] = value
+        if not isinstance(self.overlap_schedule, bool):
+            raise _fail("overlap_schedule must be a bool", overlap_schedule=self.overlap_schedule)
         return out
 
     def _validate(self) -> None:

@@ -14,13 +14,14 @@ One step (``step()``), the same sequence on every rank::
     graph replay                 when the plan has a bucket: a decode graph (DECODE on every
                                  busy rank) or extend pieces (EXTEND on every busy rank), fits
     or eager                     otherwise (prefill, SUM_LEN, a batch over the largest graph)
-    sample, scheduler.advance    only on a rank with a batch; an IDLE rank ran the forward
-                                 with zero rows (it joins the dispatcher's collectives) and
-                                 discards the empty logits
+    sample                       only on a rank with a batch (serving/step_tokens.py); an
+                                 IDLE rank ran the forward with zero rows (it joins the
+                                 dispatcher's collectives) and discards the empty logits
+    scheduler.advance            the previous step's tokens (overlap), or this step's
 
-The host waits for each step's tokens before planning the next (sampling reads them), so it
-never runs a step ahead of the GPU: FlashInfer's plan state, staged in host buffers that the
-next plan overwrites, is safe.
+Overlap (``RuntimeConfig.overlap_schedule``, on by default): step N's tokens reach the host
+asynchronously and are recorded after step N+1 was launched, so the host's work of a step runs
+while the GPU computes the one before (docs/model.md, "Overlapped steps").
 
 Teardown (``close``): graphs first (extend pieces, then decode graphs), then the dispatcher,
 then the step sync; the process group belongs to whoever created it and is destroyed after.
@@ -29,7 +30,6 @@ then the step sync; the process group belongs to whoever created it and is destr
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 from buffers import BufferPool, build_prefill_registry
-from dispatcher import DispatcherConfig, EPGroup, flashinfer_dispatch_verdict, make_dispatcher
+from dispatcher import DispatcherConfig, EPGroup, make_dispatcher
 from dp_runtime import memory_sizing
 from dp_runtime.attention import make_attention_backend
-from dp_runtime.choices import Choices, resolve_choices
+from dp_runtime.choices import rank_choices
 from dp_runtime.graph_setup import RankGraphs, capture_rank_graphs
 from dp_runtime.model.qwen3_moe import Qwen3MoeModel
 from dp_runtime.model.weights import iter_checkpoint, iter_random
@@ -51,8 +51,8 @@ from dp_runtime.serving.forward_batch import idle_batch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.kv_cache import KVCache
 from dp_runtime.serving.request import Request, RequestResult
-from dp_runtime.serving.sampling import sample_tokens
 from dp_runtime.serving.scheduler import ScheduledStep, Scheduler
+from dp_runtime.serving.step_tokens import StepTokens, launch_tokens
 from dp_runtime.sync.dp_buffer import DPBufferService
 from dp_runtime.sync.exchange import LocalExchange
 from dp_runtime.sync.peer_failure import FailureNotice
@@ -115,6 +115,7 @@ class RankWorker:
         self.dispatcher = None
         self.sync: DPStepSync | None = None
         self._own_cpu_group = None
+        self._pending: StepTokens | None = None  # the last step's tokens, not recorded yet (overlap)
         try:
             self._build(group)
         except BaseException:
@@ -132,18 +133,6 @@ class RankWorker:
         return None if self.rank_graphs is None else self.rank_graphs.extend
 
     # -- construction ----------------------------------------------------------------------------
-    def _choices(self, ep: EPGroup) -> Choices:
-        spec, mc, dev = self.spec, self.model_config, self.device
-        verdict = (False, "not asked")
-        if spec.dispatcher == "auto" and self.world_size > 1:
-            verdict = flashinfer_dispatch_verdict(ep, dev)  # collective: every rank asks
-        return resolve_choices(
-            dispatcher=spec.dispatcher, use_cuda_graph=spec.use_cuda_graph, attention=spec.attention,
-            world_size=self.world_size, device_type=dev.type, dtype=spec.runtime.dtype, head_dim=mc.head_dim,
-            capture_sizes=spec.runtime.cuda_graph_bs, flashinfer_dispatch=verdict,
-            flashinfer_importable=importlib.util.find_spec("flashinfer") is not None,
-        )
-
     def _build(self, group: Any) -> None:
         spec, cfg, mc, dev = self.spec, self.spec.runtime, self.model_config, self.device
         device_group, cpu_group, self._own_cpu_group = rank_groups(group, self.world_size, cfg.dp_sync_timeout_s)
@@ -155,7 +144,7 @@ class RankWorker:
         self.sync = DPStepSync(cfg, cpu_group, exchange=exchange)
         self._failure = FailureNotice(cpu_group, abandon=self.sync.abandon)
         ep = EPGroup.local() if self.world_size == 1 else EPGroup.from_torch(device_group, cpu_group)
-        self.choices = choices = self._choices(ep)
+        self.choices = choices = rank_choices(spec, mc.head_dim, self.world_size, dev, ep)
         self.dispatcher_kind = choices.dispatcher
 
         # The rank's one pool. Its first tenant is the DP buffer service, whose gathered
@@ -278,6 +267,12 @@ class RankWorker:
     def _step(self) -> StepPlan:
         with self._lock:
             scheduled = self.scheduler.next_step()
+        if scheduled is None and self._pending is not None:
+            # Nothing to run without the last step's tokens (every request is at its end, or the
+            # queue waits for their slots): read them, so a skip still means "nothing to do".
+            self.wait_tokens()
+            with self._lock:
+                scheduled = self.scheduler.next_step()
         plan = self.sync.sync(self._local_info(scheduled))
         c = self._counters
         if plan.skip:
@@ -298,10 +293,15 @@ class RankWorker:
             logits = self._eager(batch)
             c["eager_steps"] += 1
         c["steps"] += 1
-        if scheduled is None:
-            c["idle_steps"] += 1
-            return plan
-        self._finish_step(scheduled, logits)
+        c["idle_steps"] += scheduled is None
+        launched = None
+        if scheduled is not None:
+            launched = launch_tokens(scheduled, logits, self.scheduler.last_tokens, self.sampled_logits)
+        self.wait_tokens()  # the step before's, read while this one runs
+        if launched is not None:
+            self._pending = launched
+            if not self.spec.runtime.overlap_schedule:
+                self.wait_tokens()
         return plan
 
     def _eager(self, batch) -> torch.Tensor:
@@ -314,25 +314,22 @@ class RankWorker:
         self._memory["activation_peak"] = max(self._memory["activation_peak"], int(peak))
         return logits
 
-    def _finish_step(self, scheduled: ScheduledStep, logits_BV: torch.Tensor) -> None:
-        reqs = scheduled.reqs
-        picked = [i for i, s in enumerate(scheduled.samples) if s]
-        tokens: list[int | None] = [None] * len(reqs)
-        if picked:
-            rows = logits_BV if len(picked) == len(reqs) else logits_BV[picked]
-            drawn = sample_tokens(rows, [reqs[i].request.sampling for i in picked],
-                                  [reqs[i].generator for i in picked])
-            for i, tok in zip(picked, drawn, strict=True):
-                tokens[i] = tok
-            if self.sampled_logits is not None:
-                for i, row in zip(picked, rows.float().cpu(), strict=True):
-                    self.sampled_logits.setdefault(reqs[i].request.rid, []).append(row)
+    def wait_tokens(self) -> None:
+        """Record the tokens of the last step in the scheduler, if not yet (waits for that step's
+        copy; not a collective). ``step`` returns before its tokens are read when steps overlap:
+        call this to see its results (``pop_finished``) at once."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        scheduled, tokens = pending.scheduled, pending.wait()
         c = self._counters
+        # A request that stopped at the step before ran this one for nothing: its token is dropped.
+        kept = sum(1 for r, s in zip(scheduled.reqs, scheduled.samples, strict=True) if s and not r.done)
         with self._lock:
             finished = self.scheduler.advance(scheduled, tokens)
             self._finished.extend(finished)
             c["finished_requests"] += len(finished)
-            c["generated_tokens"] += len(picked)
+            c["generated_tokens"] += kept
             if scheduled.is_extend:
                 c["extend_steps"] += 1
                 c["prefill_tokens"] += scheduled.num_tokens
@@ -357,6 +354,7 @@ class RankWorker:
                 if wait is None:
                     break
                 stop.wait(wait)
+        self.wait_tokens()  # the last step's tokens are this call's results
         return n
 
     def _next_arrival_anywhere(self) -> float | None:

@@ -10,9 +10,10 @@ prefill on the eager workspace) and graphs (``init_capture``: one decode wrapper
 workspace of their own, over fixed index buffers for ``max_bs`` requests of ``max_context_len``
 tokens). A batch beyond a limit raises naming it before FlashInfer is called.
 
-Hazard: a plan stages data in pinned host buffers that the next plan of the wrapper rewrites;
-the host must not plan it again before the GPU has started the previous copy (the step loop
-reads its tokens every step). ``check_indices=True`` (``RuntimeConfig.flashinfer_checks``) makes
+Hazard: a plan stages data in pinned host buffers that the next plan rewrites; with overlapped
+steps the host plans a step while the one before may still be queued, so every plan outside a
+capture waits on a fence (attention/staging_fence.py) for the previous plan's copies.
+``check_indices=True`` (``RuntimeConfig.flashinfer_checks``) makes
 every plan outside a capture sync and verify lengths and KV indices on the host.
 
 The FlashInfer semantics this relies on, and the rest of the story: docs/graph.md
@@ -35,6 +36,7 @@ from dp_runtime.attention.kv_indices import (
 )
 from dp_runtime.attention.kv_layout import KVLayout, choose_kv_layout
 from dp_runtime.attention.plan_checks import check_lens, verify_indices, verify_lens
+from dp_runtime.attention.staging_fence import StagingFence
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.serving.kv_cache import KVCache
 
@@ -135,8 +137,8 @@ class FlashInferBackend:
         self._ragged_long = self._fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="auto")
         # Never rewritten after creation, so an asynchronous copy from it cannot race.
         self._ones_host = torch.ones(kv_cache.max_reqs + 1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        # Decode plans' host indptr, reused: the step loop reads each step's tokens before the
-        # next plan, so the previous plan's copy out of it has completed.
+        # Decode plans' host indptr, reused: the fence orders each plan after the last one's copies.
+        self._fence = StagingFence(device)
         self._indptr_host = torch.empty(kv_cache.max_reqs + 2, dtype=torch.int32, pin_memory=torch.cuda.is_available())
         # Graph mode: its own workspace, wrappers and fixed buffers (init_capture).
         self.graph_workspace: torch.Tensor | None = None
@@ -253,7 +255,9 @@ class FlashInferBackend:
         bs = batch.batch_size
         if mode is ForwardMode.IDLE or bs == 0:
             self.metadata = FlashInferMetadata(layout)
-        elif mode is ForwardMode.DECODE:
+            return
+        self._fence.wait()
+        if mode is ForwardMode.DECODE:
             self._plan_decode(
                 "eager decode", self._decode, bs, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu,
                 max_bs=self.kv_cache.max_reqs, max_bs_name="max_reqs", indices_capacity=None,
@@ -263,6 +267,7 @@ class FlashInferBackend:
             self.metadata = self._plan_extend(layout, batch)
         else:
             raise ValueError(f"FlashInferBackend: unknown forward mode {mode!r}")
+        self._fence.mark()
 
     def init_capture(self, max_bs: int, max_num_tokens: int) -> None:
         if max_bs < 1:
@@ -331,10 +336,12 @@ class FlashInferBackend:
         if raw_bs > bs:
             raise ValueError(f"FlashInferBackend (replay): {raw_bs} live requests exceed bucket {bs}")
         # Plan all bs rows: rows [raw_bs:bs) are padding (row 0, length 1) the graph still runs.
+        self._fence.wait()
         self._plan_decode(
             "replay", wrapper, bs, req_pool_indices, seq_lens, seq_lens_cpu,
             max_bs=bs, max_bs_name="the bucket", indices_capacity=self.graph_indices_capacity,
         )
+        self._fence.mark()
         self.metadata = FlashInferMetadata(layout, decode=wrapper)
 
     # -- attention -----------------------------------------------------------------------------

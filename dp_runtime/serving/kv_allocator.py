@@ -10,12 +10,15 @@ __all__ = ["KVAllocator"]
 
 
 class KVAllocator:
-    """Free lists of request rows ``1..max_reqs`` and token slots ``1..num_slots`` (host side)."""
+    """Free lists of request rows ``1..max_reqs`` and token slots ``1..num_slots`` (host side),
+    and a host copy of every row's slots (``record`` / ``slots_of``): freeing a finished request
+    reads it there, not from the device table, so it never waits for a step in flight."""
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
         self._free_rows = list(range(cache.max_reqs, 0, -1))
         self._free_slots = torch.arange(1, cache.num_slots + 1, dtype=torch.int64)
+        self._row_slots = torch.zeros(tuple(cache.req_to_token.shape), dtype=torch.int32)
 
     @property
     def num_free_slots(self) -> int:
@@ -44,3 +47,12 @@ class KVAllocator:
 
     def free_slots(self, slots: torch.Tensor) -> None:
         self._free_slots = torch.cat([self._free_slots, slots.to("cpu", torch.int64)])
+
+    def record(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Note on the host that token ``positions[i]`` of row ``rows[i]`` lives in ``slots[i]``
+        (host tensors; the device's ``req_to_token`` is written by the batch builder)."""
+        self._row_slots[rows, positions] = slots.to(torch.int32)
+
+    def slots_of(self, row: int, n: int) -> torch.Tensor:
+        """The slots of the first ``n`` tokens of ``row`` (a host int32 view)."""
+        return self._row_slots[row, :n]

@@ -19,26 +19,42 @@ from dp_runtime.serving.kv_allocator import KVAllocator
 __all__ = ["decode_forward_batch", "extend_forward_batch"]
 
 
+def _host_block(cache, n: int) -> torch.Tensor:
+    # Pinned on CUDA, so the one copy to the device is asynchronous: building step N+1's batch
+    # must not wait for step N (overlap). Each block is fresh from torch's pinned-memory cache,
+    # which reuses a block only after the copy out of it has completed.
+    return torch.empty(n, dtype=torch.int64, pin_memory=cache.device.type == "cuda")
+
+
 def decode_forward_batch(
     allocator: KVAllocator,
     rows: Sequence[int],
     prefix_lens: Sequence[int],
-    input_ids: Sequence[int] | torch.Tensor,
+    input_ids: Sequence[int] | torch.Tensor | None = None,
+    *,
+    token_table: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """A decode step: one new token per request, at position ``prefix_lens[i]`` of row ``rows[i]``.
 
-    The five per-request columns cross to the device in one copy (a decode step is bound by
-    launches and host time, not bytes): ``[input_ids, positions, slots, rows, seq_lens]``."""
+    The input ids are ``input_ids`` (host values) or, with ``token_table`` (one entry per
+    ``req_to_token`` row, on the device), ``token_table[rows]`` gathered on the device: the
+    token each row sampled last, which the host may not have read yet. The per-request columns
+    cross to the device in one asynchronous copy: ``[input_ids, positions, slots, rows, seq_lens]``."""
+    if (input_ids is None) == (token_table is None):
+        raise ValueError("decode_forward_batch: give exactly one of input_ids and token_table")
     cache = allocator.cache
     bs = len(rows)
-    host = torch.empty((5, bs), dtype=torch.int64)
-    host[0] = torch.as_tensor(input_ids, dtype=torch.int64)
+    host = _host_block(cache, 5 * bs).view(5, bs)
+    host[0] = 0 if input_ids is None else torch.as_tensor(input_ids, dtype=torch.int64)
     host[1] = torch.as_tensor(prefix_lens, dtype=torch.int64)
     host[2] = allocator.alloc_slots(bs, on_host=True)
     host[3] = torch.as_tensor(rows, dtype=torch.int64)
     torch.add(host[1], 1, out=host[4])
-    dev = host.to(cache.device)
+    allocator.record(host[3], host[1], host[2])
+    dev = host.to(cache.device, non_blocking=True)
     ids, pos, slots, rows_t, seq_lens = dev.unbind(0)
+    if token_table is not None:
+        ids = token_table[rows_t]
     cache.req_to_token[rows_t, pos] = slots.to(torch.int32)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
@@ -60,9 +76,9 @@ def extend_forward_batch(
     input_ids: Sequence[int] | torch.Tensor,
 ) -> ForwardBatch:
     """An extend step: request ``i`` appends ``extend_lens[i]`` tokens after its ``prefix_lens[i]``
-    cached ones. Raises ValueError unless there is one extend length >= 1 per request."""
+    cached ones. Raises ValueError unless there is one extend length >= 1 per request and one
+    input id per new token. Every column crosses to the device in one asynchronous copy."""
     cache = allocator.cache
-    dev = cache.device
     ext = tuple(int(e) for e in extend_lens)
     prefix = tuple(int(p) for p in prefix_lens)
     if len(ext) != len(rows) or len(prefix) != len(rows) or min(ext, default=1) < 1:
@@ -70,23 +86,39 @@ def extend_forward_batch(
             f"extend batch: need one extend length >= 1 and one prefix length per request, got extend {list(ext)}, "
             f"prefix {list(prefix)} for {len(rows)} requests"
         )
-    total = sum(ext)
-    slots = allocator.alloc_slots(total)
-    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext, strict=True)])
-    rows_t = torch.cat([torch.full((e,), int(r)) for r, e in zip(rows, ext, strict=True)])
-    cache.req_to_token[rows_t.to(dev), positions.to(dev)] = slots.to(torch.int32)
-    seq_lens = torch.tensor([p + e for p, e in zip(prefix, ext, strict=True)], dtype=torch.int64)
+    ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1).cpu()
+    t, b = sum(ext), len(rows)
+    if ids.numel() != t:
+        raise ValueError(f"extend batch: {ids.numel()} input ids for {t} new tokens (extend lengths {list(ext)})")
+    host = _host_block(cache, 4 * t + 4 * b)
+    ids_h, pos_h, slots_h, tok_rows_h = host[: 4 * t].view(4, t).unbind(0)
+    rows_h, seq_h, ext_h, prefix_h = host[4 * t :].view(4, b).unbind(0)
+    ids_h.copy_(ids)
+    rows_h.copy_(torch.as_tensor(rows, dtype=torch.int64))
+    ext_h.copy_(torch.tensor(ext, dtype=torch.int64))
+    prefix_h.copy_(torch.tensor(prefix, dtype=torch.int64))
+    torch.add(prefix_h, ext_h, out=seq_h)
+    tok_rows_h.copy_(torch.repeat_interleave(rows_h, ext_h, output_size=t))
+    # Token j of request i sits at prefix_i + j: a ramp, shifted per request.
+    first = torch.cumsum(ext_h, 0) - ext_h
+    pos_h.copy_(torch.arange(t) + torch.repeat_interleave(prefix_h - first, ext_h, output_size=t))
+    slots_h.copy_(allocator.alloc_slots(t, on_host=True))
+    allocator.record(tok_rows_h, pos_h, slots_h)
+    dev = host.to(cache.device, non_blocking=True)
+    ids_d, pos_d, slots_d, tok_rows_d = dev[: 4 * t].view(4, t).unbind(0)
+    rows_d, seq_d, ext_d, prefix_d = dev[4 * t :].view(4, b).unbind(0)
+    cache.req_to_token[tok_rows_d, pos_d] = slots_d.to(torch.int32)
     return ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
-        batch_size=len(rows),
-        input_ids=torch.as_tensor(input_ids, dtype=torch.int64).to(dev),
-        positions=positions.to(dev),
-        out_cache_loc=slots,
-        req_pool_indices=torch.tensor(list(rows), dtype=torch.int64, device=dev),
-        seq_lens=seq_lens.to(dev),
-        seq_lens_cpu=seq_lens,
-        extend_seq_lens=torch.tensor(ext, dtype=torch.int64, device=dev),
-        extend_prefix_lens=torch.tensor(prefix, dtype=torch.int64, device=dev),
+        batch_size=b,
+        input_ids=ids_d,
+        positions=pos_d,
+        out_cache_loc=slots_d,
+        req_pool_indices=rows_d,
+        seq_lens=seq_d,
+        seq_lens_cpu=seq_h,
+        extend_seq_lens=ext_d,
+        extend_prefix_lens=prefix_d,
         extend_seq_lens_cpu=ext,
         extend_prefix_lens_cpu=prefix,
     )

@@ -22,6 +22,14 @@ how long until the next one). A request's times count from its arrival.
 
 Slots are allocated when a token is scheduled and freed when the request finishes. Times are
 ``time.perf_counter`` seconds.
+
+Overlap: a step's bookkeeping that does not depend on token values (K/V lengths, slots) is
+done when it is scheduled, so the next step can be scheduled before this one's tokens are
+read. A decode batch takes its input ids on the device from ``last_tokens`` (the token each
+request row sampled last, written by the rank worker's sampling), and a request is decoded only
+while its recorded plus in-flight tokens are below ``max_new_tokens``. Tokens are recorded by
+``advance`` (possibly one step later); a request that stopped (a stop token) while its next
+step was already scheduled ran that step for nothing: ``advance`` drops its extra token.
 """
 
 from __future__ import annotations
@@ -59,6 +67,8 @@ class _Req:
     token_times: list[float] = field(default_factory=list)  # seconds after arrival
     decode_steps: int = 0
     generator: torch.Generator | None = None
+    inflight: int = 0  # sampling steps scheduled whose token advance has not recorded yet
+    done: bool = False  # finished: later tokens of steps already in flight are dropped
 
     @property
     def prompt_len(self) -> int:
@@ -67,6 +77,11 @@ class _Req:
     @property
     def prefilled(self) -> bool:
         return self.kv_len >= self.prompt_len
+
+    @property
+    def decodable(self) -> bool:
+        """Prefilled (maybe still in flight), and its next token is not known to be its last."""
+        return self.prefilled and len(self.output) + self.inflight < self.request.sampling.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -114,6 +129,8 @@ class Scheduler:
         self.running: list[_Req] = []
         self._reserved = 0  # KV slots the running requests may hold at their end
         self._rids: set[str] = set()
+        # The token each request row sampled last, on the device: decode input ids (module docstring).
+        self.last_tokens = torch.zeros(cache.req_to_token.shape[0], dtype=torch.int64, device=cache.device)
 
     # -- requests in -----------------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> None:
@@ -188,9 +205,8 @@ class Scheduler:
             budget -= take
         if picks:
             return self._extend(picks)
-        if self.running:
-            return self._decode(self.running)
-        return None
+        decode = [r for r in self.running if r.decodable]
+        return self._decode(decode) if decode else None
 
     def _stamp(self, reqs: Iterable[_Req]) -> None:
         now = time.perf_counter()
@@ -205,27 +221,34 @@ class Scheduler:
         batch = extend_forward_batch(self.allocator, [r.row for r in reqs], [r.kv_len for r in reqs], takes, ids)
         self._stamp(reqs)
         samples = tuple(r.kv_len + n == r.prompt_len for r, n in picks)
+        for (r, n), sample in zip(picks, samples, strict=True):
+            r.kv_len += n
+            r.inflight += sample
         return ScheduledStep(batch, reqs, takes, samples)
 
     def _decode(self, running: list[_Req]) -> ScheduledStep:
         reqs = tuple(running)
         batch = decode_forward_batch(self.allocator, [r.row for r in reqs], [r.kv_len for r in reqs],
-                                     [r.output[-1] for r in reqs])
+                                     token_table=self.last_tokens)
+        for r in reqs:
+            r.kv_len += 1
+            r.inflight += 1
+            r.decode_steps += 1
         return ScheduledStep(batch, reqs, (1,) * len(reqs), (True,) * len(reqs))
 
     # -- results ---------------------------------------------------------------------------------
     def advance(self, step: ScheduledStep, tokens: list[int | RowFailure | None]) -> list[RequestResult]:
-        """Record the step: K/V lengths grow, sampled tokens are appended (``tokens[i]`` for the
-        i-th request of the step; None where it did not sample; a RowFailure where its draw
-        failed: that request alone finishes with finish_reason "error" and the error). Returns
-        the requests that finished, whose rows and slots are freed."""
+        """Record the step's tokens (its K/V lengths grew when it was scheduled): ``tokens[i]``
+        for the i-th request of the step; None where it did not sample; a RowFailure where its
+        draw failed: that request alone finishes with finish_reason "error" and the error.
+        Returns the requests that finished, whose rows and slots are freed."""
         now = time.perf_counter()
         finished = []
-        for r, n, samples, tok in zip(step.reqs, step.num_new, step.samples, tokens, strict=True):
-            r.kv_len += n
-            if not step.is_extend:
-                r.decode_steps += 1
+        for r, samples, tok in zip(step.reqs, step.samples, tokens, strict=True):
             if not samples:
+                continue
+            r.inflight -= 1
+            if r.done:  # stopped by the token of the step before (overlap): this one ran for nothing
                 continue
             if isinstance(tok, RowFailure):
                 finished.append(self._finish(r, "error", now, error=f"request {r.request.rid!r}: {tok.error}"))
@@ -244,8 +267,8 @@ class Scheduler:
         return finished
 
     def _finish(self, r: _Req, reason: str, now: float, error: str | None = None) -> RequestResult:
-        slots = self.cache.req_to_token[r.row, : r.kv_len].to(torch.int64)
-        self.allocator.free_slots(slots)
+        r.done = True
+        self.allocator.free_slots(self.allocator.slots_of(r.row, r.kv_len))
         self.allocator.free_row(r.row)
         self._reserved -= r.request.max_total_tokens
         self._rids.discard(r.request.rid)

@@ -1,0 +1,67 @@
+"""Overlapped steps on one GPU: a replayed decode step never makes the host wait for the GPU
+(torch's sync debug mode raises on any synchronising call), and overlap gives the tokens of
+step-by-step serving with graphs and FlashInfer."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.rank_worker import RankWorker
+from dp_runtime.serving.request import Request, SamplingParams
+from tests.hf_reference import write_tiny_checkpoint
+from tests.model_gpu_checks import prompts_for
+
+pytestmark = pytest.mark.gpu
+
+ATTENTION = ["sdpa"] + (["flashinfer"] if importlib.util.find_spec("flashinfer") else [])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_overlap_gpu"), head_dim=64)
+
+
+def _spec(ckpt, attention: str, overlap: bool) -> RankSpec:
+    return RankSpec.create(str(ckpt), dp_size=1, max_running_requests=4, chunked_prefill_size=64,
+                           cuda_graph_bs=(1, 2, 4), dtype="bfloat16", device="cuda", max_context_len=96,
+                           attention=attention, dispatcher="local", overlap_schedule=overlap)
+
+
+def _requests(new: int = 12) -> list[Request]:
+    return [Request(f"p{i}", p, SamplingParams(max_new_tokens=new)) for i, p in prompts_for(0, 1)]
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_replayed_decode_steps_never_wait_for_the_gpu(ckpt, attention):
+    with RankWorker(_spec(ckpt, attention, True)) as w:
+        w.submit(_requests(new=40))
+        for _ in range(4):  # the prompts, then decode steps until the step is steady
+            w.step()
+        graph_steps = w.metrics()["graph_steps"]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(5):
+                plan = w.step()
+                assert plan.graph_bucket is not None and not plan.is_extend
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert w.metrics()["graph_steps"] == graph_steps + 5
+        w.run_until_idle()
+        assert all(len(r.output_ids) == 40 for r in w.pop_finished())
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_overlap_gives_the_tokens_of_step_by_step_serving(ckpt, attention):
+    outs = []
+    for overlap in (False, True):
+        with RankWorker(_spec(ckpt, attention, overlap)) as w:
+            outs.append({r.rid: r.output_ids for r in w.generate(_requests())})
+            assert w.metrics()["graph_steps"] > 0
+            assert w.scheduler.allocator.num_free_slots == w.kv_cache.num_slots
+    assert outs[0] == outs[1]
