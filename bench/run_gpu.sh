@@ -20,6 +20,7 @@
 #   bash bench/run_gpu.sh serve2s  # two GPUs: model gpu2 tests, bs-1 host check, serve_load DP 1/2, prefill DP 2
 #   bash bench/run_gpu.sh overlap1 # one GPU: overlap GPU tests, decode vs trees, census at bs 1/64/256
 #   bash bench/run_gpu.sh load1    # one GPU: extend/prefill vs trees, serve_load DP 1
+#   bash bench/run_gpu.sh overlap2 # two GPUs: serve_load DP 2, DP 2 decode vs trees, gpu2 model tests
 #   bash bench/run_gpu.sh diag2    # two GPUs: census at bs 1/64/256, serve_load DP 2 (whole log), prefill DP 2
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
@@ -143,6 +144,16 @@ case "${1:-one}" in
       --warmup 2 --shapes 1x128,8x16,1x8192 --modes graph
     step serve_load_1 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates 4,16,64,inf \
       --num-requests 64 --max-running-requests 64
+    ;;
+  overlap2)  # two GPUs: serve_load at DP 2 (whole log), DP 2 decode vs earlier trees (all_gather), gpu2 model tests
+    BENCH_STACKS_AFTER_S=${STACKS_S:-200} step serve_load_2 timeout 260 torchrun --standalone --nproc-per-node 2 \
+      bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates ${LOAD_RATES:-4,16,64,inf} --num-requests 64 \
+      --max-running-requests 64 --dispatcher all_gather
+    grep -n -i -A12 "error\|Traceback" "$log/serve_load_2.log" | head -60
+    step compare_2 python bench/compare_trees.py --nproc 2 $(bases) -- bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,64,256} --iters 30 --modes graph --dispatcher all_gather
+    step gpu2_model torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs \
+      tests/test_model_gpu2.py -k "not flashinfer"
     ;;
   diag2)  # two GPUs: a census at bs 1/64/256 (DP 1), serve_load at DP 2 with its whole log, prefill at DP 2
     step census_1 python bench/serve_step.py --batch-sizes 1,64,256 --modes graph --profile --iters 20
