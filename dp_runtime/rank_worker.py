@@ -258,6 +258,9 @@ class RankWorker:
         times. Returns the step's plan (``plan.skip``: every rank had nothing to do). When it
         raises, the peers are told (sync/peer_failure.py); a rank whose step failed because a
         peer's did raises PeerRankFailedError naming that rank and its error."""
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            # A thread of its own (RankSession) starts on GPU 0; FlashInfer and streams need ours.
+            torch.cuda.set_device(self.device)
         try:
             return self._step()
         except Exception as e:

@@ -48,3 +48,31 @@ def test_two_gpus_graphs_and_eager_agree_and_match_transformers(setup, dispatche
     report = [None] * world
     dist.all_gather_object(report, problems)  # every rank asserts on every rank's verdict
     assert report == [[]] * world
+
+
+def test_steps_on_a_thread_of_their_own_give_the_same_tokens(setup):
+    # RankSession steps on a background thread whose current GPU is 0: rank 1's events, plans
+    # and streams must still be those of its own GPU (overlapped steps read tokens by event).
+    import threading
+
+    from dp_runtime.rank_spec import RankSpec
+    from dp_runtime.rank_worker import RankWorker
+    from dp_runtime.serving.request import Request, SamplingParams
+
+    ckpt, rank, world, _ = setup
+    spec = RankSpec.create(str(ckpt), dp_size=world, max_running_requests=4, chunked_prefill_size=16,
+                           cuda_graph_bs=(1, 2, 4), dtype="bfloat16", device="cuda", max_context_len=96,
+                           attention=ATTENTION, dispatcher="all_gather")
+
+    def reqs(tag):
+        return [Request(f"{tag}{i}", p, SamplingParams(max_new_tokens=NEW)) for i, p in prompts_for(rank, world)]
+
+    with RankWorker(spec, rank=rank, world_size=world) as w:
+        here = [r.output_ids for r in w.generate(reqs("a"))]
+        there: list = []
+        t = threading.Thread(target=lambda: there.extend(r.output_ids for r in w.generate(reqs("b"))))
+        t.start()
+        t.join()
+    report = [None] * world
+    dist.all_gather_object(report, here == there and len(there) == len(here))
+    assert report == [True] * world

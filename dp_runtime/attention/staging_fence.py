@@ -19,6 +19,7 @@ __all__ = ["StagingFence"]
 
 class StagingFence:
     def __init__(self, device: torch.device) -> None:
+        self._device = device
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._marked = False
 
@@ -33,5 +34,6 @@ class StagingFence:
     def mark(self) -> None:
         """Call after a plan has queued its copies out of the staging buffers."""
         if self._active():
-            self._event.record()
+            # This device's stream, whichever device the calling thread has current.
+            self._event.record(torch.cuda.current_stream(self._device))
             self._marked = True

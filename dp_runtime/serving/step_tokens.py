@@ -66,7 +66,7 @@ def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens
         host = torch.empty(ids_B.shape, dtype=ids_B.dtype, pin_memory=True)
         host.copy_(ids_B, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(ids_B.device))  # the logits' device, whatever is current
         return StepTokens(scheduled, host=host, ready=ready)
     rows = logits_BV if len(picked) == len(reqs) else logits_BV[picked]
     drawn = sample_tokens(rows, [reqs[i].request.sampling for i in picked], [reqs[i].generator for i in picked])
