@@ -1,14 +1,17 @@
-"""RMSNorm (alone and with the residual add), SiLU-and-mul, rotary embedding and the q/k prologue
-of attention, as torch ops or as fused kernels.
+"""RMSNorm (alone and with the residual add), SiLU-and-mul, rotary embedding, the q/k prologue
+of attention and the attention block's projections, as torch ops or as fused kernels.
 
 At batch size 1 a decode step of a 48-layer MoE is bound by kernel count, not bytes: written
 with torch ops an RMSNorm is about 8 kernels, a residual add one more, a rotary embedding about
 15. On CUDA in bf16/fp16 with flashinfer importable, ``FlashInferOps`` uses FlashInfer's
 ``rmsnorm``, ``fused_add_rmsnorm`` (the residual add folded into the next norm) and
 ``silu_and_mul``, one launch each, and, with Triton, the q/k prologue of attention (per-head
-norm, rotary, KV store) as one kernel (``qk_norm_rope``). ``elementwise_ops(device, dtype)``
-picks once, at model construction; the torch versions serve everywhere else. Both compute in
-float32 inside and return the input dtype, rounding at the same points.
+norm, rotary, KV store) as one kernel (``qk_norm_rope``), and runs the attention block's
+projections at 1-4 rows without bias as a GEMV that streams the weight once (``skinny_linear``:
+cuBLAS runs those shapes as a split-K GEMM plus a reduce, 1.6-2.3x the weight's bytes floor),
+as F.linear otherwise. ``elementwise_ops(device, dtype)`` picks once, at model construction;
+the torch versions serve everywhere else. Both compute in float32 inside and return the input
+dtype, rounding at the same points.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 
 from dp_runtime.model.fallback_log import log_fallback
 from dp_runtime.model.layers import RotaryEmbedding, rms_norm
+from dp_runtime.model.skinny_linear import skinny_linear, use_skinny
 
 __all__ = ["FlashInferOps", "TorchOps", "elementwise_ops"]
 
@@ -51,6 +55,10 @@ class TorchOps:
              positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary.apply(q_THD, k_THD, positions_T)
 
+    @staticmethod
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, w, b)
+
 
 class FlashInferOps:
     """FlashInfer's fused kernels (one launch each)."""
@@ -70,7 +78,7 @@ class FlashInferOps:
 
             self.qk_norm_rope_store = qk_norm_rope_store
         else:
-            self.name = "flashinfer (no triton: q/k prologue unfused)"
+            self.name = "flashinfer (no triton: q/k prologue unfused, F.linear)"
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +92,15 @@ class FlashInferOps:
         if x.shape[0] == 0:
             return x[:, : x.shape[1] // 2]
         return self._silu_and_mul(x)
+
+    @staticmethod
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, w, b)``; at 1..SKINNY_MAX_ROWS rows without bias (decode at small batch
+        sizes) ``skinny_linear``, one launch near the weight's bytes floor (``use_skinny`` says
+        when). An IDLE rank's 0 rows go to F.linear, which returns the empty (0, N) output."""
+        if use_skinny(x, w, b):
+            return skinny_linear(x, w)
+        return F.linear(x, w, b)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.shape[0] == 0:  # an IDLE rank's eager forward: the kernel refuses an empty grid
@@ -113,8 +130,8 @@ def elementwise_ops(device: torch.device, dtype: torch.dtype) -> TorchOps | Flas
     else:
         ops = FlashInferOps()
         if not ops.fused_qk_prologue:
-            log_fallback("fused q/k norm + RoPE + KV store kernel not used (triton does not import): "
-                      "FlashInfer's norm and RoPE, and separate KV copies")
+            log_fallback("fused q/k norm + RoPE + KV store kernel and skinny linear not used (triton does "
+                      "not import): FlashInfer's norm and RoPE, separate KV copies, F.linear")
         return ops
     log_fallback(f"fused RMSNorm / add+RMSNorm / SiLU-and-mul / RoPE kernels not used ({why}): torch ops")
     return TorchOps()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from dp_runtime.model.model_config import YarnScaling
 
@@ -100,12 +99,12 @@ def qk_norm_attention(
     """Qwen3's attention block on normed hidden states ``x_TH``: fused QKV projection (plus
     ``b_qkv`` when the model has attention biases), RMSNorm per head of q and k, RoPE at
     ``batch.positions``, the backend's attention (which writes this step's K/V), output
-    projection (plus ``b_o``). ``ops`` supplies ``rms_norm`` and ``rope``
-    (``dp_runtime.model.elementwise_ops``: torch's or FlashInfer's). Returns (T, H) in ``x_TH``'s
-    dtype."""
+    projection (plus ``b_o``). ``ops`` supplies ``linear`` (both projections), ``rms_norm`` and
+    ``rope`` (``dp_runtime.model.elementwise_ops``: torch's, or FlashInfer's and Triton's).
+    Returns (T, H) in ``x_TH``'s dtype."""
     t = x_TH.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = F.linear(x_TH, w_qkv, b_qkv)
+    qkv = ops.linear(x_TH, w_qkv, b_qkv)
     v = qkv[:, q_size + kv_size:].reshape(t, num_kv_heads, head_dim)
     if ops.fused_qk_prologue:
         # one kernel: per-head norm, rotary, and this step's K/V into the cache
@@ -115,11 +114,11 @@ def qk_norm_attention(
             cache.k[layer_id], cache.v[layer_id], num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, eps=eps)
         o = attention.forward(q, k, v, layer_id, batch, kv_stored=True)
-        return F.linear(o.to(x_TH.dtype), w_o, b_o)
+        return ops.linear(o.to(x_TH.dtype), w_o, b_o)
     q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
     q, k = q.reshape(t, num_heads, head_dim), k.reshape(t, num_kv_heads, head_dim)
     if q_norm is not None:  # Qwen3's per-head norm; Mixtral has none
         q, k = ops.rms_norm(q, q_norm, eps), ops.rms_norm(k, k_norm, eps)
     q, k = ops.rope(rotary, q, k, batch.positions)
     o = attention.forward(q, k, v, layer_id, batch)
-    return F.linear(o.to(x_TH.dtype), w_o, b_o)
+    return ops.linear(o.to(x_TH.dtype), w_o, b_o)
