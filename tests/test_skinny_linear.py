@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from dp_runtime.model import elementwise_ops
 from dp_runtime.model.elementwise_ops import FlashInferOps, TorchOps
-from dp_runtime.model.skinny_linear import SKINNY_MAX_ROWS, _tiles, skinny_linear, use_skinny
+from dp_runtime.model.skinny_linear import SKINNY_MAX_ROWS, SKINNY_USE_ROWS, _tiles, skinny_linear, use_skinny
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -97,14 +97,14 @@ def test_ops_seam_picks_the_kernel_up_to_max_rows(m, monkeypatch):
 
     monkeypatch.setattr(elementwise_ops, "skinny_linear", spy)
     x, w = _case(m, 2048, 4096, torch.bfloat16, "cuda")
-    picked = 1 <= m <= SKINNY_MAX_ROWS
+    picked = 1 <= m <= SKINNY_USE_ROWS
     assert use_skinny(x, w, None) == picked
     y = FlashInferOps.linear(x, w, None)
     assert calls == ([m] if picked else [])
     assert y.shape == (m, 2048)
     if picked:
         _check(y, x, w)
-    else:  # 0 rows (an IDLE rank) and more than SKINNY_MAX_ROWS: F.linear itself
+    else:  # 0 rows (an IDLE rank) and more than SKINNY_USE_ROWS: F.linear itself
         assert torch.equal(y, F.linear(x, w))
     b = torch.randn(2048, device="cuda").bfloat16()
     assert torch.equal(FlashInferOps.linear(x, w, b), F.linear(x, w, b))  # a bias: F.linear

@@ -95,7 +95,7 @@ class FlashInferOps:
 
     @staticmethod
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, w, b)``; at 1..SKINNY_MAX_ROWS rows without bias (decode at small batch
+        """``F.linear(x, w, b)``; at 1..SKINNY_USE_ROWS rows without bias (decode at small batch
         sizes) ``skinny_linear``, one launch near the weight's bytes floor (``use_skinny`` says
         when). An IDLE rank's 0 rows go to F.linear, which returns the empty (0, N) output."""
         if use_skinny(x, w, b):

@@ -186,7 +186,7 @@ class Qwen3MoeModel:
 
     # -- forward ---------------------------------------------------------------------------------
     def _moe(self, layer: _Layer, x_TH: torch.Tensor, plan) -> torch.Tensor:
-        weights_TK, ids_TK = self.experts.route(x_TH @ layer.w_router.T)
+        weights_TK, ids_TK = self.experts.route(self.ops.linear(x_TH, layer.w_router))
         d = self.dispatcher
         handle, inputs = d.dispatch(x_TH, ids_TK, weights_TK, plan)
         out_ND = self.experts.experts(inputs.hidden_ND, self._local_ids(inputs), inputs.weights_NK, layer.w13,

@@ -32,7 +32,7 @@ import os
 
 import torch
 
-__all__ = ["SKINNY_MAX_ROWS", "check_skinny_args", "skinny_linear", "use_skinny"]
+__all__ = ["SKINNY_MAX_ROWS", "SKINNY_USE_ROWS", "check_skinny_args", "skinny_linear", "use_skinny"]
 
 try:
     import triton
@@ -43,6 +43,11 @@ except ImportError:  # CPU installs: the ops seam uses F.linear
 # Rows of x the kernel takes: each one costs a [BLOCK_N, BLOCK_K] fp32 accumulator in registers,
 # and from about 8 rows on cuBLAS's tensor-core GEMM is as close to the floor as this gets.
 SKINNY_MAX_ROWS = 4
+# Rows at which the ops seam takes it. Measured on an H200 (bench/skinny_linear.py, us per call,
+# cuBLAS -> skinny): o_proj 8.61 -> 6.52 at 1 row, 8.52 -> 6.79 at 2, 8.63 -> 7.59 at 4; qkv
+# 7.52 -> 6.99, 7.64 -> 7.67, 8.00 -> 11.75; router 5.35 -> 3.05, 5.36 -> 3.35, 5.36 -> 3.94.
+# Up to 2 rows it is never slower; at 4 the qkv shape loses by half.
+SKINNY_USE_ROWS = 2
 
 _DTYPES = (torch.bfloat16, torch.float16)
 # Programs for about two waves of the 132 SMs of an H100 / H200: with one wave a slow SM is the
@@ -160,7 +165,7 @@ def check_skinny_args(x_MK: torch.Tensor, w_NK: torch.Tensor) -> None:
 
 def use_skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     """Whether the ops seam runs ``F.linear(x, w, b)`` as ``skinny_linear``: Triton importable,
-    no bias, CUDA, 1..SKINNY_MAX_ROWS rows (an IDLE rank's 0 rows and anything larger go to
+    no bias, CUDA, 1..SKINNY_USE_ROWS rows (an IDLE rank's 0 rows and anything larger go to
     F.linear), bf16/fp16 and the layout the kernel takes. Never raises: what ``skinny_linear``
     would refuse goes to F.linear, which raises its own errors for shapes that do not fit."""
     return (
@@ -170,7 +175,7 @@ def use_skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool
         and x.device == w.device
         and x.dim() == 2
         and w.dim() == 2
-        and 1 <= x.shape[0] <= SKINNY_MAX_ROWS
+        and 1 <= x.shape[0] <= SKINNY_USE_ROWS
         and x.dtype in _DTYPES
         and w.dtype == x.dtype
         and x.shape[1] == w.shape[1]
