@@ -26,7 +26,12 @@ import torch.nn.functional as F
 
 from dp_runtime.model import elementwise_ops
 from dp_runtime.model.elementwise_ops import FlashInferOps, TorchOps
-from dp_runtime.model.skinny_linear import SKINNY_MAX_ROWS, SKINNY_USE_ROWS, _tiles, skinny_linear, use_skinny
+from dp_runtime.model.skinny_linear import (
+    SKINNY_USE_ROWS,
+    _tiles,
+    skinny_linear,
+    use_skinny,
+)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
