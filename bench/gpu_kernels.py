@@ -4,6 +4,9 @@ Shared by the step benchmarks' ``--profile`` options."""
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
+
 import torch
 
 
@@ -34,3 +37,25 @@ def print_top(top: list[tuple[str, int, float]]) -> None:
     print(f"{'count':>6} {'total us':>9}  kernel")
     for name, count, us in top:
         print(f"{count:>6} {us:>9.1f}  {name}")
+
+
+def graph_us(run: Callable[[], None], per_replay: int, repeats: int, inner: int) -> float:
+    """Median microseconds of one of ``per_replay`` units (layers, calls) of ``run``, captured
+    once in a CUDA graph and replayed ``inner`` times per timed sample."""
+    run()  # compiles, autotunes and allocates outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(inner):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / inner / per_replay)
+    del graph
+    return statistics.median(samples)

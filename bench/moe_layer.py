@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.gpu_kernels import graph_us
 from dp_runtime.model.experts import grouped_mm_supported, local_expert_sum
 from dp_runtime.model.fused_moe import fused_moe_supported
 from dp_runtime.model.routing import softmax_topk
@@ -126,27 +127,6 @@ def _bandwidth(device) -> tuple[float, str]:
     if spec is not None:
         return spec.hbm_bytes_per_s, f"{spec.name} spec"
     return measure_copy_bandwidth(device), "measured copy"
-
-
-def _graph_us(run: Callable[[], None], layers: int, repeats: int, inner: int) -> float:
-    """Median microseconds per layer of ``run`` replayed from a CUDA graph."""
-    run()  # compiles, autotunes and allocates outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(inner):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / inner / layers)
-    del graph
-    return statistics.median(samples)
 
 
 def _gpu_ops(run: Callable[[], None]) -> list:
@@ -259,7 +239,7 @@ def _tune(args, layers: list[Layer], baseline_us: float) -> str:
                             fused_local_expert_sum(layer.x, layer.local_ids, layer.weights, layer.w13,
                                                    layer.w2, out_ND=out, config=cfg)
                     try:
-                        us = _graph_us(run, len(layers), repeats=10, inner=5)
+                        us = graph_us(run, len(layers), repeats=10, inner=5)
                     except Exception:  # a config past the shared memory or registers of this GPU
                         failed += 1
                         continue
@@ -322,7 +302,7 @@ def main() -> None:
                     if name != "grouped" and "grouped" in us:
                         err = _rel_err(outs[name][0], outs["grouped"][0])
                         checks.append(f"{name} {err:.1e}" + ("" if err <= REL_BOUND else " BAD"))
-                    us[name] = _graph_us(run, args.layers, args.repeats, args.inner)
+                    us[name] = graph_us(run, args.layers, args.repeats, args.inner)
                     ops[name] = _ops_per_call(run, args.layers)
                 except Exception as exc:  # a peer that fails here must not hide the others' numbers
                     print(f"# {name} failed at ep {ep} tokens {n}: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -27,13 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import argparse
 import datetime
 import itertools
-import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from bench.gpu_kernels import graph_us
 from dp_runtime.model.skinny_linear import SKINNY_MAX_ROWS, _tiles, skinny_linear
 from launch.gpu_specs import measure_copy_bandwidth
 
@@ -47,25 +47,12 @@ def _weights(n: int, k: int, device) -> list[torch.Tensor]:
     return [w.clone() for _ in range(copies)]
 
 
-def graph_us(fn: Callable, x: torch.Tensor, ws: list[torch.Tensor], inner: int, repeats: int) -> float:
+def calls_us(fn: Callable, x: torch.Tensor, ws: list[torch.Tensor], inner: int, repeats: int) -> float:
     """Median microseconds per call of ``fn(x, w)`` over ``ws``, replayed from one CUDA graph."""
-    fn(x, ws[0])  # compiles and allocates outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def run() -> None:
         for w in ws:
             fn(x, w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(inner):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (inner * len(ws)))
-    return statistics.median(samples)
+    return graph_us(run, len(ws), repeats, inner)
 
 
 def _rel_err(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
@@ -82,10 +69,10 @@ def bench(args, device, bw: float) -> None:
         floor = nbytes / bw * 1e6
         for m in args.rows:
             x = torch.randn(m, k, device=device).bfloat16()
-            ref_us = graph_us(F.linear, x, ws, args.inner, args.repeats)
+            ref_us = calls_us(F.linear, x, ws, args.inner, args.repeats)
             cells = f"{'-':>10} {'-':>6} {'-':>8} {'-':>8} {'-':>10}"
             if m <= SKINNY_MAX_ROWS:
-                us = graph_us(skinny_linear, x, ws, args.inner, args.repeats)
+                us = calls_us(skinny_linear, x, ws, args.inner, args.repeats)
                 err = _rel_err(skinny_linear(x, ws[0]), x, ws[0])
                 flag = " BAD" if err > 2.0**-7 else ""
                 cells = (f"{us:>10.2f} {nbytes / us / 1e3:>6.0f} {100 * floor / us:>7.0f}% "
@@ -115,7 +102,7 @@ def tune(args, device, bw: float) -> None:
                 return skinny_linear(x_, w_, tiles=cfg)
 
             try:
-                us = graph_us(fn, x, ws, max(1, args.inner // 4), 3)
+                us = calls_us(fn, x, ws, max(1, args.inner // 4), 3)
             except (triton.runtime.errors.OutOfResources, RuntimeError) as e:  # shared memory, ...
                 print(f"  {name} {cfg}: {type(e).__name__}")
                 skipped += 1
