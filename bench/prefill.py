@@ -85,7 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="graph,eager: each shape with extend graphs (token buckets up to "
                         "cuda_graph_extend_tokens; larger steps stay eager) and without, side by side")
     p.add_argument("--profile", action="store_true",
-                   help="the top GPU kernels of one more step of the first shape (torch profiler)")
+                   help="the top GPU kernels of one more step of the first shape and mode (torch profiler), "
+                        "and the experts such a step touches per layer")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     args = p.parse_args(argv)
     args.shapes = parse_shapes(args.shapes or ("1x8192,8x1024,64x128" if args.device == "cuda" else "1x1024,8x128,64x16"))
@@ -132,8 +133,31 @@ def timed_prefill(worker: RankWorker, b: int, n: int, iters: int, rank: int, tag
     return times
 
 
+def experts_touched(worker: RankWorker, b: int, n: int, rank: int) -> float:
+    """Mean distinct local experts per MoE layer in one eager step of ``b`` x ``n`` (random
+    prompts, as the timed steps): the expert bytes that step must read, in units of one expert.
+    The route function is wrapped for that one step only (hooks do not run inside graphs)."""
+    import dataclasses
+
+    model, graphed = worker.model, worker.graph_enabled
+    path, counts = model.experts, []
+
+    def route(logits_TE):
+        weights_TK, ids_TK = path.route(logits_TE)
+        counts.append(int(ids_TK.unique().numel()))
+        return weights_TK, ids_TK
+
+    model.experts, worker.graph_enabled = dataclasses.replace(path, route=route), False
+    try:
+        timed_prefill(worker, b, n, 1, rank, "experts")
+    finally:
+        model.experts, worker.graph_enabled = path, graphed
+    return statistics.mean(counts) if counts else 0.0
+
+
 def profiled_prefill(worker: RankWorker, b: int, n: int, rank: int) -> dict:
-    """One more step of ``b`` x ``n`` under the torch profiler: GPU busy time and top kernels."""
+    """One more step of ``b`` x ``n`` under the torch profiler: GPU busy time and top kernels,
+    and the experts a step of that shape touches per layer."""
     from torch.profiler import ProfilerActivity, profile
 
     from bench.gpu_kernels import busy_us, gpu_events, top_kernels
@@ -144,8 +168,9 @@ def profiled_prefill(worker: RankWorker, b: int, n: int, rank: int) -> dict:
         timed_prefill(worker, b, n, 1, rank, "prof")
         wall_us = (time.perf_counter() - t0) * 1e6
     events = gpu_events(prof)
-    return dict(shape=f"{b}x{n}", wall_us=wall_us, gpu_busy_us=busy_us(events), activities=len(events),
-                top=top_kernels(events, 15))
+    return dict(shape=f"{b}x{n}", mode="graph" if worker.graph_enabled else "eager", wall_us=wall_us,
+                gpu_busy_us=busy_us(events), activities=len(events), top=top_kernels(events, 15),
+                experts_per_layer=experts_touched(worker, b, n, rank))
 
 
 def run(args: argparse.Namespace) -> dict | None:
@@ -174,7 +199,7 @@ def run(args: argparse.Namespace) -> dict | None:
                 graphed = worker.metrics()["extend_graph_steps"] - before
                 rows.append(dict(shape=f"{b}x{n}", mode=mode if graphed else "eager", prompts=b, prompt_len=n,
                                  step_ms=ms))
-                if args.profile and profile is None and args.device == "cuda" and mode == "eager":
+                if args.profile and profile is None and args.device == "cuda":  # the first shape and mode
                     profile = profiled_prefill(worker, b, n, rank)
             m = worker.metrics()
         if world > 1:
@@ -224,8 +249,9 @@ def print_table(report: dict) -> None:
     if prof:
         from bench.gpu_kernels import print_top
 
-        print(f"profile of one {prof['shape']} step (rank 0): {prof['activities']} GPU activities, GPU busy "
-              f"{prof['gpu_busy_us'] / 1e3:.1f} ms of {prof['wall_us'] / 1e3:.1f} ms")
+        print(f"profile of one {prof['shape']} {prof['mode']} step (rank 0): {prof['activities']} GPU activities, "
+              f"GPU busy {prof['gpu_busy_us'] / 1e3:.1f} ms of {prof['wall_us'] / 1e3:.1f} ms; "
+              f"{prof['experts_per_layer']:.1f} local experts touched per MoE layer")
         print_top(prof["top"])
 
 

@@ -22,6 +22,7 @@
 #   bash bench/run_gpu.sh load1    # one GPU: extend/prefill vs trees, serve_load DP 1
 #   bash bench/run_gpu.sh overlap2 # two GPUs: serve_load DP 2, DP 2 decode vs trees, gpu2 model tests
 #   bash bench/run_gpu.sh diag2    # two GPUs: census at bs 1/64/256, serve_load DP 2 (whole log), prefill DP 2
+#   bash bench/run_gpu.sh diag1    # one GPU: census at bs 64/256, decode attention variants, a 1x128 extend profiled
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -163,6 +164,11 @@ case "${1:-one}" in
     grep -n -i -B2 -A12 "error\|Traceback" "$log/serve_load_2.log" | head -80
     step prefill_2 timeout 200 torchrun --standalone --nproc-per-node 2 bench/prefill.py --shapes 1x8192,1x128 \
       --modes graph,eager --iters 3 --warmup 1 --dispatcher all_gather
+    ;;
+  diag1)  # one GPU: where decode at bs 64/256 and a graphed 128-token extend spend their time
+    step census python bench/serve_step.py --batch-sizes 64,256 --modes graph --profile --iters 5
+    step decode_attention python bench/decode_attention.py
+    step extend_profile python bench/prefill.py --shapes 1x128,1x16 --modes graph --profile --iters 5 --warmup 2
     ;;
   final2)  # two GPUs, after the code is done: every gpu2 test and the 2-GPU Ray test
     step gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs tests/

@@ -232,6 +232,7 @@ class RankWorker:
         out.update(rank=self.rank, waiting=self.scheduler.num_waiting, running=len(self.scheduler.running),
                    dispatcher=self.dispatcher_kind, attention=self.attention_kind, elementwise=self.model.ops.name,
                    experts=self.model.experts.name, choices=dataclasses.asdict(self.choices),
+                   decode_attention=getattr(self.attention, "decode_kernels", self.attention_kind),
                    graphs=self.graphs is not None, kv_slots=self.kv_cache.num_slots,
                    free_kv_slots=self.scheduler.allocator.num_free_slots)
         return out

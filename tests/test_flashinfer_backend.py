@@ -169,6 +169,33 @@ def test_graph_runner_replays_match_eager_with_flashinfer_wrappers():
     runner.destroy()
 
 
+def test_large_buckets_replay_the_triton_decode_kernel_and_match_eager():
+    # Buckets from triton_decode_min_bs on attend with the Triton kernel (Triton's interpreter
+    # here) over the graph's fixed indptr/indices buffers, which the replay fills without a plan.
+    import dataclasses
+
+    from tests._graph_fixtures import TINY
+
+    stack = make_stack(config=dataclasses.replace(TINY, head_dim=16), backend="flashinfer",
+                       flashinfer_module=emulated_flashinfer())
+    assert stack.backend.triton_decode_min_bs == 0 and stack.backend.decode_kernels == "flashinfer"  # CPU default
+    stack.backend.triton_decode_min_bs = 4
+    sizes = (2, 4, 8)
+    runner = make_graph_runner(stack, sizes)
+    runner.capture()
+    assert stack.backend._graph_wrappers[8] is None and stack.backend._graph_wrappers[2] is not None
+    eager = make_eager_runner(stack, max_bs=8, max_num_tokens=8)
+    gen = torch.Generator().manual_seed(1)
+    for live in (1, 3, 5, 8):
+        lens = torch.randint(4, 60, (live,), generator=gen).tolist()
+        batch = decode_batch(stack.allocator, add_requests(stack.allocator, lens, seed=live), list(range(live)))
+        want = eager.run(batch).clone()
+        got = runner.replay(batch, agreed_plan(live, sizes)).clone()
+        assert stack.backend.metadata.triton_bs == (0 if live <= 2 else (4 if live <= 4 else 8))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    runner.destroy()
+
+
 # -- eager and graph wrappers are separate --------------------------------------------------------
 def test_eager_plans_leave_graph_wrappers_and_buffers_alone():
     cache = make_cache(max_reqs=32, max_context_len=64)

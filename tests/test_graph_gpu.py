@@ -27,7 +27,7 @@ from dp_runtime.attention import KVLayout
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.model.experts import local_expert_sum
 from dp_runtime.serving.forward_batch import idle_batch
-from graph import capture_sizes
+from graph import bucket_for, capture_sizes
 from tests.support.synthetic_batch import add_requests, decode_batch, extend_batch
 
 pytestmark = pytest.mark.gpu
@@ -69,6 +69,28 @@ def test_replay_equals_eager_for_every_bucket_and_between(backend):
         want = eager.run(batch).clone()
         got = runner.replay(batch, agreed_plan(live, SIZES)).clone()
         assert got.shape == want.shape == (live, stack.config.vocab_size)
+        assert_bf16_close(got, want)
+        assert_same_greedy(got, want)
+    runner.destroy()
+
+
+def test_large_flashinfer_buckets_attend_with_triton_and_match_eager():
+    # Buckets of TRITON_DECODE_MIN_BS requests and more replay the Triton decode kernel over the
+    # graph's fixed index buffers; eager decode stays on FlashInfer's wrapper: the two must agree.
+    from dp_runtime.attention.triton_decode import TRITON_DECODE_MIN_BS
+
+    stack = gpu_stack("flashinfer")
+    sizes = (16, TRITON_DECODE_MIN_BS, 2 * TRITON_DECODE_MIN_BS)
+    runner = make_graph_runner(stack, sizes)
+    runner.capture()
+    assert stack.backend.triton_decode_min_bs == TRITON_DECODE_MIN_BS
+    assert "triton" in stack.backend.decode_kernels
+    eager = make_eager_runner(stack, max_bs=sizes[-1], max_num_tokens=sizes[-1])
+    for live in (12, TRITON_DECODE_MIN_BS, TRITON_DECODE_MIN_BS + 7, sizes[-1]):
+        batch = live_batch(stack, live, seed=100 + live)
+        want = eager.run(batch).clone()
+        got = runner.replay(batch, agreed_plan(live, sizes)).clone()
+        assert stack.backend.metadata.triton_bs == (0 if live <= 16 else bucket_for(sizes, live))
         assert_bf16_close(got, want)
         assert_same_greedy(got, want)
     runner.destroy()

@@ -8,7 +8,10 @@ it and the step's new tokens come in long runs, ``LONG_EXTEND_TOKENS``); the lay
 Two wrapper sets, never shared: eager (``init_forward_metadata``: decode, paged and ragged
 prefill on the eager workspace) and graphs (``init_capture``: one decode wrapper per bucket on a
 workspace of their own, over fixed index buffers for ``max_bs`` requests of ``max_context_len``
-tokens). A batch beyond a limit raises naming it before FlashInfer is called.
+tokens). Decode buckets of ``triton_decode_min_bs`` requests and more attend with our Triton
+kernel (attention/triton_decode.py) over the same fixed buffers instead: FlashInfer's decode
+kernels are about 3x the bytes floor there. A batch beyond a limit raises naming it before
+FlashInfer is called.
 
 Hazard: a plan stages data in pinned host buffers that the next plan rewrites; with overlapped
 steps the host plans a step while the one before may still be queued, so every plan outside a
@@ -37,6 +40,7 @@ from dp_runtime.attention.kv_indices import (
 from dp_runtime.attention.kv_layout import KVLayout, choose_kv_layout
 from dp_runtime.attention.plan_checks import check_lens, verify_indices, verify_lens
 from dp_runtime.attention.staging_fence import StagingFence
+from dp_runtime.attention.triton_decode import TRITON_DECODE_MIN_BS, triton_decode_attention
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.serving.kv_cache import KVCache
 
@@ -68,6 +72,7 @@ class FlashInferMetadata:
     paged: Any = None  # a planned paged prefill wrapper (PAGED extend, or RAGGED's prefix part)
     ragged: Any = None  # a planned ragged prefill wrapper (RAGGED extend)
     has_prefix: bool = False  # RAGGED: whether some request has cached tokens to merge in
+    triton_bs: int = 0  # a decode bucket attended by the Triton kernel over the graph buffers
 
 
 class FlashInferBackend:
@@ -86,6 +91,8 @@ class FlashInferBackend:
             rank worker passes ``RuntimeConfig.flashinfer_checks`` (``DP_RUNTIME_FLASHINFER_CHECKS``).
         flashinfer_module: the module providing the wrappers and ``merge_state``; None imports
             ``flashinfer``. Tests pass a pure-torch emulation, which may run on CPU.
+        triton_decode_min_bs: decode graph buckets of at least this many requests use the
+            Triton kernel; None: ``TRITON_DECODE_MIN_BS`` on CUDA, never elsewhere; 0: never.
     """
 
     def __init__(
@@ -101,6 +108,7 @@ class FlashInferBackend:
         scale: float | None = None,
         check_indices: bool = False,
         flashinfer_module: Any = None,
+        triton_decode_min_bs: int | None = None,
     ) -> None:
         if flashinfer_module is None and kv_cache.device.type != "cuda":
             raise ValueError(f"FlashInferBackend needs a CUDA KV cache, got {kv_cache.device}")
@@ -122,6 +130,9 @@ class FlashInferBackend:
         if use_tensor_cores is None:
             use_tensor_cores = num_q_heads // num_kv_heads >= 4
         self.use_tensor_cores = use_tensor_cores
+        if triton_decode_min_bs is None:
+            triton_decode_min_bs = TRITON_DECODE_MIN_BS if kv_cache.device.type == "cuda" else 0
+        self.triton_decode_min_bs = int(triton_decode_min_bs)
         self.workspace_bytes = int(workspace_bytes)
         device = kv_cache.device
         # The eager wrappers share this workspace: they run one after another on one stream.
@@ -152,6 +163,13 @@ class FlashInferBackend:
 
     # -- limits and checks ---------------------------------------------------------------------
     @property
+    def decode_kernels(self) -> str:
+        """Which kernels decode attends with (shown in ``RankWorker.metrics()``)."""
+        if self.triton_decode_min_bs:
+            return f"flashinfer below bs {self.triton_decode_min_bs}, triton from it (graphs)"
+        return "flashinfer"
+
+    @property
     def graph_indices_capacity(self) -> int:
         """KV indices the graph wrappers' fixed buffer holds (0 before ``init_capture``)."""
         return 0 if self._graph_indices is None else int(self._graph_indices.numel())
@@ -176,7 +194,7 @@ class FlashInferBackend:
     def _plan_decode(
         self,
         where: str,
-        wrapper: Any,
+        wrapper: Any,  # None: the Triton kernel's graph buffers (indptr and indices) instead
         bs: int,
         req_pool_indices: torch.Tensor,
         seq_lens: torch.Tensor,
@@ -197,6 +215,13 @@ class FlashInferBackend:
             )
         rows, lens = req_pool_indices[:bs], seq_lens[:bs]
         verify_lens(self.check_indices, self.kv_cache, where, rows, lens, lens_cpu)
+        if wrapper is None:  # the kernel reads the graph buffers themselves: no plan, no extra copy
+            indptr_dev = self._graph_indptr[: bs + 1]
+            indptr_dev.copy_(indptr, non_blocking=True)
+            indices = build_kv_indices(self.kv_cache.req_to_token, rows, lens, total, indptr_cpu=indptr,
+                                       indptr_dev=indptr_dev, out=self._graph_indices[:total])
+            verify_indices(self.check_indices, self.kv_cache, where, indices)
+            return
         indices = build_kv_indices(self.kv_cache.req_to_token, rows, lens, total, indptr_cpu=indptr)
         verify_indices(self.check_indices, self.kv_cache, where, indices)
         # Graph buckets only: the measured case (the eager decode wrapper keeps FlashInfer's split).
@@ -294,7 +319,8 @@ class FlashInferBackend:
             raise RuntimeError("FlashInferBackend: init_capture() was not called")
         if bs > self._graph_max_bs:
             raise ValueError(f"FlashInferBackend (capture): bucket {bs} exceeds init_capture's max_bs={self._graph_max_bs}")
-        wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+        triton = bool(self.triton_decode_min_bs) and bs >= self.triton_decode_min_bs
+        wrapper = None if triton else self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.graph_workspace,
             "NHD",
             use_cuda_graph=True,
@@ -309,7 +335,7 @@ class FlashInferBackend:
         )
         self._graph_wrappers[bs] = wrapper
         self._graph_layouts[bs] = layout
-        self.metadata = FlashInferMetadata(layout, decode=wrapper)
+        self.metadata = FlashInferMetadata(layout, decode=wrapper, triton_bs=bs if triton else 0)
 
     def init_forward_metadata_replay(
         self,
@@ -323,8 +349,7 @@ class FlashInferBackend:
         seq_lens_cpu: torch.Tensor | None,
     ) -> None:
         layout = self._layout(forward_mode)
-        wrapper = self._graph_wrappers.get(bs)
-        if wrapper is None:
+        if bs not in self._graph_wrappers:
             raise KeyError(
                 f"FlashInferBackend: no captured wrapper for bucket {bs}; captured {sorted(self._graph_wrappers)}"
             )
@@ -336,13 +361,14 @@ class FlashInferBackend:
         if raw_bs > bs:
             raise ValueError(f"FlashInferBackend (replay): {raw_bs} live requests exceed bucket {bs}")
         # Plan all bs rows: rows [raw_bs:bs) are padding (row 0, length 1) the graph still runs.
+        wrapper = self._graph_wrappers[bs]
         self._fence.wait()
         self._plan_decode(
             "replay", wrapper, bs, req_pool_indices, seq_lens, seq_lens_cpu,
             max_bs=bs, max_bs_name="the bucket", indices_capacity=self.graph_indices_capacity,
         )
         self._fence.mark()
-        self.metadata = FlashInferMetadata(layout, decode=wrapper)
+        self.metadata = FlashInferMetadata(layout, decode=wrapper, triton_bs=0 if wrapper is not None else bs)
 
     # -- attention -----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Any,
@@ -365,6 +391,9 @@ class FlashInferBackend:
             if meta.has_prefix:
                 o_prefix, lse_prefix = meta.paged.run(q, paged_kv, return_lse=True)
                 o, _ = self._fi.merge_state(o, lse, o_prefix, lse_prefix)
+        elif meta.triton_bs:
+            o = triton_decode_attention(q.view(t, self.num_q_heads, self.head_dim), *paged_kv,
+                                        self._graph_indptr[: t + 1], self._graph_indices, self.scale)
         elif meta.decode is not None:
             o = meta.decode.run(q, paged_kv)
         else:

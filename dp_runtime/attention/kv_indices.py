@@ -97,25 +97,29 @@ def extend_plan_inputs(extend_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor
 
 def build_kv_indices(
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor, total: int,
-    indptr_cpu: torch.Tensor | None = None,
+    indptr_cpu: torch.Tensor | None = None, *, indptr_dev: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The flattened KV slots (int32, ``total``,) of the first ``lens[i]`` tokens of each row.
+    """The flattened KV slots (int32, ``total``,) of the first ``lens[i]`` tokens of each row,
+    written into ``out`` when given (``total`` rows of it) and returned.
 
     ``total`` must equal ``lens.sum()`` (the caller knows it on the host). With the host CSR
     offsets ``indptr_cpu`` on CUDA and triton importable it is one kernel (and one copy of the
-    offsets); otherwise about eight torch ops.
+    offsets, none when the caller has them on the device as ``indptr_dev``); otherwise about
+    eight torch ops.
     """
     device = req_to_token.device
     if total == 0:
-        return torch.empty(0, dtype=torch.int32, device=device)
+        return torch.empty(0, dtype=torch.int32, device=device) if out is None else out[:0]
     if indptr_cpu is not None and device.type == "cuda" and _triton_gather is not None:
-        return _triton_gather(req_to_token, req_pool_indices, indptr_cpu, total)
+        return _triton_gather(req_to_token, req_pool_indices, indptr_cpu, total, indptr_dev, out)
     lens = lens.to(torch.int64)
     ends = torch.cumsum(lens, 0)
     pos = torch.arange(total, device=device)
     row = torch.searchsorted(ends, pos, right=True)  # which request each position belongs to
     col = pos - (ends - lens)[row]
-    return req_to_token[req_pool_indices[row], col]
+    slots = req_to_token[req_pool_indices[row], col]
+    return slots if out is None else out[:total].copy_(slots)
 
 
 def _load_triton_gather():
@@ -135,11 +139,12 @@ def _load_triton_gather():
         slots = tl.load(req_to_token_ptr + row * row_stride + j, mask=j < n)
         tl.store(out_ptr + start + j, slots, mask=j < n)
 
-    def gather(req_to_token: torch.Tensor, rows: torch.Tensor, indptr_cpu: torch.Tensor, total: int) -> torch.Tensor:
+    def gather(req_to_token: torch.Tensor, rows: torch.Tensor, indptr_cpu: torch.Tensor, total: int,
+               indptr_dev: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
         bs = int(indptr_cpu.shape[0]) - 1
         longest = int((indptr_cpu[1:] - indptr_cpu[:-1]).max())
-        indptr = indptr_cpu.to(req_to_token.device, non_blocking=True)
-        out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
+        indptr = indptr_dev if indptr_dev is not None else indptr_cpu.to(req_to_token.device, non_blocking=True)
+        out = torch.empty(total, dtype=torch.int32, device=req_to_token.device) if out is None else out[:total]
         block = 1024
         _gather_rows_kernel[(bs, triton.cdiv(longest, block))](
             req_to_token, req_to_token.stride(0), rows, indptr, out, BLOCK=block, num_warps=4)
