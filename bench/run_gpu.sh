@@ -23,6 +23,7 @@
 #   bash bench/run_gpu.sh overlap2 # two GPUs: serve_load DP 2, DP 2 decode vs trees, gpu2 model tests
 #   bash bench/run_gpu.sh diag2    # two GPUs: census at bs 1/64/256, serve_load DP 2 (whole log), prefill DP 2
 #   bash bench/run_gpu.sh diag1    # one GPU: census at bs 64/256, decode attention variants, a 1x128 extend profiled
+#   bash bench/run_gpu.sh attn1    # one GPU: kernel/graph/model tests, decode attention variants, extend steps vs trees
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -169,6 +170,13 @@ case "${1:-one}" in
     step census python bench/serve_step.py --batch-sizes 64,256 --modes graph --profile --iters 5
     step decode_attention python bench/decode_attention.py
     step extend_profile python bench/prefill.py --shapes 1x128,1x16 --modes graph --profile --iters 5 --warmup 2
+    ;;
+  attn1)  # one GPU: the tests of the decode attention and expert kernels, the attention variants, extends vs trees
+    step gpu_tests timeout 420 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_triton_decode.py \
+      tests/test_fused_moe.py tests/test_graph_gpu.py tests/test_model_gpu.py
+    step decode_attention python bench/decode_attention.py
+    step prefill_compare python bench/compare_trees.py --key shape $(bases) -- python bench/prefill.py --iters 5 \
+      --warmup 2 --shapes ${EXTEND_SHAPES:-1x128,1x16,8x16,1x256} --modes graph
     ;;
   final2)  # two GPUs, after the code is done: every gpu2 test and the 2-GPU Ray test
     step gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs tests/

@@ -212,6 +212,17 @@ def test_tile_rule_grows_with_tokens():
     assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
 
 
+def test_extend_steps_of_65_to_1024_tokens_take_64_row_blocks_and_the_same_sums():
+    # Prompt tokens share experts: extends of 65+ tokens take 64-row blocks (one block for an
+    # expert's ~34 rows instead of three of 16); decode sizes and large extends keep the rule.
+    assert [tile_config(n, extend=True).block_m for n in (64, 65, 128, 1024)] == [tile_config(64).block_m, 64, 64, 64]
+    assert tile_config(2048, extend=True) == tile_config(2048) and tile_config(128).block_m == 16
+    x, ids, weights, w13, w2 = _layer(8, 8, 64, 32, 80, 8, DEVICE, seed=4)
+    out = fused_local_expert_sum(x, ids, weights, w13, w2, extend=True)
+    _assert_within_bound(out, x, ids, weights, w13, w2)
+    _assert_close_to_reference(out, local_expert_sum(x, ids, weights, w13, w2, use_grouped_mm=False))
+
+
 def test_supported_names_the_reason():
     ok, reason = fused_moe_supported(torch.device("cpu"), torch.bfloat16)
     assert not ok and "cpu" in reason

@@ -29,7 +29,8 @@ __all__ = ["ExpertPath", "expert_path"]
 @dataclass(frozen=True)
 class ExpertPath:
     """The chosen kernels: ``route(logits_TE) -> (weights_TK fp32, ids_TK int32)`` and
-    ``experts(x_ND, local_ids_NK, weights_NK, w13, w2, out_ND) -> out_ND``."""
+    ``experts(x_ND, local_ids_NK, weights_NK, w13, w2, out_ND, extend) -> out_ND`` (``extend``:
+    the rows are prompt tokens, a hint for the kernel's tiles)."""
 
     name: str
     reason: str
@@ -52,8 +53,8 @@ def expert_path(device: torch.device, dtype: torch.dtype, top_k: int, renormaliz
         def route_triton(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return softmax_topk_triton(logits_TE, top_k, renormalize=renormalize, round_bf16=True)
 
-        def fused(x, ids, w, w13, w2, out_ND=None):
-            return fused_local_expert_sum(x, ids, w, w13, w2, out_ND=out_ND)
+        def fused(x, ids, w, w13, w2, out_ND=None, extend=False):
+            return fused_local_expert_sum(x, ids, w, w13, w2, out_ND=out_ND, extend=extend)
 
         return ExpertPath("triton", why, route_triton, fused)
 
@@ -65,7 +66,7 @@ def expert_path(device: torch.device, dtype: torch.dtype, top_k: int, renormaliz
     grouped = grouped_mm_supported(device, dtype) if prefer is None else prefer == "grouped_mm"
     name = "grouped_mm" if grouped else "dense"
 
-    def unfused(x, ids, w, w13, w2, out_ND=None):
+    def unfused(x, ids, w, w13, w2, out_ND=None, extend=False):
         return local_expert_sum(x, ids, w, w13, w2, use_grouped_mm=grouped, out_ND=out_ND)
 
     if prefer is None and device.type == "cuda":

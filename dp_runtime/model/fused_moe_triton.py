@@ -88,9 +88,19 @@ _TILE_RULE: tuple[tuple[int, MoeTileConfig], ...] = (
 )
 _LARGE = MoeTileConfig(128, 256, 64, 8, 8, 4)
 
+# Extend steps: a prompt's tokens route to far fewer experts than the rule above assumes. On
+# the random-weight preset a 128-token prompt touches ~30 of 128 experts per layer, ~34 rows
+# each (`bench/prefill.py --profile`); 16-row blocks then read each expert's weights three
+# times. From 65 tokens extends take 64-row blocks, walked in groups for L2 reuse.
+_EXTEND_FROM = 65
+_EXTEND_MID = MoeTileConfig(64, 128, 64, 8, 4, 3)
 
-def tile_config(num_tokens: int) -> MoeTileConfig:
-    """The tile config used for a call with ``num_tokens`` rows (see ``_TILE_RULE``)."""
+
+def tile_config(num_tokens: int, extend: bool = False) -> MoeTileConfig:
+    """The tile config used for a call with ``num_tokens`` rows (see ``_TILE_RULE``); ``extend``:
+    the rows are prompt tokens (see ``_EXTEND_MID``)."""
+    if extend and _EXTEND_FROM <= num_tokens <= _TILE_RULE[-1][0]:
+        return _EXTEND_MID
     for limit, cfg in _TILE_RULE:
         if num_tokens <= limit:
             return cfg
@@ -239,6 +249,7 @@ def fused_local_expert_sum(
     *,
     out_ND: torch.Tensor | None = None,
     config: MoeTileConfig | None = None,
+    extend: bool = False,
 ) -> torch.Tensor:
     """``sum_k w[n, k] * expert_{id[n, k]}(x[n])`` over the picks this rank serves: the contract
     of ``experts.local_expert_sum`` in four Triton launches.
@@ -247,7 +258,7 @@ def fused_local_expert_sum(
     where a pick is another rank's or the row is padding: it adds nothing and is never
     computed), routing weights ``weights_NK`` (N, K, fp32), the local experts' ``w13_L2IH``
     (gate rows [0, I), up rows [I, 2I)) and ``w2_LHI``. Writes ``out_ND`` when given (else a
-    new tensor) in x's dtype and returns it. ``config`` overrides ``tile_config(N)``. N = 0
+    new tensor) in x's dtype and returns it. ``config`` overrides ``tile_config(N, extend)``. N = 0
     launches nothing. No host sync: capturable in a CUDA graph.
     """
     _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND)
@@ -259,7 +270,7 @@ def fused_local_expert_sum(
     num_picks = n * top_k
     if num_picks == 0:
         return out_ND.zero_()  # K = 0 sums nothing; N = 0 has no element to write
-    cfg = config or tile_config(n)
+    cfg = config or tile_config(n, extend)
     if x_ND.stride(1) != 1:
         x_ND = x_ND.contiguous()
     ids_P = local_ids_NK.contiguous().view(-1)

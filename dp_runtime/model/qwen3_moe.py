@@ -185,12 +185,12 @@ class Qwen3MoeModel:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- forward ---------------------------------------------------------------------------------
-    def _moe(self, layer: _Layer, x_TH: torch.Tensor, plan) -> torch.Tensor:
+    def _moe(self, layer: _Layer, x_TH: torch.Tensor, plan, extend: bool) -> torch.Tensor:
         weights_TK, ids_TK = self.experts.route(self.ops.linear(x_TH, layer.w_router))
         d = self.dispatcher
         handle, inputs = d.dispatch(x_TH, ids_TK, weights_TK, plan)
         out_ND = self.experts.experts(inputs.hidden_ND, self._local_ids(inputs), inputs.weights_NK, layer.w13,
-                                      layer.w2, out_ND=d.expert_output_buffer(handle))
+                                      layer.w2, out_ND=d.expert_output_buffer(handle), extend=extend)
         return d.combine(out_ND, handle)
 
     def _local_ids(self, inputs) -> torch.Tensor:
@@ -219,6 +219,7 @@ class Qwen3MoeModel:
         t = batch.input_ids.shape[0]
         plan = batch.plan if batch.plan is not None else FixedPlan.from_counts((t,))
         ops, eps = self.ops, c.rms_norm_eps
+        extend = batch.forward_mode is ForwardMode.EXTEND
         # The residual stream ``h`` is added into the next norm (one fused kernel on CUDA):
         # ``x, h = add_rms_norm(out, h, w)`` is ``h = h + out; x = norm(h)``.
         h_TH = self.embed[batch.input_ids]
@@ -231,7 +232,7 @@ class Qwen3MoeModel:
                 ops=ops, b_qkv=layer.b_qkv, b_o=layer.b_o,
             )
             x_TH, h_TH = ops.add_rms_norm(a_TH, h_TH, layer.mlp_norm, eps)
-            m_TH = self._moe(layer, x_TH, plan) if layer.sparse else self._mlp(layer, x_TH)
+            m_TH = self._moe(layer, x_TH, plan, extend) if layer.sparse else self._mlp(layer, x_TH)
             if i + 1 < len(self.layers):
                 x_TH, h_TH = ops.add_rms_norm(m_TH, h_TH, self.layers[i + 1].attn_norm, eps)
         # Only the sampling rows need the last add, the final norm and the LM head.
