@@ -23,8 +23,8 @@ its ``arrival_s``, all submitted at once; a rank's scheduler admits a request no
 arrival (between steps), and every rank's step loop (``RankWorker.run_until_idle``) goes on,
 IDLE where a rank has nothing, until no rank has a request left to arrive. So the torchrun path
 (a RankSession per process), the Ray path (the RankActors of one gang, kept for every rate) and
-one in-process rank run the same code. ``--warmup`` requests (and one prompt of a whole prefill chunk) run first and are
-not reported.
+one in-process rank run the same code. ``--warmup`` requests (and on each rank one prompt of a
+whole prefill chunk and a few tokens more) run first and are not reported.
 
 Columns per rate: ``req/s`` and ``out tok/s``: finished requests and output tokens over the
 duration (submit to the last token); TTFT: arrival to first token; ITL: the gaps between
@@ -41,7 +41,6 @@ import dataclasses
 import datetime
 import math
 import os
-import random
 import subprocess
 import sys
 import time
@@ -53,86 +52,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
+from bench.load_workload import Lengths, make_requests, warmup_requests
 from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.rank_spec import RankSpec
-from dp_runtime.serving.request import Request, RequestResult, SamplingParams
+from dp_runtime.serving.request import Request, RequestResult
 from launch import process_group
 from launch.cli_errors import UsageError, bench_main
 from launch.run_report import percentile
 from launch.workload import split_round_robin
-
-# (lo, hi, weight): lengths uniform in [lo, hi) within a bin. Totals stay under 2048 tokens, the
-# tiny preset's context, so the default runs on every preset.
-SHAREGPT_LIKE = {
-    "input": ((4, 32, 0.20), (32, 128, 0.30), (128, 512, 0.30), (512, 1024, 0.15), (1024, 1536, 0.05)),
-    "output": ((1, 32, 0.25), (32, 128, 0.25), (128, 256, 0.25), (256, 512, 0.25)),
-}
-
-
-
-@dataclasses.dataclass(frozen=True)
-class Lengths:
-    """Where prompt and output lengths come from (module docstring)."""
-
-    kind: str  # "sharegpt" | "random"
-    input_len: int = 0
-    output_len: int = 0
-    ratio: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str) -> Lengths:
-        if text == "sharegpt":
-            return cls("sharegpt")
-        parts = text.split(":")
-        try:
-            if parts[0] != "random" or len(parts) not in (3, 4):
-                raise ValueError
-            out = cls("random", int(parts[1]), int(parts[2]), float(parts[3]) if len(parts) == 4 else 0.0)
-        except ValueError:
-            raise UsageError(f"--lengths must be 'sharegpt' or 'random:IN:OUT[:RATIO]', got {text!r}") from None
-        if out.input_len < 1 or out.output_len < 1 or not 0 <= out.ratio < 1:
-            raise UsageError(f"--lengths {text!r}: IN and OUT must be >= 1 and RATIO in [0, 1)")
-        return out
-
-    def draw(self, rng: random.Random) -> tuple[int, int]:
-        """One (prompt length, output length)."""
-        if self.kind == "sharegpt":
-            return _from_bins(rng, SHAREGPT_LIKE["input"]), _from_bins(rng, SHAREGPT_LIKE["output"])
-        r = self.ratio
-
-        def one(x: int) -> int:
-            return max(1, rng.randint(round(x * (1 - r)), round(x * (1 + r))))
-
-        return one(self.input_len), one(self.output_len)
-
-
-def _from_bins(rng: random.Random, bins: tuple[tuple[int, int, float], ...]) -> int:
-    lo, hi, _ = rng.choices(bins, weights=[w for *_, w in bins])[0]
-    return rng.randrange(lo, hi)
-
-
-def arrival_times(n: int, rate: float, process: str, rng: random.Random) -> list[float]:
-    """``n`` arrival offsets in seconds, the first at 0: Poisson (exponential gaps) or fixed
-    (gaps of 1/rate) at ``rate`` requests/s; every one at 0 for an infinite rate."""
-    if math.isinf(rate):
-        return [0.0] * n
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate) if process == "poisson" else 1.0 / rate
-    return out
-
-
-def make_requests(n: int, rate: float, lengths: Lengths, process: str, vocab: int, seed: int,
-                  tag: str) -> list[Request]:
-    """The requests of one rate, in arrival order (rids ``{tag}-00000``, ...)."""
-    rng = random.Random(f"{seed}-{tag}")
-    out = []
-    for i, t in enumerate(arrival_times(n, rate, process, rng)):
-        n_in, n_out = lengths.draw(rng)
-        prompt = [rng.randrange(vocab) for _ in range(n_in)]
-        out.append(Request(f"{tag}-{i:05d}", prompt, SamplingParams(max_new_tokens=n_out), arrival_s=t))
-    return out
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
@@ -327,16 +254,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     vocab = mc.vocab_size
     batches = [(rate, make_requests(args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}"))
                for i, rate in enumerate(args.rates)]
-    warm = make_requests(args.warmup, math.inf, args.lengths, args.arrival, vocab, args.seed, "warm")
-    if warm:
-        # One prompt of a whole prefill chunk: the first step of that size compiles the kernel
-        # variants of large steps (Triton's expert GEMM tiles), seconds that would otherwise
-        # land in the TTFT of the first timed rate that fills a chunk.
-        rng = random.Random(f"{args.seed}-warm-chunk")
-        chunk = min(args.chunked_prefill_size, mc.max_positions - 1)
-        warm.append(Request("warm-chunk", [rng.randrange(vocab) for _ in range(chunk)],
-                            SamplingParams(max_new_tokens=1), arrival_s=0.0))
-    every = [r for _, b in batches for r in b] + warm
     ray_started = own_group = False
     if args.launcher == "ray":
         import ray
@@ -358,7 +275,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         rank = dist.get_rank() if world > 1 else 0
     failed = True
     try:
-        spec = build_spec(args, world, device, every)
+        # Unreported: on every rank a whole-chunk step and an extend with a cached prefix build
+        # their kernels here, not in the first rate's TTFT (warmup_requests).
+        warm = warmup_requests(args.warmup, args.lengths, args.arrival, vocab, args.seed,
+                               chunk=args.chunked_prefill_size, max_prompt=mc.max_positions - 1, world=world)
+        spec = build_spec(args, world, device, [r for _, b in batches for r in b] + warm)
         t0 = time.perf_counter()
         ranks = RayRanks(spec, not args.json) if args.launcher == "ray" else InProcessRank(spec, rank, world, rank == 0 and not args.json)
         build_s = time.perf_counter() - t0

@@ -1,0 +1,110 @@
+"""The requests of bench/serve_load.py (its docstring says what they are): prompt and output
+lengths, arrival times, each rate's requests and the warm-up's. Pure functions of the seed."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+from dp_runtime.serving.request import Request, SamplingParams
+from launch.cli_errors import UsageError
+
+__all__ = ["SHAREGPT_LIKE", "WARM_PAST_CHUNK", "Lengths", "arrival_times", "make_requests", "warmup_requests"]
+
+# (lo, hi, weight): lengths uniform in [lo, hi) within a bin. Totals stay under 2048 tokens, the
+# tiny preset's context, so the default runs on every preset.
+SHAREGPT_LIKE = {
+    "input": ((4, 32, 0.20), (32, 128, 0.30), (128, 512, 0.30), (512, 1024, 0.15), (1024, 1536, 0.05)),
+    "output": ((1, 32, 0.25), (32, 128, 0.25), (128, 256, 0.25), (256, 512, 0.25)),
+}
+
+# Tokens past a whole prefill chunk in each rank's warm-up prompt (``warmup_requests``).
+WARM_PAST_CHUNK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """Where prompt and output lengths come from (bench/serve_load.py's docstring)."""
+
+    kind: str  # "sharegpt" | "random"
+    input_len: int = 0
+    output_len: int = 0
+    ratio: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Lengths:
+        if text == "sharegpt":
+            return cls("sharegpt")
+        parts = text.split(":")
+        try:
+            if parts[0] != "random" or len(parts) not in (3, 4):
+                raise ValueError
+            out = cls("random", int(parts[1]), int(parts[2]), float(parts[3]) if len(parts) == 4 else 0.0)
+        except ValueError:
+            raise UsageError(f"--lengths must be 'sharegpt' or 'random:IN:OUT[:RATIO]', got {text!r}") from None
+        if out.input_len < 1 or out.output_len < 1 or not 0 <= out.ratio < 1:
+            raise UsageError(f"--lengths {text!r}: IN and OUT must be >= 1 and RATIO in [0, 1)")
+        return out
+
+    def draw(self, rng: random.Random) -> tuple[int, int]:
+        """One (prompt length, output length)."""
+        if self.kind == "sharegpt":
+            return _from_bins(rng, SHAREGPT_LIKE["input"]), _from_bins(rng, SHAREGPT_LIKE["output"])
+        r = self.ratio
+
+        def one(x: int) -> int:
+            return max(1, rng.randint(round(x * (1 - r)), round(x * (1 + r))))
+
+        return one(self.input_len), one(self.output_len)
+
+
+def _from_bins(rng: random.Random, bins: tuple[tuple[int, int, float], ...]) -> int:
+    lo, hi, _ = rng.choices(bins, weights=[w for *_, w in bins])[0]
+    return rng.randrange(lo, hi)
+
+
+def arrival_times(n: int, rate: float, process: str, rng: random.Random) -> list[float]:
+    """``n`` arrival offsets in seconds, the first at 0: Poisson (exponential gaps) or fixed
+    (gaps of 1/rate) at ``rate`` requests/s; every one at 0 for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * n
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate) if process == "poisson" else 1.0 / rate
+    return out
+
+
+def make_requests(n: int, rate: float, lengths: Lengths, process: str, vocab: int, seed: int,
+                  tag: str) -> list[Request]:
+    """The requests of one rate, in arrival order (rids ``{tag}-00000``, ...)."""
+    rng = random.Random(f"{seed}-{tag}")
+    out = []
+    for i, t in enumerate(arrival_times(n, rate, process, rng)):
+        n_in, n_out = lengths.draw(rng)
+        prompt = [rng.randrange(vocab) for _ in range(n_in)]
+        out.append(Request(f"{tag}-{i:05d}", prompt, SamplingParams(max_new_tokens=n_out), arrival_s=t))
+    return out
+
+
+def warmup_requests(n: int, lengths: Lengths, process: str, vocab: int, seed: int, *, chunk: int,
+                    max_prompt: int, world: int) -> list[Request]:
+    """What runs, unreported, before the first rate: ``n`` requests all at once, then (if
+    ``n``) one prompt per rank (round-robin gives each rank one) of a whole prefill chunk plus
+    WARM_PAST_CHUNK tokens, ``max_prompt`` at most, generating one token.
+
+    Why: a kernel's first step compiles or JIT-builds it, seconds that would otherwise land in
+    the TTFT of the first timed rate. Such a prompt is prefilled in two extend steps on its
+    rank: a step of a whole chunk (Triton's expert GEMM tiles), then its rest, whose request
+    has a cached prefix (FlashInfer's ``cascade`` module: the merge of the prefix and ragged
+    passes). A model whose context is not longer than the chunk never splits a lone prompt."""
+    warm = make_requests(n, math.inf, lengths, process, vocab, seed, "warm")
+    if not warm:
+        return warm
+    size = min(chunk + WARM_PAST_CHUNK, max_prompt)
+    for k in range(world):
+        rng = random.Random(f"{seed}-warm-chunk-{k}")
+        warm.append(Request(f"warm-chunk-{k}", [rng.randrange(vocab) for _ in range(size)],
+                            SamplingParams(max_new_tokens=1), arrival_s=0.0))
+    return warm
