@@ -178,6 +178,12 @@ case "${1:-one}" in
     step prefill_compare python bench/compare_trees.py --key shape $(bases) -- python bench/prefill.py --iters 5 \
       --warmup 2 --shapes ${EXTEND_SHAPES:-1x128,1x16,8x16,1x256} --modes graph
     ;;
+  decode6)  # one GPU: the Triton-bucket and routing tests, DP 1 decode vs earlier trees
+    step gpu_tests timeout 200 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_graph_gpu.py \
+      -k "triton or matches_sdpa"
+    step compare_1 python bench/compare_trees.py $(bases) -- python bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,64,256} --iters 30 --modes graph
+    ;;
   final2)  # two GPUs, after the code is done: every gpu2 test and the 2-GPU Ray test
     step gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs tests/
     step ray_gpu_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_launch_ray.py
