@@ -24,6 +24,8 @@
 #   bash bench/run_gpu.sh diag2    # two GPUs: census at bs 1/64/256, serve_load DP 2 (whole log), prefill DP 2
 #   bash bench/run_gpu.sh diag1    # one GPU: census at bs 64/256, decode attention variants, a 1x128 extend profiled
 #   bash bench/run_gpu.sh attn1    # one GPU: kernel/graph/model tests, decode attention variants, extend steps vs trees
+#   bash bench/run_gpu.sh decode6  # one GPU: Triton-bucket tests, DP 1 decode vs trees
+#   bash bench/run_gpu.sh decode62 # two GPUs: DP 2 decode vs trees (all_gather), gpu2 model tests
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -183,6 +185,12 @@ case "${1:-one}" in
       -k "triton or matches_sdpa"
     step compare_1 python bench/compare_trees.py $(bases) -- python bench/serve_step.py \
       --batch-sizes ${COMPARE_BS:-1,64,256} --iters 30 --modes graph
+    ;;
+  decode62)  # two GPUs: DP 2 decode vs earlier trees (all_gather), gpu2 model tests
+    step compare_2 python bench/compare_trees.py --nproc 2 $(bases) -- bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,64,256} --iters 30 --modes graph --dispatcher all_gather
+    step gpu2_model timeout 300 torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs \
+      tests/test_model_gpu2.py -k "not flashinfer"
     ;;
   final2)  # two GPUs, after the code is done: every gpu2 test and the 2-GPU Ray test
     step gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs tests/
