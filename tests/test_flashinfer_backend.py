@@ -153,20 +153,25 @@ def test_model_logits_match_sdpa_through_the_eager_runner(deterministic):
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-4)
 
 
-def test_graph_runner_replays_match_eager_with_flashinfer_wrappers():
-    stack = _model_stack("flashinfer")
-    sizes = (1, 2, 4, 8)
+def _replays_match_eager(stack, sizes, seed: int, tol: float, on_replay=lambda live: None) -> None:
+    """Capture ``sizes``, then replay decode batches of 1, 3, 5 and 8 live requests of random
+    lengths and compare each with the eager runner (``on_replay(live)`` checks after a replay)."""
     runner = make_graph_runner(stack, sizes)
     runner.capture()
     eager = make_eager_runner(stack, max_bs=8, max_num_tokens=8)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     for live in (1, 3, 5, 8):
         lens = torch.randint(4, 60, (live,), generator=gen).tolist()
         batch = decode_batch(stack.allocator, add_requests(stack.allocator, lens, seed=live), list(range(live)))
         want = eager.run(batch).clone()
         got = runner.replay(batch, agreed_plan(live, sizes)).clone()
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        on_replay(live)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     runner.destroy()
+
+
+def test_graph_runner_replays_match_eager_with_flashinfer_wrappers():
+    _replays_match_eager(_model_stack("flashinfer"), (1, 2, 4, 8), seed=0, tol=1e-5)
 
 
 def test_large_buckets_replay_the_triton_decode_kernel_and_match_eager():
@@ -180,20 +185,12 @@ def test_large_buckets_replay_the_triton_decode_kernel_and_match_eager():
                        flashinfer_module=emulated_flashinfer())
     assert stack.backend.triton_decode_min_bs == 0 and stack.backend.decode_kernels == "flashinfer"  # CPU default
     stack.backend.triton_decode_min_bs = 4
-    sizes = (2, 4, 8)
-    runner = make_graph_runner(stack, sizes)
-    runner.capture()
-    assert stack.backend._graph_wrappers[8] is None and stack.backend._graph_wrappers[2] is not None
-    eager = make_eager_runner(stack, max_bs=8, max_num_tokens=8)
-    gen = torch.Generator().manual_seed(1)
-    for live in (1, 3, 5, 8):
-        lens = torch.randint(4, 60, (live,), generator=gen).tolist()
-        batch = decode_batch(stack.allocator, add_requests(stack.allocator, lens, seed=live), list(range(live)))
-        want = eager.run(batch).clone()
-        got = runner.replay(batch, agreed_plan(live, sizes)).clone()
+
+    def uses_triton_from_bucket_4(live: int) -> None:
         assert stack.backend.metadata.triton_bs == (0 if live <= 2 else (4 if live <= 4 else 8))
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    runner.destroy()
+        assert stack.backend._graph_wrappers[8] is None and stack.backend._graph_wrappers[2] is not None
+
+    _replays_match_eager(stack, (2, 4, 8), seed=1, tol=1e-4, on_replay=uses_triton_from_bucket_4)
 
 
 # -- eager and graph wrappers are separate --------------------------------------------------------
