@@ -19,9 +19,9 @@ device: no host sync, CUDA-graph capturable.
    epilogue and the (P, 2I) pre-activation never reaches memory.
 3. ``_expert_gemm_kernel``: ``y[p] = w[p] * (act[p] @ w2_e.T)`` -> (P, H), the routing weight
    applied to the fp32 accumulator before rounding to x's dtype.
-4. ``_sum_picks_kernel``: ``out[n] = sum_k y[n*K + k]`` over the valid picks, fp32. Each
-   output slice is reduced by one program in a fixed order (a tile reduction, no atomics), so
-   eager and graph replay agree bit for bit. Rows of invalid picks in act and y are never written and are
+4. ``_sum_picks_kernel``: ``out[n] = sum_k y[n*K + k]`` over the valid picks, in k order, fp32.
+   Each output row is reduced by one program in a fixed order (no atomics), so eager and graph
+   replay agree bit for bit. Rows of invalid picks in act and y are never written and are
    skipped by a masked load, never multiplied: padding rows may hold NaN.
 
 GEMM outputs are indexed by pick, not by slot: act and y have exactly P rows and the sum reads
@@ -208,20 +208,17 @@ def _sum_picks_kernel(
     hidden,
     num_local,
     TOP_K: tl.constexpr,
-    BLOCK_KP: tl.constexpr,  # TOP_K rounded up to a power of two
     BLOCK_H: tl.constexpr,
 ):
-    # All K terms of the row slice in one (K, BLOCK_H) load, summed as a tile: the loads are
-    # issued together instead of one after another (a fixed reduction order all the same).
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = offs < hidden
-    ks = tl.arange(0, BLOCK_KP)
-    picks = n * TOP_K + ks
-    e = tl.load(ids_ptr + picks, mask=ks < TOP_K, other=-1)
-    valid = (ks < TOP_K) & (e >= 0) & (e < num_local)  # an invalid pick's row is never read
-    terms = tl.load(y_ptr + picks[:, None] * hidden + offs[None, :], mask=valid[:, None] & in_row[None, :], other=0.0)
-    acc = tl.sum(terms.to(tl.float32), axis=0)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        pick = n * TOP_K + k
+        e = tl.load(ids_ptr + pick)
+        if (e >= 0) & (e < num_local):  # uniform per program: an invalid pick's row is not read
+            acc += tl.load(y_ptr + pick * hidden + offs, mask=in_row, other=0.0).to(tl.float32)
     tl.store(out_ptr + n * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
@@ -307,9 +304,9 @@ def fused_local_expert_sum(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    block_h = min(triton.next_power_of_2(hidden), 512)
+    block_h = min(triton.next_power_of_2(hidden), 1024)
     _sum_picks_kernel[(n, triton.cdiv(hidden, block_h))](
         y_PH, ids_P, out_ND, out_ND.stride(0), hidden, num_local,
-        TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k), BLOCK_H=block_h, num_warps=4,
+        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
     )
     return out_ND
