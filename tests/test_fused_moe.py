@@ -171,12 +171,12 @@ def test_bad_shapes_name_the_argument():
         MoeTileConfig(block_m=16, block_n=48, block_k=32, group_m=1, num_warps=4, num_stages=2)
 
 
-@pytest.mark.parametrize("programs", [0, 128, 3], ids=["one-program", "two-launch", "two-launch-3-programs"])
+@pytest.mark.parametrize("programs", [0, 128, 3], ids=["one-program", "three-launch", "three-launch-3-programs"])
 @pytest.mark.parametrize(("num_picks", "num_local", "block_m"),
                          [(1, 8, 16), (56, 4, 16), (300, 12, 16), (512, 128, 16), (700, 64, 64), (4500, 128, 32)])
 def test_align_picks_blocks_by_expert(num_picks, num_local, block_m, programs, monkeypatch):
     # 512 picks over 128 experts take several chunks of the counting and scatter passes and
-    # several chunks of blocks; 4500 picks take 71 chunks (one partial), more than one 32-row tile of the
+    # several chunks of blocks; 4500 picks take 71 chunks (one partial), more than one 64-chunk tile of the
     # parallel layout's count table. ids include other ranks' (-1) and out-of-range ones. Both
     # layouts are forced by moving the threshold between them; with 3 programs each program of
     # the parallel form counts and places several chunks, and writes several tiles of blocks.

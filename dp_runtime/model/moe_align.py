@@ -1,6 +1,6 @@
 """Expert-aligned blocks of a MoE layer's picks, for the fused expert GEMMs
 (``fused_moe_triton``): each local expert's picks gathered into blocks of ``block_m`` row slots,
-in one Triton launch (two for many picks); or, for a handful of picks (decode), one block per pick with no launch.
+in one Triton launch (three for many picks); or, for a handful of picks (decode), one block per pick with no launch.
 
 Shapes: P picks (tokens x top-k), L local experts, R row slots.
 """
@@ -100,7 +100,7 @@ def _align_kernel(
 @triton.jit(do_not_specialize=["num_picks", "per_prog"])
 def _chunk_counts_kernel(ids_ptr, table_ptr, num_picks, num_local, per_prog, BLOCK_E: tl.constexpr,
                          CHUNK: tl.constexpr):
-    """Parallel layout, launch 1 of 2: program c counts its picks [c * per_prog, (c + 1) *
+    """Parallel layout, launch 1 of 3: program c counts its picks [c * per_prog, (c + 1) *
     per_prog) per expert into row c of the table."""
     c = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
@@ -111,33 +111,53 @@ def _chunk_counts_kernel(ids_ptr, table_ptr, num_picks, num_local, per_prog, BLO
     tl.store(table_ptr + c * BLOCK_E + experts, counts)
 
 
-@triton.jit(do_not_specialize=["num_picks", "num_blocks", "per_prog", "num_progs"])
-def _chunk_scatter_kernel(ids_ptr, table_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, num_picks, num_local,
-                          num_blocks, per_prog, num_progs, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                          CHUNK: tl.constexpr, CHUNK_B: tl.constexpr, ROWS: tl.constexpr):
-    """Parallel layout, launch 2 of 2: program c reads the whole count table (at most
-    MAX_PROGRAMS rows, from L2) for each expert's blocks and its own first slot per expert (the
-    picks of programs before it), places its picks in their slots, in pick order, and writes
-    its share of the blocks (every num_programs-th tile of CHUNK_B blocks). Every program
-    repeats the few-thousand-element prefix instead of waiting for a launch that computes it."""
-    c = tl.program_id(0)
+@triton.jit(do_not_specialize=["num_progs"])
+def _chunk_offsets_kernel(
+    table_ptr,  # (num_progs, BLOCK_E) in: picks per program and expert; out: each program's first slot per expert
+    experts_ptr,  # (2, BLOCK_E) out: picks per expert, and where each expert's blocks end
+    num_rows_ptr,
+    num_progs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    ROWS: tl.constexpr,  # table rows per step: a (ROWS, BLOCK_E) tile
+):
+    """Parallel layout, launch 2 of 3 (one program): each expert's picks and blocks, the slots
+    in use, and each program's first slot per expert (an exclusive prefix over the rows)."""
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    before = tl.zeros([BLOCK_E], dtype=tl.int32)
     for r0 in range(0, num_progs, ROWS):
         rs = r0 + tl.arange(0, ROWS)
         tile = tl.load(table_ptr + rs[:, None] * BLOCK_E + experts[None, :], mask=rs[:, None] < num_progs, other=0)
         counts += tl.sum(tile, axis=0)
-        before += tl.sum(tl.where(rs[:, None] < c, tile, 0), axis=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, axis=0)
-    block_start = block_end - blocks
-    used_blocks = tl.sum(blocks, axis=0)
-    if c == 0:
-        tl.store(num_rows_ptr, used_blocks * BLOCK_M)
+    tl.store(num_rows_ptr, tl.sum(blocks, axis=0) * BLOCK_M)
+    tl.store(experts_ptr + experts, counts)
+    tl.store(experts_ptr + BLOCK_E + experts, block_end)
+    next_slot = (block_end - blocks) * BLOCK_M
+    for r0 in range(0, num_progs, ROWS):  # each tile is read before it is overwritten
+        rs = r0 + tl.arange(0, ROWS)
+        ptrs = table_ptr + rs[:, None] * BLOCK_E + experts[None, :]
+        tile = tl.load(ptrs, mask=rs[:, None] < num_progs, other=0)
+        tl.store(ptrs, next_slot[None, :] + tl.cumsum(tile, axis=0) - tile, mask=rs[:, None] < num_progs)
+        next_slot += tl.sum(tile, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_picks", "num_blocks", "per_prog"])
+def _chunk_scatter_kernel(ids_ptr, table_ptr, experts_ptr, sorted_ptr, block_expert_ptr, num_picks, num_local,
+                          num_blocks, per_prog, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                          CHUNK_B: tl.constexpr):
+    """Parallel layout, launch 3 of 3: program c places its picks in their slots, in pick order,
+    and writes its share of the blocks (every num_programs-th tile of CHUNK_B blocks)."""
+    c = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.load(experts_ptr + experts)
+    block_end = tl.load(experts_ptr + BLOCK_E + experts)
+    block_start = block_end - (counts + BLOCK_M - 1) // BLOCK_M
+    used_blocks = tl.max(block_end, axis=0)
     _write_blocks(block_expert_ptr, sorted_ptr, counts, block_start, block_end, used_blocks, num_blocks,
                   num_picks, experts, c * CHUNK_B, tl.num_programs(0) * CHUNK_B, BLOCK_M, CHUNK_B)
-    next_slot = block_start * BLOCK_M + before
+    next_slot = tl.load(table_ptr + c * BLOCK_E + experts)
     for start in range(c * per_prog, tl.minimum((c + 1) * per_prog, num_picks), CHUNK):
         next_slot += _scatter_chunk(ids_ptr, sorted_ptr, start, next_slot, num_picks, num_local, experts, CHUNK)
 
@@ -148,7 +168,7 @@ def _chunk_scatter_kernel(ids_ptr, table_ptr, sorted_ptr, block_expert_ptr, num_
 # layer at bs 1 on an H200) leaves the critical path.
 UNALIGNED_PICKS = 16
 
-# Beyond this many picks the layout takes two launches with one program per chunk of picks
+# Beyond this many picks the layout takes three launches with one program per chunk of picks
 # instead of one program looping over every chunk twice (see ``align_picks``).
 PARALLEL_PICKS = 256
 MAX_PROGRAMS = 128  # programs of the parallel form's counting and scatter launches
@@ -179,10 +199,10 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int) -> tuple[torc
     ones); the number of slots in use, shape (1,). P must be > 0.
 
     Up to ``PARALLEL_PICKS`` picks one program does it all (one launch); beyond, up to
-    ``MAX_PROGRAMS`` programs each count a share of the picks, then each reads all counts (at
-    most MAX_PROGRAMS rows, whatever P) for the blocks and its own first slots, places its
-    picks and writes a share of the blocks (two launches; a third that computed the prefix once
-    cost ~2.5 us per layer on an H200, more than every program repeating it)."""
+    ``MAX_PROGRAMS`` programs each count a share of the picks, one program turns the counts into
+    blocks and each program's first slots, and the programs again place their picks and each
+    write a share of the blocks (three launches; the serial part reads at most MAX_PROGRAMS
+    rows of counts, whatever P)."""
     num_picks = ids_P.shape[0]
     blocks = max_blocks(num_picks, num_local, block_m)
     slots = blocks * block_m
@@ -195,7 +215,7 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int) -> tuple[torc
     per_prog = triton.cdiv(chunks, MAX_PROGRAMS) * chunk
     progs = triton.cdiv(num_picks, per_prog)
     # One int32 workspace for the outputs (and the parallel form's tables): one allocation.
-    extra = progs * block_e if parallel else 0
+    extra = (progs + 2) * block_e if parallel else 0
     align_ws = torch.empty(slots + blocks + 1 + extra, dtype=torch.int32, device=ids_P.device)
     sorted_R, block_expert = align_ws[:slots], align_ws[slots : slots + blocks]
     num_rows, tables = align_ws[slots + blocks : slots + blocks + 1], align_ws[slots + blocks + 1 :]
@@ -205,9 +225,12 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int) -> tuple[torc
             BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, CHUNK_B=chunk_b, num_warps=4,
         )
         return sorted_R, block_expert, num_rows
-    _chunk_counts_kernel[(progs,)](ids_P, tables, num_picks, num_local, per_prog, BLOCK_E=block_e, CHUNK=chunk,
+    table, per_expert = tables[: progs * block_e], tables[progs * block_e :]
+    _chunk_counts_kernel[(progs,)](ids_P, table, num_picks, num_local, per_prog, BLOCK_E=block_e, CHUNK=chunk,
                                    num_warps=4)
-    _chunk_scatter_kernel[(progs,)](ids_P, tables, sorted_R, block_expert, num_rows, num_picks, num_local, blocks,
-                                    per_prog, progs, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, CHUNK_B=chunk_b,
-                                    ROWS=max(1, 4096 // block_e), num_warps=4)
+    _chunk_offsets_kernel[(1,)](table, per_expert, num_rows, progs, BLOCK_M=block_m, BLOCK_E=block_e,
+                                ROWS=max(1, 8192 // block_e), num_warps=4)
+    _chunk_scatter_kernel[(progs,)](ids_P, table, per_expert, sorted_R, block_expert, num_picks, num_local, blocks,
+                                    per_prog, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, CHUNK_B=chunk_b,
+                                    num_warps=4)
     return sorted_R, block_expert, num_rows
