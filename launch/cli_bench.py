@@ -41,6 +41,9 @@ BENCHES: dict[str, BenchInfo] = {
     "serve_load": BenchInfo(True, "arriving requests at several rates: throughput, TTFT, ITL, TPOT, concurrency"),
     "prefill": BenchInfo(True, "prefill throughput and MFU of the rank worker (one chunk, 8 x 1024, 64 x 128)"),
     "moe_layer": BenchInfo(False, "one MoE layer's experts: grouped GEMM vs Triton fused vs the bytes floor"),
+    "skinny_linear": BenchInfo(False, "1-4 row projections: the skinny Triton kernel vs cuBLAS vs the bytes floor"),
+    "decode_attention": BenchInfo(False, "decode attention: FlashInfer's variants vs the Triton kernel vs the floor"),
+    "prefill_attention": BenchInfo(False, "causal prefill attention: FlashInfer FA2 vs FA3 vs SDPA"),
 }
 
 

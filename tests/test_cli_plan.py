@@ -172,6 +172,13 @@ def test_bench_list_names_every_benchmark():
         assert name in result.output
 
 
+def test_every_benchmark_script_is_listed():
+    # Scripts under bench/ that are not benchmarks themselves: shared helpers and the tree runner.
+    helpers = {"gpu_kernels", "compare_trees", "load_workload", "__init__"}
+    scripts = {p.stem for p in bench_dir().glob("*.py")} - helpers
+    assert scripts == set(BENCHES)
+
+
 def test_bench_unknown_name_lists_the_known_ones():
     result = invoke("bench", "nope")
     assert result.exit_code == 2
