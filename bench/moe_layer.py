@@ -16,8 +16,9 @@ Paths, on the same rows, routing and weights:
   ``torch._grouped_mm``, SiLU-and-mul, weighted sum);
 - triton: ``fused_moe_triton.fused_local_expert_sum`` (align, two GEMMs with fused epilogues,
   top-k sum; tile config by ``tile_config(N)``);
-- triton_1p: the same with the pick alignment forced into one program at every size (the
-  layout before the three-launch parallel form, ``moe_align.PARALLEL_PICKS``);
+- triton_3l: the same with the pick alignment forced into the three-launch parallel form at
+  every size (beside the one-launch, one-program-per-expert form below
+  ``moe_align.PARALLEL_PICKS``);
 - flashinfer: ``cutlass_fused_moe`` on global expert ids with ``ep_size``/``ep_rank``, fc1 laid
   out as [up; gate] (its SwiGLU convention);
 - floor: the bytes a layer must move (weights of the distinct local experts at least one pick
@@ -177,8 +178,8 @@ def _paths(layers: list[Layer], ep: int, outs) -> dict[str, Callable[[], None]]:
             from dp_runtime.model import moe_align
 
             def run():
-                # parallel_picks: side by side, the alignment in one program at every size (the
-                # layout before the three-launch form); the threshold is read at each call.
+                # parallel_picks: side by side, the alignment in the three-launch form at every
+                # size; the threshold is read at each call.
                 saved = moe_align.PARALLEL_PICKS
                 moe_align.PARALLEL_PICKS = saved if parallel_picks is None else parallel_picks
                 try:
@@ -189,8 +190,8 @@ def _paths(layers: list[Layer], ep: int, outs) -> dict[str, Callable[[], None]]:
                     moe_align.PARALLEL_PICKS = saved
             return run
         paths["triton"] = fused("triton")
-        if "triton_1p" in outs:
-            paths["triton_1p"] = fused("triton_1p", parallel_picks=1 << 40)
+        if "triton_3l" in outs:
+            paths["triton_3l"] = fused("triton_3l", parallel_picks=0)
     if "flashinfer" in outs:
         from flashinfer.fused_moe import cutlass_fused_moe
 
@@ -211,7 +212,7 @@ def _row(ep: int, n: int, floor_us: float, names: list[str], us: dict, ops: dict
 
     row = [str(ep), str(n), f"{floor_us:.1f}"] + [f"{us[name]:.1f}" if name in us else "-" for name in names]
     row += [ratio(us.get("triton"), floor_us), ratio(us.get("grouped"), us.get("triton")),
-            ratio(us.get("triton_1p"), us.get("triton"))]
+            ratio(us.get("triton_3l"), us.get("triton"))]
     row += [ratio(us.get("flashinfer"), us.get("triton"))] if "flashinfer" in names else []
     row += ["/".join(f"{ops[name]:.0f}" if name in ops else "-" for name in names), ", ".join(checks) or "-"]
     return row
@@ -261,7 +262,7 @@ def main() -> None:
     device = torch.device("cuda")
     bw, bw_source = _bandwidth(device)
     ok, triton_note = fused_moe_supported(device, torch.bfloat16)
-    names = ["grouped"] + (["triton", "triton_1p"] if ok else [])
+    names = ["grouped"] + (["triton", "triton_3l"] if ok else [])
     fi_note = ""
     if args.flashinfer:
         try:
@@ -284,7 +285,7 @@ def main() -> None:
         i = args.inter
         w31 = [torch.cat([w13[:, i:], w13[:, :i]], dim=1) for w13, _ in experts]
 
-    head = ["ep", "tokens", "floor_us"] + [f"{name}_us" for name in names] + ["triton/floor", "grouped/triton", "1p/triton"]
+    head = ["ep", "tokens", "floor_us"] + [f"{name}_us" for name in names] + ["triton/floor", "grouped/triton", "3l/triton"]
     head += ["fi/triton"] if "flashinfer" in names else []
     head += ["kernels " + "/".join(names), "check (rel err)"]
     rows, tune_lines, split_lines = [], [], []

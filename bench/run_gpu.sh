@@ -28,6 +28,8 @@
 #   bash bench/run_gpu.sh decode62 # two GPUs: DP 2 decode vs trees (all_gather), gpu2 model tests
 #   bash bench/run_gpu.sh final1   # one GPU: census at bs 64/256, serve_load DP 1, a 1x128 extend profiled
 #   bash bench/run_gpu.sh sum1     # one GPU: expert kernel tests, DP 1 decode vs trees
+#   bash bench/run_gpu.sh align1   # one GPU: expert kernel tests, the alignment forms side by side, DP 1 decode and
+#                                  #   a 1x128 extend vs earlier trees, the extend profiled
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -198,6 +200,15 @@ case "${1:-one}" in
     step census python bench/serve_step.py --batch-sizes 64,256 --modes graph --profile --iters 5
     step serve_load_1 timeout 330 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates 4,16,64,inf \
       --num-requests 64 --max-running-requests 64
+    step extend_profile python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 --warmup 2
+    ;;
+  align1)  # one GPU: expert kernel tests, one-launch vs three-launch alignment, decode and extend vs trees
+    step gpu_tests timeout 200 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_fused_moe.py
+    step moe_layer python bench/moe_layer.py --tokens 8 32 64 128 256 512 --repeats 10
+    step compare_1 python bench/compare_trees.py $(bases) -- python bench/serve_step.py \
+      --batch-sizes ${COMPARE_BS:-1,8,64,256} --iters 30 --modes graph
+    step extend_compare python bench/compare_trees.py $(bases) -- python bench/prefill.py --iters 5 --warmup 2 \
+      --shapes 1x128 --modes graph
     step extend_profile python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 --warmup 2
     ;;
   sum1)  # one GPU: the expert kernels' tests, DP 1 decode vs earlier trees

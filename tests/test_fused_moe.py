@@ -171,15 +171,16 @@ def test_bad_shapes_name_the_argument():
         MoeTileConfig(block_m=16, block_n=48, block_k=32, group_m=1, num_warps=4, num_stages=2)
 
 
-@pytest.mark.parametrize("programs", [0, 128, 3], ids=["one-program", "three-launch", "three-launch-3-programs"])
+@pytest.mark.parametrize("programs", [0, 128, 3], ids=["by-expert", "three-launch", "three-launch-3-programs"])
 @pytest.mark.parametrize(("num_picks", "num_local", "block_m"),
                          [(1, 8, 16), (56, 4, 16), (300, 12, 16), (512, 128, 16), (700, 64, 64), (4500, 128, 32)])
 def test_align_picks_blocks_by_expert(num_picks, num_local, block_m, programs, monkeypatch):
-    # 512 picks over 128 experts take several chunks of the counting and scatter passes and
-    # several chunks of blocks; 4500 picks take 71 chunks (one partial), more than one 64-chunk tile of the
-    # parallel layout's count table. ids include other ranks' (-1) and out-of-range ones. Both
-    # layouts are forced by moving the threshold between them; with 3 programs each program of
-    # the parallel form counts and places several chunks, and writes several tiles of blocks.
+    # 4500 picks take five 1024-pick chunks (one partial) in each program of the by-expert
+    # form, and 71 chunks of the three-launch form, more than one 64-chunk tile of its count
+    # table; 512 picks over 128 experts leave unused blocks past the used ones to clear.
+    # ids include other ranks' (-1) and out-of-range ones. Both layouts are forced by moving the
+    # threshold between them; with 3 programs each program of the parallel form counts and
+    # places several chunks, and writes several tiles of blocks.
     from dp_runtime.model import moe_align
 
     monkeypatch.setattr(moe_align, "PARALLEL_PICKS", 1 << 30 if programs == 0 else 0)

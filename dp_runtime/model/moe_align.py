@@ -65,8 +65,25 @@ def _scatter_chunk(ids_ptr, sorted_ptr, start, next_slot, num_picks, num_local, 
     return tl.sum(hit, axis=0)
 
 
+@triton.jit
+def _expert_counts(ids_ptr, num_picks, num_local, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Valid picks per local expert, (BLOCK_E,) int32: a histogram of each chunk over 2 *
+    BLOCK_E bins, invalid ids (another rank's pick, a padding row, a lane past the picks) in
+    bin BLOCK_E, of which the first half is kept. ``tl.histogram`` costs a few warp ballots per
+    pick where a one-hot costs BLOCK_E compares."""
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    half = tl.arange(0, 2)[:, None]
+    for start in range(0, num_picks, CHUNK):
+        picks = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + picks, mask=picks < num_picks, other=-1)
+        bins = tl.where((ids >= 0) & (ids < num_local), ids, BLOCK_E)
+        hist = tl.reshape(tl.histogram(bins, 2 * BLOCK_E), (2, BLOCK_E))
+        counts += tl.sum(tl.where(half == 0, hist, 0), axis=0)
+    return counts
+
+
 @triton.jit(do_not_specialize=["num_picks", "num_blocks"])
-def _align_kernel(
+def _align_by_expert_kernel(
     ids_ptr,  # (P,) local expert id of each pick; outside [0, num_local) = not computed here
     sorted_ptr,  # (num_blocks * BLOCK_M,) int32 out: pick of each row slot, num_picks = padding
     block_expert_ptr,  # (num_blocks,) int32 out: expert of each block, -1 = unused
@@ -76,25 +93,42 @@ def _align_kernel(
     num_blocks,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,  # next power of two >= num_local
-    CHUNK: tl.constexpr,  # picks per step: a (CHUNK, BLOCK_E) one-hot stays in registers
-    CHUNK_B: tl.constexpr,  # blocks per step of the block pass
+    CHUNK: tl.constexpr,  # picks per step
+    CHUNK_B: tl.constexpr,  # blocks per step
 ):
-    """The whole layout in one program: the fewest launches for a few chunks of picks."""
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_picks, CHUNK):
-        hit, _ = _one_hot(ids_ptr, start, num_picks, num_local, experts, CHUNK)
-        counts += tl.sum(hit, axis=0)
+    """The whole layout in one launch, one program per local expert: every program counts all
+    picks (cheap for a few thousand, read from L2), so each knows where its expert's blocks
+    start without waiting for another program; it then places its own picks in pick order,
+    pads its last block with the sentinel, and writes its share of the unused blocks."""
+    e = tl.program_id(0)
+    counts = _expert_counts(ids_ptr, num_picks, num_local, BLOCK_E, CHUNK)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, axis=0)  # inclusive: expert e owns [block_end - blocks, block_end)
-    block_start = block_end - blocks
     used_blocks = tl.sum(blocks, axis=0)
-    tl.store(num_rows_ptr, used_blocks * BLOCK_M)
-    _write_blocks(block_expert_ptr, sorted_ptr, counts, block_start, block_end, used_blocks, num_blocks,
-                  num_picks, experts, 0, CHUNK_B, BLOCK_M, CHUNK_B)
-    next_slot = block_start * BLOCK_M
-    for start in range(0, num_picks, CHUNK):
-        next_slot += _scatter_chunk(ids_ptr, sorted_ptr, start, next_slot, num_picks, num_local, experts, CHUNK)
+    mine = tl.arange(0, BLOCK_E) == e
+    count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    end = tl.sum(tl.where(mine, block_end, 0), axis=0)
+    start = end - (count + BLOCK_M - 1) // BLOCK_M
+    next_slot = start * BLOCK_M
+    for s in range(0, num_picks, CHUNK):
+        picks = s + tl.arange(0, CHUNK)
+        hit = (tl.load(ids_ptr + picks, mask=picks < num_picks, other=-1) == e).to(tl.int32)
+        tl.store(sorted_ptr + next_slot + tl.cumsum(hit, axis=0) - 1, picks, mask=hit > 0)
+        next_slot += tl.sum(hit, axis=0)
+    rows = tl.arange(0, BLOCK_M)
+    sentinel = tl.full([BLOCK_M], 0, tl.int32) + num_picks
+    tl.store(sorted_ptr + next_slot + rows, sentinel, mask=next_slot + rows < end * BLOCK_M)
+    for b0 in range(start, end, CHUNK_B):
+        b = b0 + tl.arange(0, CHUNK_B)
+        tl.store(block_expert_ptr + b, tl.full([CHUNK_B], 0, tl.int32) + e, mask=b < end)
+    for b0 in range(used_blocks + e * CHUNK_B, num_blocks, tl.num_programs(0) * CHUNK_B):
+        b = b0 + tl.arange(0, CHUNK_B)
+        in_range = b < num_blocks
+        tl.store(block_expert_ptr + b, tl.full([CHUNK_B], -1, tl.int32), mask=in_range)
+        tl.store(sorted_ptr + b[:, None] * BLOCK_M + rows[None, :],
+                 tl.full([CHUNK_B, BLOCK_M], 0, tl.int32) + num_picks, mask=in_range[:, None])
+    if e == 0:
+        tl.store(num_rows_ptr, used_blocks * BLOCK_M)
 
 
 @triton.jit(do_not_specialize=["num_picks", "per_prog"])
@@ -164,13 +198,14 @@ def _chunk_scatter_kernel(ids_ptr, table_ptr, experts_ptr, sorted_ptr, block_exp
 
 # Up to this many picks (two tokens at top-8) each pick is a block of its own and the alignment
 # kernel is skipped: decode picks are mostly distinct experts, so one-row blocks read the same
-# weights aligned blocks would, and the one-program alignment launch (about 8 us of a ~90 us
-# layer at bs 1 on an H200) leaves the critical path.
+# weights aligned blocks would, and the alignment launch (about 8 us of a ~90 us layer at bs 1
+# on an H200) leaves the critical path.
 UNALIGNED_PICKS = 16
 
-# Beyond this many picks the layout takes three launches with one program per chunk of picks
-# instead of one program looping over every chunk twice (see ``align_picks``).
-PARALLEL_PICKS = 256
+# Up to this many picks (bs 512 at top-8) the layout is one launch of one program per expert,
+# each counting every pick; beyond, counting all picks in every program costs more than the
+# three launches of the parallel form, whose programs each count a share (see ``align_picks``).
+PARALLEL_PICKS = 4096
 MAX_PROGRAMS = 128  # programs of the parallel form's counting and scatter launches
 
 
@@ -198,11 +233,11 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int) -> tuple[torc
     to a multiple of ``block_m`` with the sentinel P; the expert of each block (-1 past the used
     ones); the number of slots in use, shape (1,). P must be > 0.
 
-    Up to ``PARALLEL_PICKS`` picks one program does it all (one launch); beyond, up to
-    ``MAX_PROGRAMS`` programs each count a share of the picks, one program turns the counts into
-    blocks and each program's first slots, and the programs again place their picks and each
-    write a share of the blocks (three launches; the serial part reads at most MAX_PROGRAMS
-    rows of counts, whatever P)."""
+    Up to ``PARALLEL_PICKS`` picks one launch does it all, one program per local expert;
+    beyond, up to ``MAX_PROGRAMS`` programs each count a share of the picks, one program turns
+    the counts into blocks and each program's first slots, and the programs again place their
+    picks and each write a share of the blocks (three launches; the serial part reads at most
+    MAX_PROGRAMS rows of counts, whatever P)."""
     num_picks = ids_P.shape[0]
     blocks = max_blocks(num_picks, num_local, block_m)
     slots = blocks * block_m
@@ -220,9 +255,10 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int) -> tuple[torc
     sorted_R, block_expert = align_ws[:slots], align_ws[slots : slots + blocks]
     num_rows, tables = align_ws[slots + blocks : slots + blocks + 1], align_ws[slots + blocks + 1 :]
     if not parallel:
-        _align_kernel[(1,)](
+        # One chunk size for every P: no recompile per step size (masked lanes cost little).
+        _align_by_expert_kernel[(num_local,)](
             ids_P, sorted_R, block_expert, num_rows, num_picks, num_local, blocks,
-            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, CHUNK_B=chunk_b, num_warps=4,
+            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=chunk_b, num_warps=4,
         )
         return sorted_R, block_expert, num_rows
     table, per_expert = tables[: progs * block_e], tables[progs * block_e :]
