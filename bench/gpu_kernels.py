@@ -39,6 +39,42 @@ def print_top(top: list[tuple[str, int, float]]) -> None:
         print(f"{count:>6} {us:>9.1f}  {name}")
 
 
+# Host ops that wait for the GPU: left out of the host time a step spends working.
+HOST_WAITS = ("synchronize", "cudaMemcpy ", "cudaStreamSynchronize", "aten::item", "aten::_local_scalar_dense")
+
+
+def host_ops(prof, n: int = 12) -> list[tuple[str, int, float]]:
+    """``(op, calls, self us)`` of the ``n`` CPU-side ops of a profile (CPU activity on) with
+    the most self time, waits for the GPU left out."""
+    ops = [(a.key[:70], a.count, a.self_cpu_time_total) for a in prof.key_averages()
+           if a.self_cpu_time_total > 0 and not any(w in a.key for w in HOST_WAITS)]
+    return sorted(ops, key=lambda r: -r[2])[:n]
+
+
+def python_functions(run: Callable[[], object], n: int = 15,
+                     dirs: tuple[str, ...] = ("dp_runtime", "graph/", "buffers/", "dispatcher/")) -> list[tuple[str, float]]:
+    """``(file:function, cumulative us)`` of the project's ``n`` costliest Python functions in
+    one call of ``run`` under cProfile (relative numbers: cProfile adds overhead)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(run)
+    stats = pstats.Stats(prof)
+    funcs = sorted(((f"{k[0].split('/')[-1]}:{k[2]}", v[3]) for k, v in stats.stats.items()
+                    if any(d in k[0] for d in dirs)), key=lambda r: -r[1])
+    return [(name, round(t * 1e6, 1)) for name, t in funcs[:n]]
+
+
+def print_host(ops: list[tuple[str, int, float]], funcs: list[tuple[str, float]]) -> None:
+    print(f"{'count':>6} {'self us':>9}  host op (waits for the GPU left out)")
+    for name, count, us in ops:
+        print(f"{count:>6} {us:>9.1f}  {name}")
+    print(f"{'cum us':>16}  Python function (cProfile of another step)")
+    for name, us in funcs:
+        print(f"{us:>16.1f}  {name}")
+
+
 def graph_us(run: Callable[[], None], per_replay: int, repeats: int, inner: int) -> float:
     """Median microseconds of one of ``per_replay`` units (layers, calls) of ``run``, captured
     once in a CUDA graph and replayed ``inner`` times per timed sample."""

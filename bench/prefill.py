@@ -14,7 +14,8 @@ the host waits for the tokens), which finishes them all, since the prefill budge
 (``chunked_prefill_size``) is the largest shape's token count. A step that does not finish
 them is an error, not a row.
 
-Columns: step ms (median; the slowest rank's), tokens/s over every rank, tokens/s per GPU,
+Columns: step ms (median; the slowest rank's), host ms (median time until ``step()`` returned,
+every launch made: near step ms, the host bounds the step), tokens/s over every rank, tokens/s per GPU,
 TFLOP/s per GPU, and MFU: the step's FLOPs on one rank (``dp_runtime.model.flops``: projections,
 causal attention counted per position, router, the top-k experts' GEMMs, LM head on the sampled
 rows) over the step time and the GPU's dense bf16 peak (``launch.gpu_specs``; ``--peak-tflops``
@@ -114,8 +115,11 @@ def build_spec(args: argparse.Namespace, world: int) -> RankSpec:
     )
 
 
-def timed_prefill(worker: RankWorker, b: int, n: int, iters: int, rank: int, tag: str) -> list[float]:
-    """Seconds of each of ``iters`` extend steps that prefill ``b`` prompts of ``n`` tokens."""
+def timed_prefill(worker: RankWorker, b: int, n: int, iters: int, rank: int, tag: str,
+                  host: list[float] | None = None) -> list[float]:
+    """Seconds of each of ``iters`` extend steps that prefill ``b`` prompts of ``n`` tokens;
+    ``host`` (when given) gets the seconds until ``step()`` returned, every launch made: close
+    to the step's time when the host, not the GPU, bounds it."""
     vocab = worker.model_config.vocab_size
     g = torch.Generator().manual_seed(1000 * b + n)
     times = []
@@ -124,6 +128,8 @@ def timed_prefill(worker: RankWorker, b: int, n: int, iters: int, rank: int, tag
                                SamplingParams(max_new_tokens=1)) for j in range(b)])
         t0 = time.perf_counter()
         plan = worker.step()
+        if host is not None:
+            host.append(time.perf_counter() - t0)
         worker.wait_tokens()  # the step ends with its first tokens on the host
         times.append(time.perf_counter() - t0)
         done = worker.pop_finished()
@@ -157,20 +163,22 @@ def experts_touched(worker: RankWorker, b: int, n: int, rank: int) -> float:
 
 def profiled_prefill(worker: RankWorker, b: int, n: int, rank: int) -> dict:
     """One more step of ``b`` x ``n`` under the torch profiler: GPU busy time and top kernels,
-    and the experts a step of that shape touches per layer."""
+    the host ops by self time and the Python functions of another step (cProfile), and the
+    experts a step of that shape touches per layer."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.gpu_kernels import busy_us, gpu_events, top_kernels
+    from bench.gpu_kernels import busy_us, gpu_events, host_ops, python_functions, top_kernels
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         timed_prefill(worker, b, n, 1, rank, "prof")
         wall_us = (time.perf_counter() - t0) * 1e6
     events = gpu_events(prof)
+    py_funcs = python_functions(lambda: timed_prefill(worker, b, n, 1, rank, "cprof"))
     return dict(shape=f"{b}x{n}", mode="graph" if worker.graph_enabled else "eager", wall_us=wall_us,
                 gpu_busy_us=busy_us(events), activities=len(events), top=top_kernels(events, 15),
-                experts_per_layer=experts_touched(worker, b, n, rank))
+                cpu_ops=host_ops(prof), py_funcs=py_funcs, experts_per_layer=experts_touched(worker, b, n, rank))
 
 
 def run(args: argparse.Namespace) -> dict | None:
@@ -195,10 +203,11 @@ def run(args: argparse.Namespace) -> dict | None:
                 before = worker.metrics()["extend_graph_steps"]
                 if args.warmup:
                     timed_prefill(worker, b, n, args.warmup, rank, "warm")
-                ms = statistics.median(timed_prefill(worker, b, n, args.iters, rank, "t")) * 1e3
+                host: list[float] = []
+                ms = statistics.median(timed_prefill(worker, b, n, args.iters, rank, "t", host)) * 1e3
                 graphed = worker.metrics()["extend_graph_steps"] - before
                 rows.append(dict(shape=f"{b}x{n}", mode=mode if graphed else "eager", prompts=b, prompt_len=n,
-                                 step_ms=ms))
+                                 step_ms=ms, host_ms=statistics.median(host) * 1e3))
                 if args.profile and profile is None and args.device == "cuda":  # the first shape and mode
                     profile = profiled_prefill(worker, b, n, rank)
             m = worker.metrics()
@@ -240,19 +249,22 @@ def print_table(report: dict) -> None:
     print(f"date {h['date']}  {h['device']} x{h['world_size']}  commit {h['commit']}\ncommand: {h['command']}\n"
           f"model {h['model']}{layers} {h['dtype']}, random weights; dispatcher {h['dispatcher']}, attention "
           f"{h['attention']}; {peak}; median of {h['iters']}; build {h['build_s']:.0f} s")
-    print(f"{'shape':>8} {'mode':>6} {'step ms':>9} {'tok/s':>10} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>12} {'MFU':>7} {'attn FLOPs':>11}")
+    print(f"{'shape':>8} {'mode':>6} {'step ms':>9} {'host ms':>8} {'tok/s':>10} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>12} "
+          f"{'MFU':>7} {'attn FLOPs':>11}")
     for r in report["rows"]:
         mfu = "-" if r["mfu_pct"] is None else f"{r['mfu_pct']:.1f}%"
-        print(f"{r['shape']:>8} {r['mode']:>6} {r['step_ms']:>9.2f} {r['tok_s']:>10.0f} {r['tok_s_per_gpu']:>10.0f} "
+        print(f"{r['shape']:>8} {r['mode']:>6} {r['step_ms']:>9.2f} {r['host_ms']:>8.2f} {r['tok_s']:>10.0f} "
+              f"{r['tok_s_per_gpu']:>10.0f} "
               f"{r['tflop_s_per_gpu']:>12.3g} {mfu:>7} {r['attention_flops_pct']:>10.1f}%")
     prof = report.get("profile")
     if prof:
-        from bench.gpu_kernels import print_top
+        from bench.gpu_kernels import print_host, print_top
 
         print(f"profile of one {prof['shape']} {prof['mode']} step (rank 0): {prof['activities']} GPU activities, "
               f"GPU busy {prof['gpu_busy_us'] / 1e3:.1f} ms of {prof['wall_us'] / 1e3:.1f} ms; "
               f"{prof['experts_per_layer']:.1f} local experts touched per MoE layer")
         print_top(prof["top"])
+        print_host(prof["cpu_ops"], prof["py_funcs"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -207,7 +207,7 @@ case "${1:-one}" in
     step moe_layer python bench/moe_layer.py --tokens 8 32 64 128 256 512 --repeats 10
     step compare_1 python bench/compare_trees.py $(bases) -- python bench/serve_step.py \
       --batch-sizes ${COMPARE_BS:-1,8,64,256} --iters 30 --modes graph
-    step extend_compare python bench/compare_trees.py $(bases) -- python bench/prefill.py --iters 5 --warmup 2 \
+    step extend_compare python bench/compare_trees.py --key shape $(bases) -- python bench/prefill.py --iters 5 --warmup 2 \
       --shapes 1x128 --modes graph
     step extend_profile python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 --warmup 2
     ;;

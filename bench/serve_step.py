@@ -35,7 +35,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from bench.gpu_kernels import busy_us, gpu_events, print_top, top_kernels
+from bench.gpu_kernels import (
+    busy_us,
+    gpu_events,
+    host_ops,
+    print_host,
+    print_top,
+    python_functions,
+    top_kernels,
+)
 from dp_runtime import memory_sizing
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
@@ -126,21 +134,10 @@ def kernel_census(worker: RankWorker, bs: int, args, rank: int) -> dict:
         worker.wait_tokens()  # the step alone, start to tokens: its host work is not overlapped here
         wall_us = (time.perf_counter() - t0) * 1e6
     assert plan.graph_bucket is not None, "the profiled step did not replay a graph"
-    # Where the host time goes: CPU-side ops by self time (waits for the GPU left out), and the
-    # Python functions of one more step by cumulative time (cProfile: relative, it adds overhead).
-    waits = ("synchronize", "cudaMemcpy ", "cudaStreamSynchronize", "aten::item", "aten::_local_scalar_dense")
-    cpu_ops = [(a.key[:70], a.count, a.self_cpu_time_total) for a in prof.key_averages()
-               if a.self_cpu_time_total > 0 and not any(w in a.key for w in waits)]
-    cpu_ops.sort(key=lambda r: -r[2])
-    import cProfile
-    import pstats
-
-    prof_py = cProfile.Profile()
-    prof_py.runcall(lambda: (worker.step(), worker.wait_tokens()))
-    stats = pstats.Stats(prof_py)
-    funcs = sorted(((f"{k[0].split('/')[-1]}:{k[2]}", v[3]) for k, v in stats.stats.items()
-                    if any(d in k[0] for d in ("dp_runtime", "graph/", "buffers/", "dispatcher/"))),
-                   key=lambda r: -r[1])
+    # Where the host time goes: CPU-side ops by self time, and the Python functions of one more
+    # step by cumulative time.
+    cpu_ops = host_ops(prof)
+    py_funcs = python_functions(lambda: (worker.step(), worker.wait_tokens()))
     worker.run_until_idle()
     worker.pop_finished()
     gpu = gpu_events(prof)
@@ -149,8 +146,7 @@ def kernel_census(worker: RankWorker, bs: int, args, rank: int) -> dict:
     return dict(bs=bs, layers=layers, activities=len(gpu), per_layer=len(gpu) / layers,
                 memcpy=sum(1 for e in gpu if "memcpy" in e.name.lower() or "memset" in e.name.lower()),
                 gpu_busy_us=busy, wall_us=wall_us, host_us=max(0.0, wall_us - busy),
-                top=top_kernels(gpu), cpu_ops=cpu_ops[:12],
-                py_funcs=[(name, round(t * 1e6, 1)) for name, t in funcs[:15]])
+                top=top_kernels(gpu), cpu_ops=cpu_ops, py_funcs=py_funcs)
 
 
 def print_census(c: dict) -> None:
@@ -159,12 +155,7 @@ def print_census(c: dict) -> None:
           f"GPU busy {c['gpu_busy_us'] / 1e3:.2f} ms of a {c['wall_us'] / 1e3:.2f} ms step; host "
           f"{c['host_us'] / 1e3:.2f} ms = {100 * c['host_us'] / max(c['gpu_busy_us'], 1):.1f}% of GPU time")
     print_top(c["top"])
-    print(f"{'count':>6} {'self us':>9}  host op (waits for the GPU left out)")
-    for name, n, us in c["cpu_ops"]:
-        print(f"{n:>6} {us:>9.1f}  {name}")
-    print(f"{'cum us':>16}  Python function (cProfile of another replayed step)")
-    for name, us in c["py_funcs"]:
-        print(f"{us:>16.1f}  {name}")
+    print_host(c["cpu_ops"], c["py_funcs"])
 
 
 def main() -> None:

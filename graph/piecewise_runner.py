@@ -268,16 +268,17 @@ class PiecewiseRunner:
         live = self.registry.view(batch, raw_bs, raw_n)
         self.backend.init_forward_metadata(live)
 
-        def attend(q, k, v, layer_id, kv_stored) -> torch.Tensor:
-            return self.backend.forward(q[:raw_n], k[:raw_n], v[:raw_n], layer_id, live, kv_stored=kv_stored)
+        def attend(q, k, v, layer_id, kv_stored, out=None) -> torch.Tensor:
+            return self.backend.forward(q[:raw_n], k[:raw_n], v[:raw_n], layer_id, live, kv_stored=kv_stored,
+                                        out=out)
 
         if b.graphs:
             # The pieces' tensors were made in inference mode (the capture): writes to them too.
             with torch.inference_mode():
                 b.graphs[0].replay()
                 for piece, graph in zip(b.pieces, b.graphs[1:], strict=True):
-                    if raw_n:
-                        piece.out[:raw_n].copy_(attend(piece.q, piece.k, piece.v, piece.layer_id, piece.kv_stored))
+                    if raw_n:  # straight into the buffer the next graph reads: no copy
+                        attend(piece.q, piece.k, piece.v, piece.layer_id, piece.kv_stored, out=piece.out[:raw_n])
                     graph.replay()
             output = b.output
         else:
@@ -288,7 +289,7 @@ class PiecewiseRunner:
             def stand_in(q, k, v, layer_id, _batch, kv_stored) -> torch.Tensor:
                 out = q.new_zeros(t, q.shape[1] * q.shape[2] if q.dim() == 3 else q.shape[1])
                 if raw_n:
-                    out[:raw_n] = attend(q, k, v, layer_id, kv_stored)
+                    attend(q, k, v, layer_id, kv_stored, out=out[:raw_n])
                 return out
 
             with self.split.hooked(stand_in), torch.inference_mode():

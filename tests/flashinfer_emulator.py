@@ -246,17 +246,23 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Base):
         self._causal = causal
         self._common(num_qo_heads, num_kv_heads, head_dim_qk, kw)
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, **kw):
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.Tensor | None = None,
+            return_lse: bool = False, **kw):
         self._check_q(q, int(self._qo[-1]))
         if k.shape[0] != int(self._kv[-1]) or v.shape[0] != int(self._kv[-1]):
             raise ValueError(f"emulated flashinfer: k/v have {k.shape[0]}/{v.shape[0]} rows, kv_indptr ends at {int(self._kv[-1])}")
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        # The kernels take row and head strides but read each head's D values densely.
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError("emulated flashinfer: k/v must have a dense last dimension")
+        if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+            raise ValueError(f"emulated flashinfer: out is {tuple(out.shape)} {out.dtype}, q {tuple(q.shape)} {q.dtype}")
+        acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
         for b in range(self._qo.shape[0] - 1):
             q0, q1, k0, k1 = int(self._qo[b]), int(self._qo[b + 1]), int(self._kv[b]), int(self._kv[b + 1])
             o, s = _attend(q[q0:q1], k[k0:k1], v[k0:k1], self._causal, self._scale)
-            out[q0:q1], lse[q0:q1] = o, s
-        out = out.to(q.dtype)
+            acc[q0:q1], lse[q0:q1] = o, s
+        out = acc.to(q.dtype) if out is None else out.copy_(acc)
         return (out, lse.to(q.device)) if return_lse else out
 
 
@@ -270,6 +276,13 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
     return v, s_max + torch.log2(total)
 
 
+def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor) -> None:
+    """``merge_state`` written into ``v`` and ``s`` (FlashInfer's in-place form)."""
+    merged_v, merged_s = merge_state(v, s, v_other, s_other)
+    v.copy_(merged_v)
+    s.copy_(merged_s)
+
+
 def emulated_flashinfer() -> SimpleNamespace:
     """A module-like object to pass as ``FlashInferBackend(flashinfer_module=...)``."""
     return SimpleNamespace(
@@ -277,5 +290,6 @@ def emulated_flashinfer() -> SimpleNamespace:
         BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
         BatchPrefillWithRaggedKVCacheWrapper=BatchPrefillWithRaggedKVCacheWrapper,
         merge_state=merge_state,
+        merge_state_in_place=merge_state_in_place,
         __version__="emulated-0.7.2.post1",
     )

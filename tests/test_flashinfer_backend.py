@@ -97,6 +97,29 @@ def test_attention_matches_sdpa_on_extend_with_prefixes_then_decode(deterministi
     torch.testing.assert_close(got, ref.forward(q, k, v, 0, dec), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("prefixes", [PREFIXES, [0, 0, 0, 0]], ids=["prefix", "no-prefix"])
+def test_ragged_extend_reads_k_v_views_of_one_projection_and_writes_the_given_output(prefixes):
+    # The model hands k/v over as views of its fused QKV rows and the extend graphs hand a
+    # per-layer output buffer: the ragged pass takes both as they are (no dense copy, no copy of
+    # the result; the prefix pass merges into that buffer) and gives what dense inputs give.
+    cache = make_cache()
+    alloc = KVAllocator(cache)
+    fi = fi_backend(cache)
+    batch = extend_batch(alloc, add_requests(alloc, prefixes, seed=5), EXTENDS, list(range(sum(EXTENDS))))
+    q, k, v = qkv(sum(EXTENDS), seed=6)
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    k_view = fused[:, HQ * D:(HQ + HKV) * D].view(-1, HKV, D)
+    v_view = fused[:, (HQ + HKV) * D:].view(-1, HKV, D)
+    assert not k_view.is_contiguous() and not v_view.is_contiguous()
+    fi.init_forward_metadata(batch)
+    assert fi.metadata.layout is KVLayout.RAGGED and fi.metadata.has_prefix == any(prefixes)
+    want = fi.forward(q, k, v, 0, batch)
+    out = torch.full_like(want, float("nan"))
+    got = fi.forward(q, k_view, v_view, 0, batch, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
 def test_long_extends_plan_the_auto_backend_wrapper_and_still_match_sdpa():
     # A request with LONG_EXTEND_TOKENS new tokens or more: the ragged pass runs on the wrapper
     # made with backend="auto" (FA3 on sm90); shorter steps keep FA2's. Both match SDPA.

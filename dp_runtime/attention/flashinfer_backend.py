@@ -372,10 +372,10 @@ class FlashInferBackend:
 
     # -- attention -----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Any,
-                kv_stored: bool = False) -> torch.Tensor:
+                kv_stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         t = q.shape[0]
         if t == 0:
-            return q.new_empty((0, self.num_q_heads * self.head_dim))
+            return q.new_empty((0, self.num_q_heads * self.head_dim)) if out is None else out
         # This step's K/V go into the cache first: the paged passes read them from there.
         if not kv_stored:  # a fused prologue (qk_norm_rope) has stored them already
             self.kv_cache.set_kv(layer_id, batch.out_cache_loc, k, v)
@@ -385,17 +385,22 @@ class FlashInferBackend:
         q = q.to(self.kv_cache.dtype).contiguous()
         paged_kv = self.kv_cache.paged(layer_id)
         if meta.layout is KVLayout.RAGGED:
-            # k/v come from a split of the fused projection: make them dense rows for the kernel.
-            k, v = k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
-            o, lse = meta.ragged.run(q, k, v, return_lse=True)
+            # k/v may be strided views of the fused projection (v always is): FlashInfer's
+            # prefill kernels take row and head strides, so no copy makes them dense.
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            o_TQD = None if out is None else out.view(t, self.num_q_heads, self.head_dim)
             if meta.has_prefix:
+                o, lse = meta.ragged.run(q, k, v, out=o_TQD, return_lse=True)
                 o_prefix, lse_prefix = meta.paged.run(q, paged_kv, return_lse=True)
-                o, _ = self._fi.merge_state(o, lse, o_prefix, lse_prefix)
-        elif meta.triton_bs:
+                self._fi.merge_state_in_place(o, lse, o_prefix, lse_prefix)
+            else:
+                o = meta.ragged.run(q, k, v, out=o_TQD)
+            return o.reshape(t, -1)
+        if meta.triton_bs:
             o = triton_decode_attention(q.view(t, self.num_q_heads, self.head_dim), *paged_kv,
                                         self._graph_indptr[: t + 1], self._graph_indices, self.scale)
         elif meta.decode is not None:
             o = meta.decode.run(q, paged_kv)
         else:
             o = meta.paged.run(q, paged_kv)
-        return o.reshape(t, -1)
+        return o.reshape(t, -1) if out is None else out.copy_(o.reshape(t, -1))

@@ -176,19 +176,21 @@ class TorchSDPABackend:
     # -- attention -----------------------------------------------------------------------------
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Any,
-        kv_stored: bool = False,
+        kv_stored: bool = False, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         t = q.shape[0]
         if t == 0:
-            return q.new_empty((0, self.num_q_heads * self.head_dim))
+            return q.new_empty((0, self.num_q_heads * self.head_dim)) if out is None else out
         if not kv_stored:  # a fused prologue (qk_norm_rope) has stored them already
             self.kv_cache.set_kv(layer_id, batch.out_cache_loc, k, v)
         meta = self.metadata
         if isinstance(meta, _DecodeMeta):
-            return self._decode(q, layer_id, meta)
-        if isinstance(meta, _ExtendMeta):
-            return self._extend(q, layer_id, meta)
-        raise RuntimeError(f"TorchSDPABackend: no metadata for a forward of {t} tokens")
+            o = self._decode(q, layer_id, meta)
+        elif isinstance(meta, _ExtendMeta):
+            o = self._extend(q, layer_id, meta)
+        else:
+            raise RuntimeError(f"TorchSDPABackend: no metadata for a forward of {t} tokens")
+        return o if out is None else out.copy_(o)
 
     def _decode(self, q_TQD: torch.Tensor, layer: int, meta: _DecodeMeta) -> torch.Tensor:
         b, hkv, d = meta.kv_indices_BW.shape[0], self.num_kv_heads, self.head_dim
