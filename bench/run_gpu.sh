@@ -30,6 +30,8 @@
 #   bash bench/run_gpu.sh sum1     # one GPU: expert kernel tests, DP 1 decode vs trees
 #   bash bench/run_gpu.sh align1   # one GPU: expert kernel tests, the alignment forms side by side, DP 1 decode and
 #                                  #   a 1x128 extend vs earlier trees, the extend profiled
+#   bash bench/run_gpu.sh extend7  # one GPU: attention/graph/model GPU tests, extend steps vs trees, the extend
+#                                  #   profiled with its host side
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -209,6 +211,13 @@ case "${1:-one}" in
       --batch-sizes ${COMPARE_BS:-1,8,64,256} --iters 30 --modes graph
     step extend_compare python bench/compare_trees.py --key shape $(bases) -- python bench/prefill.py --iters 5 --warmup 2 \
       --shapes 1x128 --modes graph
+    step extend_profile python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 --warmup 2
+    ;;
+  extend7)  # one GPU: attention/graph/model GPU tests, extend steps vs earlier trees, a 1x128 extend profiled
+    step gpu_tests timeout 300 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_model_gpu.py \
+      tests/test_graph_gpu.py tests/test_extend_graphs.py tests/test_flashinfer_backend.py
+    step extend_compare python bench/compare_trees.py --key shape $(bases) -- python bench/prefill.py --iters 7 \
+      --warmup 2 --shapes ${EXTEND_SHAPES:-1x128,8x16,1x256} --modes graph
     step extend_profile python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 --warmup 2
     ;;
   sum1)  # one GPU: the expert kernels' tests, DP 1 decode vs earlier trees
