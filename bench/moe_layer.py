@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
 import datetime
+import itertools
 import os
 import statistics
 import subprocess
@@ -89,7 +90,14 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--flashinfer", action="store_true", help="also time flashinfer's cutlass_fused_moe")
     p.add_argument("--tune", action="store_true", help="sweep Triton tile configs per row, print the best")
     p.add_argument("--split", action="store_true", help="print the Triton path's time per kernel per row")
+    p.add_argument("--touched", type=int, default=None,
+                   help="route each layer's tokens among this many random experts only (a prompt's tokens "
+                        "share experts: a 128-token extend of the random preset touches ~30 of 128)")
+    p.add_argument("--extend", action="store_true",
+                   help="the rows are prompt tokens: the Triton path takes its extend tiles (tile_config extend=True)")
     args = p.parse_args()
+    if args.touched is not None and not args.top_k <= args.touched <= args.experts:
+        p.error(f"--touched {args.touched}: must be in [--top-k {args.top_k}, --experts {args.experts}]")
     for ep in args.ep:
         if ep < 1 or args.experts % ep:
             p.error(f"--ep {ep}: must divide --experts {args.experts}")
@@ -109,6 +117,9 @@ def _layer(args, experts, w31, layer: int, num_tokens: int, ep: int) -> Layer:
     g = torch.Generator(device=device).manual_seed(1000 * layer + num_tokens)
     x = torch.randn(num_tokens, args.hidden, generator=g, device=device).bfloat16()
     logits = torch.randn(num_tokens, args.experts, generator=g, device=device)
+    if args.touched is not None:  # the same random subset for every token of the layer
+        keep = torch.randperm(args.experts, generator=g, device=device)[: args.touched]
+        logits = torch.full_like(logits, float("-inf")).index_copy_(1, keep, logits[:, keep])
     weights, ids = softmax_topk(logits, args.top_k, renormalize=True)
     num_local = args.experts // ep
     local_ids = torch.where(ids < num_local, ids, -1)
@@ -159,7 +170,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
 
 
-def _paths(layers: list[Layer], ep: int, outs) -> dict[str, Callable[[], None]]:
+def _paths(layers: list[Layer], ep: int, outs, extend: bool = False) -> dict[str, Callable[[], None]]:
     """Path name -> a call running every layer into that path's output buffers."""
     grouped = grouped_mm_supported(layers[0].x.device, layers[0].x.dtype)
 
@@ -185,7 +196,7 @@ def _paths(layers: list[Layer], ep: int, outs) -> dict[str, Callable[[], None]]:
                 try:
                     for layer, out in zip(layers, outs[name], strict=True):
                         fused_local_expert_sum(layer.x, layer.local_ids, layer.weights, layer.w13, layer.w2,
-                                               out_ND=out)
+                                               out_ND=out, extend=extend)
                 finally:
                     moe_align.PARALLEL_PICKS = saved
             return run
@@ -224,7 +235,7 @@ def _tune(args, layers: list[Layer], baseline_us: float) -> str:
     from dp_runtime.model.fused_moe_triton import MoeTileConfig, fused_local_expert_sum
 
     n = layers[0].x.shape[0]
-    rows = max(1.0, n * args.top_k / args.experts)  # mean rows an expert gets
+    rows = max(1.0, n * args.top_k / (args.touched or args.experts))  # mean rows an expert gets
     block_ms = [m for m in (16, 32, 64, 128) if m == 16 or rows / 2 <= m <= 2 * rows]
     outs = [torch.empty_like(layer.x) for layer in layers]
     best: tuple[float, MoeTileConfig] | None = None
@@ -232,8 +243,8 @@ def _tune(args, layers: list[Layer], baseline_us: float) -> str:
     for m in block_ms:
         for bn in (64, 128, 256):
             for bk in (64, 128):
-                for stages in (2, 3, 4):
-                    cfg = MoeTileConfig(m, bn, bk, 8 if m >= 64 else 1, 4 if m * bn <= 64 * 128 else 8, stages)
+                for stages, warps in itertools.product((2, 3, 4), (4, 8)):
+                    cfg = MoeTileConfig(m, bn, bk, 8 if m >= 64 else 1, warps, stages)
 
                     def run(cfg=cfg):
                         for layer, out in zip(layers, outs, strict=True):
@@ -294,7 +305,7 @@ def main() -> None:
             layers = [_layer(args, experts[j], None if w31 is None else w31[j], j, n, ep) for j in range(args.layers)]
             floor_us = statistics.mean(_floor_bytes(args, layer) for layer in layers) / bw * 1e6
             outs = {name: [torch.empty_like(layer.x) for layer in layers] for name in names}
-            paths = _paths(layers, ep, outs)
+            paths = _paths(layers, ep, outs, args.extend)
             us, ops, checks = {}, {}, []
             for name, run in paths.items():
                 try:
