@@ -8,7 +8,7 @@ import torch
 
 from graph.attention_protocol import AttentionMetadataBackend
 
-__all__ = ["FLASHINFER_HEAD_DIMS", "AttentionBackend", "flashinfer_unsupported"]
+__all__ = ["FLASHINFER_HEAD_DIMS", "AttentionBackend", "flashinfer_unsupported", "import_flashinfer"]
 
 # FlashInfer builds its attention kernels for 16-bit K/V and these head dims only.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
@@ -38,3 +38,12 @@ def flashinfer_unsupported(device_type: str, dtype: torch.dtype, head_dim: int) 
     if head_dim not in FLASHINFER_HEAD_DIMS:
         reasons.append(f"head_dim {head_dim} is not one of {FLASHINFER_HEAD_DIMS}")
     return reasons
+
+
+def import_flashinfer() -> Any:
+    """The flashinfer module, or an ImportError saying which package provides it."""
+    try:
+        import flashinfer
+    except ImportError as e:
+        raise ImportError("FlashInferBackend needs flashinfer-python (pip install 'dp-runtime[gpu]')") from e
+    return flashinfer

@@ -1,9 +1,10 @@
 """Attention with FlashInfer over the paged KV cache (page size 1; CUDA only).
 
-Decode: ``BatchDecodeWithPagedKVCacheWrapper``. Extend (eager only): the ragged and/or paged
-prefill wrappers, as ``kv_layout.choose_kv_layout`` says (the ragged one on FA3 where sm90 has
-it and the step's new tokens come in long runs, ``LONG_EXTEND_TOKENS``); the layout is stored in
-``FlashInferMetadata`` and both the plans and the forward follow it.
+Decode: ``BatchDecodeWithPagedKVCacheWrapper``. Extend (eager, also between the extend graphs'
+pieces): the ragged and/or paged prefill wrappers, as ``kv_layout.choose_kv_layout`` says (the
+ragged one on FA3 where sm90 has it and the step's new tokens come in long runs,
+``LONG_EXTEND_TOKENS``); the layout is stored in ``FlashInferMetadata``, which plans and
+forward both follow.
 
 Two wrapper sets, never shared: eager (``init_forward_metadata``: decode, paged and ragged
 prefill on the eager workspace) and graphs (``init_capture``: one decode wrapper per bucket on a
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from dp_runtime.attention.backend import import_flashinfer
 from dp_runtime.attention.kv_indices import (
     build_kv_indices,
     extend_plan_inputs,
@@ -54,13 +56,6 @@ LONG_EXTEND_TOKENS = 256
 # 4+ KV heads per request there are enough (request, head) work items to fill the GPU, and
 # the split's merge kernel (a launch per layer, captured into every graph) goes away.
 NO_SPLIT_KV_BS = 64
-
-def _import_flashinfer() -> Any:
-    try:
-        import flashinfer
-    except ImportError as e:
-        raise ImportError("FlashInferBackend needs flashinfer-python (pip install 'dp-runtime[gpu]')") from e
-    return flashinfer
 
 
 @dataclass
@@ -119,7 +114,7 @@ class FlashInferBackend:
                 f"FlashInferBackend: cache has {kv_cache.num_kv_heads} KV heads of dim {kv_cache.head_dim}, "
                 f"backend was given {num_kv_heads} of dim {head_dim}"
             )
-        self._fi = flashinfer_module if flashinfer_module is not None else _import_flashinfer()
+        self._fi = flashinfer_module if flashinfer_module is not None else import_flashinfer()
         self.kv_cache = kv_cache
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
