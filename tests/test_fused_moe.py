@@ -311,3 +311,24 @@ def test_decode_picks_skip_the_alignment_and_match_the_aligned_path():
             fmt.UNALIGNED_PICKS = limit
         assert torch.equal(fast, aligned)
         _assert_within_bound(fast, x, ids_NK, weights, w13, w2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts", [(40, 41, 47, 48), (700, 701, 709, 720)], ids=["decode-tiles", "by-expert-alignment-past-512"])
+def test_gpu_one_build_serves_every_token_count_of_a_tile_config(counts):
+    # Within one tile config a new step size builds nothing (Triton would otherwise specialize
+    # a count argument on divisibility by 16 and build again inside that step).
+    ok, reason = fused_moe_supported(torch.device("cuda"), torch.bfloat16)
+    if not ok:
+        pytest.skip(reason)
+    from dp_runtime.model import fused_moe_triton, moe_align
+    from tests.support.triton_builds import compiled_variants
+
+    kernels = (moe_align._align_by_expert_kernel, fused_moe_triton._expert_gemm_kernel,
+               fused_moe_triton._sum_picks_kernel)
+    assert len({tile_config(n) for n in counts}) == 1
+    fused_local_expert_sum(*_real_layer(counts[0], 128))
+    built = [compiled_variants(k) for k in kernels]
+    for n in counts[1:]:
+        fused_local_expert_sum(*_real_layer(n, 128))
+    assert [compiled_variants(k) for k in kernels] == built

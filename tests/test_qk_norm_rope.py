@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from dp_runtime.model.layers import RotaryEmbedding
 from dp_runtime.model.model_config import YarnScaling
 from dp_runtime.model.qk_norm_rope import qk_norm_rope_store, qk_norm_rope_store_reference
+from tests.support.triton_builds import compiled_variants
 
 
 def _case(t, hq, hkv, d, *, dtype, device, norm=True, yarn=None, seed=0, strided=False):
@@ -92,3 +93,20 @@ def test_within_one_bf16_ulp_on_the_gpu(t, hq, hkv, d):
     _check("cuda", 1, t=t, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16)
     yarn = YarnScaling(factor=4.0, original_max_position_embeddings=16)
     _check("cuda", 1, t=t, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, yarn=yarn, strided=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts", [(3, 1, 16, 17), (1024, 1030, 1041, 2048)], ids=["one-token-programs", "token-blocks"])
+def test_one_build_serves_every_token_count(counts):
+    # Triton specializes an integer argument on == 1 and on divisibility by 16 unless told not
+    # to: a prompt whose length fell in a class no earlier step had would build the kernel again
+    # inside its own step (about a second of its time to first token).
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from dp_runtime.model.qk_norm_rope import _qk_norm_rope_store_kernel
+
+    _check("cuda", 1, t=counts[0], hq=32, hkv=4, d=128, dtype=torch.bfloat16)
+    built = compiled_variants(_qk_norm_rope_store_kernel)
+    for t in counts[1:]:
+        _check("cuda", 1, t=t, hq=32, hkv=4, d=128, dtype=torch.bfloat16)
+    assert compiled_variants(_qk_norm_rope_store_kernel) == built

@@ -35,7 +35,9 @@ except ImportError:  # CPU installs: the torch reference below serves
 
 if triton is not None:
 
-    @triton.jit
+    # num_tokens not specialized: Triton would otherwise build a variant per token-count class
+    # (== 1, a multiple of 16, other), and a prompt of an unseen class compiled in its TTFT.
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _qk_norm_rope_store_kernel(
         qkv_ptr, qkv_row_stride,
         q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, loc_ptr,
