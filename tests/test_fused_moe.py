@@ -314,19 +314,23 @@ def test_decode_picks_skip_the_alignment_and_match_the_aligned_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("counts", [(40, 41, 47, 48), (700, 701, 709, 720)], ids=["decode-tiles", "by-expert-alignment-past-512"])
+@pytest.mark.parametrize("counts", [(40, 41, 47, 48), (300, 301, 307, 320), (700, 701, 709, 720)],
+                         ids=["decode-tiles", "one-launch-alignment", "three-launch-alignment"])
 def test_gpu_one_build_serves_every_token_count_of_a_tile_config(counts):
-    # Within one tile config a new step size builds nothing (Triton would otherwise specialize
-    # a count argument on divisibility by 16 and build again inside that step).
+    # Within one tile config a new step size builds nothing: Triton specializes integer
+    # arguments on divisibility by 16 and pointers on 16-byte alignment, and would otherwise
+    # build again inside the step of a new size (a second of its prompt's time to first token).
     ok, reason = fused_moe_supported(torch.device("cuda"), torch.bfloat16)
     if not ok:
         pytest.skip(reason)
     from dp_runtime.model import fused_moe_triton, moe_align
     from tests.support.triton_builds import compiled_variants
 
-    kernels = (moe_align._align_by_expert_kernel, fused_moe_triton._expert_gemm_kernel,
+    kernels = (moe_align._align_by_expert_kernel, moe_align._chunk_counts_kernel, moe_align._chunk_offsets_kernel,
+               moe_align._chunk_scatter_kernel, fused_moe_triton._expert_gemm_kernel,
                fused_moe_triton._sum_picks_kernel)
     assert len({tile_config(n) for n in counts}) == 1
+    assert len({n * REAL["top_k"] > moe_align.PARALLEL_PICKS for n in counts}) == 1
     fused_local_expert_sum(*_real_layer(counts[0], 128))
     built = [compiled_variants(k) for k in kernels]
     for n in counts[1:]:

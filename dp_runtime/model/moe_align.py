@@ -250,10 +250,13 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int) -> tuple[torc
     per_prog = triton.cdiv(chunks, MAX_PROGRAMS) * chunk
     progs = triton.cdiv(num_picks, per_prog)
     # One int32 workspace for the outputs (and the parallel form's tables): one allocation.
+    # Every part starts 16 bytes in (4 int32): Triton specializes pointers on 16-byte
+    # alignment, and a part whose alignment moved with P would build the kernels again.
     extra = (progs + 2) * block_e if parallel else 0
-    align_ws = torch.empty(slots + blocks + 1 + extra, dtype=torch.int32, device=ids_P.device)
+    rows_at = slots + triton.cdiv(blocks, 4) * 4
+    align_ws = torch.empty(rows_at + 4 + extra, dtype=torch.int32, device=ids_P.device)
     sorted_R, block_expert = align_ws[:slots], align_ws[slots : slots + blocks]
-    num_rows, tables = align_ws[slots + blocks : slots + blocks + 1], align_ws[slots + blocks + 1 :]
+    num_rows, tables = align_ws[rows_at : rows_at + 1], align_ws[rows_at + 4 :]
     if not parallel:
         # One chunk size for every P: no recompile per step size (masked lanes cost little).
         _align_by_expert_kernel[(num_local,)](
