@@ -32,6 +32,8 @@
 #                                  #   a 1x128 extend vs earlier trees, the extend profiled
 #   bash bench/run_gpu.sh extend7  # one GPU: attention/graph/model GPU tests, extend steps vs trees, the extend
 #                                  #   profiled with its host side
+#   bash bench/run_gpu.sh ttft7    # one GPU: build-count GPU tests, serve_load at rates 4 and 16 (the first
+#                                  #   rate's TTFT p99 shows a kernel built inside a step)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -219,6 +221,12 @@ case "${1:-one}" in
     step extend_compare python bench/compare_trees.py --key shape $(bases) -- python bench/prefill.py --iters 7 \
       --warmup 2 --shapes ${EXTEND_SHAPES:-1x128,8x16,1x256} --modes graph
     step extend_profile python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 --warmup 2
+    ;;
+  ttft7)  # one GPU: the build-count tests, serve_load at DP 1 at two rates
+    step gpu_tests timeout 200 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_qk_norm_rope.py \
+      tests/test_fused_moe.py
+    step serve_load_1 timeout 330 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates 4,16 \
+      --num-requests 64 --max-running-requests 64
     ;;
   sum1)  # one GPU: the expert kernels' tests, DP 1 decode vs earlier trees
     step gpu_tests timeout 200 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_fused_moe.py
