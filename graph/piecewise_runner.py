@@ -268,9 +268,8 @@ class PiecewiseRunner:
         live = self.registry.view(batch, raw_bs, raw_n)
         self.backend.init_forward_metadata(live)
 
-        def attend(q, k, v, layer_id, kv_stored, out=None) -> torch.Tensor:
-            return self.backend.forward(q[:raw_n], k[:raw_n], v[:raw_n], layer_id, live, kv_stored=kv_stored,
-                                        out=out)
+        def attend(q, k, v, layer_id, kv_stored, out) -> None:  # the live rows' attention, into out
+            self.backend.forward(q[:raw_n], k[:raw_n], v[:raw_n], layer_id, live, kv_stored=kv_stored, out=out)
 
         if b.graphs:
             # The pieces' tensors were made in inference mode (the capture): writes to them too.
