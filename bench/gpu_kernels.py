@@ -24,6 +24,43 @@ def busy_us(events: list) -> float:
     return busy
 
 
+def idle_gaps(events: list, t0_us: float, t1_us: float, small_us: float = 4.0,
+              near: tuple[str, ...] = ("Prefill", "prefill", "attention", "Attention")) -> dict:
+    """Where the GPU idled inside ``[t0_us, t1_us]`` (the profiler's clock): ``lead`` before its
+    first activity, ``tail`` after its last, and the gaps between activities, split into
+    ``small`` ones (under ``small_us``: the spacing of a graph's kernels) and larger ones,
+    of which ``near`` counts those next to a kernel whose name contains one of ``near`` (the
+    eager attention between extend pieces)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    out = dict(lead=0.0, tail=0.0, small_n=0, small_us=0.0, large_n=0, large_us=0.0, near_n=0, near_us=0.0)
+    if not spans:
+        return out
+    out["lead"] = max(0.0, spans[0][0] - t0_us)
+    end, prev = spans[0][1], spans[0][2]
+    for a, b, name in spans[1:]:
+        gap = a - end
+        if gap > 0:
+            if gap < small_us:
+                out["small_n"] += 1
+                out["small_us"] += gap
+            else:
+                out["large_n"] += 1
+                out["large_us"] += gap
+                if any(k in prev or k in name for k in near):
+                    out["near_n"] += 1
+                    out["near_us"] += gap
+        if b > end:
+            end, prev = b, name
+    out["tail"] = max(0.0, t1_us - end)
+    return out
+
+
+def print_gaps(g: dict) -> None:
+    print(f"GPU idle: lead {g['lead']:.0f} us, tail {g['tail']:.0f} us, {g['small_n']} small gaps "
+          f"{g['small_us']:.0f} us, {g['large_n']} larger gaps {g['large_us']:.0f} us (next to attention: "
+          f"{g['near_n']}, {g['near_us']:.0f} us)")
+
+
 def top_kernels(events: list, n: int = 12) -> list[tuple[str, int, float]]:
     """``(name, launches, total us)`` of the ``n`` names with the most GPU time."""
     by_name: dict[str, list[float]] = {}

@@ -167,7 +167,14 @@ def profiled_prefill(worker: RankWorker, b: int, n: int, rank: int) -> dict:
     experts a step of that shape touches per layer."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.gpu_kernels import busy_us, gpu_events, host_ops, python_functions, top_kernels
+    from bench.gpu_kernels import (
+        busy_us,
+        gpu_events,
+        host_ops,
+        idle_gaps,
+        python_functions,
+        top_kernels,
+    )
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -175,9 +182,11 @@ def profiled_prefill(worker: RankWorker, b: int, n: int, rank: int) -> dict:
         timed_prefill(worker, b, n, 1, rank, "prof")
         wall_us = (time.perf_counter() - t0) * 1e6
     events = gpu_events(prof)
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    gaps = idle_gaps(events, min(e.time_range.start for e in cpu), max(e.time_range.end for e in cpu))
     py_funcs = python_functions(lambda: timed_prefill(worker, b, n, 1, rank, "cprof"))
     return dict(shape=f"{b}x{n}", mode="graph" if worker.graph_enabled else "eager", wall_us=wall_us,
-                gpu_busy_us=busy_us(events), activities=len(events), top=top_kernels(events, 15),
+                gpu_busy_us=busy_us(events), activities=len(events), gaps=gaps, top=top_kernels(events, 15),
                 cpu_ops=host_ops(prof), py_funcs=py_funcs, experts_per_layer=experts_touched(worker, b, n, rank))
 
 
@@ -258,11 +267,12 @@ def print_table(report: dict) -> None:
               f"{r['tflop_s_per_gpu']:>12.3g} {mfu:>7} {r['attention_flops_pct']:>10.1f}%")
     prof = report.get("profile")
     if prof:
-        from bench.gpu_kernels import print_host, print_top
+        from bench.gpu_kernels import print_gaps, print_host, print_top
 
         print(f"profile of one {prof['shape']} {prof['mode']} step (rank 0): {prof['activities']} GPU activities, "
               f"GPU busy {prof['gpu_busy_us'] / 1e3:.1f} ms of {prof['wall_us'] / 1e3:.1f} ms; "
               f"{prof['experts_per_layer']:.1f} local experts touched per MoE layer")
+        print_gaps(prof["gaps"])
         print_top(prof["top"])
         print_host(prof["cpu_ops"], prof["py_funcs"])
 

@@ -34,6 +34,8 @@
 #                                  #   profiled with its host side
 #   bash bench/run_gpu.sh ttft7    # one GPU: build-count GPU tests, serve_load at rates 4 and 16 (the first
 #                                  #   rate's TTFT p99 shows a kernel built inside a step)
+#   bash bench/run_gpu.sh kern8    # one GPU: narrow GEMM and expert tests, projections vs cuBLAS, tile sweeps
+#   bash bench/run_gpu.sh gaps8    # one GPU: where a 1x128 extend and a bs-1 decode step idle the GPU
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -214,6 +216,17 @@ case "${1:-one}" in
     step extend_compare python bench/compare_trees.py --key shape $(bases) -- python bench/prefill.py --iters 5 --warmup 2 \
       --shapes 1x128 --modes graph
     step extend_profile python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 --warmup 2
+    ;;
+  kern8)  # one GPU: narrow GEMM and expert kernel tests, the projections against cuBLAS, the tile sweeps
+    step kernel_tests timeout 240 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_narrow_gemm.py \
+      tests/test_fused_moe.py
+    step linear timeout 330 python bench/skinny_linear.py --rows 8 16 32 64 128 256 --tune-narrow ${TUNE_ROWS:-64 128}
+    step moe_tune timeout 300 python bench/moe_layer.py --tokens 128 --touched 30 --extend --tune --split --ep 1
+    ;;
+  gaps8)  # one GPU: where a graphed 1x128 extend and a bs-1 decode step leave the GPU idle
+    step extend_profile timeout 420 python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 --warmup 2
+    step decode_profile timeout 150 python bench/serve_step.py --batch-sizes 1 --iters 10 --warmup 3 --modes graph \
+      --profile
     ;;
   extend7)  # one GPU: attention/graph/model GPU tests, extend steps vs earlier trees, a 1x128 extend profiled
     step gpu_tests timeout 300 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_model_gpu.py \

@@ -39,6 +39,8 @@ from bench.gpu_kernels import (
     busy_us,
     gpu_events,
     host_ops,
+    idle_gaps,
+    print_gaps,
     print_host,
     print_top,
     python_functions,
@@ -142,11 +144,13 @@ def kernel_census(worker: RankWorker, bs: int, args, rank: int) -> dict:
     worker.pop_finished()
     gpu = gpu_events(prof)
     busy = busy_us(gpu)
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    gaps = idle_gaps(gpu, min(e.time_range.start for e in cpu), max(e.time_range.end for e in cpu))
     layers = worker.model_config.num_layers
     return dict(bs=bs, layers=layers, activities=len(gpu), per_layer=len(gpu) / layers,
                 memcpy=sum(1 for e in gpu if "memcpy" in e.name.lower() or "memset" in e.name.lower()),
                 gpu_busy_us=busy, wall_us=wall_us, host_us=max(0.0, wall_us - busy),
-                top=top_kernels(gpu), cpu_ops=cpu_ops, py_funcs=py_funcs)
+                top=top_kernels(gpu), cpu_ops=cpu_ops, py_funcs=py_funcs, gaps=gaps)
 
 
 def print_census(c: dict) -> None:
@@ -154,6 +158,7 @@ def print_census(c: dict) -> None:
           f"({c['memcpy']} copies/memsets) = {c['per_layer']:.1f} per layer over {c['layers']} layers; "
           f"GPU busy {c['gpu_busy_us'] / 1e3:.2f} ms of a {c['wall_us'] / 1e3:.2f} ms step; host "
           f"{c['host_us'] / 1e3:.2f} ms = {100 * c['host_us'] / max(c['gpu_busy_us'], 1):.1f}% of GPU time")
+    print_gaps(c["gaps"])
     print_top(c["top"])
     print_host(c["cpu_ops"], c["py_funcs"])
 

@@ -127,6 +127,18 @@ def test_uneven_shapes_and_small_tiles():
     _assert_close_to_reference(out, local_expert_sum(x, ids, weights, w13, w2, use_grouped_mm=False))
 
 
+def test_second_gemm_on_its_own_tiles():
+    # config2 gives the second GEMM other column and contraction tiles over the same blocks; a
+    # block_m that differs from the first GEMM's would read blocks laid out for another size.
+    x, ids, weights, w13, w2 = _layer(8, 4, 80, 48, 33, 4, DEVICE, seed=2)
+    cfg = MoeTileConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
+    cfg2 = MoeTileConfig(block_m=16, block_n=64, block_k=16, group_m=1, num_warps=4, num_stages=2)
+    out = fused_local_expert_sum(x, ids, weights, w13, w2, config=cfg, config2=cfg2)
+    _assert_within_bound(out, x, ids, weights, w13, w2)
+    with pytest.raises(ValueError, match=r"config2.block_m=32 must equal the first GEMM's block_m=16"):
+        fused_local_expert_sum(x, ids, weights, w13, w2, config=cfg, config2=MoeTileConfig(32, 64, 16, 1, 4, 2))
+
+
 def test_no_rows_launches_nothing_and_returns_out():
     x, ids, weights, w13, w2 = _layer(8, 2, 64, 32, 0, 4, DEVICE)
     out = torch.empty(0, 64, dtype=torch.bfloat16, device=DEVICE)

@@ -250,6 +250,7 @@ def fused_local_expert_sum(
     out_ND: torch.Tensor | None = None,
     config: MoeTileConfig | None = None,
     extend: bool = False,
+    config2: MoeTileConfig | None = None,
 ) -> torch.Tensor:
     """``sum_k w[n, k] * expert_{id[n, k]}(x[n])`` over the picks this rank serves: the contract
     of ``experts.local_expert_sum`` in four Triton launches.
@@ -258,8 +259,10 @@ def fused_local_expert_sum(
     where a pick is another rank's or the row is padding: it adds nothing and is never
     computed), routing weights ``weights_NK`` (N, K, fp32), the local experts' ``w13_L2IH``
     (gate rows [0, I), up rows [I, 2I)) and ``w2_LHI``. Writes ``out_ND`` when given (else a
-    new tensor) in x's dtype and returns it. ``config`` overrides ``tile_config(N, extend)``. N = 0
-    launches nothing. No host sync: capturable in a CUDA graph.
+    new tensor) in x's dtype and returns it. ``config`` overrides ``tile_config(N, extend)``;
+    ``config2`` (same ``block_m``: the blocks are shared) gives the second GEMM its own tiles
+    (the tuning benchmark's sweep). N = 0 launches nothing. No host sync: capturable in a CUDA
+    graph.
     """
     _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND)
     n, hidden = x_ND.shape
@@ -271,6 +274,9 @@ def fused_local_expert_sum(
     if num_picks == 0:
         return out_ND.zero_()  # K = 0 sums nothing; N = 0 has no element to write
     cfg = config or tile_config(n, extend)
+    cfg2 = config2 or cfg
+    if cfg2.block_m != cfg.block_m:
+        raise ValueError(f"config2.block_m={cfg2.block_m} must equal the first GEMM's block_m={cfg.block_m}")
     if x_ND.stride(1) != 1:
         x_ND = x_ND.contiguous()
     ids_P = local_ids_NK.contiguous().view(-1)
@@ -295,14 +301,14 @@ def fused_local_expert_sum(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     y_PH = x_ND.new_empty((num_picks, hidden))
-    _expert_gemm_kernel[(blocks * triton.cdiv(hidden, cfg.block_n),)](
+    _expert_gemm_kernel[(blocks * triton.cdiv(hidden, cfg2.block_n),)](
         act_PI, act_PI.stride(0),
         w2_LHI, w2_LHI.stride(0), w2_LHI.stride(1), w2_LHI.stride(2),
         y_PH, y_PH.stride(0),
         weights_P, sorted_R, block_expert, num_rows, num_picks, blocks, num_local, hidden, inter,
-        A_ROW_DIV=1, GATED=False, EVEN_K=inter % cfg.block_k == 0, UPCAST_DOT=upcast,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        A_ROW_DIV=1, GATED=False, EVEN_K=inter % cfg2.block_k == 0, UPCAST_DOT=upcast,
+        BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
+        num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
     )
     block_h = min(triton.next_power_of_2(hidden), 1024)
     _sum_picks_kernel[(n, triton.cdiv(hidden, block_h))](
