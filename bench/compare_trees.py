@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--base", required=True, type=Path, action="append", help="an earlier commit's tree")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--key", default="bs,mode")
-    p.add_argument("--metric", default="step_ms")
+    p.add_argument("--metric", default="step_ms", help="time column(s), comma-separated: one table each")
     p.add_argument("--json-out", type=Path)
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     a = p.parse_args()
@@ -60,16 +60,18 @@ def main() -> None:
         head = head.splitlines()[0] if isinstance(head, str) else ", ".join(f"{k} {v}" for k, v in head.items())
         print(f"{t.name or 'this tree'}: {head}")
     names = [t.name for t in trees]
-    print(" ".join(f"{k:>6}" for k in keys) + "".join(f" {n[:14]:>14} {'ratio':>6}" for n in names))
     by_tree = [{tuple(r[k] for k in keys): r for r in doc["rows"]} for doc in docs]
     table = []
-    for key in by_tree[-1]:
-        if not all(key in rows for rows in by_tree):
-            continue
-        vals = [rows[key][a.metric] for rows in by_tree]
-        cells = "".join(f" {v:>14.3f} {'' if i == 0 else f'{v / vals[i - 1]:.3f}':>6}" for i, v in enumerate(vals))
-        print(" ".join(f"{v!s:>6}" for v in key) + cells)
-        table.append(dict(zip(keys, key, strict=True), values=vals))
+    for metric in a.metric.split(","):
+        print(f"{metric}:")
+        print(" ".join(f"{k:>6}" for k in keys) + "".join(f" {n[:14]:>14} {'ratio':>6}" for n in names))
+        for key in by_tree[-1]:
+            if not all(key in rows for rows in by_tree):
+                continue
+            vals = [rows[key][metric] for rows in by_tree]
+            cells = "".join(f" {v:>14.3f} {'' if i == 0 else f'{v / vals[i - 1]:.3f}':>6}" for i, v in enumerate(vals))
+            print(" ".join(f"{v!s:>6}" for v in key) + cells)
+            table.append(dict(zip(keys, key, strict=True), metric=metric, values=vals))
     for name, doc in zip(names, docs, strict=True):
         census = doc.get("census") or []
         for c in [census] if isinstance(census, dict) else census:  # one dict in older trees

@@ -166,6 +166,24 @@ def _kernel_split(run: Callable[[], None], calls: int) -> str:
     return " ".join(f"{k} {v:.1f}" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
 
 
+def _occupancy() -> str:
+    """Registers, spills and shared memory of each built expert-GEMM variant, and the programs
+    of it an SM can hold at once (65,536 registers, 227 KB of shared memory on sm90): a
+    streaming kernel wants several in flight per SM."""
+    from dp_runtime.model.fused_moe_triton import _expert_gemm_kernel
+
+    out = []
+    for cache in _expert_gemm_kernel.device_caches.get(torch.cuda.current_device(), ({},))[:1]:
+        for i, kernel in enumerate(cache.values()):
+            md = kernel.metadata
+            threads = 32 * md.num_warps
+            by_regs = 65536 // max(1, kernel.n_regs * threads)
+            by_smem = (227 * 1024) // max(1, md.shared)
+            out.append(f"variant {i} (built in call order: GEMM1 first) warps {md.num_warps} stages {md.num_stages}: {kernel.n_regs} regs, "
+                       f"{kernel.n_spills} spills, {md.shared} B shared -> {min(by_regs, by_smem)} per SM")
+    return "; ".join(out)
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
 
@@ -354,6 +372,7 @@ def main() -> None:
             print("# " + "  ".join(f"{h}={c}" for h, c in zip(head, row, strict=True)), flush=True)
             if args.split and "triton" in paths:
                 split_lines.append(f"ep {ep} tokens {n}: " + _kernel_split(paths["triton"], args.layers))
+                split_lines.append(f"ep {ep} tokens {n} occupancy: " + _occupancy())
             if args.tune and "triton" in us:
                 tune_lines.append(f"ep {ep} tokens {n}: " + _tune(args, layers, us["triton"]))
             del layers, outs, paths

@@ -15,7 +15,8 @@ the host waits for the tokens), which finishes them all, since the prefill budge
 them is an error, not a row.
 
 Columns: step ms (median; the slowest rank's), host ms (median time until ``step()`` returned,
-every launch made: near step ms, the host bounds the step), tokens/s over every rank, tokens/s per GPU,
+every launch made: near step ms, the host bounds the step), stream ms (``--stream``: median
+time per step of back-to-back extend steps, overlapped as serving runs them), tokens/s over every rank, tokens/s per GPU,
 TFLOP/s per GPU, and MFU: the step's FLOPs on one rank (``dp_runtime.model.flops``: projections,
 causal attention counted per position, router, the top-k experts' GEMMs, LM head on the sampled
 rows) over the step time and the GPU's dense bf16 peak (``launch.gpu_specs``; ``--peak-tflops``
@@ -85,6 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default="eager",
                    help="graph,eager: each shape with extend graphs (token buckets up to "
                         "cuda_graph_extend_tokens; larger steps stay eager) and without, side by side")
+    p.add_argument("--stream", action="store_true",
+                   help="also time each shape as a stream of back-to-back extend steps (overlapped, as serving "
+                        "runs them and serve_step.py times decode): column stream ms; twice the running requests")
     p.add_argument("--profile", action="store_true",
                    help="the top GPU kernels of one more step of the first shape and mode (torch profiler), "
                         "and the experts such a step touches per layer")
@@ -107,11 +111,14 @@ def build_spec(args: argparse.Namespace, world: int) -> RankSpec:
         overrides["max_position_embeddings"] = longest + 1  # random weights: only the RoPE table grows
     budget = max(b * n for b, n in args.shapes)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device == "cuda" else "float32")
+    # --stream: the step before's prompts still run (their tokens unread) when the next ones are
+    # admitted, so twice the requests and their KV must fit.
+    inflight = 2 if args.stream else 1
     return RankSpec.create(
         args.model, model_overrides=overrides or None, dp_size=world, device=args.device, dtype=dtype,
-        max_running_requests=max(b for b, _ in args.shapes), chunked_prefill_size=budget,
+        max_running_requests=inflight * max(b for b, _ in args.shapes), chunked_prefill_size=budget,
         dispatcher=args.dispatcher, attention=args.attention, max_context_len=longest + 1,
-        kv_cache_tokens=budget + longest,
+        kv_cache_tokens=inflight * budget + longest,
     )
 
 
@@ -136,6 +143,33 @@ def timed_prefill(worker: RankWorker, b: int, n: int, iters: int, rank: int, tag
         if not plan.is_extend or len(done) != b or worker.has_work:
             raise RuntimeError(f"shape {b}x{n}: one step finished {len(done)} of {b} prompts (is the prefill "
                                f"budget {worker.spec.runtime.chunked_prefill_size} below {b * n}?)")
+    return times
+
+
+def streamed_prefill(worker: RankWorker, b: int, n: int, iters: int, rank: int, tag: str) -> list[float]:
+    """Seconds per step of ``iters`` extend steps run back to back as a serving loop runs them:
+    ``b`` new prompts of ``n`` tokens submitted before each step, and each ``step()`` launches
+    its forward before it reads the step before's tokens (overlap), so a step's host work runs
+    while the GPU still works on the step before. A step's time is from one ``step()``'s return
+    to the next's (the submit included). serve_step.py times decode steps the same way, so the
+    two compare; the first step, with nothing before it to hide behind, is not counted."""
+    vocab = worker.model_config.vocab_size
+    g = torch.Generator().manual_seed(7000 * b + n)
+    times, last = [], None
+    for i in range(iters + 1):
+        worker.submit([Request(f"{tag}{b}x{n}-{i}-{rank}-{j}", torch.randint(0, vocab, (n,), generator=g).tolist(),
+                               SamplingParams(max_new_tokens=1)) for j in range(b)])
+        plan = worker.step()
+        now = time.perf_counter()
+        if not plan.is_extend:
+            raise RuntimeError(f"shape {b}x{n}: streamed step {i} was not an extend step")
+        if last is not None:
+            times.append(now - last)
+        last = now
+    worker.wait_tokens()
+    done = worker.pop_finished()
+    if len(done) != b * (iters + 1) or worker.has_work:
+        raise RuntimeError(f"shape {b}x{n}: {iters + 1} streamed steps finished {len(done)} of {b * (iters + 1)} prompts")
     return times
 
 
@@ -214,17 +248,22 @@ def run(args: argparse.Namespace) -> dict | None:
                     timed_prefill(worker, b, n, args.warmup, rank, "warm")
                 host: list[float] = []
                 ms = statistics.median(timed_prefill(worker, b, n, args.iters, rank, "t", host)) * 1e3
+                stream_ms = None
+                if args.stream:
+                    stream_ms = statistics.median(streamed_prefill(worker, b, n, args.iters, rank, "s")) * 1e3
                 graphed = worker.metrics()["extend_graph_steps"] - before
                 rows.append(dict(shape=f"{b}x{n}", mode=mode if graphed else "eager", prompts=b, prompt_len=n,
-                                 step_ms=ms, host_ms=statistics.median(host) * 1e3))
+                                 step_ms=ms, host_ms=statistics.median(host) * 1e3, stream_ms=stream_ms))
                 if args.profile and profile is None and args.device == "cuda":  # the first shape and mode
                     profile = profiled_prefill(worker, b, n, rank)
             m = worker.metrics()
         if world > 1:
             every = [None] * world
-            dist.all_gather_object(every, [r["step_ms"] for r in rows])
+            dist.all_gather_object(every, [(r["step_ms"], r["stream_ms"]) for r in rows])
             for i, r in enumerate(rows):
-                r["step_ms"] = max(ms[i] for ms in every)  # ranks step together; the slowest bounds
+                r["step_ms"] = max(ms[i][0] for ms in every)  # ranks step together; the slowest bounds
+                if r["stream_ms"] is not None:
+                    r["stream_ms"] = max(ms[i][1] for ms in every)
     finally:
         if own_group:
             process_group.destroy_process_group()
@@ -258,11 +297,12 @@ def print_table(report: dict) -> None:
     print(f"date {h['date']}  {h['device']} x{h['world_size']}  commit {h['commit']}\ncommand: {h['command']}\n"
           f"model {h['model']}{layers} {h['dtype']}, random weights; dispatcher {h['dispatcher']}, attention "
           f"{h['attention']}; {peak}; median of {h['iters']}; build {h['build_s']:.0f} s")
-    print(f"{'shape':>8} {'mode':>6} {'step ms':>9} {'host ms':>8} {'tok/s':>10} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>12} "
-          f"{'MFU':>7} {'attn FLOPs':>11}")
+    print(f"{'shape':>8} {'mode':>6} {'step ms':>9} {'host ms':>8} {'stream ms':>10} {'tok/s':>10} {'tok/s/GPU':>10} "
+          f"{'TFLOP/s/GPU':>12} {'MFU':>7} {'attn FLOPs':>11}")
     for r in report["rows"]:
         mfu = "-" if r["mfu_pct"] is None else f"{r['mfu_pct']:.1f}%"
-        print(f"{r['shape']:>8} {r['mode']:>6} {r['step_ms']:>9.2f} {r['host_ms']:>8.2f} {r['tok_s']:>10.0f} "
+        stream = "-" if r.get("stream_ms") is None else f"{r['stream_ms']:.2f}"
+        print(f"{r['shape']:>8} {r['mode']:>6} {r['step_ms']:>9.2f} {r['host_ms']:>8.2f} {stream:>10} {r['tok_s']:>10.0f} "
               f"{r['tok_s_per_gpu']:>10.0f} "
               f"{r['tflop_s_per_gpu']:>12.3g} {mfu:>7} {r['attention_flops_pct']:>10.1f}%")
     prof = report.get("profile")

@@ -36,6 +36,10 @@
 #                                  #   rate's TTFT p99 shows a kernel built inside a step)
 #   bash bench/run_gpu.sh kern8    # one GPU: narrow GEMM and expert tests, projections vs cuBLAS, tile sweeps
 #   bash bench/run_gpu.sh gaps8    # one GPU: where a 1x128 extend and a bs-1 decode step idle the GPU
+#   bash bench/run_gpu.sh kern8b   # one GPU: expert/narrow kernel tests, narrow GEMM sweep with small row blocks,
+#                                  #   the expert path split with occupancy
+#   bash bench/run_gpu.sh step8    # one GPU: extend steps (single and streamed) and decode vs earlier trees, run
+#                                  #   with this tree's bench/ scripts in every tree
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -222,6 +226,20 @@ case "${1:-one}" in
       tests/test_fused_moe.py
     step linear timeout 330 python bench/skinny_linear.py --rows 8 16 32 64 128 256 --tune-narrow ${TUNE_ROWS:-64 128}
     step moe_tune timeout 300 python bench/moe_layer.py --tokens 128 --touched 30 --extend --tune --split --ep 1
+    ;;
+  kern8b)  # one GPU: expert and narrow kernel tests, narrow GEMM sweep with small row blocks, expert split
+    step kernel_tests timeout 240 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_narrow_gemm.py \
+      tests/test_fused_moe.py
+    step moe_split timeout 120 python bench/moe_layer.py --tokens 1 64 128 256 --touched 30 --extend --split --ep 1
+    step linear timeout 360 python bench/skinny_linear.py --rows 8 64 128 --tune-narrow ${TUNE_ROWS:-8 64 128}
+    ;;
+  step8)  # one GPU: extend steps, single and streamed, and DP 1 decode against earlier trees (this tree's bench/)
+    bases > /tmp/base_flags
+    for d in /tmp/bases/*/; do cp bench/*.py "$d/bench/"; done  # the same harness in every tree
+    step extend_compare timeout 330 python bench/compare_trees.py --key shape --metric step_ms,stream_ms $(cat /tmp/base_flags) \
+      -- python bench/prefill.py --iters 9 --warmup 2 --shapes ${EXTEND_SHAPES:-1x128,1x256} --modes graph --stream
+    step decode_compare timeout 240 python bench/compare_trees.py $(cat /tmp/base_flags) -- python bench/serve_step.py \
+      --batch-sizes ${DECODE_BS:-1,64} --iters 20 --modes graph
     ;;
   gaps8)  # one GPU: where a graphed 1x128 extend and a bs-1 decode step leave the GPU idle
     step extend_profile timeout 420 python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 --warmup 2

@@ -100,10 +100,10 @@ def tune_narrow(args, device, bw: float) -> None:
         for m in args.tune_narrow:
             x = torch.randn(m, k, device=device).bfloat16()
             ref_us = calls_us(F.linear, x, ws, max(1, args.inner // 4), 3)
-            block_ms = sorted({min(64, max(16, triton.next_power_of_2(m))), min(128, max(16, triton.next_power_of_2(m)))})
+            block_ms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, triton.next_power_of_2(m))]
             results = []
-            for bm, bn, bk, warps, stages in itertools.product(block_ms, (16, 32, 64, 128), (64, 128, 256), (4, 8),
-                                                               (3, 4, 5)):
+            for bm, bn, bk, warps, stages in itertools.product(block_ms, (16, 32, 64, 128), (128, 256), (4, 8),
+                                                               (3, 4)):
                 if warps == 8 and bm * bn < 64 * 64:
                     continue  # too little work per warp
                 cfg = (bm, bn, bk, warps, stages)

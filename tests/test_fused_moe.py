@@ -36,6 +36,7 @@ from dp_runtime.model.fused_moe_triton import (
     MoeTileConfig,
     align_picks,
     fused_local_expert_sum,
+    gemm2_tile_config,
     max_blocks,
     tile_config,
 )
@@ -230,6 +231,10 @@ def test_extend_steps_of_65_to_1024_tokens_take_64_row_blocks_and_the_same_sums(
     # expert's ~34 rows instead of three of 16); decode sizes and large extends keep the rule.
     assert [tile_config(n, extend=True).block_m for n in (64, 65, 128, 1024)] == [tile_config(64).block_m, 64, 64, 64]
     assert tile_config(2048, extend=True) == tile_config(2048) and tile_config(128).block_m == 16
+    # Their second GEMM takes narrower column tiles on the same blocks; every other call one config.
+    assert gemm2_tile_config(128, extend=True).block_m == 64 and gemm2_tile_config(128, extend=True).block_n == 64
+    for n, ext in [(1, False), (128, False), (64, True), (2048, True)]:
+        assert gemm2_tile_config(n, ext) == tile_config(n, ext)
     x, ids, weights, w13, w2 = _layer(8, 8, 64, 32, 80, 8, DEVICE, seed=4)
     out = fused_local_expert_sum(x, ids, weights, w13, w2, extend=True)
     _assert_within_bound(out, x, ids, weights, w13, w2)

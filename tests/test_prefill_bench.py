@@ -78,6 +78,17 @@ def test_prefill_smoke_on_cpu(capsys):
         assert r["tok_s"] == pytest.approx(b * n / (r["step_ms"] / 1e3))
         assert r["tflops_per_rank"] == forward_flops(TINY, [(0, n)] * b).total / 1e12
         assert r["mfu_pct"] == pytest.approx(100 * r["tflop_s_per_gpu"] / 0.5)
+        assert r["stream_ms"] is None  # only with --stream
+
+
+def test_prefill_stream_times_back_to_back_extend_steps(capsys):
+    # Every streamed step must be an extend step of the shape and every prompt must finish
+    # (streamed_prefill raises otherwise); the rows carry the median step time.
+    code, out, _ = _prefill(capsys, "--shapes", "1x24,3x8", "--stream", "--json")
+    assert code == 0
+    rows = json.loads(out)["rows"]
+    assert [r["shape"] for r in rows] == ["1x24", "3x8"]
+    assert all(r["stream_ms"] > 0 for r in rows)
 
 
 def test_prefill_without_a_known_peak_reports_no_mfu_and_bad_shapes_are_one_line(capsys):
@@ -89,7 +100,7 @@ def test_prefill_without_a_known_peak_reports_no_mfu_and_bad_shapes_are_one_line
 
 @pytest.mark.dist
 def test_prefill_on_torchrun(dist_group, capsys):
-    code, out, _ = _prefill(capsys, "--shapes", "2x16", "--json")
+    code, out, _ = _prefill(capsys, "--shapes", "2x16", "--stream", "--json")
     assert code == 0
     if dist.get_rank() != 0:
         assert out == ""
@@ -98,3 +109,4 @@ def test_prefill_on_torchrun(dist_group, capsys):
     world = dist.get_world_size()
     assert json.loads(out)["header"]["world_size"] == world
     assert row["tok_s"] == pytest.approx(world * row["tok_s_per_gpu"])
+    assert row["stream_ms"] > 0
