@@ -34,10 +34,8 @@
 #                                  #   profiled with its host side
 #   bash bench/run_gpu.sh ttft7    # one GPU: build-count GPU tests, serve_load at rates 4 and 16 (the first
 #                                  #   rate's TTFT p99 shows a kernel built inside a step)
-#   bash bench/run_gpu.sh kern8    # one GPU: narrow GEMM and expert tests, projections vs cuBLAS, tile sweeps
+#   bash bench/run_gpu.sh kern8    # one GPU: expert kernel tests, the expert split with occupancy, the tile sweep
 #   bash bench/run_gpu.sh gaps8    # one GPU: where a 1x128 extend and a bs-1 decode step idle the GPU
-#   bash bench/run_gpu.sh kern8b   # one GPU: expert/narrow kernel tests, narrow GEMM sweep with small row blocks,
-#                                  #   the expert path split with occupancy
 #   bash bench/run_gpu.sh step8    # one GPU: extend steps (single and streamed) and decode vs earlier trees, run
 #                                  #   with this tree's bench/ scripts in every tree
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
@@ -221,17 +219,10 @@ case "${1:-one}" in
       --shapes 1x128 --modes graph
     step extend_profile python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 --warmup 2
     ;;
-  kern8)  # one GPU: narrow GEMM and expert kernel tests, the projections against cuBLAS, the tile sweeps
-    step kernel_tests timeout 240 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_narrow_gemm.py \
-      tests/test_fused_moe.py
-    step linear timeout 330 python bench/skinny_linear.py --rows 8 16 32 64 128 256 --tune-narrow ${TUNE_ROWS:-64 128}
-    step moe_tune timeout 300 python bench/moe_layer.py --tokens 128 --touched 30 --extend --tune --split --ep 1
-    ;;
-  kern8b)  # one GPU: expert and narrow kernel tests, narrow GEMM sweep with small row blocks, expert split
-    step kernel_tests timeout 240 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_narrow_gemm.py \
-      tests/test_fused_moe.py
+  kern8)  # one GPU: expert kernel tests, the expert path split (occupancy) and tile sweep for a prompt's routing
+    step kernel_tests timeout 240 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_fused_moe.py
     step moe_split timeout 120 python bench/moe_layer.py --tokens 1 64 128 256 --touched 30 --extend --split --ep 1
-    step linear timeout 360 python bench/skinny_linear.py --rows 8 64 128 --tune-narrow ${TUNE_ROWS:-8 64 128}
+    step moe_tune timeout 300 python bench/moe_layer.py --tokens 128 --touched 30 --extend --tune --ep 1
     ;;
   step8)  # one GPU: extend steps, single and streamed, and DP 1 decode against earlier trees (this tree's bench/)
     bases > /tmp/base_flags

@@ -1,11 +1,8 @@
-"""The attention block's projections and the router at decode batch sizes and short extends:
-F.linear (cuBLAS) against ``skinny_linear`` (M <= 4, dp_runtime/model/skinny_linear.py),
-``narrow_gemm`` (M <= 256, dp_runtime/model/narrow_gemm.py) and the weight's bytes floor.
+"""The attention block's projections at decode batch sizes: F.linear (cuBLAS) against
+``skinny_linear`` (dp_runtime/model/skinny_linear.py) and the weight's bytes floor.
 
-    python bench/skinny_linear.py                        # M 1 2 4 8 x qkv, o_proj, router; seconds
-    python bench/skinny_linear.py --rows 8 64 128 256    # narrow_gemm's range
-    python bench/skinny_linear.py --tune                 # + sweep skinny_linear's tiles at M 1 (minutes)
-    python bench/skinny_linear.py --tune-narrow 64 128   # + sweep narrow_gemm's tiles at these M
+    python bench/skinny_linear.py           # M 1 2 4 8 x qkv, o_proj, router; seconds
+    python bench/skinny_linear.py --tune    # + sweep the kernel's tiles at M 1 (minutes)
 
 Shapes (Qwen3-30B-A3B, bf16, random weights): qkv [5120, 2048], o_proj [2048, 4096], router
 [128, 2048]. M 8 is past SKINNY_MAX_ROWS: F.linear only, to show where cuBLAS stands there.
@@ -37,7 +34,6 @@ import torch.nn.functional as F
 import triton
 
 from bench.gpu_kernels import graph_us
-from dp_runtime.model.narrow_gemm import NARROW_MAX_ROWS, narrow_gemm, narrow_tiles
 from dp_runtime.model.skinny_linear import SKINNY_MAX_ROWS, _tiles, skinny_linear
 from launch.gpu_specs import measure_copy_bandwidth
 
@@ -64,19 +60,9 @@ def _rel_err(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _cells(fn: Callable, x: torch.Tensor, ws: list[torch.Tensor], args, nbytes: int, floor: float,
-           ref_us: float) -> str:
-    us = calls_us(fn, x, ws, args.inner, args.repeats)
-    err = _rel_err(fn(x, ws[0]), x, ws[0])
-    flag = " BAD" if err > 2.0**-7 else ""
-    return f"{us:>9.2f} {nbytes / us / 1e3:>6.0f} {100 * floor / us:>7.0f}% {ref_us / us:>7.2f}x {err:>6.1e}{flag}"
-
-
 def bench(args, device, bw: float) -> None:
-    kernel_head = f"{'us':>9} {'GB/s':>6} {'floor %':>8} {'speedup':>8} {'check':>10}"
-    print(f"{'shape':>7} {'N x K':>12} {'M':>3} {'floor us':>9} {'F.linear us':>12} {'GB/s':>6} | skinny_linear "
-          f"{kernel_head} | narrow_gemm {kernel_head}")
-    empty = f"{'-':>9} {'-':>6} {'-':>8} {'-':>8} {'-':>10}"
+    print(f"{'shape':>7} {'N x K':>12} {'M':>2} {'floor us':>9} {'F.linear us':>12} {'GB/s':>6} "
+          f"{'skinny us':>10} {'GB/s':>6} {'floor %':>8} {'speedup':>8} {'check':>10}")
     for name, (n, k) in SHAPES.items():
         ws = _weights(n, k, device)
         nbytes = n * k * 2
@@ -84,47 +70,15 @@ def bench(args, device, bw: float) -> None:
         for m in args.rows:
             x = torch.randn(m, k, device=device).bfloat16()
             ref_us = calls_us(F.linear, x, ws, args.inner, args.repeats)
-            skinny = _cells(skinny_linear, x, ws, args, nbytes, floor, ref_us) if m <= SKINNY_MAX_ROWS else empty
-            narrow = _cells(narrow_gemm, x, ws, args, nbytes, floor, ref_us) if m <= NARROW_MAX_ROWS else empty
-            print(f"{name:>7} {f'{n} x {k}':>12} {m:>3} {floor:>9.2f} {ref_us:>12.2f} "
-                  f"{nbytes / ref_us / 1e3:>6.0f} |               {skinny} |             {narrow}")
-        del ws
-
-
-def tune_narrow(args, device, bw: float) -> None:
-    """narrow_gemm's tile sweep at each M of ``--tune-narrow``: the best five against
-    ``narrow_tiles`` and F.linear, per shape."""
-    for name, (n, k) in SHAPES.items():
-        ws = _weights(n, k, device)
-        floor = n * k * 2 / bw * 1e6
-        for m in args.tune_narrow:
-            x = torch.randn(m, k, device=device).bfloat16()
-            ref_us = calls_us(F.linear, x, ws, max(1, args.inner // 4), 3)
-            block_ms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, triton.next_power_of_2(m))]
-            results = []
-            for bm, bn, bk, warps, stages in itertools.product(block_ms, (16, 32, 64, 128), (128, 256), (4, 8),
-                                                               (3, 4)):
-                if warps == 8 and bm * bn < 64 * 64:
-                    continue  # too little work per warp
-                cfg = (bm, bn, bk, warps, stages)
-
-                def fn(x_, w_, cfg=cfg):
-                    return narrow_gemm(x_, w_, tiles=cfg)
-
-                try:
-                    us = calls_us(fn, x, ws, max(1, args.inner // 4), 3)
-                except (triton.runtime.errors.OutOfResources, RuntimeError):
-                    continue
-                if _rel_err(fn(x, ws[0]), x, ws[0]) > 2.0**-7:
-                    print(f"  {name} M {m} {cfg}: BAD result")
-                    continue
-                results.append((us, cfg))
-            results.sort()
-            chosen = narrow_tiles(m, n, k)
-            chosen_us = next((us for us, cfg in results if cfg == chosen), float("nan"))
-            best = "; ".join(f"{cfg} {us:.2f}" for us, cfg in results[:4])
-            print(f"tune-narrow {name} [{n} x {k}] M {m}: floor {floor:.2f} us, F.linear {ref_us:.2f}, "
-                  f"narrow_tiles {chosen} {chosen_us:.2f}; best (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): {best}")
+            cells = f"{'-':>10} {'-':>6} {'-':>8} {'-':>8} {'-':>10}"
+            if m <= SKINNY_MAX_ROWS:
+                us = calls_us(skinny_linear, x, ws, args.inner, args.repeats)
+                err = _rel_err(skinny_linear(x, ws[0]), x, ws[0])
+                flag = " BAD" if err > 2.0**-7 else ""
+                cells = (f"{us:>10.2f} {nbytes / us / 1e3:>6.0f} {100 * floor / us:>7.0f}% "
+                         f"{ref_us / us:>7.2f}x {err:>6.1e}{flag}")
+            print(f"{name:>7} {f'{n} x {k}':>12} {m:>2} {floor:>9.2f} {ref_us:>12.2f} "
+                  f"{nbytes / ref_us / 1e3:>6.0f} {cells}")
         del ws
 
 
@@ -174,7 +128,6 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7, help="timed samples per cell (median)")
     p.add_argument("--tune", action="store_true", help="also sweep the kernel's tile configs")
     p.add_argument("--tune-rows", type=int, default=1, help="M of the sweep")
-    p.add_argument("--tune-narrow", type=int, nargs="*", default=[], help="sweep narrow_gemm's tiles at these M")
     args = p.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -184,8 +137,6 @@ def main() -> None:
     bench(args, device, bw)
     if args.tune:
         tune(args, device, bw)
-    if args.tune_narrow:
-        tune_narrow(args, device, bw)
 
 
 if __name__ == "__main__":
