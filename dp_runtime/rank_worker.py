@@ -175,9 +175,7 @@ class RankWorker:
         self.kv_cache = KVCache(
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             num_slots=memory_sizing.kv_slots_for_rank(spec, dev), max_reqs=cfg.max_running_requests,
-            max_context_len=spec.context_len,
-            dtype=cfg.dtype, device=dev,
-        )
+            max_context_len=spec.context_len, dtype=cfg.dtype, device=dev)
         self._memory["kv_cache"] = self.kv_cache.nbytes()
         self.attention_kind = choices.attention
         self.attention = make_attention_backend(choices.attention, self.kv_cache, mc,
@@ -204,8 +202,7 @@ class RankWorker:
             self.rank_graphs = capture_rank_graphs(
                 cfg=cfg, forward=self.model.forward, split=self.model.attention, attention=self.attention, pool=pool,
                 device=dev, set_plan=self.dp_buffers.set_from_plan, max_context_len=spec.context_len,
-                show_progress=self._show_progress,
-                on_phase=self._on_phase)
+                show_progress=self._show_progress, on_phase=self._on_phase)
         self._memory["graph_pool"] = 0 if self.rank_graphs is None else self.rank_graphs.memory_bytes
         self._memory["graph_inputs"] = pool.total_bytes() - pool_before
         self._memory["activation_peak"] = 0

@@ -17,8 +17,8 @@ FlashInfer is called.
 Hazard: a plan stages data in pinned host buffers that the next plan rewrites; with overlapped
 steps the host plans a step while the one before may still be queued, so every plan outside a
 capture waits on a fence (attention/staging_fence.py) for the previous plan's copies.
-``check_indices=True`` (``RuntimeConfig.flashinfer_checks``) makes
-every plan outside a capture sync and verify lengths and KV indices on the host.
+``check_indices=True`` (``RuntimeConfig.flashinfer_checks``) makes every plan outside a capture
+sync and verify lengths and KV indices on the host.
 
 The FlashInfer semantics this relies on, and the rest of the story: docs/graph.md
 ("FlashInferBackend"). FlashInfer is imported when a backend is constructed.
@@ -115,10 +115,7 @@ class FlashInferBackend:
                 f"backend was given {num_kv_heads} of dim {head_dim}"
             )
         self._fi = flashinfer_module if flashinfer_module is not None else import_flashinfer()
-        self.kv_cache = kv_cache
-        self.num_q_heads = num_q_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        self.kv_cache, self.num_q_heads, self.num_kv_heads, self.head_dim = kv_cache, num_q_heads, num_kv_heads, head_dim
         self.deterministic = deterministic
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         self.check_indices = bool(check_indices)
@@ -132,9 +129,8 @@ class FlashInferBackend:
         device = kv_cache.device
         # The eager wrappers share this workspace: they run one after another on one stream.
         self.workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
-        self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
-        )
+        self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                   use_tensor_cores=self.use_tensor_cores)
         self._paged = self._fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self._ragged = self._fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         # Long runs of new tokens: FlashInfer's own choice, FA3 on sm90 (measured on an H200,
