@@ -35,6 +35,8 @@
 #   bash bench/run_gpu.sh ttft7    # one GPU: build-count GPU tests, serve_load at rates 4 and 16 (the first
 #                                  #   rate's TTFT p99 shows a kernel built inside a step)
 #   bash bench/run_gpu.sh kern8    # one GPU: expert kernel tests, the expert split with occupancy, the tile sweep
+#   bash bench/run_gpu.sh var8     # one GPU: streamed 1x128/1x256 extends in copies of this tree with one constant
+#                                  #   changed each (FA3 from 64 new tokens; q/k prologue token blocks from 64)
 #   bash bench/run_gpu.sh gaps8    # one GPU: where a 1x128 extend and a bs-1 decode step idle the GPU
 #   bash bench/run_gpu.sh step8    # one GPU: extend steps (single and streamed) and decode vs earlier trees, run
 #                                  #   with this tree's bench/ scripts in every tree
@@ -231,6 +233,17 @@ case "${1:-one}" in
       -- python bench/prefill.py --iters 9 --warmup 2 --shapes ${EXTEND_SHAPES:-1x128,1x256} --modes graph --stream
     step decode_compare timeout 240 python bench/compare_trees.py $(cat /tmp/base_flags) -- python bench/serve_step.py \
       --batch-sizes ${DECODE_BS:-1,64} --iters 20 --modes graph
+    ;;
+  var8)  # one GPU: this tree against copies of itself with one constant changed (c0: unchanged, the noise)
+    rm -rf /tmp/var; mkdir -p /tmp/var
+    for v in c0 vA vB; do mkdir -p /tmp/var/$v; cp -r bench buffers dispatcher dp_runtime graph launch /tmp/var/$v/; done
+    sed -i 's/^LONG_EXTEND_TOKENS = 256$/LONG_EXTEND_TOKENS = 64/' /tmp/var/vA/dp_runtime/attention/flashinfer_backend.py
+    sed -i 's/^_BLOCK_T_FROM = 1024$/_BLOCK_T_FROM = 64/' /tmp/var/vB/dp_runtime/model/qk_norm_rope.py
+    grep -c "LONG_EXTEND_TOKENS = 64" /tmp/var/vA/dp_runtime/attention/flashinfer_backend.py
+    grep -c "_BLOCK_T_FROM = 64" /tmp/var/vB/dp_runtime/model/qk_norm_rope.py
+    step variants timeout 420 python bench/compare_trees.py --key shape --metric step_ms,stream_ms --base /tmp/var/c0 \
+      --base /tmp/var/vA --base /tmp/var/vB -- python bench/prefill.py --iters 9 --warmup 2 \
+      --shapes ${EXTEND_SHAPES:-1x128,1x256} --modes graph --stream
     ;;
   gaps8)  # one GPU: where a graphed 1x128 extend and a bs-1 decode step leave the GPU idle
     step extend_profile timeout 420 python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 --warmup 2
