@@ -96,7 +96,8 @@ def test_within_one_bf16_ulp_on_the_gpu(t, hq, hkv, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("counts", [(3, 1, 16, 17), (1024, 1030, 1041, 2048)], ids=["one-token-programs", "token-blocks"])
+@pytest.mark.parametrize("counts", [(3, 1, 16, 17, 63), (64, 128, 1030, 1041, 2048)],
+                         ids=["one-token-programs", "token-blocks"])
 def test_one_build_serves_every_token_count(counts):
     # Triton specializes an integer argument on == 1 and on divisibility by 16 unless told not
     # to: a prompt whose length fell in a class no earlier step had would build the kernel again

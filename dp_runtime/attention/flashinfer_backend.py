@@ -49,8 +49,9 @@ from dp_runtime.serving.kv_cache import KVCache
 __all__ = ["LONG_EXTEND_TOKENS", "NO_SPLIT_KV_BS", "FlashInferBackend", "FlashInferMetadata"]
 
 # A RAGGED extend whose longest request brings at least this many new tokens plans the
-# wrapper on FlashInfer's "auto" backend (FA3 on sm90); shorter ones FA2.
-LONG_EXTEND_TOKENS = 256
+# wrapper on FlashInfer's "auto" backend (FA3 on sm90); shorter ones FA2. 64, not 256: a
+# streamed 1 x 128 extend on an H200 went 7.50 -> 7.40 ms with FA3 (`run_gpu.sh var8`).
+LONG_EXTEND_TOKENS = 64
 
 # Decode graph buckets of at least this many requests plan without splitting a request's KV: with
 # 4+ KV heads per request there are enough (request, head) work items to fill the GPU, and

@@ -92,8 +92,10 @@ if triton is not None:
 
 # Tokens per program: one at decode sizes (every (token, head) pair a program of one warp, the
 # most parallel); blocks of 16 for prefill, where a program per pair (over 300K of them at 8192
-# tokens) spends its time starting and stopping rather than moving bytes.
-_BLOCK_T_FROM = 1024
+# tokens) spends its time starting and stopping rather than moving bytes. From 64 tokens, not
+# 1024: streamed extend steps on an H200 (`run_gpu.sh var8`) went 8.83 -> 8.60 ms at 1 x 256 and
+# 7.50 -> 7.42 at 1 x 128 (the spread between two identical trees there: 0.6-0.9%).
+_BLOCK_T_FROM = 64
 
 
 def qk_norm_rope_store(
