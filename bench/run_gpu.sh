@@ -37,6 +37,8 @@
 #   bash bench/run_gpu.sh kern8    # one GPU: expert kernel tests, the expert split with occupancy, the tile sweep
 #   bash bench/run_gpu.sh var8     # one GPU: streamed 1x128/1x256 extends in copies of this tree with one constant
 #                                  #   changed each (FA3 from 64 new tokens; q/k prologue token blocks from 64)
+#   bash bench/run_gpu.sh tests8   # one GPU: every gpu test (then step8 and load8 on the warm machine)
+#   bash bench/run_gpu.sh load8    # one GPU: serve_load at DP 1, four rates
 #   bash bench/run_gpu.sh gaps8    # one GPU: where a 1x128 extend and a bs-1 decode step idle the GPU
 #   bash bench/run_gpu.sh step8    # one GPU: extend steps (single and streamed) and decode vs earlier trees, run
 #                                  #   with this tree's bench/ scripts in every tree
@@ -244,6 +246,13 @@ case "${1:-one}" in
     step variants timeout 420 python bench/compare_trees.py --key shape --metric step_ms,stream_ms --base /tmp/var/c0 \
       --base /tmp/var/vA --base /tmp/var/vB -- python bench/prefill.py --iters 9 --warmup 2 \
       --shapes ${EXTEND_SHAPES:-1x128,1x256} --modes graph --stream
+    ;;
+  tests8)  # one GPU: every gpu test of the tree
+    step gpu_tests timeout 560 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
+    ;;
+  load8)  # one GPU: serving under load at DP 1, light to saturated
+    step serve_load_1 timeout 400 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates 4,16,64,inf \
+      --num-requests 64 --max-running-requests 64
     ;;
   gaps8)  # one GPU: where a graphed 1x128 extend and a bs-1 decode step leave the GPU idle
     step extend_profile timeout 420 python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 --warmup 2
