@@ -277,8 +277,8 @@ def fused_local_expert_sum(
     (gate rows [0, I), up rows [I, 2I)) and ``w2_LHI``. Writes ``out_ND`` when given (else a
     new tensor) in x's dtype and returns it. ``config`` overrides ``tile_config(N, extend)`` for
     both GEMMs; ``config2`` (same ``block_m``: the blocks are shared) gives the second GEMM its
-    own tiles (default ``gemm2_tile_config(N, extend)``, or ``config`` when that is given). N = 0 launches nothing. No host sync: capturable in a CUDA
-    graph.
+    own tiles (default ``gemm2_tile_config(N, extend)``, or ``config`` when that is given).
+    N = 0 launches nothing. No host sync: capturable in a CUDA graph.
     """
     _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND)
     n, hidden = x_ND.shape
