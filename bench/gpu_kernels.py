@@ -24,14 +24,16 @@ def busy_us(events: list) -> float:
     return busy
 
 
-def idle_gaps(events: list, t0_us: float, t1_us: float, small_us: float = 4.0,
+def idle_gaps(prof, small_us: float = 4.0,
               near: tuple[str, ...] = ("Prefill", "prefill", "attention", "Attention")) -> dict:
-    """Where the GPU idled inside ``[t0_us, t1_us]`` (the profiler's clock): ``lead`` before its
-    first activity, ``tail`` after its last, and the gaps between activities, split into
-    ``small`` ones (under ``small_us``: the spacing of a graph's kernels) and larger ones,
-    of which ``near`` counts those next to a kernel whose name contains one of ``near`` (the
-    eager attention between extend pieces)."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    """Where the GPU idled in a finished ``torch.profiler.profile`` (CPU and CUDA activities),
+    within the span of its CPU events: ``lead`` before the first GPU activity, ``tail`` after
+    its last, and the gaps between activities, split into ``small`` ones (under ``small_us``:
+    the spacing of a graph's kernels) and larger ones, of which ``near`` counts those next to a
+    kernel whose name contains one of ``near`` (the eager attention between extend pieces)."""
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    t0_us, t1_us = min(e.time_range.start for e in cpu), max(e.time_range.end for e in cpu)
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in gpu_events(prof))
     out = dict(lead=0.0, tail=0.0, small_n=0, small_us=0.0, large_n=0, large_us=0.0, near_n=0, near_us=0.0)
     if not spans:
         return out

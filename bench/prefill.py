@@ -216,8 +216,7 @@ def profiled_prefill(worker: RankWorker, b: int, n: int, rank: int) -> dict:
         timed_prefill(worker, b, n, 1, rank, "prof")
         wall_us = (time.perf_counter() - t0) * 1e6
     events = gpu_events(prof)
-    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
-    gaps = idle_gaps(events, min(e.time_range.start for e in cpu), max(e.time_range.end for e in cpu))
+    gaps = idle_gaps(prof)
     py_funcs = python_functions(lambda: timed_prefill(worker, b, n, 1, rank, "cprof"))
     return dict(shape=f"{b}x{n}", mode="graph" if worker.graph_enabled else "eager", wall_us=wall_us,
                 gpu_busy_us=busy_us(events), activities=len(events), gaps=gaps, top=top_kernels(events, 15),

@@ -144,8 +144,7 @@ def kernel_census(worker: RankWorker, bs: int, args, rank: int) -> dict:
     worker.pop_finished()
     gpu = gpu_events(prof)
     busy = busy_us(gpu)
-    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
-    gaps = idle_gaps(gpu, min(e.time_range.start for e in cpu), max(e.time_range.end for e in cpu))
+    gaps = idle_gaps(prof)
     layers = worker.model_config.num_layers
     return dict(bs=bs, layers=layers, activities=len(gpu), per_layer=len(gpu) / layers,
                 memcpy=sum(1 for e in gpu if "memcpy" in e.name.lower() or "memset" in e.name.lower()),
