@@ -43,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import os
@@ -93,9 +94,18 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--touched", type=int, default=None,
                    help="route each layer's tokens among this many random experts only (a prompt's tokens "
                         "share experts: a 128-token extend of the random preset touches ~30 of 128)")
+    p.add_argument("--routing", default=None, metavar="PATH",
+                   help="replay a model step's routing (prefill.py --profile --save-routing): layer j routes "
+                        "as the step's layer j; --tokens is taken from the file")
     p.add_argument("--extend", action="store_true",
                    help="the rows are prompt tokens: the Triton path takes its extend tiles (tile_config extend=True)")
     args = p.parse_args()
+    args.routed = None
+    if args.routing:
+        args.routed = torch.load(args.routing)
+        args.tokens = [args.routed[0][0].shape[0]]
+        if args.touched is not None:
+            p.error("--routing and --touched: give one")
     if args.touched is not None and not args.top_k <= args.touched <= args.experts:
         p.error(f"--touched {args.touched}: must be in [--top-k {args.top_k}, --experts {args.experts}]")
     for ep in args.ep:
@@ -121,6 +131,9 @@ def _layer(args, experts, w31, layer: int, num_tokens: int, ep: int) -> Layer:
         keep = torch.randperm(args.experts, generator=g, device=device)[: args.touched]
         logits = torch.full_like(logits, float("-inf")).index_copy_(1, keep, logits[:, keep])
     weights, ids = softmax_topk(logits, args.top_k, renormalize=True)
+    if args.routed is not None:  # a model step's routing, layer by layer
+        routed_ids, routed_weights = args.routed[layer % len(args.routed)]
+        ids, weights = routed_ids.to(device, ids.dtype), routed_weights.to(device, torch.float32)
     num_local = args.experts // ep
     local_ids = torch.where(ids < num_local, ids, -1)
     w13, w2 = (w[:num_local] for w in experts)
@@ -173,13 +186,14 @@ def _occupancy() -> str:
     from dp_runtime.model.fused_moe_triton import _expert_gemm_kernel
 
     out = []
-    for cache in _expert_gemm_kernel.device_caches.get(torch.cuda.current_device(), ({},))[:1]:
-        for i, kernel in enumerate(cache.values()):
+    for jit in (_expert_gemm_kernel,):
+        for i, kernel in enumerate(jit.device_caches.get(torch.cuda.current_device(), ({},))[0].values()):
             md = kernel.metadata
             threads = 32 * md.num_warps
             by_regs = 65536 // max(1, kernel.n_regs * threads)
             by_smem = (227 * 1024) // max(1, md.shared)
-            out.append(f"variant {i} (built in call order: GEMM1 first) warps {md.num_warps} stages {md.num_stages}: {kernel.n_regs} regs, "
+            out.append(f"{jit.__name__} variant {i} (in build order) warps {md.num_warps} stages {md.num_stages}: "
+                       f"{kernel.n_regs} regs, "
                        f"{kernel.n_spills} spills, {md.shared} B shared -> {min(by_regs, by_smem)} per SM")
     return "; ".join(out)
 
@@ -221,6 +235,8 @@ def _paths(layers: list[Layer], ep: int, outs, extend: bool = False) -> dict[str
         paths["triton"] = fused("triton")
         if "triton_3l" in outs:
             paths["triton_3l"] = fused("triton_3l", parallel_picks=0)
+
+
     if "flashinfer" in outs:
         from flashinfer.fused_moe import cutlass_fused_moe
 
@@ -255,7 +271,9 @@ def _tune(args, layers: list[Layer], baseline_us: float) -> str:
     from dp_runtime.model.fused_moe_triton import tile_config as tile_config_for
 
     n = layers[0].x.shape[0]
-    rows = max(1.0, n * args.top_k / (args.touched or args.experts))  # mean rows an expert gets
+    touched = args.touched or statistics.mean(int(torch.unique(layer.local_ids[layer.local_ids >= 0]).numel())
+                                              for layer in layers)
+    rows = max(1.0, n * args.top_k / touched)  # mean rows a touched expert gets
     block_ms = [m for m in (16, 32, 64, 128) if m == 16 or rows / 2 <= m <= 2 * rows]
     outs = [torch.empty_like(layer.x) for layer in layers]
     failed = 0
@@ -277,23 +295,22 @@ def _tune(args, layers: list[Layer], baseline_us: float) -> str:
         return (f"block_m {cfg.block_m} block_n {cfg.block_n} block_k {cfg.block_k} group_m {cfg.group_m} "
                 f"warps {cfg.num_warps} stages {cfg.num_stages}")
 
-    # The sweep of session 7 (group_m 1 below 64 rows, block_k 64/128, 2-4 stages) found the rule
-    # best at 128 tokens of a prompt; this one tries what it left out: small blocks of one
-    # expert walking a column tile together (group_m 8: its weights read once, then from L2),
-    # block_k 256, 5 stages.
+    # Blocks of 16-64 rows in groups of 8 (a weight tile read once, then from L2); a
+    # stage holds a BLOCK_M x block_k slice of the rows and a block_n x block_k one of the
+    # weights, and up to 200 KB of shared memory in all is tried (1-4 programs per SM).
     best: tuple[float, MoeTileConfig] | None = None
     rule = tile_config_for(n, args.extend)
     candidates = [rule]
     for m in block_ms:
-        bks = (128, 256) if m <= 32 else (64, 128)
-        for bn, bk, stages, warps in itertools.product((64, 128, 256), bks, (3, 4, 5), (4, 8)):
-            if (bk == 256 and stages > 3) or (m <= 32 and stages > 4) or (m == 64 and stages < 4):
-                continue  # shared memory; or points the session-7 sweep covered
-            if warps == 8 and bn < 128 * (2 if m <= 32 else 1):
-                continue  # too little of a tile per warp
-            candidates.append(MoeTileConfig(m, bn, bk, 8, warps, stages))
+        for bn, bk, stages, warps in itertools.product((64, 128, 256), (64, 128, 256), (2, 3, 4, 5), (4, 8)):
+            if stages * (m + bn) * bk * 2 > 200 * 1024 or (warps == 8 and bn < 128) or (bk == 256 and bn == 256):
+                continue  # shared memory; too little of a tile per warp; registers
+            cfg = MoeTileConfig(m, bn, bk, 8, warps, stages)
+            if cfg != rule:
+                candidates.append(cfg)
     for cfg in candidates:
-        us = timed(cfg)
+        # the second GEMM on the extend rule's 64-column tiles of the same blocks
+        us = timed(cfg, dataclasses.replace(cfg, block_n=64, block_k=64, num_warps=4, num_stages=3))
         if us is not None and (best is None or us < best[0]):
             best = (us, cfg)
     if best is None:

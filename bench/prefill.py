@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="the top GPU kernels of one more step of the first shape and mode (torch profiler), "
                         "and the experts such a step touches per layer")
+    p.add_argument("--save-routing", default=None, metavar="PATH",
+                   help="with --profile: save each layer's routing of that shape's step (moe_layer.py --routing)")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     args = p.parse_args(argv)
     args.shapes = parse_shapes(args.shapes or ("1x8192,8x1024,64x128" if args.device == "cuda" else "1x1024,8x128,64x16"))
@@ -173,18 +175,21 @@ def streamed_prefill(worker: RankWorker, b: int, n: int, iters: int, rank: int, 
     return times
 
 
-def experts_touched(worker: RankWorker, b: int, n: int, rank: int) -> float:
+def experts_touched(worker: RankWorker, b: int, n: int, rank: int, save: str | None = None) -> tuple[float, float]:
     """Mean distinct local experts per MoE layer in one eager step of ``b`` x ``n`` (random
-    prompts, as the timed steps): the expert bytes that step must read, in units of one expert.
-    The route function is wrapped for that one step only (hooks do not run inside graphs)."""
+    prompts, as the timed steps): the expert bytes that step must read, in units of one expert;
+    and the mean 64-row blocks those experts' picks fill (what the extend GEMMs launch on).
+    ``save``: a file for each layer's routing, ``[(ids_TK, weights_TK)]`` on the CPU, which
+    ``moe_layer.py --routing`` replays. The route function is wrapped for that one step only
+    (hooks do not run inside graphs)."""
     import dataclasses
 
     model, graphed = worker.model, worker.graph_enabled
-    path, counts = model.experts, []
+    path, routed = model.experts, []
 
     def route(logits_TE):
         weights_TK, ids_TK = path.route(logits_TE)
-        counts.append(int(ids_TK.unique().numel()))
+        routed.append((ids_TK.cpu(), weights_TK.cpu()))
         return weights_TK, ids_TK
 
     model.experts, worker.graph_enabled = dataclasses.replace(path, route=route), False
@@ -192,10 +197,16 @@ def experts_touched(worker: RankWorker, b: int, n: int, rank: int) -> float:
         timed_prefill(worker, b, n, 1, rank, "experts")
     finally:
         model.experts, worker.graph_enabled = path, graphed
-    return statistics.mean(counts) if counts else 0.0
+    if not routed:
+        return 0.0, 0.0
+    if save:
+        torch.save(routed, save)
+    counts = [torch.bincount(ids.flatten().long()) for ids, _ in routed]
+    return (statistics.mean(int((c > 0).sum()) for c in counts),
+            statistics.mean(int(((c + 63) // 64).sum()) for c in counts))
 
 
-def profiled_prefill(worker: RankWorker, b: int, n: int, rank: int) -> dict:
+def profiled_prefill(worker: RankWorker, b: int, n: int, rank: int, save: str | None = None) -> dict:
     """One more step of ``b`` x ``n`` under the torch profiler: GPU busy time and top kernels,
     the host ops by self time and the Python functions of another step (cProfile), and the
     experts a step of that shape touches per layer."""
@@ -218,9 +229,10 @@ def profiled_prefill(worker: RankWorker, b: int, n: int, rank: int) -> dict:
     events = gpu_events(prof)
     gaps = idle_gaps(prof)
     py_funcs = python_functions(lambda: timed_prefill(worker, b, n, 1, rank, "cprof"))
+    touched, blocks = experts_touched(worker, b, n, rank, save)
     return dict(shape=f"{b}x{n}", mode="graph" if worker.graph_enabled else "eager", wall_us=wall_us,
                 gpu_busy_us=busy_us(events), activities=len(events), gaps=gaps, top=top_kernels(events, 15),
-                cpu_ops=host_ops(prof), py_funcs=py_funcs, experts_per_layer=experts_touched(worker, b, n, rank))
+                cpu_ops=host_ops(prof), py_funcs=py_funcs, experts_per_layer=touched, blocks64_per_layer=blocks)
 
 
 def run(args: argparse.Namespace) -> dict | None:
@@ -254,7 +266,7 @@ def run(args: argparse.Namespace) -> dict | None:
                 rows.append(dict(shape=f"{b}x{n}", mode=mode if graphed else "eager", prompts=b, prompt_len=n,
                                  step_ms=ms, host_ms=statistics.median(host) * 1e3, stream_ms=stream_ms))
                 if args.profile and profile is None and args.device == "cuda":  # the first shape and mode
-                    profile = profiled_prefill(worker, b, n, rank)
+                    profile = profiled_prefill(worker, b, n, rank, args.save_routing)
             m = worker.metrics()
         if world > 1:
             every = [None] * world
@@ -310,7 +322,8 @@ def print_table(report: dict) -> None:
 
         print(f"profile of one {prof['shape']} {prof['mode']} step (rank 0): {prof['activities']} GPU activities, "
               f"GPU busy {prof['gpu_busy_us'] / 1e3:.1f} ms of {prof['wall_us'] / 1e3:.1f} ms; "
-              f"{prof['experts_per_layer']:.1f} local experts touched per MoE layer")
+              f"{prof['experts_per_layer']:.1f} local experts touched per MoE layer, "
+              f"their picks in {prof['blocks64_per_layer']:.1f} blocks of 64 rows")
         print_gaps(prof["gaps"])
         print_top(prof["top"])
         print_host(prof["cpu_ops"], prof["py_funcs"])

@@ -42,6 +42,8 @@
 #   bash bench/run_gpu.sh gaps8    # one GPU: where a 1x128 extend and a bs-1 decode step idle the GPU
 #   bash bench/run_gpu.sh step8    # one GPU: extend steps (single and streamed) and decode vs earlier trees, run
 #                                  #   with this tree's bench/ scripts in every tree
+#   bash bench/run_gpu.sh kern9    # one GPU: kernels of a 1x128 extend and a bs-1 decode step; the extend's routing
+#                                  #   replayed through the expert path and its tile sweep
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -227,6 +229,15 @@ case "${1:-one}" in
     step kernel_tests timeout 240 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_fused_moe.py
     step moe_split timeout 120 python bench/moe_layer.py --tokens 1 64 128 256 --touched 30 --extend --split --ep 1
     step moe_tune timeout 300 python bench/moe_layer.py --tokens 128 --touched 30 --extend --tune --ep 1
+    ;;
+  kern9)  # one GPU: the kernels of a 1x128 extend and a bs-1 decode step; the extend's routing saved, then replayed
+          # (all 48 layers) through the expert path and its tile sweep
+    TAIL=40 step extend_profile timeout 300 python bench/prefill.py --shapes 1x128 --modes graph --profile --iters 5 \
+      --warmup 2 --save-routing /tmp/routing_1x128.pt
+    TAIL=40 step decode_profile timeout 150 python bench/serve_step.py --batch-sizes 1 --iters 10 --warmup 3 --modes graph \
+      --profile
+    step moe_routed timeout 300 python bench/moe_layer.py --routing /tmp/routing_1x128.pt --layers 48 --extend --split \
+      --tune --ep 1
     ;;
   step8)  # one GPU: extend steps, single and streamed, and DP 1 decode against earlier trees (this tree's bench/)
     bases > /tmp/base_flags
