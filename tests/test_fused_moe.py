@@ -140,6 +140,32 @@ def test_second_gemm_on_its_own_tiles():
         fused_local_expert_sum(x, ids, weights, w13, w2, config=cfg, config2=MoeTileConfig(32, 64, 16, 1, 4, 2))
 
 
+@pytest.mark.parametrize(("hidden", "num_tokens", "num_local"), [(64, 7, 8), (80, 33, 4)])
+def test_add_norm_folds_the_next_residual_add_and_rms_norm(hidden, num_tokens, num_local):
+    # The sum's launch also adds the (rounded) sum into the residual stream in place and writes
+    # rms_norm(residual) * w, as the separate add+RMSNorm would: the residual bit for bit on a
+    # GPU, the normed rows within a rounding or two (its fp32 sum runs in another order).
+    x, ids, weights, w13, w2 = _layer(8, 4, hidden, 32, num_tokens, num_local, DEVICE, seed=6)
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    residual = torch.randn(num_tokens, hidden, generator=gen, device=DEVICE).to(x.dtype)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen, device=DEVICE)).to(x.dtype)
+    plain = fused_local_expert_sum(x, ids, weights, w13, w2)
+    s = plain.float() + residual.float()
+    want_x = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.float()).to(x.dtype)
+    res = residual.clone()
+    out = fused_local_expert_sum(x, ids, weights, w13, w2, add_norm=(res, norm_w, 1e-6))
+    if DEVICE.type == "cuda":
+        assert torch.equal(res, s.to(x.dtype))
+    else:  # Triton's interpreter rounds to bf16 toward zero, not to nearest
+        torch.testing.assert_close(res, s.to(x.dtype), rtol=2**-7, atol=0)
+    torch.testing.assert_close(out, want_x, rtol=2**-6, atol=2**-6)
+    assert not torch.equal(out, plain)
+    with pytest.raises(ValueError, match="add_norm residual"):
+        fused_local_expert_sum(x, ids, weights, w13, w2, add_norm=(res[:, :16], norm_w, 1e-6))
+    with pytest.raises(ValueError, match="add_norm weight"):
+        fused_local_expert_sum(x, ids, weights, w13, w2, add_norm=(res, norm_w[:16], 1e-6))
+
+
 def test_no_rows_launches_nothing_and_returns_out():
     x, ids, weights, w13, w2 = _layer(8, 2, 64, 32, 0, 4, DEVICE)
     out = torch.empty(0, 64, dtype=torch.bfloat16, device=DEVICE)

@@ -276,10 +276,10 @@ def _record_routing(stack) -> list[torch.Tensor]:
     calls: list[torch.Tensor] = []
     real, c = stack.model._moe, stack.config
 
-    def moe(layer, x, plan, *rest):
+    def moe(layer, x, plan, *rest, **kwargs):
         probs = torch.softmax((x @ layer.w_router.T).float(), dim=-1)
         calls.append(torch.topk(probs, c.top_k, dim=-1).indices.sort(dim=-1).values)
-        return real(layer, x, plan, *rest)
+        return real(layer, x, plan, *rest, **kwargs)
 
     stack.model._moe = moe
     return calls

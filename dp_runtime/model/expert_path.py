@@ -30,12 +30,15 @@ __all__ = ["ExpertPath", "expert_path"]
 class ExpertPath:
     """The chosen kernels: ``route(logits_TE) -> (weights_TK fp32, ids_TK int32)`` and
     ``experts(x_ND, local_ids_NK, weights_NK, w13, w2, out_ND, extend) -> out_ND`` (``extend``:
-    the rows are prompt tokens, a hint for the kernel's tiles)."""
+    the rows are prompt tokens, a hint for the kernel's tiles). ``fuses_add_norm``: ``experts``
+    also takes ``add_norm=(residual_NH, weight_H, eps)`` and leaves the next layer's fused
+    add+RMSNorm done (``fused_moe_triton.fused_local_expert_sum``)."""
 
     name: str
     reason: str
     route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     experts: Callable[..., torch.Tensor]
+    fuses_add_norm: bool = False
 
 
 def expert_path(device: torch.device, dtype: torch.dtype, top_k: int, renormalize: bool,
@@ -53,10 +56,10 @@ def expert_path(device: torch.device, dtype: torch.dtype, top_k: int, renormaliz
         def route_triton(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return softmax_topk_triton(logits_TE, top_k, renormalize=renormalize, round_bf16=True)
 
-        def fused(x, ids, w, w13, w2, out_ND=None, extend=False):
-            return fused_local_expert_sum(x, ids, w, w13, w2, out_ND=out_ND, extend=extend)
+        def fused(x, ids, w, w13, w2, out_ND=None, extend=False, add_norm=None):
+            return fused_local_expert_sum(x, ids, w, w13, w2, out_ND=out_ND, extend=extend, add_norm=add_norm)
 
-        return ExpertPath("triton", why, route_triton, fused)
+        return ExpertPath("triton", why, route_triton, fused, fuses_add_norm=True)
 
     def route_torch(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights_TK, ids_TK = softmax_topk(logits_TE, top_k, renormalize=renormalize)

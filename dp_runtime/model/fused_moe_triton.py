@@ -219,8 +219,13 @@ def _sum_picks_kernel(
     stride_om,
     hidden,
     num_local,
+    res_ptr,  # ADD_NORM: (N, H) residual stream, updated in place
+    stride_rm,
+    norm_w_ptr,  # ADD_NORM: (H,) RMSNorm weight
+    eps,
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ADD_NORM: tl.constexpr,  # one program per row (BLOCK_H >= hidden): residual add and RMSNorm
 ):
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -235,7 +240,16 @@ def _sum_picks_kernel(
         e = tl.load(ids_ptr + pick + offs * 0)
         row_ok = in_row & (e >= 0) & (e < num_local)
         acc += tl.load(y_ptr + pick * hidden + offs, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if ADD_NORM:
+        # The next layer's fused add+RMSNorm on the rounded sum: residual += sum (in fp32, then
+        # rounded), out = rms_norm(residual) * w from the fp32 sum, as FlashInfer's kernel does.
+        s = out.to(tl.float32) + tl.load(res_ptr + n * stride_rm + offs, mask=in_row, other=0.0).to(tl.float32)
+        tl.store(res_ptr + n * stride_rm + offs, s.to(res_ptr.dtype.element_ty), mask=in_row)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)
+        w = tl.load(norm_w_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
+        out = (s * inv_rms * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + n * stride_om + offs, out, mask=in_row)
 
 
 def _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND) -> None:
@@ -267,6 +281,7 @@ def fused_local_expert_sum(
     config: MoeTileConfig | None = None,
     extend: bool = False,
     config2: MoeTileConfig | None = None,
+    add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """``sum_k w[n, k] * expert_{id[n, k]}(x[n])`` over the picks this rank serves: the contract
     of ``experts.local_expert_sum`` in four Triton launches.
@@ -279,8 +294,20 @@ def fused_local_expert_sum(
     both GEMMs; ``config2`` (same ``block_m``: the blocks are shared) gives the second GEMM its
     own tiles (default ``gemm2_tile_config(N, extend)``, or ``config`` when that is given).
     N = 0 launches nothing. No host sync: capturable in a CUDA graph.
+
+    ``add_norm=(residual_NH, weight_H, eps)`` folds the next layer's fused add+RMSNorm into the
+    sum's launch: ``residual += sum`` in place and ``out = rms_norm(residual) * weight``, what
+    ``FlashInferOps.add_rms_norm(sum, residual, weight, eps)`` leaves (a launch per layer fewer
+    where combine is the identity: the local dispatcher).
     """
     _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND)
+    if add_norm is not None:
+        residual, norm_w, _ = add_norm
+        if residual.shape != x_ND.shape or residual.stride(1) != 1 or residual.dtype != x_ND.dtype:
+            raise ValueError(f"add_norm residual: expected {tuple(x_ND.shape)} {x_ND.dtype} with unit column stride, "
+                             f"got {tuple(residual.shape)} {residual.dtype} strides {residual.stride()}")
+        if norm_w.shape != (x_ND.shape[1],):
+            raise ValueError(f"add_norm weight: expected ({x_ND.shape[1]},), got {tuple(norm_w.shape)}")
     n, hidden = x_ND.shape
     top_k = local_ids_NK.shape[1]
     num_local, inter = w13_L2IH.shape[0], w13_L2IH.shape[1] // 2
@@ -288,6 +315,8 @@ def fused_local_expert_sum(
         out_ND = x_ND.new_empty((n, hidden))
     num_picks = n * top_k
     if num_picks == 0:
+        if n and add_norm is not None:
+            raise ValueError("add_norm needs K >= 1 picks per row")
         return out_ND.zero_()  # K = 0 sums nothing; N = 0 has no element to write
     cfg = config or tile_config(n, extend)
     cfg2 = config2 or (cfg if config else gemm2_tile_config(n, extend))
@@ -326,9 +355,11 @@ def fused_local_expert_sum(
         BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
         num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
     )
-    block_h = min(triton.next_power_of_2(hidden), 1024)
+    # A row's norm needs the whole row in one program; a plain sum takes 1024-column pieces.
+    block_h = triton.next_power_of_2(hidden) if add_norm else min(triton.next_power_of_2(hidden), 1024)
+    residual, norm_w, eps = add_norm if add_norm else (out_ND, out_ND, 0.0)
     _sum_picks_kernel[(n, triton.cdiv(hidden, block_h))](
-        y_PH, ids_P, out_ND, out_ND.stride(0), hidden, num_local,
-        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+        y_PH, ids_P, out_ND, out_ND.stride(0), hidden, num_local, residual, residual.stride(0), norm_w, eps,
+        TOP_K=top_k, BLOCK_H=block_h, ADD_NORM=add_norm is not None, num_warps=4,
     )
     return out_ND

@@ -185,13 +185,23 @@ class Qwen3MoeModel:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- forward ---------------------------------------------------------------------------------
-    def _moe(self, layer: _Layer, x_TH: torch.Tensor, plan, extend: bool) -> torch.Tensor:
+    def _moe(self, layer: _Layer, x_TH: torch.Tensor, plan, extend: bool, add_norm=None) -> torch.Tensor:
+        """The sparse block's output; with ``add_norm=(h_TH, weight, eps)`` (``_fuses_add_norm``)
+        the next norm's input instead, ``h_TH`` updated in place: ``ops.add_rms_norm`` done."""
         weights_TK, ids_TK = self.experts.route(self.ops.linear(x_TH, layer.w_router))
         d = self.dispatcher
         handle, inputs = d.dispatch(x_TH, ids_TK, weights_TK, plan)
+        kwargs = {"add_norm": add_norm} if add_norm is not None else {}
         out_ND = self.experts.experts(inputs.hidden_ND, self._local_ids(inputs), inputs.weights_NK, layer.w13,
-                                      layer.w2, out_ND=d.expert_output_buffer(handle), extend=extend)
+                                      layer.w2, out_ND=d.expert_output_buffer(handle), extend=extend, **kwargs)
         return d.combine(out_ND, handle)
+
+    @property
+    def _fuses_add_norm(self) -> bool:
+        """Whether a sparse layer's expert sum also does the next layer's add+RMSNorm: the
+        combine must be the identity (one rank, the local dispatcher) for the sum's rows to be
+        the residual's, and the expert path must offer it."""
+        return self.dispatcher.kind == "local" and self.experts.fuses_add_norm
 
     def _local_ids(self, inputs) -> torch.Tensor:
         """Rank-local expert ids of the delivered picks. The fused path skips any id outside
@@ -220,6 +230,7 @@ class Qwen3MoeModel:
         plan = batch.plan if batch.plan is not None else FixedPlan.from_counts((t,))
         ops, eps = self.ops, c.rms_norm_eps
         extend = batch.forward_mode is ForwardMode.EXTEND
+        fuse_norm = self._fuses_add_norm
         # The residual stream ``h`` is added into the next norm (one fused kernel on CUDA):
         # ``x, h = add_rms_norm(out, h, w)`` is ``h = h + out; x = norm(h)``.
         h_TH = self.embed[batch.input_ids]
@@ -232,6 +243,10 @@ class Qwen3MoeModel:
                 ops=ops, b_qkv=layer.b_qkv, b_o=layer.b_o,
             )
             x_TH, h_TH = ops.add_rms_norm(a_TH, h_TH, layer.mlp_norm, eps)
+            if layer.sparse and fuse_norm and i + 1 < len(self.layers):
+                # the sum's launch adds into h and writes the next layer's normed input
+                x_TH = self._moe(layer, x_TH, plan, extend, add_norm=(h_TH, self.layers[i + 1].attn_norm, eps))
+                continue
             m_TH = self._moe(layer, x_TH, plan, extend) if layer.sparse else self._mlp(layer, x_TH)
             if i + 1 < len(self.layers):
                 x_TH, h_TH = ops.add_rms_norm(m_TH, h_TH, self.layers[i + 1].attn_norm, eps)
