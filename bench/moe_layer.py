@@ -102,6 +102,8 @@ def _parse() -> argparse.Namespace:
     args = p.parse_args()
     args.routed = None
     if args.routing:
+        if not os.path.isfile(args.routing):
+            p.error(f"--routing {args.routing}: no such file (prefill.py --profile --save-routing writes one)")
         args.routed = torch.load(args.routing)
         args.tokens = [args.routed[0][0].shape[0]]
         if args.touched is not None:
@@ -126,14 +128,15 @@ def _layer(args, experts, w31, layer: int, num_tokens: int, ep: int) -> Layer:
     device = experts[0].device
     g = torch.Generator(device=device).manual_seed(1000 * layer + num_tokens)
     x = torch.randn(num_tokens, args.hidden, generator=g, device=device).bfloat16()
-    logits = torch.randn(num_tokens, args.experts, generator=g, device=device)
-    if args.touched is not None:  # the same random subset for every token of the layer
-        keep = torch.randperm(args.experts, generator=g, device=device)[: args.touched]
-        logits = torch.full_like(logits, float("-inf")).index_copy_(1, keep, logits[:, keep])
-    weights, ids = softmax_topk(logits, args.top_k, renormalize=True)
     if args.routed is not None:  # a model step's routing, layer by layer
         routed_ids, routed_weights = args.routed[layer % len(args.routed)]
-        ids, weights = routed_ids.to(device, ids.dtype), routed_weights.to(device, torch.float32)
+        ids, weights = routed_ids.to(device, torch.int32), routed_weights.to(device, torch.float32)  # as softmax_topk
+    else:
+        logits = torch.randn(num_tokens, args.experts, generator=g, device=device)
+        if args.touched is not None:  # the same random subset for every token of the layer
+            keep = torch.randperm(args.experts, generator=g, device=device)[: args.touched]
+            logits = torch.full_like(logits, float("-inf")).index_copy_(1, keep, logits[:, keep])
+        weights, ids = softmax_topk(logits, args.top_k, renormalize=True)
     num_local = args.experts // ep
     local_ids = torch.where(ids < num_local, ids, -1)
     w13, w2 = (w[:num_local] for w in experts)
@@ -186,15 +189,14 @@ def _occupancy() -> str:
     from dp_runtime.model.fused_moe_triton import _expert_gemm_kernel
 
     out = []
-    for jit in (_expert_gemm_kernel,):
-        for i, kernel in enumerate(jit.device_caches.get(torch.cuda.current_device(), ({},))[0].values()):
-            md = kernel.metadata
-            threads = 32 * md.num_warps
-            by_regs = 65536 // max(1, kernel.n_regs * threads)
-            by_smem = (227 * 1024) // max(1, md.shared)
-            out.append(f"{jit.__name__} variant {i} (in build order) warps {md.num_warps} stages {md.num_stages}: "
-                       f"{kernel.n_regs} regs, "
-                       f"{kernel.n_spills} spills, {md.shared} B shared -> {min(by_regs, by_smem)} per SM")
+    for i, kernel in enumerate(_expert_gemm_kernel.device_caches.get(torch.cuda.current_device(), ({},))[0].values()):
+        md = kernel.metadata
+        threads = 32 * md.num_warps
+        by_regs = 65536 // max(1, kernel.n_regs * threads)
+        by_smem = (227 * 1024) // max(1, md.shared)
+        out.append(f"variant {i} (built in call order: GEMM1 first) warps {md.num_warps} stages {md.num_stages}: "
+                   f"{kernel.n_regs} regs, {kernel.n_spills} spills, {md.shared} B shared -> "
+                   f"{min(by_regs, by_smem)} per SM")
     return "; ".join(out)
 
 
@@ -235,8 +237,6 @@ def _paths(layers: list[Layer], ep: int, outs, extend: bool = False) -> dict[str
         paths["triton"] = fused("triton")
         if "triton_3l" in outs:
             paths["triton_3l"] = fused("triton_3l", parallel_picks=0)
-
-
     if "flashinfer" in outs:
         from flashinfer.fused_moe import cutlass_fused_moe
 

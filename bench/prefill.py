@@ -100,6 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = [m for m in ("graph", "eager") if m in args.modes.split(",")]
     if not args.modes:
         raise UsageError("--modes takes graph and/or eager, comma-separated")
+    if args.save_routing and not args.profile:
+        raise UsageError(f"--save-routing {args.save_routing}: saves the profiled step's routing; give --profile too")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     return args

@@ -96,6 +96,8 @@ def test_prefill_without_a_known_peak_reports_no_mfu_and_bad_shapes_are_one_line
     assert code == 0 and "no peak known: no MFU" in out
     code, _, err = _prefill(capsys, "--shapes", "2y8")
     assert code == 2 and err == "error: --shapes takes BxN items (B prompts of N tokens), comma-separated; got '2y8'\n"
+    code, _, err = _prefill(capsys, "--save-routing", "r.pt")
+    assert code == 2 and err == "error: --save-routing r.pt: saves the profiled step's routing; give --profile too\n"
 
 
 @pytest.mark.dist

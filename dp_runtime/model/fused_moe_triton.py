@@ -301,8 +301,8 @@ def fused_local_expert_sum(
     where combine is the identity: the local dispatcher).
     """
     _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND)
+    residual, norm_w, eps = add_norm if add_norm is not None else (None, None, 0.0)
     if add_norm is not None:
-        residual, norm_w, _ = add_norm
         if residual.shape != x_ND.shape or residual.stride(1) != 1 or residual.dtype != x_ND.dtype:
             raise ValueError(f"add_norm residual: expected {tuple(x_ND.shape)} {x_ND.dtype} with unit column stride, "
                              f"got {tuple(residual.shape)} {residual.dtype} strides {residual.stride()}")
@@ -356,8 +356,9 @@ def fused_local_expert_sum(
         num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
     )
     # A row's norm needs the whole row in one program; a plain sum takes 1024-column pieces.
-    block_h = triton.next_power_of_2(hidden) if add_norm else min(triton.next_power_of_2(hidden), 1024)
-    residual, norm_w, eps = add_norm if add_norm else (out_ND, out_ND, 0.0)
+    block_h = triton.next_power_of_2(hidden) if add_norm is not None else min(triton.next_power_of_2(hidden), 1024)
+    if add_norm is None:
+        residual = norm_w = out_ND  # unread: ADD_NORM is off
     _sum_picks_kernel[(n, triton.cdiv(hidden, block_h))](
         y_PH, ids_P, out_ND, out_ND.stride(0), hidden, num_local, residual, residual.stride(0), norm_w, eps,
         TOP_K=top_k, BLOCK_H=block_h, ADD_NORM=add_norm is not None, num_warps=4,
