@@ -184,17 +184,12 @@ def experts_touched(worker: RankWorker, b: int, n: int, rank: int, save: str | N
     ``save``: a file for each layer's routing, ``[(ids_TK, weights_TK)]`` on the CPU, which
     ``moe_layer.py --routing`` replays. The route function is wrapped for that one step only
     (hooks do not run inside graphs)."""
-    import dataclasses
+    from dp_runtime.model.expert_path import recording_routes
 
     model, graphed = worker.model, worker.graph_enabled
     path, routed = model.experts, []
-
-    def route(logits_TE):
-        weights_TK, ids_TK = path.route(logits_TE)
-        routed.append((ids_TK.cpu(), weights_TK.cpu()))
-        return weights_TK, ids_TK
-
-    model.experts, worker.graph_enabled = dataclasses.replace(path, route=route), False
+    model.experts = recording_routes(path, lambda weights_TK, ids_TK: routed.append((ids_TK.cpu(), weights_TK.cpu())))
+    worker.graph_enabled = False
     try:
         timed_prefill(worker, b, n, 1, rank, "experts")
     finally:

@@ -67,6 +67,7 @@ class AllGatherDispatcher:
     """Dispatch by all-gather, combine by reduce-scatter, through the DP buffer service."""
 
     kind = "all_gather"
+    combine_is_identity = False
 
     def __init__(self, config: DispatcherConfig, ep: EPGroup | None = None, *,
                  buffers: GatherBuffers, device: torch.device | str | None = None) -> None:

@@ -121,6 +121,7 @@ class AllToAllDispatcher:
     """Dispatch and combine by variable-split all-to-all (see the module docstring)."""
 
     kind = "all_to_all"
+    combine_is_identity = False
 
     def __init__(self, config: DispatcherConfig, ep: EPGroup | None = None, *,
                  device: torch.device | str | None = None) -> None:

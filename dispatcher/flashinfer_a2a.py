@@ -112,6 +112,7 @@ class FlashInferDispatcher:
     """Dispatch and combine through FlashInfer's MoeAlltoAll (see the module docstring)."""
 
     kind = "flashinfer"
+    combine_is_identity = False
 
     def __init__(self, config: DispatcherConfig, ep: EPGroup, *, device: torch.device | str | None = None) -> None:
         """Takes the config and the EP group (with a process group: the workspace handles are

@@ -32,6 +32,7 @@ class LocalDispatcher:
     """The identity dispatch of a single rank (see the module docstring)."""
 
     kind = "local"
+    combine_is_identity = True  # combine returns the expert sum it is given
 
     def __init__(self, config: DispatcherConfig, ep: EPGroup | None = None, *,
                  device: torch.device | str | None = None) -> None:

@@ -42,6 +42,9 @@ class Dispatcher(Protocol):
     """Token dispatch and combine over an EP group (see the module docstring)."""
 
     kind: str
+    # combine returns its input unchanged (one rank): the expert sum's rows are the local
+    # tokens' outputs, so a caller may fold the work after combine into the sum's launch.
+    combine_is_identity: bool
     config: DispatcherConfig
     ep: EPGroup
     partition: ExpertPartition

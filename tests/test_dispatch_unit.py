@@ -226,6 +226,20 @@ def test_backends_satisfy_the_protocols():
     assert isinstance(FixedPlan.from_counts([1]), StepPlanLike)
 
 
+def test_only_the_local_combine_is_the_identity():
+    # The model folds the next layer's add+RMSNorm into the expert sum only where combine
+    # returns that sum unchanged; a backend that moves or reduces rows must say it does not.
+    plan = FixedPlan.from_counts([3])
+    x, ids, w = _inputs(3)
+    for kind in ("local", *BACKENDS):
+        d = _make(kind)
+        assert d.combine_is_identity == (kind == "local")
+        handle, _ = _dispatch(d, x, ids, w, plan)
+        out = d.expert_output_buffer(handle).normal_()
+        if d.combine_is_identity:
+            assert d.combine(out, handle) is out
+
+
 def test_handles_are_frozen():
     d = AllToAllDispatcher(_cfg(), device="cpu")
     x, ids, w = _inputs(3)

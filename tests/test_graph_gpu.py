@@ -25,6 +25,7 @@ from _graph_fixtures import (
 
 from dp_runtime.attention import KVLayout
 from dp_runtime.forward_mode import ForwardMode
+from dp_runtime.model.expert_path import recording_routes
 from dp_runtime.model.experts import local_expert_sum
 from dp_runtime.serving.forward_batch import idle_batch
 from graph import bucket_for, capture_sizes
@@ -271,17 +272,11 @@ def test_flashinfer_attention_matches_sdpa_on_extend_and_decode(deterministic, e
 
 
 def _record_routing(stack) -> list[torch.Tensor]:
-    """Each MoE call's expert choice per token (sorted top-k ids), appended in call order
-    (the model's own router arithmetic, read before it runs)."""
+    """Each MoE call's expert choice per token (sorted top-k ids), appended in call order: the
+    routing the model chose (eager steps)."""
     calls: list[torch.Tensor] = []
-    real, c = stack.model._moe, stack.config
-
-    def moe(layer, x, plan, *rest, **kwargs):
-        probs = torch.softmax((x @ layer.w_router.T).float(), dim=-1)
-        calls.append(torch.topk(probs, c.top_k, dim=-1).indices.sort(dim=-1).values)
-        return real(layer, x, plan, *rest, **kwargs)
-
-    stack.model._moe = moe
+    stack.model.experts = recording_routes(stack.model.experts,
+                                           lambda weights_TK, ids_TK: calls.append(ids_TK.sort(dim=-1).values))
     return calls
 
 

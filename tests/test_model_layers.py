@@ -117,3 +117,31 @@ def test_a_fused_kernel_that_cannot_run_is_logged_once_with_its_reason(caplog):
     moe = [m for m in lines if "fused MoE kernels not used" in m]
     assert len(norm) == 1 and "dtype torch.float32 is not bf16/fp16" in norm[0]
     assert len(moe) == 1 and "torch.float32" in moe[0] and "run dense" in moe[0]
+
+
+def test_recording_routes_hands_over_each_call_and_changes_nothing():
+    from dp_runtime.model.expert_path import expert_path, recording_routes
+
+    path = expert_path(torch.device("cpu"), torch.float32, top_k=2, renormalize=True)
+    seen = []
+    recorded = recording_routes(path, lambda w, ids: seen.append((w, ids)))
+    assert recorded.experts is path.experts and recorded.name == path.name
+    for seed in (0, 1):
+        logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))
+        weights, ids = recorded.route(logits)
+        want_w, want_ids = path.route(logits)
+        assert torch.equal(weights, want_w) and torch.equal(ids, want_ids)
+        assert seen[-1][0] is weights and seen[-1][1] is ids
+    assert len(seen) == 2
+
+
+def test_an_expert_path_without_the_fold_refuses_add_norm():
+    from dp_runtime.model.expert_path import expert_path
+
+    path = expert_path(torch.device("cpu"), torch.float32, top_k=2, renormalize=True)
+    assert not path.fuses_add_norm
+    x, ids, weights, w13, w2 = _experts()
+    out = path.experts(x, ids, weights, w13, w2, add_norm=None)
+    torch.testing.assert_close(out.double(), _loop_reference(x, ids, weights, w13, w2), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="dense expert path does not fold"):
+        path.experts(x, ids, weights, w13, w2, add_norm=(x.clone(), torch.ones(x.shape[1]), 1e-6))

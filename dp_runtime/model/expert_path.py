@@ -12,6 +12,7 @@ A fused kernel that cannot run is named with the reason in one log line, once pe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,17 +23,18 @@ from dp_runtime.model.fallback_log import log_fallback
 from dp_runtime.model.fused_moe import fused_moe_supported
 from dp_runtime.model.routing import softmax_topk
 
-__all__ = ["ExpertPath", "expert_path"]
+__all__ = ["ExpertPath", "expert_path", "recording_routes"]
 
 
 
 @dataclass(frozen=True)
 class ExpertPath:
     """The chosen kernels: ``route(logits_TE) -> (weights_TK fp32, ids_TK int32)`` and
-    ``experts(x_ND, local_ids_NK, weights_NK, w13, w2, out_ND, extend) -> out_ND`` (``extend``:
-    the rows are prompt tokens, a hint for the kernel's tiles). ``fuses_add_norm``: ``experts``
-    also takes ``add_norm=(residual_NH, weight_H, eps)`` and leaves the next layer's fused
-    add+RMSNorm done (``fused_moe_triton.fused_local_expert_sum``)."""
+    ``experts(x_ND, local_ids_NK, weights_NK, w13, w2, out_ND, extend, add_norm) -> out_ND``
+    (``extend``: the rows are prompt tokens, a hint for the kernel's tiles). ``fuses_add_norm``:
+    ``experts`` takes ``add_norm=(residual_NH, weight_H, eps)`` and leaves the next layer's
+    fused add+RMSNorm done (``fused_moe_triton.fused_local_expert_sum``); a path without it
+    refuses anything but None."""
 
     name: str
     reason: str
@@ -69,9 +71,24 @@ def expert_path(device: torch.device, dtype: torch.dtype, top_k: int, renormaliz
     grouped = grouped_mm_supported(device, dtype) if prefer is None else prefer == "grouped_mm"
     name = "grouped_mm" if grouped else "dense"
 
-    def unfused(x, ids, w, w13, w2, out_ND=None, extend=False):
+    def unfused(x, ids, w, w13, w2, out_ND=None, extend=False, add_norm=None):
+        if add_norm is not None:
+            raise ValueError(f"the {name} expert path does not fold the next add+RMSNorm (fuses_add_norm is False)")
         return local_expert_sum(x, ids, w, w13, w2, use_grouped_mm=grouped, out_ND=out_ND)
 
     if prefer is None and device.type == "cuda":
         log_fallback(f"fused MoE kernels not used ({why}): routing and experts run {name}")
     return ExpertPath(name, "configured" if prefer else why, route_torch, unfused)
+
+
+def recording_routes(path: ExpertPath, record: Callable[[torch.Tensor, torch.Tensor], None]) -> ExpertPath:
+    """``path`` whose ``route`` also hands each call's ``(weights_TK, ids_TK)`` to ``record``:
+    how a benchmark or a test reads the routing a model chose (set it as ``model.experts``).
+    Eager steps only: a graph replay runs no Python."""
+
+    def route(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights_TK, ids_TK = path.route(logits_TE)
+        record(weights_TK, ids_TK)
+        return weights_TK, ids_TK
+
+    return dataclasses.replace(path, route=route)

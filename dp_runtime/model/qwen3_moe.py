@@ -191,17 +191,16 @@ class Qwen3MoeModel:
         weights_TK, ids_TK = self.experts.route(self.ops.linear(x_TH, layer.w_router))
         d = self.dispatcher
         handle, inputs = d.dispatch(x_TH, ids_TK, weights_TK, plan)
-        kwargs = {"add_norm": add_norm} if add_norm is not None else {}
         out_ND = self.experts.experts(inputs.hidden_ND, self._local_ids(inputs), inputs.weights_NK, layer.w13,
-                                      layer.w2, out_ND=d.expert_output_buffer(handle), extend=extend, **kwargs)
+                                      layer.w2, out_ND=d.expert_output_buffer(handle), extend=extend, add_norm=add_norm)
         return d.combine(out_ND, handle)
 
     @property
     def _fuses_add_norm(self) -> bool:
         """Whether a sparse layer's expert sum also does the next layer's add+RMSNorm: the
-        combine must be the identity (one rank, the local dispatcher) for the sum's rows to be
-        the residual's, and the expert path must offer it."""
-        return self.dispatcher.kind == "local" and self.experts.fuses_add_norm
+        combine must be the identity (one rank) for the sum's rows to be the residual's, and the
+        expert path must offer it."""
+        return self.dispatcher.combine_is_identity and self.experts.fuses_add_norm
 
     def _local_ids(self, inputs) -> torch.Tensor:
         """Rank-local expert ids of the delivered picks. The fused path skips any id outside
