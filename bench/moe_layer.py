@@ -91,6 +91,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--flashinfer", action="store_true", help="also time flashinfer's cutlass_fused_moe")
     p.add_argument("--tune", action="store_true", help="sweep Triton tile configs per row, print the best")
     p.add_argument("--split", action="store_true", help="print the Triton path's time per kernel per row")
+    p.add_argument("--persistent", nargs="*", default=[], metavar="G1,G2",
+                   help="also time the rule's tiles with GEMM1 and GEMM2 on persistent grids of G1 and G2 "
+                        "programs per SM (MoeTileConfig.programs_per_sm; 0: a program per tile), e.g. 3,4 0,4")
     p.add_argument("--touched", type=int, default=None,
                    help="route each layer's tokens among this many random experts only (a prompt's tokens "
                         "share experts: a 128-token extend of the random preset touches ~30 of 128)")
@@ -174,10 +177,18 @@ def _ops_per_call(run: Callable[[], None], calls: int) -> float:
 
 
 def _kernel_split(run: Callable[[], None], calls: int) -> str:
-    """Microseconds per call by kernel (eager, profiled): where a path's time goes."""
+    """Microseconds per call by kernel (eager, profiled): where a path's time goes. A kernel
+    launched more than once per call is split by launch (``#0`` GEMM1, ``#1`` GEMM2)."""
+    ops = sorted(_gpu_ops(run), key=lambda e: e.time_range.start)
+    names = [e.name.split("(")[0].removeprefix("void ")[:32] for e in ops]
+    per_call = {name: names.count(name) // calls for name in set(names)}
+    seen: dict[str, int] = {}
     by: dict[str, float] = {}
-    for e in _gpu_ops(run):
-        name = e.name.split("(")[0].removeprefix("void ")[:32]
+    for e, name in zip(ops, names, strict=True):
+        if per_call[name] > 1:
+            i = seen.get(name, 0)
+            seen[name] = i + 1
+            name = f"{name}#{i % per_call[name]}"
         by[name] = by.get(name, 0.0) + (e.time_range.end - e.time_range.start) / calls
     return " ".join(f"{k} {v:.1f}" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
 
@@ -261,6 +272,33 @@ def _row(ep: int, n: int, floor_us: float, names: list[str], us: dict, ops: dict
     row += [ratio(us.get("flashinfer"), us.get("triton"))] if "flashinfer" in names else []
     row += ["/".join(f"{ops[name]:.0f}" if name in ops else "-" for name in names), ", ".join(checks) or "-"]
     return row
+
+
+def _persistent(args, layers: list[Layer], baseline_us: float, split: bool) -> str:
+    """The rule's tiles with each ``--persistent`` pair of programs per SM, one line: us per
+    layer, the ratio to the rule as it stands (and the kernel split with ``split``)."""
+    from dp_runtime.model.fused_moe_triton import (
+        fused_local_expert_sum,
+        gemm2_tile_config,
+        tile_config,
+    )
+
+    n = layers[0].x.shape[0]
+    rule, rule2 = tile_config(n, args.extend), gemm2_tile_config(n, args.extend)
+    outs = [torch.empty_like(layer.x) for layer in layers]
+    parts = []
+    for pair in args.persistent:
+        g1, g2 = (int(v) for v in pair.split(","))
+        cfg, cfg2 = dataclasses.replace(rule, programs_per_sm=g1), dataclasses.replace(rule2, programs_per_sm=g2)
+
+        def run(cfg=cfg, cfg2=cfg2):
+            for layer, out in zip(layers, outs, strict=True):
+                fused_local_expert_sum(layer.x, layer.local_ids, layer.weights, layer.w13, layer.w2,
+                                       out_ND=out, config=cfg, config2=cfg2)
+        us = graph_us(run, len(layers), args.repeats, args.inner)
+        parts.append(f"{g1},{g2}/SM {us:.1f} us ({us / baseline_us:.3f})"
+                     + (f" [{_kernel_split(run, len(layers))}]" if split else ""))
+    return "; ".join(parts)
 
 
 def _tune(args, layers: list[Layer], baseline_us: float) -> str:
@@ -390,6 +428,9 @@ def main() -> None:
             if args.split and "triton" in paths:
                 split_lines.append(f"ep {ep} tokens {n}: " + _kernel_split(paths["triton"], args.layers))
                 split_lines.append(f"ep {ep} tokens {n} occupancy: " + _occupancy())
+            if args.persistent and "triton" in us:
+                tune_lines.append(f"ep {ep} tokens {n} persistent grids, rule's tiles ({us['triton']:.1f} us as "
+                                  f"the rule stands): " + _persistent(args, layers, us["triton"], args.split))
             if args.tune and "triton" in us:
                 tune_lines.append(f"ep {ep} tokens {n}: " + _tune(args, layers, us["triton"]))
             del layers, outs, paths

@@ -44,6 +44,8 @@
 #                                  #   with this tree's bench/ scripts in every tree
 #   bash bench/run_gpu.sh kern9    # one GPU: kernels of a 1x128 extend and a bs-1 decode step; the extend's routing
 #                                  #   replayed through the expert path and its tile sweep
+#   bash bench/run_gpu.sh pers11   # one GPU: expert kernel tests, the expert GEMMs on persistent grids (a prompt's
+#                                  #   routing from .scratch/r128.pt or ROUTING, uniform extends, decode sizes)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -242,7 +244,7 @@ case "${1:-one}" in
   step8)  # one GPU: extend steps, single and streamed, and DP 1 decode against earlier trees (this tree's bench/)
     bases > /tmp/base_flags
     for d in /tmp/bases/*/; do cp bench/*.py "$d/bench/"; done  # the same harness in every tree
-    step extend_compare timeout 330 python bench/compare_trees.py --key shape --metric step_ms,stream_ms $(cat /tmp/base_flags) \
+    step extend_compare timeout ${EXTEND_TIMEOUT:-330} python bench/compare_trees.py --key shape --metric step_ms,stream_ms $(cat /tmp/base_flags) \
       -- python bench/prefill.py --iters 9 --warmup 2 --shapes ${EXTEND_SHAPES:-1x128,1x256} --modes graph --stream
     step decode_compare timeout 240 python bench/compare_trees.py $(cat /tmp/base_flags) -- python bench/serve_step.py \
       --batch-sizes ${DECODE_BS:-1,64} --iters 20 --modes graph
@@ -257,6 +259,14 @@ case "${1:-one}" in
     step variants timeout 420 python bench/compare_trees.py --key shape --metric step_ms,stream_ms --base /tmp/var/c0 \
       --base /tmp/var/vA --base /tmp/var/vB -- python bench/prefill.py --iters 9 --warmup 2 \
       --shapes ${EXTEND_SHAPES:-1x128,1x256} --modes graph --stream
+    ;;
+  pers11)  # one GPU: expert kernel tests, persistent expert-GEMM grids against a program per tile
+    step kernel_tests timeout 200 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_fused_moe.py
+    TAIL=14 step moe_routed timeout 200 python bench/moe_layer.py --routing ${ROUTING:-.scratch/r128.pt} --layers 48 \
+      --extend --split --ep 1 --persistent 0,4 0,3 3,0 3,4 2,4 3,3 1,1
+    TAIL=14 step moe_uniform timeout 150 python bench/moe_layer.py --tokens 128 256 1024 --touched 30 --extend --ep 1 \
+      --persistent 0,4 3,4 2,3
+    TAIL=14 step moe_decode timeout 120 python bench/moe_layer.py --tokens 64 256 --ep 1 --persistent 3,4 4,4 2,2
     ;;
   tests8)  # one GPU: every gpu test of the tree
     step gpu_tests timeout 560 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/

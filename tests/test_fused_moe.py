@@ -24,6 +24,8 @@ extra pick is an O(1) error.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,6 +168,26 @@ def test_add_norm_folds_the_next_residual_add_and_rms_norm(hidden, num_tokens, n
         fused_local_expert_sum(x, ids, weights, w13, w2, add_norm=(res, norm_w[:16], 1e-6))
 
 
+@pytest.mark.parametrize("num_tokens", [3, 33])  # 12 picks: one block per pick; 132: aligned blocks
+@pytest.mark.parametrize("programs_per_sm", [1, 2, 7])
+def test_a_persistent_grid_writes_what_a_program_per_tile_writes(num_tokens, programs_per_sm):
+    # programs_per_sm > 0 runs each GEMM on a fixed grid whose programs walk the tiles in use
+    # (the interpreter counts as one SM: 1 and 2 programs take several tiles each, 7 leaves
+    # some programs without a tile). Every tile must come out as one program per tile writes
+    # it, bit for bit; the unaligned layout (12 picks), which may hold other ranks' blocks,
+    # keeps a program per tile.
+    x, ids, weights, w13, w2 = _layer(8, 4, 80, 48, num_tokens, 6, DEVICE, seed=4)
+    ids[0, 0] = -1  # another rank's pick: no slot when aligned, a skipped block when not
+    per_tile = (MoeTileConfig(16, 32, 32, 2, 4, 2), MoeTileConfig(16, 64, 16, 1, 4, 2))
+    persistent = [MoeTileConfig(16, 32, 32, 2, 4, 2, programs_per_sm), MoeTileConfig(16, 64, 16, 1, 4, 2, programs_per_sm)]
+    want = fused_local_expert_sum(x, ids, weights, w13, w2, config=per_tile[0], config2=per_tile[1])
+    got = fused_local_expert_sum(x, ids, weights, w13, w2, config=persistent[0], config2=persistent[1])
+    assert torch.equal(got, want)
+    _assert_within_bound(got, x, ids, weights, w13, w2)
+    with pytest.raises(ValueError, match="programs_per_sm >= 0"):
+        MoeTileConfig(16, 32, 32, 1, 4, 2, programs_per_sm=-1)
+
+
 def test_no_rows_launches_nothing_and_returns_out():
     x, ids, weights, w13, w2 = _layer(8, 2, 64, 32, 0, 4, DEVICE)
     out = torch.empty(0, 64, dtype=torch.bfloat16, device=DEVICE)
@@ -259,6 +281,9 @@ def test_extend_steps_of_65_to_1024_tokens_take_64_row_blocks_and_the_same_sums(
     assert tile_config(2048, extend=True) == tile_config(2048) and tile_config(128).block_m == 16
     # Their second GEMM takes narrower column tiles on the same blocks; every other call one config.
     assert gemm2_tile_config(128, extend=True).block_m == 64 and gemm2_tile_config(128, extend=True).block_n == 64
+    # ... and from 129 tokens walks them on a persistent grid.
+    assert [gemm2_tile_config(n, extend=True).programs_per_sm for n in (128, 129, 1024)] == [0, 4, 4]
+    assert gemm2_tile_config(129, extend=True).block_n == 64
     for n, ext in [(1, False), (128, False), (64, True), (2048, True)]:
         assert gemm2_tile_config(n, ext) == tile_config(n, ext)
     x, ids, weights, w13, w2 = _layer(8, 8, 64, 32, 80, 8, DEVICE, seed=4)
@@ -333,6 +358,48 @@ def test_gpu_graph_replay_equals_eager_bitwise(num_local):
         assert torch.equal(out, fused_local_expert_sum(x, ids, weights, w13, w2))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [128, 256])
+def test_gpu_persistent_extend_gemms_match_per_tile_and_replay(num_tokens):
+    # The extend tiles on a persistent grid, for a prompt's routing concentrated on 30 experts
+    # (some get more than one block): equal to a program per tile bit for bit, eager and
+    # replayed with new routing in the same buffers (the tiles in use come from the device).
+    ok, reason = fused_moe_supported(torch.device("cuda"), torch.bfloat16)
+    if not ok:
+        pytest.skip(reason)
+    x, ids, weights, w13, w2 = _real_layer(num_tokens, 128, seed=7)
+
+    def concentrated(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        logits = torch.full((num_tokens, REAL["num_experts"]), float("-inf"), device="cuda")
+        keep = torch.randperm(REAL["num_experts"], generator=g, device="cuda")[:30]
+        logits[:, keep] = torch.randn(num_tokens, 30, generator=g, device="cuda")
+        w, i = softmax_topk(logits, REAL["top_k"], renormalize=True)
+        return i, w
+
+    per_tile = [dataclasses.replace(c, programs_per_sm=0)
+                for c in (tile_config(num_tokens, extend=True), gemm2_tile_config(num_tokens, extend=True))]
+    configs = [dataclasses.replace(c, programs_per_sm=p) for c, p in zip(per_tile, (3, 4), strict=True)]
+    first_ids, first_weights = concentrated(1)
+    ids.copy_(first_ids)
+    weights.copy_(first_weights)
+    out = torch.empty_like(x)
+    fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=out, config=configs[0], config2=configs[1])
+    assert torch.equal(out, fused_local_expert_sum(x, ids, weights, w13, w2, config=per_tile[0], config2=per_tile[1]))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=out, config=configs[0], config2=configs[1])
+    for seed in (2, 3):
+        new_ids, new_weights = concentrated(seed)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fused_local_expert_sum(x, ids, weights, w13, w2, config=per_tile[0],
+                                                       config2=per_tile[1]))
+
+
 def test_decode_picks_skip_the_alignment_and_match_the_aligned_path():
     """Up to UNALIGNED_PICKS picks, each pick is a block of its own (no alignment launch); the
     result equals the aligned path's on the same inputs, non-local picks included."""
@@ -357,9 +424,10 @@ def test_decode_picks_skip_the_alignment_and_match_the_aligned_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("counts", [(40, 41, 47, 48), (300, 301, 307, 320), (700, 701, 709, 720)],
-                         ids=["decode-tiles", "one-launch-alignment", "three-launch-alignment"])
-def test_gpu_one_build_serves_every_token_count_of_a_tile_config(counts):
+@pytest.mark.parametrize(("counts", "extend"), [((40, 41, 47, 48), False), ((300, 301, 307, 320), False),
+                                               ((700, 701, 709, 720), False), ((200, 201, 213, 240), True)],
+                         ids=["decode-tiles", "one-launch-alignment", "three-launch-alignment", "extend-persistent"])
+def test_gpu_one_build_serves_every_token_count_of_a_tile_config(counts, extend):
     # Within one tile config a new step size builds nothing: Triton specializes integer
     # arguments on divisibility by 16 and pointers on 16-byte alignment, and would otherwise
     # build again inside the step of a new size (a second of its prompt's time to first token).
@@ -371,11 +439,13 @@ def test_gpu_one_build_serves_every_token_count_of_a_tile_config(counts):
 
     kernels = (moe_align._align_by_expert_kernel, moe_align._chunk_counts_kernel, moe_align._chunk_offsets_kernel,
                moe_align._chunk_scatter_kernel, fused_moe_triton._expert_gemm_kernel,
-               fused_moe_triton._sum_picks_kernel)
-    assert len({tile_config(n) for n in counts}) == 1
+               fused_moe_triton._expert_gemm_persistent_kernel, fused_moe_triton._sum_picks_kernel)
+    assert len({(tile_config(n, extend), gemm2_tile_config(n, extend)) for n in counts}) == 1
     assert len({n * REAL["top_k"] > moe_align.PARALLEL_PICKS for n in counts}) == 1
-    fused_local_expert_sum(*_real_layer(counts[0], 128))
+    fused_local_expert_sum(*_real_layer(counts[0], 128), extend=extend)
     built = [compiled_variants(k) for k in kernels]
+    if extend:  # GEMM1 a program per tile, GEMM2 on the persistent grid
+        assert built[4] >= 1 and built[5] >= 1
     for n in counts[1:]:
-        fused_local_expert_sum(*_real_layer(n, 128))
+        fused_local_expert_sum(*_real_layer(n, 128), extend=extend)
     assert [compiled_variants(k) for k in kernels] == built

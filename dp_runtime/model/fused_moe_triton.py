@@ -19,6 +19,8 @@ device: no host sync, CUDA-graph capturable.
    epilogue and the (P, 2I) pre-activation never reaches memory.
 3. ``_expert_gemm_kernel``: ``y[p] = w[p] * (act[p] @ w2_e.T)`` -> (P, H), the routing weight
    applied to the fp32 accumulator before rounding to x's dtype.
+   Both GEMMs launch a program per tile of the worst case, or (``MoeTileConfig.programs_per_sm``)
+   ``_expert_gemm_persistent_kernel`` on a fixed grid whose programs walk the tiles in use.
 4. ``_sum_picks_kernel``: ``out[n] = sum_k y[n*K + k]`` over the valid picks, in k order, fp32.
    Each output row is reduced by one program in a fixed order (no atomics), so eager and graph
    replay agree bit for bit. Rows of invalid picks in act and y are never written and are
@@ -30,6 +32,8 @@ a token's K terms as one contiguous (K, H) slab.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +53,10 @@ class MoeTileConfig:
     multiple each expert is padded to; ``block_n``: output columns per program (in GEMM1 half
     are gate columns, half the matching up columns, so both GEMMs keep a BLOCK_M x block_n fp32
     accumulator); ``block_k``: contraction step; ``group_m``: blocks that walk the column tiles
-    together (L2 reuse of weight tiles); ``num_warps`` / ``num_stages``: Triton launch options."""
+    together (L2 reuse of weight tiles); ``num_warps`` / ``num_stages``: Triton launch options;
+    ``programs_per_sm``: 0 launches a program per tile of the worst case, n > 0 a persistent grid
+    of n programs per SM that walk the tiles in use (``_expert_gemm_persistent_kernel``; aligned
+    layouts only, one program per tile otherwise)."""
 
     block_m: int
     block_n: int
@@ -57,6 +64,7 @@ class MoeTileConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    programs_per_sm: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -65,8 +73,9 @@ class MoeTileConfig:
             low = 32 if name == "block_n" else 16
             if value < low or value & (value - 1):
                 raise ValueError(f"MoeTileConfig.{name}={value}: must be a power of two >= {low}")
-        if self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"MoeTileConfig: group_m, num_warps, num_stages must be >= 1, got {self}")
+        if self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1 or self.programs_per_sm < 0:
+            raise ValueError(f"MoeTileConfig: group_m, num_warps, num_stages must be >= 1 and programs_per_sm >= 0, "
+                             f"got {self}")
 
 
 # Tile configs by tokens on the rank (N), for Qwen3-30B-A3B-like layers (top-8 of 128 experts,
@@ -99,13 +108,24 @@ _EXTEND_MID = MoeTileConfig(64, 128, 64, 8, 4, 3)
 # the last wave is shorter. H200, `moe_layer.py --tokens 128 --touched 30 --extend --tune`:
 # 93.6 -> 91.1 us per layer.
 _EXTEND_MID_GEMM2 = MoeTileConfig(64, 64, 64, 8, 4, 3)
+# From 129 tokens (more blocks: a program per tile makes ~3-8 waves of short programs) the
+# second GEMM runs on a persistent grid of 4 programs per SM, whose flattened loop loads a
+# program's next tile while it finishes the current one. H200, `moe_layer.py --touched 30
+# --extend --persistent 0,4`, us per layer: 112.8 -> 110.0 at 256 tokens, 275.9 -> 267.1 at
+# 1024; at 128 tokens 86.0 -> 86.9 (a prompt's routing: 93.3 both), so not below 129. GEMM1
+# on a persistent grid lost at every size (93.3 -> 103.6-107.4 us at 128 tokens).
+_EXTEND_PERSISTENT_FROM = 129
+_EXTEND_LONG_GEMM2 = dataclasses.replace(_EXTEND_MID_GEMM2, programs_per_sm=4)
 
 
 def gemm2_tile_config(num_tokens: int, extend: bool = False) -> MoeTileConfig:
     """The second GEMM's tiles for a call of ``num_tokens`` rows: ``tile_config``'s, except for
-    mid-size extends (``_EXTEND_MID_GEMM2``). Same ``block_m``: both GEMMs walk one layout."""
+    mid-size extends (``_EXTEND_MID_GEMM2``, ``_EXTEND_LONG_GEMM2``). Same ``block_m``: both
+    GEMMs walk one layout."""
     cfg = tile_config(num_tokens, extend)
-    return _EXTEND_MID_GEMM2 if cfg is _EXTEND_MID else cfg
+    if cfg is not _EXTEND_MID:
+        return cfg
+    return _EXTEND_LONG_GEMM2 if num_tokens >= _EXTEND_PERSISTENT_FROM else _EXTEND_MID_GEMM2
 
 
 def tile_config(num_tokens: int, extend: bool = False) -> MoeTileConfig:
@@ -147,23 +167,61 @@ def _expert_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(n_out, BLOCK_N)
-    # GROUP_M blocks (consecutive blocks are mostly one expert's) take the same column tile
-    # one after another, so that weight tile is read from HBM once and then hit in L2.
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    """One program per output tile of the worst case (``num_blocks`` blocks)."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
     # The grid covers the worst case; blocks past the used ones exit at once.
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
-
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     # Unaligned blocks carry a pick's raw id: another rank's expert or a padding row is skipped.
     if (expert < 0) | (expert >= num_local):
         return
+    _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
+                 sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
+                 A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit(do_not_specialize=["num_picks"])
+def _expert_gemm_persistent_kernel(
+    a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr, sorted_ptr,
+    block_expert_ptr, num_rows_ptr, num_picks, n_out, k_in,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``_expert_gemm_kernel`` on a fixed grid: program ``p`` takes the tiles in use ``p, p +
+    grid, ...``. The tile loop is flattened with the contraction loop into one software
+    pipeline, so a program's loads for its next tile are in flight while it finishes the
+    current one: a short contraction (GEMM2's K = I = 768, 12 steps of 64) no longer pays a
+    pipeline fill and drain per tile. Aligned layouts only: every block in use then belongs to
+    a local expert (``align_picks`` gives other ranks' picks no slot), so no tile is skipped."""
+    num_n = tl.cdiv(n_out, BLOCK_N)
+    used = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
+    for tile in tl.range(tl.program_id(0), used * num_n, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = _tile_coords(tile, used, num_n, GROUP_M)
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
+                     sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
+                     A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _tile_coords(tile, num_blocks, num_n, GROUP_M: tl.constexpr):
+    """(block, column tile) of a tile index. GROUP_M blocks (consecutive blocks are mostly one
+    expert's) take the same column tile one after another, so that weight tile is read from HBM
+    once and then hit in L2."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
+@triton.jit
+def _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
+                 sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
+                 A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The BLOCK_M x BLOCK_N output tile (``pid_m``, ``pid_n``) of block ``pid_m``, whose picks
+    are all ``expert``'s: the contraction and the epilogue, stored by pick."""
     pick = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pick < num_picks
 
@@ -252,6 +310,35 @@ def _sum_picks_kernel(
     tl.store(out_ptr + n * stride_om + offs, out, mask=in_row)
 
 
+def _launch_gemm(cfg: MoeTileConfig, a, w, c, weights_P, sorted_R, block_expert, num_rows, num_local: int,
+                 aligned: bool, *, n_out: int, k_in: int, a_row_div: int, gated: bool) -> None:
+    """One expert GEMM of ``fused_local_expert_sum``: ``c = a @ w[e].T`` per block, GATED (GEMM1:
+    ``cfg.block_n`` split into gate and up halves, SwiGLU epilogue) or weighted (GEMM2)."""
+    blocks = block_expert.shape[0]
+    block_n = cfg.block_n // 2 if gated else cfg.block_n
+    tiles = blocks * triton.cdiv(n_out, block_n)
+    args = (a, a.stride(0), w, w.stride(0), w.stride(1), w.stride(2), c, c.stride(0), weights_P, sorted_R,
+            block_expert, num_rows, c.shape[0])  # c has a row per pick
+    meta = dict(A_ROW_DIV=a_row_div, GATED=gated, EVEN_K=k_in % cfg.block_k == 0,
+                UPCAST_DOT=isinstance(_expert_gemm_kernel, InterpretedFunction), BLOCK_M=cfg.block_m,
+                BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    if cfg.programs_per_sm and aligned:
+        grid = min(tiles, cfg.programs_per_sm * _sm_count(a.device))
+        _expert_gemm_persistent_kernel[(grid,)](*args, n_out, k_in, **meta)
+    else:
+        _expert_gemm_kernel[(tiles,)](*args, blocks, num_local, n_out, k_in, **meta)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """SMs of ``device`` (cached: eager extend steps are host-bound); Triton's CPU interpreter
+    counts as one."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND) -> None:
     if x_ND.dim() != 2:
         raise ValueError(f"x_ND: expected (N, H), got shape {tuple(x_ND.shape)}")
@@ -327,34 +414,17 @@ def fused_local_expert_sum(
     ids_P = local_ids_NK.contiguous().view(-1)
     weights_P = weights_NK.contiguous().view(-1)
 
-    if num_picks <= UNALIGNED_PICKS:
-        sorted_R, block_expert, num_rows = unaligned_blocks(ids_P, cfg.block_m)
-    else:
+    aligned = num_picks > UNALIGNED_PICKS
+    if aligned:
         sorted_R, block_expert, num_rows = align_picks(ids_P, num_local, cfg.block_m)
-    blocks = block_expert.shape[0]
-
-    upcast = isinstance(_expert_gemm_kernel, InterpretedFunction)
+    else:
+        sorted_R, block_expert, num_rows = unaligned_blocks(ids_P, cfg.block_m)
     act_PI = x_ND.new_empty((num_picks, inter))
-    half_n = cfg.block_n // 2
-    _expert_gemm_kernel[(blocks * triton.cdiv(inter, half_n),)](
-        x_ND, x_ND.stride(0),
-        w13_L2IH, w13_L2IH.stride(0), w13_L2IH.stride(1), w13_L2IH.stride(2),
-        act_PI, act_PI.stride(0),
-        weights_P, sorted_R, block_expert, num_rows, num_picks, blocks, num_local, inter, hidden,
-        A_ROW_DIV=top_k, GATED=True, EVEN_K=hidden % cfg.block_k == 0, UPCAST_DOT=upcast,
-        BLOCK_M=cfg.block_m, BLOCK_N=half_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    _launch_gemm(cfg, x_ND, w13_L2IH, act_PI, weights_P, sorted_R, block_expert, num_rows, num_local, aligned,
+                 n_out=inter, k_in=hidden, a_row_div=top_k, gated=True)
     y_PH = x_ND.new_empty((num_picks, hidden))
-    _expert_gemm_kernel[(blocks * triton.cdiv(hidden, cfg2.block_n),)](
-        act_PI, act_PI.stride(0),
-        w2_LHI, w2_LHI.stride(0), w2_LHI.stride(1), w2_LHI.stride(2),
-        y_PH, y_PH.stride(0),
-        weights_P, sorted_R, block_expert, num_rows, num_picks, blocks, num_local, hidden, inter,
-        A_ROW_DIV=1, GATED=False, EVEN_K=inter % cfg2.block_k == 0, UPCAST_DOT=upcast,
-        BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
-        num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
-    )
+    _launch_gemm(cfg2, act_PI, w2_LHI, y_PH, weights_P, sorted_R, block_expert, num_rows, num_local, aligned,
+                 n_out=hidden, k_in=inter, a_row_div=1, gated=False)
     # A row's norm needs the whole row in one program; a plain sum takes 1024-column pieces.
     block_h = triton.next_power_of_2(hidden) if add_norm is not None else min(triton.next_power_of_2(hidden), 1024)
     if add_norm is None:
