@@ -21,12 +21,12 @@ def _experts(t=9, h=32, i=16, e=4, k=2, dtype=torch.float32, seed=0):
 
 
 def _loop_reference(x, ids, weights, w13, w2):
-    """Per token and pick, in float64; a negative id adds nothing."""
+    """Per token and pick, in float64; an id outside [0, L) adds nothing."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            if e < 0:
+            if not 0 <= e < w13.shape[0]:
                 continue
             gate, up = (w13[e].double() @ x[t].double()).chunk(2)
             out[t] += weights[t, j].double() * (w2[e].double() @ (torch.nn.functional.silu(gate) * up))
@@ -55,11 +55,12 @@ def test_grouped_mm_experts_match_dense():
 
 @pytest.mark.parametrize("grouped", [False, True])
 def test_other_ranks_picks_and_padding_rows_add_nothing_even_when_nan(grouped):
-    # A dispatcher marks another rank's picks and padded rows with a negative id; those rows may
-    # hold NaN (uninitialised workspace). They must add exactly nothing, and never leak NaN.
+    # A dispatcher marks another rank's picks and padded rows with an id outside [0, L); those
+    # rows may hold NaN (uninitialised workspace). They must add exactly nothing, never leak NaN.
     dtype = torch.bfloat16 if grouped else torch.float32
     x, ids, weights, w13, w2 = _experts(t=8, h=64, i=32, e=4, k=2, dtype=dtype, seed=1)
     ids[1, 0] = -1  # one pick served elsewhere
+    ids[2, 1] = 4 + 3  # a later rank's expert, as global ids shifted by this rank's first (L = 4)
     ids[5:] = -1  # padded rows
     x[5:] = float("nan")
     weights[5:] = float("nan")

@@ -67,8 +67,9 @@ def local_expert_sum(
     """The rank-local half of an EP MoE layer: ``sum_k w[n, k] * expert_{id[n, k]}(x[n])`` over the
     picks this rank serves, for rows a dispatcher delivered (``dispatcher.ExpertInputs``).
 
-    ``local_ids_NK`` holds rank-local expert ids, or a negative id where the pick belongs to
-    another rank or the row is padding; those picks add nothing. Invalid picks are routed to a
+    ``local_ids_NK`` holds rank-local expert ids; an id outside [0, L) (negative, or a later
+    rank's expert in global ids shifted by this rank's first) marks a pick that belongs to
+    another rank or a padding row, and adds nothing. Invalid picks are routed to a
     sink group ``L`` past the last expert (the grouped GEMM never computes it, the dense loop
     never visits it) and their terms are *selected* away, not multiplied by zero: rows that
     padding or a communication workspace left uninitialised may hold NaN. Writes ``out_ND`` when
@@ -80,7 +81,7 @@ def local_expert_sum(
     if n == 0:
         return out_ND
     num_local = w13_L2IH.shape[0]
-    valid_NK = local_ids_NK >= 0
+    valid_NK = (local_ids_NK >= 0) & (local_ids_NK < num_local)
     ids_NK = torch.where(valid_NK, local_ids_NK.long(), num_local)
     # One (N, K, H) fp32 tensor, weighted and masked in place: at a full prefill chunk each
     # extra copy costs N*K*H*4 bytes (0.5 GiB for 8192 tokens of Qwen3-30B-A3B).

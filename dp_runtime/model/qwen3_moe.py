@@ -202,11 +202,10 @@ class Qwen3MoeModel:
         expert path must offer it."""
         return self.dispatcher.combine_is_identity and self.experts.fuses_add_norm
 
-    def _local_ids(self, inputs) -> torch.Tensor:
-        """Rank-local expert ids of the delivered picks. The fused path skips any id outside
-        [0, L) itself, so a shift is all it needs (none at EP 1); the torch paths want -1 there."""
-        if self.experts.name != "triton":
-            return inputs.local_expert_ids_NK
+    @staticmethod
+    def _local_ids(inputs) -> torch.Tensor:
+        """Rank-local expert ids of the delivered picks. Every expert path skips an id outside
+        [0, L) itself, so a shift is all they need (none at EP 1), not a remap to -1."""
         if inputs.given_local_ids_NK is not None:
             return inputs.given_local_ids_NK
         ids = inputs.expert_ids_NK
