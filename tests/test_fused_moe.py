@@ -302,6 +302,13 @@ def test_supported_names_the_reason():
 
 # -- GPU: Qwen3-30B-A3B shapes (E 128, top-8, H 2048, I 768) --------------------------------------
 
+def _skip_without_fused_moe() -> None:
+    """Skip a GPU test where the fused path cannot run, with the reason."""
+    ok, reason = fused_moe_supported(torch.device("cuda"), torch.bfloat16)
+    if not ok:
+        pytest.skip(reason)
+
+
 REAL = {"num_experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}
 
 
@@ -315,9 +322,7 @@ def _real_layer(num_tokens, num_local, seed=0):
 @pytest.mark.parametrize("num_local", [128, 64])
 @pytest.mark.parametrize("num_tokens", [0, 1, 8, 64, 256, 2048])
 def test_gpu_real_shapes_match_grouped_mm(num_tokens, num_local):
-    ok, reason = fused_moe_supported(torch.device("cuda"), torch.bfloat16)
-    if not ok:
-        pytest.skip(reason)
+    _skip_without_fused_moe()
     x, ids, weights, w13, w2 = _real_layer(num_tokens, num_local)
     if num_tokens and num_local < REAL["num_experts"]:
         ids[: max(1, num_tokens // 8)] = -1  # tokens routed to no local expert
@@ -337,25 +342,31 @@ def test_gpu_real_shapes_match_grouped_mm(num_tokens, num_local):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_local", [128, 64])
 def test_gpu_graph_replay_equals_eager_bitwise(num_local):
-    ok, reason = fused_moe_supported(torch.device("cuda"), torch.bfloat16)
-    if not ok:
-        pytest.skip(reason)
+    _skip_without_fused_moe()
     x, ids, weights, w13, w2 = _real_layer(64, num_local, seed=4)
     out = torch.empty_like(x)
     fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=out)  # compile outside the capture
+    new = [_tokens(REAL["num_experts"], REAL["top_k"], REAL["hidden"], 64, num_local, x.device, seed=seed)
+           for seed in (5, 6)]
+    _assert_replays_follow_new_inputs(lambda: fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=out), out,
+                                      (x, ids, weights), new, lambda: fused_local_expert_sum(x, ids, weights, w13, w2))
+
+
+def _assert_replays_follow_new_inputs(run, out, bufs, new_inputs, want) -> None:
+    """Capture ``run`` (it writes ``out``) in a CUDA graph; then for each tuple of
+    ``new_inputs``, copy it into ``bufs``, replay and compare ``out`` with ``want()`` bit for bit.
+    The counts, blocks and padding live on the device, so a replay must follow the new routing,
+    not the one seen at capture."""
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=out)
-    # New routing in the same buffers: the counts, blocks and padding live on the device, so
-    # the replay follows the new routing, not the one seen at capture.
-    for seed in (5, 6):
-        new = _tokens(REAL["num_experts"], REAL["top_k"], REAL["hidden"], 64, num_local, x.device, seed=seed)
-        for buf, value in zip((x, ids, weights), new, strict=True):
+        run()
+    for values in new_inputs:
+        for buf, value in zip(bufs, values, strict=True):
             buf.copy_(value)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, fused_local_expert_sum(x, ids, weights, w13, w2))
+        assert torch.equal(out, want())
 
 
 @pytest.mark.gpu
@@ -364,9 +375,7 @@ def test_gpu_persistent_extend_gemms_match_per_tile_and_replay(num_tokens):
     # The extend tiles on a persistent grid, for a prompt's routing concentrated on 30 experts
     # (some get more than one block): equal to a program per tile bit for bit, eager and
     # replayed with new routing in the same buffers (the tiles in use come from the device).
-    ok, reason = fused_moe_supported(torch.device("cuda"), torch.bfloat16)
-    if not ok:
-        pytest.skip(reason)
+    _skip_without_fused_moe()
     x, ids, weights, w13, w2 = _real_layer(num_tokens, 128, seed=7)
 
     def concentrated(seed):
@@ -380,24 +389,19 @@ def test_gpu_persistent_extend_gemms_match_per_tile_and_replay(num_tokens):
     per_tile = [dataclasses.replace(c, programs_per_sm=0)
                 for c in (tile_config(num_tokens, extend=True), gemm2_tile_config(num_tokens, extend=True))]
     configs = [dataclasses.replace(c, programs_per_sm=p) for c, p in zip(per_tile, (3, 4), strict=True)]
-    first_ids, first_weights = concentrated(1)
-    ids.copy_(first_ids)
-    weights.copy_(first_weights)
+    for buf, value in zip((ids, weights), concentrated(1), strict=True):
+        buf.copy_(value)
     out = torch.empty_like(x)
-    fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=out, config=configs[0], config2=configs[1])
-    assert torch.equal(out, fused_local_expert_sum(x, ids, weights, w13, w2, config=per_tile[0], config2=per_tile[1]))
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=out, config=configs[0], config2=configs[1])
-    for seed in (2, 3):
-        new_ids, new_weights = concentrated(seed)
-        ids.copy_(new_ids)
-        weights.copy_(new_weights)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, fused_local_expert_sum(x, ids, weights, w13, w2, config=per_tile[0],
-                                                       config2=per_tile[1]))
+
+    def persistent():
+        return fused_local_expert_sum(x, ids, weights, w13, w2, out_ND=out, config=configs[0], config2=configs[1])
+
+    def one_per_tile():
+        return fused_local_expert_sum(x, ids, weights, w13, w2, config=per_tile[0], config2=per_tile[1])
+
+    assert torch.equal(persistent(), one_per_tile())
+    _assert_replays_follow_new_inputs(persistent, out, (ids, weights), [concentrated(2), concentrated(3)],
+                                      one_per_tile)
 
 
 def test_decode_picks_skip_the_alignment_and_match_the_aligned_path():
@@ -431,9 +435,7 @@ def test_gpu_one_build_serves_every_token_count_of_a_tile_config(counts, extend)
     # Within one tile config a new step size builds nothing: Triton specializes integer
     # arguments on divisibility by 16 and pointers on 16-byte alignment, and would otherwise
     # build again inside the step of a new size (a second of its prompt's time to first token).
-    ok, reason = fused_moe_supported(torch.device("cuda"), torch.bfloat16)
-    if not ok:
-        pytest.skip(reason)
+    _skip_without_fused_moe()
     from dp_runtime.model import fused_moe_triton, moe_align
     from tests.support.triton_builds import compiled_variants
 
