@@ -40,6 +40,9 @@ class ExpertInputs:
       each pick, or ``INVALID_EXPERT_ID`` (-1, never a local id) where the pick is another rank's
       expert or the row is padding. Lazy because dispatch itself never needs it: the conversion
       is the experts' work, as with a raw MoeAlltoAll, and costs five small kernels.
+    - ``shifted_expert_ids_NK``: ``expert_ids_NK - first_expert`` (the given local ids where a
+      dispatcher has them): the local id of each own pick and some id outside [0, L) for every
+      other, for expert kernels that skip such ids themselves (the model's): no remap kernels.
     - ``weights_NK``: fp32 routing weight of each pick (meaningless where the id is invalid).
     - ``num_local_experts``: ``L``; ``first_expert``: global id of local expert 0.
 
@@ -60,6 +63,12 @@ class ExpertInputs:
         if self.given_local_ids_NK is not None:
             return self.given_local_ids_NK
         return ExpertPartition.local_ids_of(self.expert_ids_NK, self.first_expert, self.num_local_experts)
+
+    @property
+    def shifted_expert_ids_NK(self) -> torch.Tensor:
+        if self.given_local_ids_NK is not None:
+            return self.given_local_ids_NK
+        return self.expert_ids_NK if self.first_expert == 0 else self.expert_ids_NK - self.first_expert
 
     @property
     def num_rows(self) -> int:

@@ -237,6 +237,21 @@ def test_only_the_local_combine_is_the_identity():
     assert d.combine(out, handle) is out
 
 
+def test_shifted_ids_are_the_local_ids_of_own_picks_and_out_of_range_for_the_rest():
+    # The model's expert kernels skip any id outside [0, L) themselves, so they take the
+    # received global ids shifted by the rank's first expert instead of the remapped local ids.
+    ids = torch.tensor([[0, 5], [7, 3], [4, -1]], dtype=torch.int32)  # -1: a padding row's pick
+    for first in (0, 4):  # ranks 0 and 1 of E = 8 over 2 ranks, L = 4
+        inputs = ExpertInputs(torch.zeros(3, 2), ids, torch.ones(3, 2), num_local_experts=4, first_expert=first)
+        shifted, local = inputs.shifted_expert_ids_NK, inputs.local_expert_ids_NK
+        own = local >= 0
+        assert torch.equal(shifted[own], local[own]) and int(own.sum()) == {0: 2, 4: 3}[first]
+        assert bool(((shifted[~own] < 0) | (shifted[~own] >= 4)).all())
+    given = torch.tensor([[1, 2]], dtype=torch.int32)
+    inputs = ExpertInputs(torch.zeros(1, 2), given, torch.ones(1, 2), 4, 0, given_local_ids_NK=given)
+    assert inputs.shifted_expert_ids_NK is given
+
+
 def test_handles_are_frozen():
     d = AllToAllDispatcher(_cfg(), device="cpu")
     x, ids, w = _inputs(3)

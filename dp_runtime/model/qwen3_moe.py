@@ -191,7 +191,7 @@ class Qwen3MoeModel:
         weights_TK, ids_TK = self.experts.route(self.ops.linear(x_TH, layer.w_router))
         d = self.dispatcher
         handle, inputs = d.dispatch(x_TH, ids_TK, weights_TK, plan)
-        out_ND = self.experts.experts(inputs.hidden_ND, self._local_ids(inputs), inputs.weights_NK, layer.w13,
+        out_ND = self.experts.experts(inputs.hidden_ND, inputs.shifted_expert_ids_NK, inputs.weights_NK, layer.w13,
                                       layer.w2, out_ND=d.expert_output_buffer(handle), extend=extend, add_norm=add_norm)
         return d.combine(out_ND, handle)
 
@@ -201,15 +201,6 @@ class Qwen3MoeModel:
         combine must be the identity (one rank) for the sum's rows to be the residual's, and the
         expert path must offer it."""
         return self.dispatcher.combine_is_identity and self.experts.fuses_add_norm
-
-    @staticmethod
-    def _local_ids(inputs) -> torch.Tensor:
-        """Rank-local expert ids of the delivered picks. Every expert path skips an id outside
-        [0, L) itself, so a shift is all they need (none at EP 1), not a remap to -1."""
-        if inputs.given_local_ids_NK is not None:
-            return inputs.given_local_ids_NK
-        ids = inputs.expert_ids_NK
-        return ids if inputs.first_expert == 0 else ids - inputs.first_expert
 
     def _mlp(self, layer: _Layer, x_TH: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_and_mul(x_TH @ layer.w13.T) @ layer.w2.T
