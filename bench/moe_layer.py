@@ -103,6 +103,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--extend", action="store_true",
                    help="the rows are prompt tokens: the Triton path takes its extend tiles (tile_config extend=True)")
     args = p.parse_args()
+    try:  # "G1,G2" -> (G1, G2)
+        args.persistent = [tuple(int(v) for v in pair.split(",")) for pair in args.persistent]
+    except ValueError:
+        args.persistent = None
+    if args.persistent is None or any(len(pair) != 2 or min(pair) < 0 for pair in args.persistent):
+        p.error("--persistent takes G1,G2 pairs of programs per SM >= 0 (0: a program per tile), e.g. 3,4 0,4")
     args.routed = None
     if args.routing:
         if not os.path.isfile(args.routing):
@@ -274,27 +280,30 @@ def _row(ep: int, n: int, floor_us: float, names: list[str], us: dict, ops: dict
     return row
 
 
+def _fused_with(layers: list[Layer], outs: list[torch.Tensor], cfg, cfg2) -> Callable[[], None]:
+    """A call running the Triton path on every layer into ``outs`` with tile configs ``cfg``
+    (both GEMMs) and ``cfg2`` (the second GEMM's, or None)."""
+    from dp_runtime.model.fused_moe_triton import fused_local_expert_sum
+
+    def run():
+        for layer, out in zip(layers, outs, strict=True):
+            fused_local_expert_sum(layer.x, layer.local_ids, layer.weights, layer.w13, layer.w2,
+                                   out_ND=out, config=cfg, config2=cfg2)
+    return run
+
+
 def _persistent(args, layers: list[Layer], baseline_us: float, split: bool) -> str:
     """The rule's tiles with each ``--persistent`` pair of programs per SM, one line: us per
     layer, the ratio to the rule as it stands (and the kernel split with ``split``)."""
-    from dp_runtime.model.fused_moe_triton import (
-        fused_local_expert_sum,
-        gemm2_tile_config,
-        tile_config,
-    )
+    from dp_runtime.model.fused_moe_triton import gemm2_tile_config, tile_config
 
     n = layers[0].x.shape[0]
     rule, rule2 = tile_config(n, args.extend), gemm2_tile_config(n, args.extend)
     outs = [torch.empty_like(layer.x) for layer in layers]
     parts = []
-    for pair in args.persistent:
-        g1, g2 = (int(v) for v in pair.split(","))
-        cfg, cfg2 = dataclasses.replace(rule, programs_per_sm=g1), dataclasses.replace(rule2, programs_per_sm=g2)
-
-        def run(cfg=cfg, cfg2=cfg2):
-            for layer, out in zip(layers, outs, strict=True):
-                fused_local_expert_sum(layer.x, layer.local_ids, layer.weights, layer.w13, layer.w2,
-                                       out_ND=out, config=cfg, config2=cfg2)
+    for g1, g2 in args.persistent:
+        run = _fused_with(layers, outs, dataclasses.replace(rule, programs_per_sm=g1),
+                          dataclasses.replace(rule2, programs_per_sm=g2))
         us = graph_us(run, len(layers), args.repeats, args.inner)
         parts.append(f"{g1},{g2}/SM {us:.1f} us ({us / baseline_us:.3f})"
                      + (f" [{_kernel_split(run, len(layers))}]" if split else ""))
@@ -305,7 +314,7 @@ def _tune(args, layers: list[Layer], baseline_us: float) -> str:
     """The fastest tile config for these layers among a sweep around the expected rows per
     expert block (both GEMMs on one config), then the second GEMM's own tiles on top of the
     best, as one line."""
-    from dp_runtime.model.fused_moe_triton import MoeTileConfig, fused_local_expert_sum
+    from dp_runtime.model.fused_moe_triton import MoeTileConfig
     from dp_runtime.model.fused_moe_triton import tile_config as tile_config_for
 
     n = layers[0].x.shape[0]
@@ -318,13 +327,8 @@ def _tune(args, layers: list[Layer], baseline_us: float) -> str:
 
     def timed(cfg: MoeTileConfig, cfg2: MoeTileConfig | None = None) -> float | None:
         nonlocal failed
-
-        def run():
-            for layer, out in zip(layers, outs, strict=True):
-                fused_local_expert_sum(layer.x, layer.local_ids, layer.weights, layer.w13,
-                                       layer.w2, out_ND=out, config=cfg, config2=cfg2)
         try:
-            return graph_us(run, len(layers), repeats=10, inner=5)
+            return graph_us(_fused_with(layers, outs, cfg, cfg2), len(layers), repeats=10, inner=5)
         except Exception:  # a config past the shared memory or registers of this GPU
             failed += 1
             return None
