@@ -1,0 +1,68 @@
+"""The engine on a 2-rank Ray gang (a private local cluster on loopback, gloo): concurrent
+requests spread over both ranks give transformers' tokens, idle ranks wake for a late request,
+and a killed rank fails its in-flight requests as retryable, then the gang comes back."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.serving.request import Request, SamplingParams
+from launch.engine import Engine, EngineOptions, EngineUnavailable
+from tests.hf_reference import greedy_reference, load_reference, write_tiny_checkpoint
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("transformers")
+
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("engine_ray"))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 9, 15, 6, 21, 3, 11, 8)]
+    hf = load_reference(ckpt)
+    return ckpt, prompts, [greedy_reference(hf, p, NEW)[0] for p in prompts]
+
+
+def test_two_ranks_serve_concurrent_requests_and_survive_a_killed_rank(setup):
+    ckpt, prompts, reference = setup
+    spec = RankSpec.create(str(ckpt), dp_size=2, ep_size=2, max_running_requests=4, chunked_prefill_size=16,
+                           dtype="float32", device="cpu", max_context_len=64)
+    with Engine(spec, EngineOptions(launcher="ray", max_restarts=1, ray_num_cpus=2)).start() as eng:
+        reqs = [Request(f"r{i}", p, SamplingParams(max_new_tokens=NEW)) for i, p in enumerate(prompts)]
+        results = eng.generate(reqs, timeout_s=120)
+        assert [list(r.output_ids) for r in results] == reference
+        assert {r.rank for r in results} == {0, 1}  # least-outstanding routing used both ranks
+        assert [s["routed_requests"] for s in eng.stats().ranks] == [4, 4]
+
+        time.sleep(0.5)  # every rank asleep; one request wakes them all
+        late = eng.generate([Request("late", prompts[2], SamplingParams(max_new_tokens=NEW))], timeout_s=60)
+        assert list(late[0].output_ids) == reference[2]
+
+        outs = []
+        eng.submit(Request("doomed", prompts[0], SamplingParams(max_new_tokens=50)), outs.append)
+        while not outs:
+            time.sleep(0.005)
+        ray.kill(eng._ranks._gang.actors[1], no_restart=True)  # a real actor death
+        deadline = time.monotonic() + 60
+        while not (outs[-1].finished) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        last = outs[-1]
+        assert last.finished and last.retryable and last.result.finish_reason == "error"
+        assert "failed" in last.result.error
+        refused = 0
+        while eng.health().state != "ready" and time.monotonic() < deadline + 60:
+            try:
+                eng.submit(Request(f"during{refused}", prompts[0]), lambda out: None)
+            except EngineUnavailable as e:
+                assert "restarting: rank 1 failed" in str(e)
+                refused += 1
+            time.sleep(0.05)
+        assert refused > 0 and eng.health().ok and eng.stats().restarts == 1
+        again = eng.generate([Request("again", prompts[1], SamplingParams(max_new_tokens=NEW))], timeout_s=60)
+        assert list(again[0].output_ids) == reference[1]
