@@ -24,7 +24,8 @@ per rank)                             ``attn_tp_size``; the last equals         
                                       ``cuda_graph_max_bs``; empty iff that is 0          policy
 cuda_graph_extend_tokens (token        strictly increasing, each > 0, a multiple of        16, 32, 64,
 buckets of extend graphs)             ``attn_tp_size`` and <= max_tokens_per_rank;        128, 256,
-                                      empty: extend steps run eager                       capped
+                                      empty: extend steps run eager                       512, 1024,
+                                                                                          capped
 dp_padding                            None / "auto" (the rule) / "max_len" / "sum_len"     None
 dp_sync_exchange                      "auto" (same node: shm, else gloo) / "shm" / "gloo"  env or auto
 dp_sync_timeout_s                     > 0                                                  (120)
@@ -83,9 +84,11 @@ _DTYPES = {
 }
 _EXCHANGES = ("auto", "shm", "gloo")
 _AUTO_GRAPH_MAX_BS = 256
-# Token buckets of extend graphs: small extend steps (a chunk's tail, short prompts) are bound by
-# host time when eager; from a few hundred tokens on the GPU work hides it.
-_AUTO_EXTEND_TOKENS = (16, 32, 64, 128, 256)
+# Token buckets of extend graphs: eager extend steps of the 48-layer model are bound by host
+# time (about 46-50 ms on an H100) up to about 1024 tokens, and mixed steps (the running decode
+# rows plus a few prompts) land there all the time under load. Past 1024 the GPU work hides the
+# host, and a bucket's per-layer q/k/v kept in graph memory would cost more than it saves.
+_AUTO_EXTEND_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
 
 
 def align_up(value: int, alignment: int) -> int:

@@ -46,10 +46,15 @@ from dp_runtime.choices import rank_choices
 from dp_runtime.graph_setup import RankGraphs, capture_rank_graphs
 from dp_runtime.model.qwen3_moe import Qwen3MoeModel
 from dp_runtime.model.weights import iter_checkpoint, iter_random
+from dp_runtime.rank_memory import (
+    check_largest_step,
+    make_kv_cache,
+    measured_kv_slots,
+    run_largest_step,
+)
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.forward_batch import idle_batch
 from dp_runtime.serving.kv_allocator import KVAllocator
-from dp_runtime.serving.kv_cache import KVCache
 from dp_runtime.serving.outputs import StepOutputs
 from dp_runtime.serving.request import Request, RequestResult
 from dp_runtime.serving.scheduler import ScheduledStep, Scheduler
@@ -172,22 +177,9 @@ class RankWorker:
             weights = iter_checkpoint(spec.model, mc, ep.rank, ep.size, cfg.dtype, dev)
         self.model = Qwen3MoeModel(mc, weights, attention=None, dispatcher=self.dispatcher, dtype=cfg.dtype, device=dev)
         self._memory["weights"] = self.model.weight_bytes()
-
-        self.kv_cache = KVCache(
-            num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            num_slots=memory_sizing.kv_slots_for_rank(spec, dev), max_reqs=cfg.max_running_requests,
-            max_context_len=spec.context_len, dtype=cfg.dtype, device=dev)
-        self._memory["kv_cache"] = self.kv_cache.nbytes()
-        self.attention_kind = choices.attention
-        self.attention = make_attention_backend(choices.attention, self.kv_cache, mc,
-                                                check_indices=cfg.flashinfer_checks)
-        # The model attends through a seam that extend graphs cut their pieces at.
-        self.model.attention = AttentionSplit(self.attention)
-        self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
-                                   chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank,
-                                   vocab_size=mc.vocab_size, eos_token_ids=spec.eos_token_ids)
         self._on_phase("warming up the dispatcher")
         self.dispatcher.warmup()
+        self.attention_kind = choices.attention
 
         # Registries share the pool by name. The eager one is built first: it is the larger on
         # every axis (max_running_requests >= cuda_graph_max_bs), and storage never grows.
@@ -197,8 +189,22 @@ class RankWorker:
             return build_prefill_registry(bs, tokens, dev, pool, dp_size=cfg.dp_size, register_input_embeds=False,
                                           register_global_num_tokens=False, user="eager")
 
-        self.eager = EagerRunner(self.model.forward, self.attention, eager_registry, no_copy=cfg.eager_input_no_copy,
-                                 max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
+        def eager_runner(attention) -> EagerRunner:
+            return EagerRunner(self.model.forward, attention, eager_registry, no_copy=cfg.eager_input_no_copy,
+                               max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
+
+        slots = measured_kv_slots(spec, self.model, self.dp_buffers, dev, choices, eager_runner, self._memory,
+                                  self._on_phase)
+        self.kv_cache = make_kv_cache(spec, slots, dev)
+        self._memory["kv_cache"] = self.kv_cache.nbytes()
+        self.attention = make_attention_backend(choices.attention, self.kv_cache, mc,
+                                                check_indices=cfg.flashinfer_checks)
+        # The model attends through a seam that extend graphs cut their pieces at.
+        self.model.attention = AttentionSplit(self.attention)
+        self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
+                                   chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank,
+                                   vocab_size=mc.vocab_size, eos_token_ids=spec.eos_token_ids)
+        self.eager = eager_runner(self.attention)
         if choices.graphs:
             self.rank_graphs = capture_rank_graphs(
                 cfg=cfg, forward=self.model.forward, split=self.model.attention, attention=self.attention, pool=pool,
@@ -206,7 +212,11 @@ class RankWorker:
                 show_progress=self._show_progress, on_phase=self._on_phase)
         self._memory["graph_pool"] = 0 if self.rank_graphs is None else self.rank_graphs.memory_bytes
         self._memory["graph_inputs"] = pool.total_bytes() - pool_before
-        self._memory["activation_peak"] = 0
+        if "graph_reserve" in self._memory:  # profiled: the largest step must still fit
+            self._on_phase("checking the largest step")
+            check_largest_step(lambda: run_largest_step(self.eager, self.dp_buffers, cfg, dev, spec.context_len),
+                               dev, self._memory)
+            logger.info("rank %d memory (bytes): %s", self.rank, self._memory)
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> None:

@@ -1,0 +1,180 @@
+"""A rank's GPU memory, measured before its KV cache is sized and checked before it serves.
+
+The KV cache takes what is left, so every other consumer must be known first (vLLM sizes its
+cache after a profiling forward for the same reason). On CUDA, with no ``kv_cache_tokens`` given:
+
+1. **Profile** (``profile_largest_step``): after the weights, the dispatcher and its warm-up,
+   one eager forward of the largest step the rank accepts (``largest_step_tokens``: the token
+   budget, spread over ``max_running_requests`` requests, each within the context) against a
+   one-request KV cache with its own attention backend; the peak allocation growth over it,
+   that cache and that backend's workspaces included, is what the real step will need on top
+   of the real cache (whose backend takes the same workspaces).
+2. **Size** (``kv_budget_bytes``): ``kv_mem_fraction`` of what is free after the profile, less
+   the peak and less the graphs' reserve (``graph_reserve_bytes``: the graphs are captured after
+   the cache, whose addresses they bake in, so they are reserved from an estimate with a
+   margin, and their measured size is reported beside it).
+3. **Check** (``check_largest_step``): once the graphs are captured, the largest step runs once
+   more, eagerly, against the real cache. A configuration that cannot run it is refused at start
+   with the numbers, never out of memory mid-serving.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dp_runtime import memory_sizing as ms
+from dp_runtime.attention import make_attention_backend
+from dp_runtime.forward_mode import ForwardMode
+from dp_runtime.serving.forward_batch import capture_batch
+from dp_runtime.serving.kv_cache import KVCache
+from dp_runtime.sync.step_plan import plan_step
+from dp_runtime.sync.step_table import StepTable
+from graph import AttentionSplit
+
+__all__ = ["GRAPH_RESERVE_MARGIN", "check_largest_step", "graph_reserve_bytes", "kv_budget_bytes",
+           "largest_step_tokens", "make_kv_cache", "measured_kv_slots", "profile_largest_step",
+           "run_largest_step"]
+
+logger = logging.getLogger("dp_runtime")
+
+# The graph estimate missed the measured pool by up to 14% (docs/BENCHMARKS.md): reserve a
+# quarter more than it says.
+GRAPH_RESERVE_MARGIN = 1.25
+_GIB = 2**30
+
+
+def largest_step_tokens(cfg: Any, context_len: int) -> tuple[int, int]:
+    """``(tokens, requests)`` of the largest step a rank can be given: the token budget
+    (``max_tokens_per_rank``) over at most ``max_running_requests`` requests, none longer than
+    ``context_len``."""
+    tokens = min(cfg.max_tokens_per_rank, cfg.max_running_requests * context_len)
+    return tokens, min(tokens, cfg.max_running_requests)
+
+
+def run_largest_step(eager: Any, dp_buffers: Any, cfg: Any, device: torch.device, context_len: int) -> None:
+    """One eager forward of the largest step and its greedy pick, on every rank alike (a
+    collective when the dispatcher exchanges). Its requests all read request row 0 and KV slot 0,
+    the padding targets, as a graph capture's do: nothing live is touched."""
+    tokens, requests = largest_step_tokens(cfg, context_len)
+    plan = plan_step(StepTable.from_counts([tokens] * cfg.dp_size, can_run_graph=False, is_extend=True), cfg)
+    dp_buffers.set_from_plan(plan)
+    batch = capture_batch(requests, tokens, plan, device=device, forward_mode=ForwardMode.EXTEND)
+    eager.run(batch).argmax(dim=-1)
+
+
+def profile_largest_step(run_with_kv: Callable[[Any], None], make_kv: Callable[[], Any],
+                         device: torch.device) -> int:
+    """Peak bytes allocated over ``run_with_kv(kv)`` on a fresh ``make_kv()`` (a one-request
+    cache), counted from what was allocated before the cache; everything it made is freed after
+    (module docstring, step 1)."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    kv = make_kv()
+    try:
+        run_with_kv(kv)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    finally:
+        del kv
+        gc.collect()  # the probe backend and runner hold the probe cache through cycles
+        torch.cuda.empty_cache()
+
+
+def graph_reserve_bytes(spec: Any, graphs: bool, attention: str, dispatcher: str) -> int:
+    """What the rank's graphs are expected to take, with the margin: the decode graphs
+    (``memory_sizing.graph_pool_bytes_estimate``) plus the extend pieces, which keep each
+    attention layer's q/k/v and output at the largest token bucket and run one forward at it
+    (0 without graphs)."""
+    if not graphs:
+        return 0
+    cfg, mc = spec.runtime, spec.model_config()
+    moe = (mc.hidden_size, mc.top_k, cfg.dtype)
+    sizes = tuple(cfg.cuda_graph_bs)
+    decode = 0
+    if sizes:
+        step = ms.dispatcher_step_bytes(dispatcher, cfg.ep_size, sizes[-1], *moe)
+        per_bucket = ms.FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES if attention == "flashinfer" else 0
+        decode = ms.graph_pool_bytes_estimate(mc, cfg.dtype, sizes[-1], step, capture_sizes=sizes,
+                                              per_bucket_bytes=per_bucket)
+    extend = 0
+    if cfg.cuda_graph_extend_tokens:
+        t = cfg.cuda_graph_extend_tokens[-1]
+        per_token = (2 * mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim * ms.dtype_bytes(cfg.dtype)
+        extend = mc.num_layers * t * per_token
+        extend += ms.forward_peak_bytes_estimate(mc, cfg.dtype, t, min(t, cfg.max_running_requests))
+        extend += ms.dispatcher_step_bytes(dispatcher, cfg.ep_size, t, *moe)
+    return int(GRAPH_RESERVE_MARGIN * (decode + extend))
+
+
+def kv_budget_bytes(free_bytes: int, peak_bytes: int, reserve_bytes: int, fraction: float) -> int:
+    """Bytes the KV cache may take: ``fraction`` of what is free less the largest step's peak and
+    the graphs' reserve (module docstring, step 2); never negative."""
+    return max(0, int((free_bytes - peak_bytes - reserve_bytes) * fraction))
+
+
+def check_largest_step(run: Callable[[], None], device: torch.device, memory: dict[str, int]) -> None:
+    """Run the largest step against the real cache (module docstring, step 3). RuntimeError
+    naming every component in GiB when it runs out of memory."""
+    try:
+        run()
+        torch.cuda.synchronize(device)
+    except torch.OutOfMemoryError:
+        free, total = torch.cuda.mem_get_info(device)
+        parts = ", ".join(f"{k} {v / _GIB:.2f}" for k, v in memory.items())
+        raise RuntimeError(
+            f"RankWorker: the largest step does not fit on {device} ({total / _GIB:.2f} GiB, {free / _GIB:.2f} "
+            f"free after it failed; components in GiB: {parts}): lower chunked_prefill_size, "
+            f"max_running_requests or kv_mem_fraction"
+        ) from None
+
+
+def make_kv_cache(spec: Any, num_slots: int, device: torch.device, max_reqs: int | None = None) -> KVCache:
+    """The rank's paged KV cache of ``num_slots`` slots (``max_reqs``: its request rows, by
+    default ``max_running_requests``)."""
+    mc = spec.model_config()
+    return KVCache(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                   num_slots=num_slots, max_reqs=max_reqs or spec.runtime.max_running_requests,
+                   max_context_len=spec.context_len, dtype=spec.runtime.dtype, device=device)
+
+
+def measured_kv_slots(spec: Any, model: Any, dp_buffers: Any, device: torch.device, choices: Any,
+                      eager_runner: Callable[[Any], Any], memory: dict[str, int],
+                      on_phase: Callable[[str], None]) -> int:
+    """The KV slots of a rank: ``memory_sizing.kv_slots_for_rank`` when they are given or the
+    device is not CUDA; else measured (module docstring, steps 1-2), with ``activation_peak``
+    and ``graph_reserve`` recorded in ``memory``. ``eager_runner(backend)`` makes the rank's
+    eager runner over an attention backend. RuntimeError with the numbers when one request of
+    the full context does not fit."""
+    cfg, mc = spec.runtime, spec.model_config()
+    memory["activation_peak"] = 0
+    if spec.kv_cache_tokens is not None or device.type != "cuda":
+        return ms.kv_slots_for_rank(spec, device)
+    on_phase("profiling memory")
+
+    def run_with_kv(kv: KVCache) -> None:
+        backend = make_attention_backend(choices.attention, kv, mc)
+        model.attention = AttentionSplit(backend)
+        try:
+            run_largest_step(eager_runner(backend), dp_buffers, cfg, device, spec.context_len)
+        finally:
+            model.attention = None
+
+    peak = profile_largest_step(run_with_kv, lambda: make_kv_cache(spec, 1, device, max_reqs=1), device)
+    reserve = graph_reserve_bytes(spec, choices.graphs, choices.attention, choices.dispatcher)
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = kv_budget_bytes(free, peak, reserve, spec.kv_mem_fraction)
+    slots = ms.kv_slots_for_budget(mc, cfg.dtype, budget, cfg.max_running_requests, spec.context_len)
+    memory.update(activation_peak=int(peak), graph_reserve=reserve)
+    if slots < spec.context_len:
+        raise RuntimeError(
+            f"RankWorker: {free / _GIB:.2f} GiB free after the weights, less the largest step's {peak / _GIB:.2f} "
+            f"GiB and the graphs' reserve {reserve / _GIB:.2f} GiB, times kv_mem_fraction={spec.kv_mem_fraction}, "
+            f"gives {slots} KV slots; one request of max_context_len={spec.context_len} needs more (lower "
+            f"chunked_prefill_size or max_running_requests)")
+    return slots

@@ -1,0 +1,43 @@
+"""Memory measured, never guessed (dp_runtime/rank_memory.py), on one GPU: the profiled peak of
+the largest step bounds what serving then allocates, the graphs fit their reserve, and a
+configuration whose KV cache cannot hold one request is refused at start with the numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.rank_worker import RankWorker
+from dp_runtime.serving.request import Request, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def _spec(**kw):
+    base = dict(device="cuda", dtype="bfloat16", max_running_requests=16, chunked_prefill_size=512,
+                max_context_len=256)
+    return RankSpec.create("tiny", **{**base, **kw})
+
+
+def test_serving_stays_within_the_profiled_peak_and_graphs_within_their_reserve():
+    with RankWorker(_spec()) as w:
+        mem = w.memory_report()
+        assert mem["activation_peak"] > 0 and 0 < mem["graph_pool"] <= mem["graph_reserve"], mem
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        # Prompts that fill the 512-token budget in one step, then decode together.
+        g = torch.Generator().manual_seed(0)
+        reqs = [Request(f"r{i}", torch.randint(1, 200, (n,), generator=g).tolist(), SamplingParams(max_new_tokens=24))
+                for i, n in enumerate((200, 180, 120, 12, 230, 64, 90, 17))]
+        results = w.generate(reqs)
+        torch.cuda.synchronize()
+        grew = torch.cuda.max_memory_allocated() - base
+    assert all(r.ok and len(r.output_ids) == 24 for r in results)
+    assert 0 < grew <= mem["activation_peak"], (grew, mem)
+
+
+def test_a_kv_cache_too_small_for_one_request_is_refused_at_start_with_the_numbers():
+    with pytest.raises(RuntimeError, match=r"gives \d+ KV slots; one request of max_context_len=256 needs more"):
+        RankWorker(_spec(kv_mem_fraction=1e-9))
