@@ -19,6 +19,9 @@ from dp_runtime.serving.kv_cache import KVCache
 from dp_runtime.serving.paged_batches import extend_forward_batch
 from dp_runtime.serving.request import Request, SamplingParams
 from dp_runtime.serving.scheduler import Scheduler
+from dp_runtime.sync.padding_mode import PaddingMode
+from dp_runtime.sync.step_plan import plan_step
+from dp_runtime.sync.step_table import LocalStepInfo, StepTable
 from tests.hf_reference import greedy_reference, load_reference, write_tiny_checkpoint
 from tests.support.synthetic_batch import add_requests, decode_batch, extend_batch
 
@@ -192,6 +195,19 @@ def test_a_mixed_batch_gives_the_logits_of_its_decode_and_extend_parts_run_apart
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
 
 
+def test_a_mixed_rank_beside_a_decoding_rank_plans_an_eager_extend_step_within_the_limits():
+    cfg = RuntimeConfig(dp_size=2, max_running_requests=8, chunked_prefill_size=32, cuda_graph_extend_tokens=(16, 32))
+    mixed = LocalStepInfo(32, can_run_graph=True, is_extend=True)  # 8 decode rows + a 24-token chunk
+    decoding = LocalStepInfo(8, can_run_graph=True)
+    plan = plan_step(StepTable.from_locals([mixed, decoding]), cfg)
+    assert plan.forward_modes == (ForwardMode.EXTEND, ForwardMode.DECODE) and plan.is_extend
+    assert plan.graph_bucket is None  # decode and extend graphs differ: both ranks run eager
+    assert plan.padding is PaddingMode.SUM_LEN and plan.global_dp_buffer_len == 40
+    assert plan.global_dp_buffer_len <= cfg.max_global_tokens
+    with pytest.raises(ValueError, match=r"num_tokens=33; it must be in \[0, max_tokens_per_rank=32\]"):
+        plan_step(StepTable.from_locals([LocalStepInfo(33, is_extend=True), decoding]), cfg)
+
+
 # -- serving -------------------------------------------------------------------------------------
 pytest.importorskip("transformers")
 
@@ -247,3 +263,4 @@ def test_serving_with_mixed_steps_gives_the_tokens_without_them_and_transformers
         assert m_on["extend_graph_steps"] > 0
     elif graphs == "graph-runner":
         assert m_on["graph_steps"] > 0
+
