@@ -36,10 +36,10 @@ Overlap: a step's bookkeeping that does not depend on token values (K/V lengths,
 done when it is scheduled, so the next step can be scheduled before this one's tokens are
 read. A decode batch, and the decode rows of a mixed one, take their input ids on the device
 from ``last_tokens`` (the token each request row sampled last, written by the rank worker's
-sampling), and a request is decoded only
-while its recorded plus in-flight tokens are below ``max_new_tokens``. Tokens are recorded by
-``advance`` (possibly one step later); a request that stopped (a stop token) while its next
-step was already scheduled ran that step for nothing: ``advance`` drops its extra token.
+sampling), and a request is decoded only while its recorded plus in-flight tokens are below
+``max_new_tokens``. Tokens are recorded by ``advance`` (possibly one step later); a request
+that stopped (a stop token) while its next step was already scheduled ran that step for
+nothing: ``advance`` drops its extra token.
 """
 
 from __future__ import annotations
