@@ -146,6 +146,36 @@ def test_a_request_that_stops_while_its_mixed_step_is_scheduled_drops_that_token
     assert s.allocator.num_free_slots == s.cache.num_slots and not s.running
 
 
+@pytest.mark.parametrize(("budget", "max_running"), [(8, 4), (3, 6)], ids=["budget>running", "budget<running"])
+def test_no_step_brings_more_than_max_tokens_per_rank_and_every_request_finishes(budget, max_running):
+    """Random prompts and lengths, tokens recorded one step late (overlap): a mixed step keeps
+    to the budget, any step to max(budget, max_running) (the DP buffers' and the dispatcher
+    workspace's max_tokens_per_rank), and every request ends with every slot back."""
+    s = _scheduler(budget, max_running=max_running)
+    g = torch.Generator().manual_seed(budget)
+    n = 12
+    lens = torch.randint(1, 14, (n,), generator=g).tolist()
+    news = torch.randint(1, 6, (n,), generator=g).tolist()
+    s.submit([_req(f"r{i}", range(1, 1 + ln), new=nw) for i, (ln, nw) in enumerate(zip(lens, news, strict=True))])
+    limit = RuntimeConfig(chunked_prefill_size=budget, max_running_requests=max_running).max_tokens_per_rank
+    done, pending, kinds = [], None, set()
+    for _ in range(200):
+        step = s.next_step()
+        if step is None and pending is None:
+            break
+        if step is not None:
+            kinds.add(step.kind)
+            assert step.num_tokens <= limit
+            assert step.kind != "mixed" or step.num_tokens <= budget
+            _sampled(s, step, [7] * len(step.reqs))
+        if pending is not None:
+            done += s.advance(pending, [7 if x else None for x in pending.samples])
+        pending = step
+    assert sorted(r.rid for r in done) == sorted(f"r{i}" for i in range(n))
+    assert all(len(r.output_ids) == nw for r, nw in zip(sorted(done, key=lambda r: int(r.rid[1:])), news, strict=True))
+    assert "mixed" in kinds and s.allocator.num_free_slots == s.cache.num_slots
+
+
 def test_mixed_batch_input_checks_name_the_fields():
     cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_slots=32, max_reqs=4, max_context_len=16,
                     dtype=torch.float32, device="cpu")
