@@ -1,5 +1,6 @@
 """The requests of bench/serve_load.py (its docstring says what they are): prompt and output
-lengths, arrival times, each rate's requests and the warm-up's. Pure functions of the seed."""
+lengths, arrival times, each rate's requests, the warm-up's and the decode probe's. Pure
+functions of the seed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import random
 from dp_runtime.serving.request import Request, SamplingParams
 from launch.cli_errors import UsageError
 
-__all__ = ["SHAREGPT_LIKE", "WARM_PAST_CHUNK", "Lengths", "arrival_times", "make_requests", "warmup_requests"]
+__all__ = ["SHAREGPT_LIKE", "WARM_PAST_CHUNK", "Lengths", "arrival_times", "decode_probe_requests", "make_requests",
+           "warmup_requests"]
 
 # (lo, hi, weight): lengths uniform in [lo, hi) within a bin. Totals stay under 2048 tokens, the
 # tiny preset's context, so the default runs on every preset.
@@ -108,3 +110,14 @@ def warmup_requests(n: int, lengths: Lengths, process: str, vocab: int, seed: in
         warm.append(Request(f"warm-chunk-{k}", [rng.randrange(vocab) for _ in range(size)],
                             SamplingParams(max_new_tokens=1), arrival_s=0.0))
     return warm
+
+
+def decode_probe_requests(running: int, world: int, vocab: int, seed: int, *, prompt_len: int,
+                          new_tokens: int, tag: str) -> list[Request]:
+    """``running`` requests per rank (round-robin gives each rank as many), all at once, of
+    ``prompt_len`` random tokens generating ``new_tokens``: once their prompts are in, every step
+    decodes ``running`` rows on every rank, so their token gaps time the decode step at that
+    batch (serve_load's decode-only bound)."""
+    rng = random.Random(f"{seed}-{tag}")
+    return [Request(f"{tag}-{i:05d}", [rng.randrange(vocab) for _ in range(prompt_len)],
+                    SamplingParams(max_new_tokens=new_tokens), arrival_s=0.0) for i in range(running * world)]

@@ -46,6 +46,7 @@
 #                                  #   replayed through the expert path and its tile sweep
 #   bash bench/run_gpu.sh pers11   # one GPU: expert kernel tests, the expert GEMMs on persistent grids (a prompt's
 #                                  #   routing from .scratch/r128.pt or ROUTING, uniform extends, decode sizes)
+#   bash bench/run_gpu.sh mem12    # one GPU: memory-profile/model/extend-graph GPU tests, 512/1024-token extends vs trees
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -267,6 +268,15 @@ case "${1:-one}" in
     TAIL=14 step moe_uniform timeout 150 python bench/moe_layer.py --tokens 128 256 1024 --touched 30 --extend --ep 1 \
       --persistent 0,4 3,4 2,3
     TAIL=14 step moe_decode timeout 120 python bench/moe_layer.py --tokens 64 256 --ep 1 --persistent 3,4 4,4 2,2
+    ;;
+  mem12)  # one GPU: memory-profile, model and extend-graph GPU tests; 512/1024-token extends vs earlier trees
+    step gpu_tests timeout 330 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py \
+      tests/test_model_gpu.py tests/test_extend_graphs.py
+    bases > /tmp/base_flags
+    for d in /tmp/bases/*/; do cp bench/prefill.py "$d/bench/"; done  # the same harness in every tree
+    step extend_compare timeout ${EXTEND_TIMEOUT:-420} python bench/compare_trees.py --key shape --metric step_ms,stream_ms \
+      $(cat /tmp/base_flags) -- python bench/prefill.py --iters 5 --warmup 2 --shapes ${EXTEND_SHAPES:-1x512,1x1024} \
+      --modes graph --stream
     ;;
   tests8)  # one GPU: every gpu test of the tree
     step gpu_tests timeout 560 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/

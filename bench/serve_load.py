@@ -32,6 +32,17 @@ consecutive tokens of a request, pooled over requests; TPOT: per request, (laten
 (tokens - 1); E2E: arrival to last token; ``max run``: the most requests running (admitted,
 unfinished) at once on one rank (``max_concurrency`` in the JSON sums the ranks). Times are each
 rank's own ``perf_counter`` from its submit (ranks are submitted to within milliseconds).
+
+Steps and the decode-only bound (docs/serving_benchmarks.md): ``steps`` counts the rate's steps
+by kind, summed over the ranks (``decode``: decode rows only; ``extend``: prefill chunks only;
+``mixed``: decode rows and prefill chunks in one step, RuntimeConfig.mixed_steps). After the
+rates, a decode probe per distinct ``max run`` R (R requests per rank of ``--probe-prompt-len``
+tokens, all at once, ``--probe-tokens`` each) times the decode step at batch R through the same
+step loop (graph replay where graphs serve it): the median token gap once every probe request
+has its first token. ``bound`` = R x ranks / that step, the output tokens/s that R running
+requests per rank would get from decode steps alone; ``eff`` = out tok/s / bound. ``--mixed
+both`` runs every rate without mixed steps, then with them (a fresh set of ranks each), rows
+side by side.
 """
 
 from __future__ import annotations
@@ -39,8 +50,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -52,7 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from bench.load_workload import Lengths, make_requests, warmup_requests
+from bench.load_workload import Lengths, decode_probe_requests, make_requests, warmup_requests
 from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request, RequestResult
@@ -104,6 +117,27 @@ def _num(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
+STEP_KINDS = ("decode", "extend", "mixed")
+
+
+def step_kinds(all_metrics: list[dict[str, Any]]) -> dict[str, int]:
+    """Steps by kind so far, summed over the ranks' metrics (``RankWorker.metrics``)."""
+    return {k: sum(m.get("steps_by_kind", {}).get(k, 0) for m in all_metrics) for k in STEP_KINDS}
+
+
+def decode_step_s(results: list[RequestResult], world: int) -> float | None:
+    """The decode step of a decode probe: on each rank, the gaps between consecutive tokens
+    once every probe request of that rank has its first token (every step then decodes them
+    all); the median over the ranks' gaps. None without such a gap."""
+    gaps = []
+    for rank in range(world):
+        mine = [r for r in results if r.ok and r.rank == rank and r.token_times_s]
+        if mine:
+            start = max(r.token_times_s[0] for r in mine)
+            gaps += [b - a for r in mine for a, b in pairwise(r.token_times_s) if a >= start]
+    return statistics.median(gaps) if gaps else None
+
+
 # -- the ranks ---------------------------------------------------------------------------------------
 class InProcessRank:
     """This process's rank (one rank alone, or one of a torchrun job): a RankSession whose
@@ -116,6 +150,7 @@ class InProcessRank:
         self.rank, self.world = rank, world
         self.session = RankSession(spec, rank, world, show_progress=show_progress)
         self.metrics: dict[str, Any] = {}
+        self.all_metrics: list[dict[str, Any]] = []  # every rank's, on rank 0
 
     def run(self, requests: list[Request]) -> list[RequestResult] | None:
         self.session.submit(split_round_robin(requests, self.world)[self.rank])
@@ -127,11 +162,23 @@ class InProcessRank:
             print(f"error: {message}", file=sys.stderr, flush=True)
             raise RuntimeError(message)
         self.metrics = dict(st.metrics)
-        parts = [list(st.results)]
+        mine = (list(st.results), self.metrics)
+        parts = [mine]
         if self.world > 1:
             parts = [None] * self.world if self.rank == 0 else None
-            dist.gather_object(list(st.results), parts, dst=0)
-        return [r for p in parts for r in p] if self.rank == 0 else None
+            dist.gather_object(mine, parts, dst=0)
+        if self.rank != 0:
+            return None
+        self.all_metrics = [m for _, m in parts]
+        return [r for p, _ in parts for r in p]
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (collective under torchrun)."""
+        if self.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def close(self) -> None:
         self.session.close()
@@ -146,6 +193,7 @@ class RayRanks:
         self.world = spec.runtime.world_size
         self.gang = Gang(spec, GangOptions(device=spec.runtime.device.type, show_progress=show_progress))
         self.metrics: dict[str, Any] = {}
+        self.all_metrics: list[dict[str, Any]] = []
         try:
             self.gang.launch()
         except BaseException:
@@ -170,6 +218,7 @@ class RayRanks:
                 # one more collect (RankSession.collect).
                 results += [r for st in self._check("collect", self.gang.collect()) for r in st.results]
                 self.metrics = dict(statuses[0].metrics)
+                self.all_metrics = [dict(st.metrics) for st in statuses]
                 return results
             time.sleep(0.05)
 
@@ -181,6 +230,10 @@ class RayRanks:
         if bad:
             raise RuntimeError(f"{what}: " + "; ".join(f"rank {rank}: {o!r}" for rank, o in bad))
         return outcomes
+
+    @staticmethod
+    def agree(value: Any) -> Any:
+        return value  # one driver: nothing to agree on
 
     def close(self) -> None:
         self.gang.stop()
@@ -211,6 +264,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--dispatcher", default="auto")
     p.add_argument("--attention", default="auto")
+    p.add_argument("--mixed", default="on", choices=("on", "off", "both"),
+                   help="mixed prefill+decode steps (RuntimeConfig.mixed_steps); both: off, then on")
+    p.add_argument("--probe-tokens", type=int, default=32,
+                   help="tokens per decode-probe request (the decode-only bound); 0: no probe")
+    p.add_argument("--probe-prompt-len", type=int, default=64, help="prompt tokens of a decode-probe request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON line on stdout instead of the table")
     p.add_argument("--per-request", action="store_true", help="with --json: every request's timings too")
@@ -226,8 +284,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("num_requests", "dp", "max_running_requests", "chunked_prefill_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    for name in ("warmup", "probe_tokens"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.probe_prompt_len < 1:
+        raise UsageError(f"--probe-prompt-len must be >= 1, got {args.probe_prompt_len}")
     return args
 
 
@@ -235,14 +296,52 @@ def _model_config(model: str) -> ModelConfig:
     return ModelConfig.preset(model) if model in PRESETS else ModelConfig.from_dir(model)
 
 
-def build_spec(args: argparse.Namespace, world: int, device: str, requests: list[Request]) -> RankSpec:
+def build_spec(args: argparse.Namespace, world: int, device: str, requests: list[Request],
+               mixed: bool = True) -> RankSpec:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     return RankSpec.create(
         args.model, model_overrides={"num_layers": args.layers} if args.layers else None, dp_size=world,
         device=device, dtype=dtype, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=args.dispatcher, attention=args.attention,
-        max_context_len=max(r.max_total_tokens for r in requests), seed=args.seed,
+        max_context_len=max(r.max_total_tokens for r in requests), seed=args.seed, mixed_steps=mixed,
     )
+
+
+def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, list[Request]]], world: int,
+              vocab: int, mixed: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every rate through ``ranks``, then the decode probes (module docstring); the rows and
+    the per-request entries on rank 0 (empty elsewhere). Collective under torchrun."""
+    rows, per_request = [], []
+    for rate, reqs in batches:
+        before = step_kinds(ranks.all_metrics)
+        results = ranks.run(reqs)
+        if results is None:
+            continue
+        after = step_kinds(ranks.all_metrics)
+        row = summarize_rate(rate, reqs, results, world)
+        rows.append(dict(row, mixed=mixed, steps={k: after[k] - before[k] for k in STEP_KINDS}))
+        arrival = {r.rid: r.arrival_s for r in reqs}
+        per_request += [dict(rid=r.rid, rank=r.rank, arrival_s=arrival[r.rid], prompt_len=r.prompt_len,
+                             output_len=len(r.output_ids), queued_s=r.queued_s, ttft_s=r.ttft_s,
+                             latency_s=r.latency_s, error=r.error, mixed=mixed) for r in results]
+    # The probes' sizes are rank 0's numbers: every rank must run the same ones.
+    sizes = ranks.agree(sorted({max(r["max_running"]) for r in rows}) if args.probe_tokens else [])
+    step_s = {}
+    for n in sizes:
+        if n < 1:
+            continue
+        probe = decode_probe_requests(n, world, vocab, args.seed, prompt_len=args.probe_prompt_len,
+                                      new_tokens=args.probe_tokens, tag=f"probe{n}")
+        results = ranks.run(probe)
+        if results is not None:
+            step_s[n] = decode_step_s(results, world)
+    for row in rows:
+        n = max(row["max_running"])
+        step = step_s.get(n)
+        bound = n * world / step if step else None
+        row.update(decode_step_s=step, decode_bound_tok_s=bound,
+                   efficiency=row["output_tok_s"] / bound if bound and row["output_tok_s"] else None)
+    return rows, per_request
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -274,30 +373,34 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         rank = dist.get_rank() if world > 1 else 0
     failed = True
+    modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.mixed]
+    rows, per_request, build_s = [], [], 0.0
     try:
         # Unreported: on every rank a whole-chunk step and an extend with a cached prefix build
         # their kernels here, not in the first rate's TTFT (warmup_requests).
         warm = warmup_requests(args.warmup, args.lengths, args.arrival, vocab, args.seed,
                                chunk=args.chunked_prefill_size, max_prompt=mc.max_positions - 1, world=world)
-        spec = build_spec(args, world, device, [r for _, b in batches for r in b] + warm)
-        t0 = time.perf_counter()
-        ranks = RayRanks(spec, not args.json) if args.launcher == "ray" else InProcessRank(spec, rank, world, rank == 0 and not args.json)
-        build_s = time.perf_counter() - t0
-        try:
-            if warm:
-                ranks.run(warm)
-            rows, per_request = [], []
-            for rate, reqs in batches:
-                results = ranks.run(reqs)
-                if results is None:
-                    continue
-                rows.append(summarize_rate(rate, reqs, results, world))
-                arrival = {r.rid: r.arrival_s for r in reqs}
-                per_request += [dict(rid=r.rid, rank=r.rank, arrival_s=arrival[r.rid], prompt_len=r.prompt_len,
-                                     output_len=len(r.output_ids), queued_s=r.queued_s, ttft_s=r.ttft_s,
-                                     latency_s=r.latency_s, error=r.error) for r in results]
-        finally:
-            ranks.close()
+        probe = decode_probe_requests(1, 1, vocab, args.seed, prompt_len=args.probe_prompt_len,
+                                      new_tokens=max(args.probe_tokens, 1), tag="size")
+        everything = [r for _, b in batches for r in b] + warm + (probe if args.probe_tokens else [])
+        for mixed in modes:
+            spec = build_spec(args, world, device, everything, mixed)
+            t0 = time.perf_counter()
+            ranks = RayRanks(spec, not args.json) if args.launcher == "ray" else InProcessRank(spec, rank, world, rank == 0 and not args.json)
+            build_s += time.perf_counter() - t0
+            try:
+                if warm:
+                    ranks.run(warm)
+                got, got_requests = run_rates(args, ranks, batches, world, vocab, mixed)
+                rows += got
+                per_request += got_requests
+            finally:
+                ranks.close()
+            m = ranks.metrics
+            del ranks
+            gc.collect()  # the ranks' GPU memory goes before the next set is built
+            if device == "cuda":
+                torch.cuda.empty_cache()
         failed = False
     finally:
         if own_group:
@@ -307,7 +410,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             ray.shutdown()
     if rank != 0:
         return None
-    m = ranks.metrics
     header = dict(
         date=str(datetime.date.today()), commit=_commit(), command=" ".join(sys.argv),
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu", world_size=world,
@@ -315,7 +417,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         dtype=str(spec.runtime.dtype).replace("torch.", ""), lengths=dataclasses.asdict(args.lengths), arrival=args.arrival,
         num_requests=args.num_requests, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=m.get("dispatcher"), attention=m.get("attention"),
-        graphs=m.get("graphs"), build_s=build_s,
+        graphs=m.get("graphs"), build_s=build_s, mixed_steps=list(modes),
     )
     out: dict[str, Any] = dict(header=header, rows=rows)
     if args.per_request:
@@ -337,19 +439,24 @@ def print_table(report: dict[str, Any]) -> None:
           f"dispatcher {h['dispatcher']}, attention {h['attention']}, graphs {h['graphs']}; lengths {h['lengths']}; "
           f"{h['arrival']} arrivals, {h['num_requests']} requests per rate; max running {h['max_running_requests']}, "
           f"prefill chunk {h['chunked_prefill_size']}; build {h['build_s']:.0f} s")
-    print(f"{'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} "
-          f"{'TPOT p50':>9} {'p99':>7} {'E2E p50':>8} {'p99':>7} {'max run':>8}")
+    print(f"{'mixed':>5} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>7} "
+          f"{'ITL p50':>8} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'E2E p50':>8} {'p99':>7} {'max run':>8} "
+          f"{'steps d/e/m':>16} {'bound':>8} {'eff':>5}")
     for r in report["rows"]:
         def p(key: str, q: str, r: dict[str, Any] = r) -> str:
             v = r[key][q]
             return f"{'-':>7}" if v is None else f"{v * 1e3:>7.1f}"
 
         rate = "inf" if r["rate"] is None else f"{r['rate']:g}"
-        print(f"{rate:>6} {r['completed']:>5} {r['request_throughput'] or 0:>7.2f} "
+        steps = "/".join(str(r["steps"][k]) for k in STEP_KINDS)
+        bound = f"{r['decode_bound_tok_s']:>8.1f}" if r["decode_bound_tok_s"] else f"{'-':>8}"
+        eff = f"{100 * r['efficiency']:>4.0f}%" if r["efficiency"] else f"{'-':>5}"
+        print(f"{'on' if r['mixed'] else 'off':>5} {rate:>6} {r['completed']:>5} {r['request_throughput'] or 0:>7.2f} "
               f"{r['output_tok_s'] or 0:>10.1f}  {p('ttft_s', 'p50')} {p('ttft_s', 'p99')}  {p('itl_s', 'p50')} "
               f"{p('itl_s', 'p99')}  {p('tpot_s', 'p50')} {p('tpot_s', 'p99')}  {p('e2e_s', 'p50')} {p('e2e_s', 'p99')} "
-              f"{max(r['max_running']):>8}")
-    print("times in ms; max run: the most requests running at once on one rank")
+              f"{max(r['max_running']):>8} {steps:>16} {bound} {eff}")
+    print("times in ms; max run: the most requests running at once on one rank; steps: decode/extend/mixed "
+          "(all ranks); bound: decode-only out tok/s at max run (decode probe); eff: out tok/s / bound")
 
 
 def main(argv: list[str] | None = None) -> int:

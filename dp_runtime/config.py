@@ -35,6 +35,9 @@ eager_input_no_copy                   bool / "auto": the eager runner's no-copy 
 flashinfer_checks                     bool / "auto": host checks of every FlashInfer plan    env, False
 overlap_schedule                      bool: the host schedules step N+1 while the GPU       (True)
                                       runs step N (docs/model.md, "Overlapped steps")
+mixed_steps                           bool: a step carries every decode row with the        (True)
+                                      prefill chunks (docs/model.md, "Mixed steps");
+                                      False: a step prefills or decodes, never both
 dtype                                 a torch.dtype or a name: bfloat16, bf16, float16,   (bfloat16)
                                       fp16, float32, fp32
 device                                anything ``torch.device`` takes                     cuda if
@@ -47,7 +50,9 @@ learns (hostnames exchanged once at init).
 
 Derived sizes (pure, used by the runtime and by the planner alike):
 ``max_tokens_per_rank = align_up(max(chunked_prefill_size, max_running_requests), attn_tp_size)``
-and ``max_global_tokens = max_tokens_per_rank * dp_size`` (the largest gathered buffer).
+and ``max_global_tokens = max_tokens_per_rank * dp_size`` (the largest gathered buffer). A
+mixed step counts its decode rows against ``chunked_prefill_size`` (it is formed only when they
+leave room), so it never brings more than ``max_tokens_per_rank`` tokens either.
 
 Extending: add a field with a default, resolve it in ``_resolve``, check it in ``_validate``.
 ``plan_fields`` (compared across ranks at init) covers every field except the rank-local ones
@@ -123,6 +128,7 @@ class RuntimeConfig:
     eager_input_no_copy: bool | str = "auto"
     flashinfer_checks: bool | str = "auto"
     overlap_schedule: bool = True
+    mixed_steps: bool = True
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -202,6 +208,8 @@ class RuntimeConfig:
             out[name] = value
         if not isinstance(self.overlap_schedule, bool):
             raise _fail("overlap_schedule must be a bool", overlap_schedule=self.overlap_schedule)
+        if not isinstance(self.mixed_steps, bool):
+            raise _fail("mixed_steps must be a bool", mixed_steps=self.mixed_steps)
         return out
 
     def _validate(self) -> None:

@@ -7,7 +7,7 @@ so every rank constructs its worker together, after ``torch.distributed`` is ini
 
 One step (``step()``), the same sequence on every rank::
 
-    scheduler.next_step()        the rank's batch: a prefill chunk, a decode batch, or nothing
+    scheduler.next_step()        the rank's batch: decode, extend, mixed (both), or nothing
     sync.sync(LocalStepInfo)     the one exchange of counts; every rank gets the same StepPlan
     plan.skip                    every rank had nothing: all return here, together
     dp_buffers.set_from_plan     set_dp_buffer_len for the step
@@ -59,6 +59,7 @@ from dp_runtime.serving.outputs import StepOutputs
 from dp_runtime.serving.request import Request, RequestResult
 from dp_runtime.serving.scheduler import ScheduledStep, Scheduler
 from dp_runtime.serving.step_tokens import StepTokens, launch_tokens
+from dp_runtime.step_kinds import STEP_COUNTERS, count_step, steps_by_kind
 from dp_runtime.sync.dp_buffer import DPBufferService
 from dp_runtime.sync.exchange import LocalExchange
 from dp_runtime.sync.peer_failure import FailureNotice
@@ -108,8 +109,8 @@ class RankWorker:
         self._lock = threading.Lock()
         self.outputs = StepOutputs()  # tokens and results for the launcher (serving/outputs.py)
         self._counters = dict(steps=0, graph_steps=0, extend_graph_steps=0, eager_steps=0, idle_steps=0,
-                              skipped_steps=0, extend_steps=0, decode_steps=0, generated_tokens=0,
-                              prefill_tokens=0, finished_requests=0)
+                              skipped_steps=0, generated_tokens=0, finished_requests=0,
+                              **dict.fromkeys(STEP_COUNTERS, 0))
         self._memory: dict[str, int] = {}
         self._show_progress = show_progress
         self._on_phase = on_phase or (lambda name: None)
@@ -203,7 +204,8 @@ class RankWorker:
         self.model.attention = AttentionSplit(self.attention)
         self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
                                    chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank,
-                                   vocab_size=mc.vocab_size, eos_token_ids=spec.eos_token_ids)
+                                   vocab_size=mc.vocab_size, eos_token_ids=spec.eos_token_ids,
+                                   mixed_steps=cfg.mixed_steps)
         self.eager = eager_runner(self.attention)
         if choices.graphs:
             self.rank_graphs = capture_rank_graphs(
@@ -242,7 +244,7 @@ class RankWorker:
 
     def metrics(self) -> dict[str, Any]:
         with self._lock:
-            out: dict[str, Any] = dict(self._counters)
+            out: dict[str, Any] = dict(self._counters, steps_by_kind=steps_by_kind(self._counters))
         out.update(rank=self.rank, waiting=self.scheduler.num_waiting, running=len(self.scheduler.running),
                    dispatcher=self.dispatcher_kind, attention=self.attention_kind, elementwise=self.model.ops.name,
                    experts=self.model.experts.name, choices=dataclasses.asdict(self.choices),
@@ -348,11 +350,7 @@ class RankWorker:
             finished = self.scheduler.advance(scheduled, tokens)
             c["finished_requests"] += len(finished)
             c["generated_tokens"] += len(kept)
-            if scheduled.is_extend:
-                c["extend_steps"] += 1
-                c["prefill_tokens"] += scheduled.num_tokens
-            else:
-                c["decode_steps"] += 1
+            count_step(c, scheduled)
         self.outputs.add(kept, finished)
 
     def run_until_idle(self, stop: threading.Event | None = None, max_steps: int | None = None) -> int:

@@ -4,6 +4,7 @@ of tests and benchmarks both build their batches here.
 
 Shapes: B requests, T new tokens. ``rows`` are ``req_to_token`` rows; ``prefix_lens`` the tokens
 each request already has in the cache (for decode: the position of its one new token).
+A mixed step is an extend batch whose leading requests are decode rows (``decode_rows``).
 """
 
 from __future__ import annotations
@@ -74,10 +75,19 @@ def extend_forward_batch(
     prefix_lens: Sequence[int],
     extend_lens: Sequence[int],
     input_ids: Sequence[int] | torch.Tensor,
+    *,
+    decode_rows: int = 0,
+    token_table: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """An extend step: request ``i`` appends ``extend_lens[i]`` tokens after its ``prefix_lens[i]``
-    cached ones. Raises ValueError unless there is one extend length >= 1 per request and one
-    input id per new token. Every column crosses to the device in one asynchronous copy."""
+    cached ones. Every column crosses to the device in one asynchronous copy.
+
+    A mixed step (docs/model.md, "Mixed steps"): the first ``decode_rows`` requests are decode
+    rows, one token each, whose ids are ``token_table[rows[:decode_rows]]`` gathered on the
+    device (the token each row sampled last, which the host may not have read yet);
+    ``input_ids`` then holds the ids of the tokens after them only. Raises ValueError unless
+    there is one extend length >= 1 per request, the decode rows extend by 1, ``token_table``
+    is given iff there are decode rows, and there is one input id per host-known token."""
     cache = allocator.cache
     ext = tuple(int(e) for e in extend_lens)
     prefix = tuple(int(p) for p in prefix_lens)
@@ -86,14 +96,24 @@ def extend_forward_batch(
             f"extend batch: need one extend length >= 1 and one prefix length per request, got extend {list(ext)}, "
             f"prefix {list(prefix)} for {len(rows)} requests"
         )
+    d = int(decode_rows)
+    if not 0 <= d <= len(rows) or any(e != 1 for e in ext[:d]) or (d > 0) != (token_table is not None):
+        raise ValueError(
+            f"extend batch: decode_rows={d} must lie in [0, {len(rows)}], lead requests of extend length 1 "
+            f"(got {list(ext[:d])}) and come with a token_table (given: {token_table is not None})"
+        )
     ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1).cpu()
     t, b = sum(ext), len(rows)
-    if ids.numel() != t:
-        raise ValueError(f"extend batch: {ids.numel()} input ids for {t} new tokens (extend lengths {list(ext)})")
+    if ids.numel() != t - d:
+        raise ValueError(
+            f"extend batch: {ids.numel()} input ids for {t - d} new tokens of known id "
+            f"(extend lengths {list(ext)}, {d} decode rows)"
+        )
     host = _host_block(cache, 4 * t + 4 * b)
     ids_h, pos_h, slots_h, tok_rows_h = host[: 4 * t].view(4, t).unbind(0)
     rows_h, seq_h, ext_h, prefix_h = host[4 * t :].view(4, b).unbind(0)
-    ids_h.copy_(ids)
+    ids_h[:d] = 0  # placeholders: the device gather below writes the decode rows' ids
+    ids_h[d:].copy_(ids)
     rows_h.copy_(torch.as_tensor(rows, dtype=torch.int64))
     ext_h.copy_(torch.tensor(ext, dtype=torch.int64))
     prefix_h.copy_(torch.tensor(prefix, dtype=torch.int64))
@@ -107,6 +127,11 @@ def extend_forward_batch(
     dev = host.to(cache.device, non_blocking=True)
     ids_d, pos_d, slots_d, tok_rows_d = dev[: 4 * t].view(4, t).unbind(0)
     rows_d, seq_d, ext_d, prefix_d = dev[4 * t :].view(4, b).unbind(0)
+    if d:
+        # Stream order: after the step that sampled these tokens wrote the table. Decode rows
+        # lead the batch, so their tokens are the first d and their rows the first d rows.
+        # (On the CPU ``dev`` is the host block itself: harmless, it belongs to this batch.)
+        torch.index_select(token_table, 0, rows_d[:d], out=ids_d[:d])
     cache.req_to_token[tok_rows_d, pos_d] = slots_d.to(torch.int32)
     return ForwardBatch(
         forward_mode=ForwardMode.EXTEND,

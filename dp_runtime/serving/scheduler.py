@@ -1,13 +1,22 @@
 """The scheduler of one rank: a request queue, continuous batching, and the ForwardBatch of
 each step.
 
-Each step is either a prefill (extend) step or a decode step, never a mix:
+A step's kind (``ScheduledStep.kind``):
 
-- **Extend** whenever there is prefill work: first the request whose prompt is partly prefilled,
-  then new requests admitted from the queue, each taking up to what is left of the
-  ``chunked_prefill_size`` token budget. A prompt longer than the budget is prefilled in chunks
-  over several steps; only the chunk that completes a prompt samples (its first output token).
-- **Decode** otherwise: one token for every running request.
+- **Mixed** (``mixed_steps``, the default) whenever there is prefill work and running requests
+  to decode: one EXTEND batch whose first rows are every decodable running request (one token
+  each, a decode row) and then prefill chunks. The decode rows count against the
+  ``chunked_prefill_size`` token budget (as in vLLM), the chunks take what is left: first the
+  request whose prompt is partly prefilled, then new requests admitted from the queue. So a
+  prefill never stalls the running requests, and a step never brings more than the budget.
+- **Extend** when there is prefill work and nothing to decode (or ``mixed_steps`` is off, or
+  the decode rows alone fill the budget: then, as without mixed steps, the prefill runs alone,
+  so admission never starves): prefill chunks only, as above.
+- **Decode** otherwise: one token for every decodable running request, a DECODE batch (decode
+  graphs serve it).
+
+A prompt longer than the budget is prefilled in chunks over several steps; only the chunk that
+completes a prompt samples (its first output token); every decode row samples.
 
 Admission (back-pressure, never an overwrite): a request joins the running set only while
 fewer than ``max_running_requests`` run and the KV slots that every running request may still
@@ -25,11 +34,12 @@ Slots are allocated when a token is scheduled and freed when the request finishe
 
 Overlap: a step's bookkeeping that does not depend on token values (K/V lengths, slots) is
 done when it is scheduled, so the next step can be scheduled before this one's tokens are
-read. A decode batch takes its input ids on the device from ``last_tokens`` (the token each
-request row sampled last, written by the rank worker's sampling), and a request is decoded only
-while its recorded plus in-flight tokens are below ``max_new_tokens``. Tokens are recorded by
-``advance`` (possibly one step later); a request that stopped (a stop token) while its next
-step was already scheduled ran that step for nothing: ``advance`` drops its extra token.
+read. A decode batch, and the decode rows of a mixed one, take their input ids on the device
+from ``last_tokens`` (the token each request row sampled last, written by the rank worker's
+sampling), and a request is decoded only while its recorded plus in-flight tokens are below
+``max_new_tokens``. Tokens are recorded by ``advance`` (possibly one step later); a request
+that stopped (a stop token) while its next step was already scheduled ran that step for
+nothing: ``advance`` drops its extra token.
 """
 
 from __future__ import annotations
@@ -93,10 +103,18 @@ class ScheduledStep:
     reqs: tuple[_Req, ...]
     num_new: tuple[int, ...]
     samples: tuple[bool, ...]
+    num_decode: int = 0  # an EXTEND batch's leading decode rows (a mixed step); 0 otherwise
 
     @property
     def is_extend(self) -> bool:
         return self.batch.forward_mode is ForwardMode.EXTEND
+
+    @property
+    def kind(self) -> str:
+        """"decode", "extend" (prefill chunks only) or "mixed" (decode rows and chunks)."""
+        if not self.is_extend:
+            return "decode"
+        return "mixed" if self.num_decode else "extend"
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +126,7 @@ class Scheduler:
 
     Args:
         allocator: the rank's KVAllocator (its cache gives the device and the slot count).
-        max_running_requests, chunked_prefill_size: from the RuntimeConfig.
+        max_running_requests, chunked_prefill_size, mixed_steps: from the RuntimeConfig.
         rank: the DP rank, recorded in results.
         vocab_size: the model's vocabulary; prompt token ids must lie below it (None: unchecked).
         eos_token_ids: the checkpoint's EOS ids: a request stops at one (reason "stop") unless
@@ -116,7 +134,8 @@ class Scheduler:
     """
 
     def __init__(self, allocator: KVAllocator, *, max_running_requests: int, chunked_prefill_size: int,
-                 rank: int = 0, vocab_size: int | None = None, eos_token_ids: Iterable[int] = ()) -> None:
+                 rank: int = 0, vocab_size: int | None = None, eos_token_ids: Iterable[int] = (),
+                 mixed_steps: bool = True) -> None:
         cache = allocator.cache
         if max_running_requests > cache.max_reqs:
             raise ValueError(
@@ -125,6 +144,7 @@ class Scheduler:
         self.allocator, self.cache = allocator, cache
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
+        self.mixed_steps = mixed_steps
         self.rank = rank
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -188,8 +208,19 @@ class Scheduler:
         )
 
     def next_step(self) -> ScheduledStep | None:
-        """The batch of this rank's next step, or None when it has nothing to run now."""
+        """The batch of this rank's next step, or None when it has nothing to run now (the
+        step kinds and the budget: module docstring)."""
+        decode = [r for r in self.running if r.decodable]
         budget = self.chunked_prefill_size
+        mixed = self.mixed_steps and 0 < len(decode) < budget
+        picks = self._prefill_picks(budget - len(decode) if mixed else budget)
+        if picks:
+            return self._extend(decode if mixed else [], picks)
+        return self._decode(decode) if decode else None
+
+    def _prefill_picks(self, budget: int) -> list[tuple[_Req, int]]:
+        """The prefill chunks of a step within ``budget`` tokens: the partly prefilled request
+        first, then arrived requests admitted from the queue while they fit."""
         now = time.perf_counter()
         picks: list[tuple[_Req, int]] = []
         for r in self.running:
@@ -206,10 +237,7 @@ class Scheduler:
             take = min(r.prompt_len, budget)
             picks.append((r, take))
             budget -= take
-        if picks:
-            return self._extend(picks)
-        decode = [r for r in self.running if r.decodable]
-        return self._decode(decode) if decode else None
+        return picks
 
     def _stamp(self, reqs: Iterable[_Req]) -> None:
         now = time.perf_counter()
@@ -217,17 +245,21 @@ class Scheduler:
             if r.t_first_forward is None:
                 r.t_first_forward = now
 
-    def _extend(self, picks: list[tuple[_Req, int]]) -> ScheduledStep:
-        reqs = tuple(r for r, _ in picks)
-        takes = tuple(n for _, n in picks)
+    def _extend(self, decode: list[_Req], picks: list[tuple[_Req, int]]) -> ScheduledStep:
+        # Decode rows first: their ids are one device gather from last_tokens (paged_batches).
+        reqs = (*decode, *(r for r, _ in picks))
+        takes = (1,) * len(decode) + tuple(n for _, n in picks)
         ids = [t for r, n in picks for t in r.request.prompt_ids[r.kv_len : r.kv_len + n]]
-        batch = extend_forward_batch(self.allocator, [r.row for r in reqs], [r.kv_len for r in reqs], takes, ids)
-        self._stamp(reqs)
-        samples = tuple(r.kv_len + n == r.prompt_len for r, n in picks)
-        for (r, n), sample in zip(picks, samples, strict=True):
+        batch = extend_forward_batch(self.allocator, [r.row for r in reqs], [r.kv_len for r in reqs], takes, ids,
+                                     decode_rows=len(decode), token_table=self.last_tokens if decode else None)
+        self._stamp(r for r, _ in picks)
+        samples = (True,) * len(decode) + tuple(r.kv_len + n == r.prompt_len for r, n in picks)
+        for r in decode:
+            r.decode_steps += 1
+        for r, n, sample in zip(reqs, takes, samples, strict=True):
             r.kv_len += n
             r.inflight += sample
-        return ScheduledStep(batch, reqs, takes, samples)
+        return ScheduledStep(batch, reqs, takes, samples, num_decode=len(decode))
 
     def _decode(self, running: list[_Req]) -> ScheduledStep:
         reqs = tuple(running)

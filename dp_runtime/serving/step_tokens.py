@@ -12,7 +12,10 @@ next step before it reads them (``RuntimeConfig.overlap_schedule``).
   (``sampling.sample_tokens``), and the drawn ids are written into ``last_tokens``.
 
 Rows that do not sample (a prompt chunk that does not end its prompt) get the argmax written
-too: harmless, a row is read only after a step of its own sampled into it.
+too: harmless, a row is read only after a step of its own sampled into it. A mixed step (decode
+rows, then prefill chunks: serving/scheduler.py) needs nothing of its own here: its logits have
+one row per request like any extend batch, every decode row samples, and the next step's decode
+rows gather their ids from the table this writes.
 """
 
 from __future__ import annotations

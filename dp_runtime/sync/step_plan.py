@@ -14,7 +14,12 @@ What ``plan_step`` decides, in order:
 2. All ranks empty: ``skip`` — every rank skips the step together (no forward, no collective).
 3. Per-rank mode: IDLE for an empty rank (it joins every collective with zero rows), else the
    mode it reported. ``global_num_tokens_cpu``: each count aligned up to ``attn_tp_size``.
-   ``is_extend``: some rank with tokens extends.
+   ``is_extend``: some rank with tokens extends. A rank whose step is mixed (decode rows and
+   prefill chunks in one EXTEND batch, serving/scheduler.py) reports EXTEND with all its tokens,
+   so a step where it prefills while another rank only decodes is an extend step with modes
+   EXTEND and DECODE: every rank runs eager (rule 4) and the padding rule treats it as extend.
+   Its count is at most ``chunked_prefill_size`` (its decode rows count against it), so the
+   limit of rule 1 and every buffer sized from ``max_tokens_per_rank`` cover it.
 4. Graph bucket: the smallest capture size >= the max aligned count, only when every rank that
    has work reports ``can_run_graph`` (an IDLE rank replays the graph with zero live rows), no
    rank decodes while another extends, and the max fits the largest capture size; else None

@@ -1,0 +1,86 @@
+"""Mixed steps under DP (torchrun, gloo): rank 0 prefills a long prompt in chunks, with its
+decode rows, while the other ranks only decode; the ranks step together (one rank EXTEND, the
+others DECODE in the same plan) and every rank's tokens equal its single-rank run."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dp_runtime.forward_mode import ForwardMode
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.rank_worker import RankWorker
+from dp_runtime.serving.request import Request, SamplingParams
+from tests.hf_reference import write_tiny_checkpoint
+
+pytestmark = pytest.mark.dist
+pytest.importorskip("transformers")
+
+CHUNK = 8
+
+
+def _spec(ckpt, dp: int, **kw) -> RankSpec:
+    return RankSpec.create(str(ckpt), dp_size=dp, max_running_requests=2, chunked_prefill_size=CHUNK,
+                           dtype="float32", device="cpu", max_context_len=64, **kw)
+
+
+def _requests(rank: int) -> list[Request]:
+    g = torch.Generator().manual_seed(100 + rank)
+    # Rank 0: a short request that decodes beside a 40-token prompt prefilled over 6 steps.
+    # The others: two short prompts prefilled in the first step, then decode only.
+    shape = [(6, 8), (40, 3)] if rank == 0 else [(5, 10), (3, 6)]
+    return [Request(f"r{rank}.{i}", torch.randint(0, 256, (n,), generator=g).tolist(),
+                    SamplingParams(max_new_tokens=new)) for i, (n, new) in enumerate(shape)]
+
+
+@pytest.fixture(scope="module")
+def setup(dist_group):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tmp = tempfile.TemporaryDirectory(prefix="dp_runtime_mixed_") if rank == 0 else None
+    name = [tmp.name if tmp is not None else None]
+    dist.broadcast_object_list(name, src=0)
+    ckpt = write_tiny_checkpoint(Path(name[0]))
+    dist.barrier()
+    # This rank's requests served alone (world size 1, no mixed steps): the tokens to match.
+    with RankWorker(_spec(ckpt, 1, mixed_steps=False)) as w:
+        alone = {r.rid: r.output_ids for r in w.generate(_requests(rank))}
+    yield ckpt, rank, world, alone
+    dist.barrier()
+    if tmp is not None:
+        tmp.cleanup()
+
+
+@pytest.mark.parametrize("graphs", [False, "extend"], ids=["eager", "graphs"])
+@pytest.mark.parametrize(("dispatcher", "padding"), [("all_gather", "max_len"), ("all_gather", "sum_len"),
+                                                     ("all_to_all", None)])
+def test_a_rank_prefilling_beside_decoding_ranks_gives_the_single_rank_tokens(setup, dispatcher, padding, graphs):
+    """The gathered DP buffers are laid out from each step's counts (a mixed rank brings its
+    decode rows plus a chunk, within chunked_prefill_size), with the padding forced either way;
+    with graphs, steps where every busy rank decodes replay decode graphs and steps where one
+    extends and another decodes run eager on every rank."""
+    ckpt, rank, world, alone = setup
+    spec = _spec(ckpt, world, dispatcher=dispatcher, dp_padding=padding, use_cuda_graph=bool(graphs),
+                 cuda_graph_extend_tokens=(4, CHUNK) if graphs else ())
+    with RankWorker(spec, rank=rank, world_size=world) as w:
+        w.submit(_requests(rank))
+        both = 0  # steps whose plan has a rank extending (mixed) and a rank decoding
+        while not (plan := w.step()).skip:
+            modes = set(plan.forward_modes)
+            both += ForwardMode.EXTEND in modes and ForwardMode.DECODE in modes
+            assert max(plan.raw_num_tokens) <= CHUNK  # the budget bounds every rank's step
+        w.wait_tokens()
+        got = {r.rid: r.output_ids for r in w.pop_finished()}
+        m = w.metrics()
+        w.sync.verify()
+    report = [None] * world
+    dist.all_gather_object(report, (got == alone, both, m["steps_by_kind"], m["graph_steps"]))
+    assert all(same for same, *_ in report), [(r, got, alone) for r, (same, *_) in enumerate(report) if not same]
+    assert len({b for _, b, _, _ in report}) == 1 and report[0][1] > 0  # the same plans everywhere
+    assert report[0][2]["mixed"] >= 4  # rank 0: its chunks carried its decode row
+    assert all(kinds["mixed"] == 0 and kinds["decode"] > 0 for _, _, kinds, _ in report[1:])
+    if graphs:
+        assert all(g > 0 for *_, g in report)
