@@ -47,6 +47,8 @@
 #   bash bench/run_gpu.sh pers11   # one GPU: expert kernel tests, the expert GEMMs on persistent grids (a prompt's
 #                                  #   routing from .scratch/r128.pt or ROUTING, uniform extends, decode sizes)
 #   bash bench/run_gpu.sh mem12    # one GPU: memory-profile/model/extend-graph GPU tests, 512/1024-token extends vs trees
+#   bash bench/run_gpu.sh load12    # one GPU: serve_load 64 running, rate inf, mixed steps on/off side by side
+#   bash bench/run_gpu.sh base12    # one GPU: the same load in the first .bases tree, then 256 running here
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -270,13 +272,24 @@ case "${1:-one}" in
     TAIL=14 step moe_decode timeout 120 python bench/moe_layer.py --tokens 64 256 --ep 1 --persistent 3,4 4,4 2,2
     ;;
   mem12)  # one GPU: memory-profile, model and extend-graph GPU tests; 512/1024-token extends vs earlier trees
-    step gpu_tests timeout 330 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py \
-      tests/test_model_gpu.py tests/test_extend_graphs.py
+    step gpu_tests timeout ${TESTS_TIMEOUT:-330} python -m pytest -m gpu -p no:cacheprovider -q -rs \
+      tests/test_rank_memory_gpu.py tests/test_mixed_steps_gpu.py tests/test_model_gpu.py tests/test_extend_graphs.py
     bases > /tmp/base_flags
     for d in /tmp/bases/*/; do cp bench/prefill.py "$d/bench/"; done  # the same harness in every tree
     step extend_compare timeout ${EXTEND_TIMEOUT:-420} python bench/compare_trees.py --key shape --metric step_ms,stream_ms \
       $(cat /tmp/base_flags) -- python bench/prefill.py --iters 5 --warmup 2 --shapes ${EXTEND_SHAPES:-1x512,1x1024} \
       --modes graph --stream
+    ;;
+  load12)  # one GPU: serve_load at 64 running, rate inf, mixed steps on and off side by side (fresh ranks each)
+    step serve_load_mixed timeout 560 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
+      --num-requests ${NREQ:-384} --max-running-requests ${MRR:-64} --mixed ${MIXED:-both} --json
+    ;;
+  base12)  # one GPU: the same load in the earliest .bases tree (its own serve_load), then 256 running here
+    bases > /dev/null; b=$(ls -d /tmp/bases/*/ | head -1)
+    step serve_load_base timeout 300 env PYTHONPATH=$b:$PYTHONPATH BENCH_COMMIT=$(basename $b) python $b/bench/serve_load.py \
+      --model qwen3-30b-a3b --device cuda --rates inf --num-requests ${NREQ:-384} --max-running-requests 64 --json
+    step serve_load_256 timeout 280 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
+      --num-requests ${NREQ256:-1024} --max-running-requests 256 --json
     ;;
   tests8)  # one GPU: every gpu test of the tree
     step gpu_tests timeout 560 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
