@@ -165,7 +165,7 @@ def measured_kv_slots(spec: Any, model: Any, dp_buffers: Any, device: torch.devi
         finally:
             model.attention = None
 
-    peak = profile_largest_step(run_with_kv, lambda: make_kv_cache(spec, 1, device, max_reqs=1), device)
+    peak = profile_largest_step(run_with_kv, lambda: make_kv_cache(spec, 1, device), device)
     reserve = graph_reserve_bytes(spec, choices.graphs, choices.attention, choices.dispatcher)
     free, _ = torch.cuda.mem_get_info(device)
     budget = kv_budget_bytes(free, peak, reserve, spec.kv_mem_fraction)
