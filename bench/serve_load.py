@@ -417,7 +417,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         dtype=str(spec.runtime.dtype).replace("torch.", ""), lengths=dataclasses.asdict(args.lengths), arrival=args.arrival,
         num_requests=args.num_requests, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=m.get("dispatcher"), attention=m.get("attention"),
-        graphs=m.get("graphs"), build_s=build_s, mixed_steps=list(modes),
+        graphs=m.get("graphs"), build_s=build_s, mixed_steps=list(modes), kv_slots=m.get("kv_slots"),
+        memory_gib={k: round(v / 2**30, 3) for k, v in m.get("memory", {}).items()},
     )
     out: dict[str, Any] = dict(header=header, rows=rows)
     if args.per_request:

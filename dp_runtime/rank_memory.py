@@ -45,6 +45,10 @@ logger = logging.getLogger("dp_runtime")
 # The graph estimate missed the measured pool by up to 14% (docs/BENCHMARKS.md): reserve a
 # quarter more than it says.
 GRAPH_RESERVE_MARGIN = 1.25
+# What a captured graph keeps beyond its tensors: the caching allocator gives a graph's private
+# allocations segments of its own (2 MiB at least), so a small model's many small graphs
+# (the tiny preset: 68 MiB over ~45 graphs, on an H100) outweigh their tensors.
+GRAPH_SEGMENT_BYTES = 2 << 20
 _GIB = 2**30
 
 
@@ -89,8 +93,8 @@ def profile_largest_step(run_with_kv: Callable[[Any], None], make_kv: Callable[[
 def graph_reserve_bytes(spec: Any, graphs: bool, attention: str, dispatcher: str) -> int:
     """What the rank's graphs are expected to take, with the margin: the decode graphs
     (``memory_sizing.graph_pool_bytes_estimate``) plus the extend pieces, which keep each
-    attention layer's q/k/v and output at the largest token bucket and run one forward at it
-    (0 without graphs)."""
+    attention layer's q/k/v and output at the largest token bucket and run one forward at it,
+    plus a segment per captured graph (0 without graphs)."""
     if not graphs:
         return 0
     cfg, mc = spec.runtime, spec.model_config()
@@ -103,13 +107,15 @@ def graph_reserve_bytes(spec: Any, graphs: bool, attention: str, dispatcher: str
         decode = ms.graph_pool_bytes_estimate(mc, cfg.dtype, sizes[-1], step, capture_sizes=sizes,
                                               per_bucket_bytes=per_bucket)
     extend = 0
+    graphs_captured = len(sizes)
     if cfg.cuda_graph_extend_tokens:
+        graphs_captured += len(cfg.cuda_graph_extend_tokens) * (mc.num_layers + 1)  # L + 1 pieces a bucket
         t = cfg.cuda_graph_extend_tokens[-1]
         per_token = (2 * mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim * ms.dtype_bytes(cfg.dtype)
         extend = mc.num_layers * t * per_token
         extend += ms.forward_peak_bytes_estimate(mc, cfg.dtype, t, min(t, cfg.max_running_requests))
         extend += ms.dispatcher_step_bytes(dispatcher, cfg.ep_size, t, *moe)
-    return int(GRAPH_RESERVE_MARGIN * (decode + extend))
+    return int(GRAPH_RESERVE_MARGIN * (decode + extend + graphs_captured * GRAPH_SEGMENT_BYTES))
 
 
 def kv_budget_bytes(free_bytes: int, peak_bytes: int, reserve_bytes: int, fraction: float) -> int:
