@@ -33,16 +33,10 @@ consecutive tokens of a request, pooled over requests; TPOT: per request, (laten
 unfinished) at once on one rank (``max_concurrency`` in the JSON sums the ranks). Times are each
 rank's own ``perf_counter`` from its submit (ranks are submitted to within milliseconds).
 
-Steps and the decode-only bound (docs/serving_benchmarks.md): ``steps`` counts the rate's steps
-by kind, summed over the ranks (``decode``: decode rows only; ``extend``: prefill chunks only;
-``mixed``: decode rows and prefill chunks in one step, RuntimeConfig.mixed_steps). After the
-rates, a decode probe per distinct ``max run`` R (R requests per rank of ``--probe-prompt-len``
-tokens, all at once, ``--probe-tokens`` each) times the decode step at batch R through the same
-step loop (graph replay where graphs serve it): the median token gap once every probe request
-has its first token. ``bound`` = R x ranks / that step, the output tokens/s that R running
-requests per rank would get from decode steps alone; ``eff`` = out tok/s / bound. ``--mixed
-both`` runs every rate without mixed steps, then with them (a fresh set of ranks each), rows
-side by side.
+Steps and the decode-only bound (docs/serving_benchmarks.md): ``steps`` counts each rate's
+steps by kind over the ranks; a decode probe at the rate's ``max run`` R times the decode step
+(``bound`` = R x ranks / step, ``eff`` = out tok/s / bound). ``--mixed both``: every rate
+without mixed steps, then with them, on a fresh set of ranks each.
 """
 
 from __future__ import annotations
@@ -51,13 +45,10 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import math
 import os
-import statistics
 import subprocess
 import sys
 import time
-from itertools import pairwise
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,77 +56,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
+from bench.load_summary import STEP_KINDS, decode_step_s, step_kinds, summarize_rate
 from bench.load_workload import Lengths, decode_probe_requests, make_requests, warmup_requests
 from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request, RequestResult
 from launch import process_group
 from launch.cli_errors import UsageError, bench_main
-from launch.run_report import percentile
 from launch.workload import split_round_robin
-
-
-def max_overlap(intervals: list[tuple[float, float]]) -> int:
-    """The most intervals ``[start, end]`` open at one time (one that ends when another starts
-    does not overlap it: a finished request frees its place before the next step admits)."""
-    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    most = now = 0
-    for _, d in events:  # at equal times -1 sorts first
-        now += d
-        most = max(most, now)
-    return most
-
-
-def summarize_rate(rate: float, requests: list[Request], results: list[RequestResult], world: int) -> dict[str, Any]:
-    """The numbers of one rate (module docstring); times in seconds."""
-    arrival = {r.rid: r.arrival_s for r in requests}
-    ok = [r for r in results if r.ok]
-    duration = max((arrival[r.rid] + r.latency_s for r in results), default=0.0)
-    out_tokens = sum(len(r.output_ids) for r in ok)
-    itl = [b - a for r in ok for a, b in pairwise(r.token_times_s)]
-    tpot = [r.tpot_s for r in ok if len(r.output_ids) > 1]
-    running = {rank: [(arrival[r.rid] + r.queued_s, arrival[r.rid] + r.latency_s) for r in ok if r.rank == rank]
-               for rank in range(world)}
-
-    def pct(xs: list[float]) -> dict[str, float | None]:
-        return {f"p{q}": _num(percentile(xs, q)) for q in (50, 99)} | {"mean": sum(xs) / len(xs) if xs else None}
-
-    return dict(
-        rate=None if math.isinf(rate) else rate, requests=len(requests), completed=len(ok),
-        errors=len(results) - len(ok), duration_s=duration,
-        per_rank_requests=[sum(r.rank == k for r in results) for k in range(world)],
-        input_tokens=sum(r.prompt_len for r in ok), output_tokens=out_tokens,
-        request_throughput=len(ok) / duration if duration else None,
-        output_tok_s=out_tokens / duration if duration else None,
-        ttft_s=pct([r.ttft_s for r in ok]), itl_s=pct(itl), tpot_s=pct(tpot), e2e_s=pct([r.latency_s for r in ok]),
-        max_running=[max_overlap(v) for v in running.values()],
-        max_concurrency=max_overlap([iv for v in running.values() for iv in v]),
-    )
-
-
-def _num(x: float) -> float | None:
-    return None if math.isnan(x) else x
-
-
-STEP_KINDS = ("decode", "extend", "mixed")
-
-
-def step_kinds(all_metrics: list[dict[str, Any]]) -> dict[str, int]:
-    """Steps by kind so far, summed over the ranks' metrics (``RankWorker.metrics``)."""
-    return {k: sum(m.get("steps_by_kind", {}).get(k, 0) for m in all_metrics) for k in STEP_KINDS}
-
-
-def decode_step_s(results: list[RequestResult], world: int) -> float | None:
-    """The decode step of a decode probe: on each rank, the gaps between consecutive tokens
-    once every probe request of that rank has its first token (every step then decodes them
-    all); the median over the ranks' gaps. None without such a gap."""
-    gaps = []
-    for rank in range(world):
-        mine = [r for r in results if r.ok and r.rank == rank and r.token_times_s]
-        if mine:
-            start = max(r.token_times_s[0] for r in mine)
-            gaps += [b - a for r in mine for a, b in pairwise(r.token_times_s) if a >= start]
-    return statistics.median(gaps) if gaps else None
 
 
 # -- the ranks ---------------------------------------------------------------------------------------

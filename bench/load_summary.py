@@ -1,0 +1,78 @@
+"""The numbers of one rate of bench/serve_load.py (its docstring says what they mean): latency
+percentiles, the most requests running at once, the steps by kind, and the decode probe's step
+time behind the decode-only bound."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from itertools import pairwise
+from typing import Any
+
+from dp_runtime.serving.request import Request, RequestResult
+from launch.run_report import percentile
+
+__all__ = ["STEP_KINDS", "decode_step_s", "max_overlap", "step_kinds", "summarize_rate"]
+
+
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals ``[start, end]`` open at one time (one that ends when another starts
+    does not overlap it: a finished request frees its place before the next step admits)."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    most = now = 0
+    for _, d in events:  # at equal times -1 sorts first
+        now += d
+        most = max(most, now)
+    return most
+
+
+def summarize_rate(rate: float, requests: list[Request], results: list[RequestResult], world: int) -> dict[str, Any]:
+    """The numbers of one rate (module docstring); times in seconds."""
+    arrival = {r.rid: r.arrival_s for r in requests}
+    ok = [r for r in results if r.ok]
+    duration = max((arrival[r.rid] + r.latency_s for r in results), default=0.0)
+    out_tokens = sum(len(r.output_ids) for r in ok)
+    itl = [b - a for r in ok for a, b in pairwise(r.token_times_s)]
+    tpot = [r.tpot_s for r in ok if len(r.output_ids) > 1]
+    running = {rank: [(arrival[r.rid] + r.queued_s, arrival[r.rid] + r.latency_s) for r in ok if r.rank == rank]
+               for rank in range(world)}
+
+    def pct(xs: list[float]) -> dict[str, float | None]:
+        return {f"p{q}": _num(percentile(xs, q)) for q in (50, 99)} | {"mean": sum(xs) / len(xs) if xs else None}
+
+    return dict(
+        rate=None if math.isinf(rate) else rate, requests=len(requests), completed=len(ok),
+        errors=len(results) - len(ok), duration_s=duration,
+        per_rank_requests=[sum(r.rank == k for r in results) for k in range(world)],
+        input_tokens=sum(r.prompt_len for r in ok), output_tokens=out_tokens,
+        request_throughput=len(ok) / duration if duration else None,
+        output_tok_s=out_tokens / duration if duration else None,
+        ttft_s=pct([r.ttft_s for r in ok]), itl_s=pct(itl), tpot_s=pct(tpot), e2e_s=pct([r.latency_s for r in ok]),
+        max_running=[max_overlap(v) for v in running.values()],
+        max_concurrency=max_overlap([iv for v in running.values() for iv in v]),
+    )
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+STEP_KINDS = ("decode", "extend", "mixed")
+
+
+def step_kinds(all_metrics: list[dict[str, Any]]) -> dict[str, int]:
+    """Steps by kind so far, summed over the ranks' metrics (``RankWorker.metrics``)."""
+    return {k: sum(m.get("steps_by_kind", {}).get(k, 0) for m in all_metrics) for k in STEP_KINDS}
+
+
+def decode_step_s(results: list[RequestResult], world: int) -> float | None:
+    """The decode step of a decode probe: on each rank, the gaps between consecutive tokens
+    once every probe request of that rank has its first token (every step then decodes them
+    all); the median over the ranks' gaps. None without such a gap."""
+    gaps = []
+    for rank in range(world):
+        mine = [r for r in results if r.ok and r.rank == rank and r.token_times_s]
+        if mine:
+            start = max(r.token_times_s[0] for r in mine)
+            gaps += [b - a for r in mine for a, b in pairwise(r.token_times_s) if a >= start]
+    return statistics.median(gaps) if gaps else None
