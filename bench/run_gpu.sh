@@ -282,7 +282,8 @@ case "${1:-one}" in
     ;;
   load12)  # one GPU: serve_load at 64 running, rate inf, mixed steps on and off side by side (fresh ranks each)
     step serve_load_mixed timeout 560 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
-      --num-requests ${NREQ:-384} --max-running-requests ${MRR:-64} --mixed ${MIXED:-both} --json
+      --num-requests ${NREQ:-384} --max-running-requests ${MRR:-64} --mixed ${MIXED:-both} \
+      --chunked-prefill-size ${CHUNK:-8192} --json
     ;;
   base12)  # one GPU: the same load in the earliest .bases tree (its own serve_load), then 256 running here
     bases > /dev/null; b=$(ls -d /tmp/bases/*/ | head -1)
