@@ -312,15 +312,15 @@ def graph_pool_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, max_graph_bs
     """ESTIMATE of the memory that graph capture adds: graphs are captured largest first into
     one shared pool, so about one decode forward at the largest bucket ``B`` (``T = R = B``:
     every decode row is sampled) plus the dispatcher's step buffers inside the graph
-    (``dispatcher_step_bytes(kind, ep, B, ...)``); then what each bucket keeps for as long as its
-    graph lives: its float32 logits output (``bucket x V x 4``; outputs are not shared between
-    buckets) and ``per_bucket_bytes`` of attention-wrapper state (FlashInfer's int workspace).
-    0 without graphs (``B == 0``).
+    (``dispatcher_step_bytes(kind, ep, B, ...)``); then what the graphs keep for as long as they
+    live: the float32 logits of the largest bucket (``B x V x 4``: every bucket writes its rows
+    there, ``GraphRunner._into_shared``) and ``per_bucket_bytes`` of attention-wrapper state per
+    bucket (FlashInfer's int workspace). 0 without graphs (``B == 0``).
     """
     if max_graph_bs <= 0:
         return 0
     sizes = tuple(capture_sizes) or (max_graph_bs,)
-    kept = sum(sizes) * cfg.vocab_size * _FP32 + len(sizes) * per_bucket_bytes
+    kept = max(sizes) * cfg.vocab_size * _FP32 + len(sizes) * per_bucket_bytes
     return forward_peak_bytes_estimate(cfg, dtype, max_graph_bs, max_graph_bs) + dispatcher_step_bytes + kept
 
 

@@ -159,10 +159,11 @@ def test_forward_estimate_by_hand_and_graph_pool():
     assert ms.forward_peak_bytes_estimate(tiny, BF16, t, r) == max(residual + moe, head)
     assert ms.graph_pool_bytes_estimate(tiny, BF16, 0, 123) == 0
     fwd8 = ms.forward_peak_bytes_estimate(tiny, BF16, 8, 8)
-    # each bucket keeps its fp32 logits (bucket x vocab x 4) and one wrapper workspace
+    # the largest bucket's fp32 logits (largest x vocab x 4, shared by every bucket) and one
+    # wrapper workspace per bucket
     assert ms.graph_pool_bytes_estimate(tiny, BF16, 8, 10, per_bucket_bytes=0) == fwd8 + 10 + 8 * 256 * 4
     assert ms.graph_pool_bytes_estimate(tiny, BF16, 8, 10, capture_sizes=(1, 4, 8), per_bucket_bytes=100) == (
-        fwd8 + 10 + 13 * 256 * 4 + 300)
+        fwd8 + 10 + 8 * 256 * 4 + 300)
 
 
 def test_graphs_off_have_no_pool_and_no_decode_registry():
