@@ -13,12 +13,16 @@ them as a dict); the error type and YaRN's parameters, which both need, live bel
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dp_runtime.model.checkpoint_files import checkpoint_index, has_weights
 from dp_runtime.model.config_parts import ModelConfigError, YarnScaling
 from dp_runtime.model.hf_config import model_fields_from_hf, read_json_object
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PRESETS", "ModelConfig", "ModelConfigError", "YarnScaling"]
 
@@ -99,7 +103,8 @@ class ModelConfig:
     def from_dir(cls, path: str | Path) -> ModelConfig:
         """From ``path/config.json``. ModelConfigError when ``path`` does not exist (naming the
         presets too: a mistyped preset arrives here), has no config.json, or its config.json is
-        not valid JSON (line and column) or not a supported model."""
+        not valid JSON (line and column) or not a supported model. ``tie_word_embeddings`` comes
+        out false when the checkpoint carries its own ``lm_head.weight`` (transformers' rule)."""
         root = Path(path)
         if not root.exists():
             raise ModelConfigError(
@@ -107,7 +112,14 @@ class ModelConfig:
         file = root / "config.json"
         if not file.is_file():
             raise ModelConfigError(f"no config.json in checkpoint directory {str(path)!r}")
-        return cls.from_hf(read_json_object(file), str(file))
+        cfg = cls.from_hf(read_json_object(file), str(file))
+        if cfg.tie_word_embeddings and has_weights(root) and "lm_head.weight" in checkpoint_index(root):
+            # transformers 5 does not tie a head the checkpoint carries (it warns when the values
+            # differ; equal values tie to the same logits): the checkpoint's head is the head.
+            logger.warning("%s: tie_word_embeddings is true but the checkpoint carries its own lm_head.weight; "
+                           "using that head, as transformers does", file)
+            cfg = replace(cfg, tie_word_embeddings=False)
+        return cfg
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
