@@ -126,6 +126,10 @@ class SamplingParams:
 class Request:
     """One generation request: an id unique within a run, the prompt's token ids, sampling.
 
+    ``prompt_ids``: a sequence of ints, or a 1-D integer tensor or array; stored as a tuple of
+    Python ints (``token_ids``), so a request pickles without torch. Every field is checked
+    here and again at the door (``check_request_fields``), with its name, limit and value.
+
     ``arrival_s``: when the request arrives, in seconds after the ``submit`` that queued it (a
     load generator submits a whole arrival stream at once). The scheduler admits it no earlier,
     its times count from then, and ``RankWorker.run_until_idle`` waits for it.
