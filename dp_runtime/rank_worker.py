@@ -222,9 +222,11 @@ class RankWorker:
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> None:
-        """Queue requests on this rank (ValueError, all or none, for one that can never fit)."""
+        """Queue requests on this rank: ValueError, all or none, for bad input; a request the KV
+        cache can never hold finishes at once with its error (its result comes out as any other)."""
         with self._lock:
-            self.scheduler.submit(requests)
+            refused = self.scheduler.submit(requests)
+        self.outputs.add((), refused)
 
     @property
     def has_work(self) -> bool:

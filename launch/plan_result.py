@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import ModelConfig
-
-if TYPE_CHECKING:
-    from launch.planner import PlanInput
+from launch.plan_input import PlanInput
 
 __all__ = [
     "COMPONENTS",

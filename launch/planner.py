@@ -21,24 +21,22 @@ holds with every other input unchanged, found by bisection (the rule is monotone
 max_running_requests needs more KV and never less of anything else).
 
 JSON: ``CapacityPlan.to_dict()`` / ``to_json()``, schema ``dp-runtime.plan/1`` (keys:
-docs/planner.md). The result types live in ``plan_result.py``, the GPU table in
-``gpu_specs.py``; both are re-exported here.
+docs/planner.md). The input lives in ``plan_input.py``, the result types in ``plan_result.py``,
+the GPU table in ``gpu_specs.py``; all are re-exported here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
 
 from dispatcher.partition import ExpertPartition
 from dp_runtime import memory_sizing as ms
 from dp_runtime.choices import Choices, resolve_choices
 from dp_runtime.config import RuntimeConfig
-from dp_runtime.model.model_config import PRESETS, ModelConfig
-from dp_runtime.rank_spec import RankSpec
+from dp_runtime.model.model_config import ModelConfig
 from dp_runtime.sync.padding_mode import PaddingMode
 from launch.gpu_specs import GIB, GPUS, GpuSpec, gpu_spec
+from launch.plan_input import PlanInput
 from launch.plan_result import (
     COMPONENTS,
     MEASURED_COMPONENTS,
@@ -69,88 +67,6 @@ __all__ = [
     "plan_capacity",
     "plan_choices",
 ]
-
-
-
-# -- input ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PlanInput:
-    """What the planner takes.
-
-    - ``model``: a preset (``tiny``, ``qwen3-30b-a3b``), a checkpoint directory, or its
-      ``config.json``.
-    - ``dtype``: of weights, KV and hidden states (a RuntimeConfig dtype name).
-    - ``dp_size``; ``ep_size`` (None: the world size).
-    - ``gpu_mem_bytes``: usable memory of one GPU; ``gpu_name`` for display; ``nvlink``: whether
-      the GPUs are NVLink-connected (``dispatcher="auto"`` picks FlashInfer only then).
-    - ``max_running_requests``, ``chunked_prefill_size``, ``cuda_graph_bs`` (``"auto"`` or
-      sizes; ``()`` for no graphs), ``context_len`` (None: the runtime's default),
-      ``dispatcher`` (``auto`` | ``all_gather`` | ``all_to_all`` | ``flashinfer``),
-      ``use_cuda_graph`` (None: on, as the rank worker on CUDA; False: eager only).
-    - ``kv_tokens_per_request``: KV tokens to guarantee each running request (None:
-      ``context_len``); the fit rule in the module docstring.
-    - ``headroom_fraction`` of the GPU memory, at least ``headroom_min_bytes``: kept free.
-    """
-
-    model: str = "qwen3-30b-a3b"
-    dtype: str = "bfloat16"
-    dp_size: int = 1
-    ep_size: int | None = None
-    gpu_mem_bytes: int = GPUS["h100"].mem_bytes
-    gpu_name: str | None = GPUS["h100"].name
-    nvlink: bool = True
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 8192
-    cuda_graph_bs: tuple[int, ...] | str = "auto"
-    context_len: int | None = None
-    dispatcher: str = "auto"
-    use_cuda_graph: bool | None = None
-    kv_tokens_per_request: int | None = None
-    headroom_fraction: float = 0.05
-    headroom_min_bytes: int = GIB
-
-    def __post_init__(self) -> None:
-        if self.gpu_mem_bytes <= 0:
-            raise ValueError(f"PlanInput.gpu_mem_bytes must be > 0, got {self.gpu_mem_bytes}")
-        if not 0 <= self.headroom_fraction < 1:
-            raise ValueError(f"PlanInput.headroom_fraction must be in [0, 1), got {self.headroom_fraction}")
-        if self.headroom_min_bytes < 0:
-            raise ValueError(f"PlanInput.headroom_min_bytes must be >= 0, got {self.headroom_min_bytes}")
-        if self.kv_tokens_per_request is not None and self.kv_tokens_per_request < 1:
-            raise ValueError(f"PlanInput.kv_tokens_per_request must be >= 1, got {self.kv_tokens_per_request}")
-
-    def rank_spec(self, max_running_requests: int | None = None, *, device: str = "cpu",
-                  kv_cache_tokens: int | None = None) -> RankSpec:
-        """The RankSpec these inputs describe (validated by RankSpec and RuntimeConfig), with
-        ``max_running_requests`` replaced when given. ``device`` only matters to a real rank."""
-        graph_kwargs: dict[str, Any] = {"cuda_graph_bs": "auto", "cuda_graph_max_bs": "auto"}
-        if not isinstance(self.cuda_graph_bs, str):
-            sizes = tuple(int(s) for s in self.cuda_graph_bs)
-            graph_kwargs = {"cuda_graph_bs": sizes, "cuda_graph_max_bs": sizes[-1] if sizes else 0}
-        elif self.cuda_graph_bs != "auto":
-            raise ValueError(f'PlanInput.cuda_graph_bs must be "auto" or sizes, got {self.cuda_graph_bs!r}')
-        return RankSpec.create(
-            _model_ref(self.model), dispatcher=self.dispatcher, use_cuda_graph=self.use_cuda_graph,
-            kv_cache_tokens=kv_cache_tokens, max_context_len=self.context_len,
-            dp_size=self.dp_size, ep_size="auto" if self.ep_size is None else self.ep_size,
-            max_running_requests=self.max_running_requests if max_running_requests is None else max_running_requests,
-            chunked_prefill_size=self.chunked_prefill_size, dtype=self.dtype, device=device,
-            **graph_kwargs,
-        )
-
-
-def _model_ref(model: str) -> str:
-    """A preset name or a checkpoint directory (a path to its config.json gives the directory)."""
-    if model in PRESETS:
-        return model
-    path = Path(model)
-    if path.name == "config.json" and path.is_file():
-        return str(path.parent)
-    if path.is_file():
-        raise ValueError(f"model {model!r} is a file; give a preset, a checkpoint directory or its config.json")
-    if not path.exists():
-        raise ValueError(f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing path")
-    return model
 
 
 # -- resolution rules: the runtime's own (dp_runtime.choices) -------------------------------------

@@ -72,8 +72,8 @@ def test_check_request_names_the_field_the_limit_and_the_value():
     assert check_request(ok, VOCAB, 3) == ("request 'a' needs 4 KV tokens (prompt 2 + max_new_tokens 3 - 1); "
                                            "max_context_len is 3")
     # What a pickle can carry past the constructors is caught again at the door.
-    assert "prompt_ids[1]=-1 is not a token id" in check_request(_smuggled(ok, prompt_ids=(1, -1)), VOCAB)
-    assert "prompt_ids[0] must be an int, got 2.5" in check_request(_smuggled(ok, prompt_ids=(2.5,)), VOCAB)
+    assert "prompt_ids[1] must be an int >= 0, got -1" in check_request(_smuggled(ok, prompt_ids=(1, -1)), VOCAB)
+    assert "prompt_ids[0] must be an int >= 0, got 2.5" in check_request(_smuggled(ok, prompt_ids=(2.5,)), VOCAB)
     bad_sampling = _smuggled(SamplingParams(), temperature=math.nan)
     assert "temperature must be a finite number" in check_request(_smuggled(ok, sampling=bad_sampling), VOCAB)
 
@@ -94,7 +94,7 @@ def test_worker_refuses_bad_requests_at_submit_and_keeps_serving():
         reference = w.generate(_good(3))
         for bad, message in [
             (Request("over", [1, VOCAB]), r"'over': prompt_ids\[1\]=256 is not a token id in \[0, vocab_size=256\)"),
-            (_smuggled(Request("neg", [1, 2]), prompt_ids=(1, -1)), r"'neg': prompt_ids\[1\]=-1 is not a token id"),
+            (_smuggled(Request("neg", [1, 2]), prompt_ids=(1, -1)), r"'neg': prompt_ids\[1\] must be an int >= 0, got -1"),
             (_smuggled(Request("nan", [1]), sampling=_smuggled(SamplingParams(), temperature=math.nan)),
              "'nan': SamplingParams.temperature must be a finite number"),
         ]:

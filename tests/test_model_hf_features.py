@@ -175,3 +175,45 @@ def test_a_window_that_is_off_or_null_is_full_attention(tmp_path):
     for model in (qwen, mixtral):
         assert ModelConfig.from_dir(model).sliding_window is None
         assert _spec(model, max_context_len=256).context_len == 256
+
+
+def _tied_config(ckpt) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+
+
+def _drop_head(ckpt) -> None:
+    """Remove lm_head.weight from the (sharded) checkpoint and its index."""
+    from safetensors.torch import load_file, save_file
+
+    index_file = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = ckpt / index["weight_map"].pop("lm_head.weight")
+    tensors = load_file(str(shard))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index_file.write_text(json.dumps(index))
+
+
+def test_tied_config_with_a_checkpoint_head_uses_that_head_as_transformers_does(tmp_path):
+    # transformers 5 keeps a head the checkpoint carries (it warns "we will NOT tie them");
+    # before, dp-runtime silently used the embedding as the head: other logits, other tokens.
+    with_head = write_tiny_checkpoint(tmp_path / "head")  # lm_head drawn apart from the embedding
+    _tied_config(with_head)
+    without_head = tmp_path / "tied"
+    shutil.copytree(with_head, without_head)
+    _drop_head(without_head)
+    assert ModelConfig.from_dir(with_head).tie_word_embeddings is False
+    assert ModelConfig.from_dir(without_head).tie_word_embeddings is True
+    prompts = _prompts()[:1]
+    refs = {}
+    for name, ckpt in (("head", with_head), ("tied", without_head)):
+        model = load_reference(ckpt)
+        refs[name] = [greedy_reference(model, p, NEW) for p in prompts]
+    assert _differs(refs["head"], refs["tied"])  # the test can tell the two heads apart
+    _assert_same_as_transformers(_ours(with_head, prompts), refs["head"])
+
+
+def test_tied_config_without_weights_stays_tied(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "model_type": "qwen3_moe", "tie_word_embeddings": True}))
+    assert ModelConfig.from_dir(tmp_path).tie_word_embeddings is True  # a config alone (planning)

@@ -106,8 +106,12 @@ def test_request_that_can_never_fit_is_refused_with_the_limit(ckpt):
     with RankWorker(_spec(ckpt, kv_cache_tokens=50)) as w:
         with pytest.raises(ValueError, match=r"needs 135 KV tokens.*max_context_len is 128"):
             w.submit([Request("long", [1] * 128, SamplingParams(max_new_tokens=8))])
-        with pytest.raises(ValueError, match=r"needs 57 KV tokens; the whole KV cache holds 50"):
-            w.submit([Request("big", [1] * 50, SamplingParams(max_new_tokens=8))])
+        # One the rank's KV cache cannot hold fails alone (its result), the others are queued.
+        (big,) = w.scheduler.submit([Request("big", [1] * 50, SamplingParams(max_new_tokens=8))])
+        assert (big.rid, big.finish_reason, big.rank, big.output_ids) == ("big", "error", 0, ())
+        assert big.error == ("request 'big' needs 57 KV tokens (prompt 50 + max_new_tokens 8 - 1); "
+                             "a rank's whole KV cache holds 50 (kv_cache_tokens)")
+        assert not w.has_work
         w.submit([Request("a", [1, 2, 3])])
         with pytest.raises(ValueError, match="'a' is already queued"):
             w.submit([Request("b", [1]), Request("a", [4])])

@@ -108,6 +108,24 @@ def test_foreign_or_stale_file_is_refused(shm_path):
     assert not os.path.exists(shm_path)
 
 
+def test_abandon_never_overwrites_a_row_a_peer_has_not_read(shm_path):
+    # Rank 0 reads rank 1's row, then gives up at once (a plan mismatch seen in the table); rank 1
+    # still reads rank 0's row of that exchange. Before: abandon overwrote it with the mark, so
+    # rank 1 raised "abandoned" instead of getting the table (and then a different error).
+    owner = ShmExchange(shm_path, 0, 2, NCOLS, timeout_s=30, create=True, nonce=7)
+    # Rank 1 writes its row, finds none from rank 0, and naps for a second before looking again.
+    slow = ShmExchange(shm_path, 1, 2, NCOLS, timeout_s=30, create=False, nonce=7, spin_polls=0, yield_s=0,
+                       nap_s=1.0)
+    rows = [(1,) * NCOLS, (2,) * NCOLS]
+    out = run_ranks([lambda: (time.sleep(0.2), owner.exchange(rows[0]), owner.abandon())[1],
+                     lambda: slow.exchange(rows[1])])
+    assert out == {0: rows, 1: rows}
+    with pytest.raises(DPSyncError, match=r"rank 0 abandoned the step sync .* exchange #2"):
+        slow.exchange(rows[1])  # the next exchange, which rank 0 never writes, sees the mark
+    owner.close()
+    slow.close()
+
+
 def test_row_width_and_rank_are_checked(shm_path):
     with pytest.raises(ValueError, match="rank 2 is not in"):
         ShmExchange(shm_path, 2, 2, NCOLS, timeout_s=1, create=True)
@@ -117,5 +135,6 @@ def test_row_width_and_rank_are_checked(shm_path):
 
 
 def test_slots_do_not_share_cache_lines():
-    assert shm_file_size(4, 8) == 64 + 8 * 128
-    assert shm_file_size(4, 6) == 64 + 8 * 64
+    assert shm_file_size(4, 8) == 64 + 8 * 128 + 64  # header, 2 slots per rank, abandon marks
+    assert shm_file_size(4, 6) == 64 + 8 * 64 + 64
+    assert shm_file_size(9, 6) == 64 + 18 * 64 + 128

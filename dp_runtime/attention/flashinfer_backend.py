@@ -27,12 +27,16 @@ The FlashInfer semantics this relies on, and the rest of the story: docs/graph.m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dp_runtime.attention.backend import import_flashinfer
+from dp_runtime.attention.flashinfer_graphs import (
+    NO_SPLIT_KV_BS,
+    FlashInferGraphPlans,
+    FlashInferMetadata,
+)
 from dp_runtime.attention.kv_indices import (
     build_kv_indices,
     extend_plan_inputs,
@@ -53,26 +57,9 @@ __all__ = ["LONG_EXTEND_TOKENS", "NO_SPLIT_KV_BS", "FlashInferBackend", "FlashIn
 # streamed 1 x 128 extend on an H200 went 7.50 -> 7.40 ms with FA3 (`run_gpu.sh var8`).
 LONG_EXTEND_TOKENS = 64
 
-# Decode graph buckets of at least this many requests plan without splitting a request's KV: with
-# 4+ KV heads per request there are enough (request, head) work items to fill the GPU, and
-# the split's merge kernel (a launch per layer, captured into every graph) goes away.
-NO_SPLIT_KV_BS = 64
-
-
-@dataclass
-class FlashInferMetadata:
-    """The planned wrappers of one forward and the layout they were planned for."""
-
-    layout: KVLayout
-    decode: Any = None  # a planned decode wrapper (decode steps)
-    paged: Any = None  # a planned paged prefill wrapper (PAGED extend, or RAGGED's prefix part)
-    ragged: Any = None  # a planned ragged prefill wrapper (RAGGED extend)
-    has_prefix: bool = False  # RAGGED: whether some request has cached tokens to merge in
-    triton_bs: int = 0  # a decode bucket attended by the Triton kernel over the graph buffers
-
-
-class FlashInferBackend:
-    """FlashInfer paged attention; implements ``graph.AttentionMetadataBackend`` and ``forward``.
+class FlashInferBackend(FlashInferGraphPlans):
+    """FlashInfer paged attention; implements ``graph.AttentionMetadataBackend`` and ``forward``
+    (graph mode, ``init_capture`` and the capture and replay plans: ``FlashInferGraphPlans``).
 
     Args:
         kv_cache: the rank's KV cache (on CUDA).
@@ -143,14 +130,7 @@ class FlashInferBackend:
         # Decode plans' host indptr, reused: the fence orders each plan after the last one's copies.
         self._fence = StagingFence(device)
         self._indptr_host = torch.empty(kv_cache.max_reqs + 2, dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        # Graph mode: its own workspace, wrappers and fixed buffers (init_capture).
-        self.graph_workspace: torch.Tensor | None = None
-        self._graph_max_bs = 0
-        self._graph_wrappers: dict[int, Any] = {}
-        self._graph_layouts: dict[int, KVLayout] = {}
-        self._graph_indptr: torch.Tensor | None = None
-        self._graph_indices: torch.Tensor | None = None
-        self._graph_last_page_len: torch.Tensor | None = None
+        self._init_graph_state()  # graph mode: its own workspace, wrappers and buffers (init_capture)
         self.metadata: FlashInferMetadata | None = None
 
     # -- limits and checks ---------------------------------------------------------------------
@@ -160,11 +140,6 @@ class FlashInferBackend:
         if self.triton_decode_min_bs:
             return f"flashinfer below bs {self.triton_decode_min_bs}, triton from it (graphs)"
         return "flashinfer"
-
-    @property
-    def graph_indices_capacity(self) -> int:
-        """KV indices the graph wrappers' fixed buffer holds (0 before ``init_capture``)."""
-        return 0 if self._graph_indices is None else int(self._graph_indices.numel())
 
     # -- planning ------------------------------------------------------------------------------
     def _layout(self, forward_mode: ForwardMode) -> KVLayout:
@@ -285,82 +260,6 @@ class FlashInferBackend:
         else:
             raise ValueError(f"FlashInferBackend: unknown forward mode {mode!r}")
         self._fence.mark()
-
-    def init_capture(self, max_bs: int, max_num_tokens: int) -> None:
-        if max_bs < 1:
-            raise ValueError(f"FlashInferBackend.init_capture: max_bs must be >= 1, got {max_bs}")
-        device = self.kv_cache.device
-        if self.graph_workspace is None:
-            self.graph_workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
-        self._graph_max_bs = int(max_bs)
-        self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
-        self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self._graph_indices = torch.zeros(max_bs * self.kv_cache.max_context_len, dtype=torch.int32, device=device)
-        self._graph_wrappers.clear()
-        self._graph_layouts.clear()
-
-    def init_forward_metadata_capture(
-        self, *, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, forward_mode: ForwardMode
-    ) -> None:
-        layout = self._layout(forward_mode)
-        if forward_mode is not ForwardMode.DECODE:
-            raise NotImplementedError(
-                f"FlashInferBackend captures DECODE only, got {forward_mode.name} (extend runs eager)"
-            )
-        if self._graph_indptr is None or self._graph_indices is None or self._graph_last_page_len is None:
-            raise RuntimeError("FlashInferBackend: init_capture() was not called")
-        if bs > self._graph_max_bs:
-            raise ValueError(f"FlashInferBackend (capture): bucket {bs} exceeds init_capture's max_bs={self._graph_max_bs}")
-        triton = bool(self.triton_decode_min_bs) and bs >= self.triton_decode_min_bs
-        wrapper = None if triton else self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.graph_workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=self.use_tensor_cores,
-            paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
-            paged_kv_indices_buffer=self._graph_indices,
-            paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
-        )
-        self._plan_decode(  # capture may sync (no host lengths here)
-            "capture", wrapper, bs, req_pool_indices, seq_lens, None,
-            max_bs=self._graph_max_bs, max_bs_name="init_capture's max_bs", indices_capacity=self.graph_indices_capacity,
-        )
-        self._graph_wrappers[bs] = wrapper
-        self._graph_layouts[bs] = layout
-        self.metadata = FlashInferMetadata(layout, decode=wrapper, triton_bs=bs if triton else 0)
-
-    def init_forward_metadata_replay(
-        self,
-        *,
-        bs: int,
-        raw_bs: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_lens_sum: int,
-        forward_mode: ForwardMode,
-        seq_lens_cpu: torch.Tensor | None,
-    ) -> None:
-        layout = self._layout(forward_mode)
-        if bs not in self._graph_wrappers:
-            raise KeyError(
-                f"FlashInferBackend: no captured wrapper for bucket {bs}; captured {sorted(self._graph_wrappers)}"
-            )
-        if layout is not self._graph_layouts[bs]:
-            raise ValueError(
-                f"FlashInferBackend: bucket {bs} was captured for layout {self._graph_layouts[bs].name}, "
-                f"replay asks {layout.name}"
-            )
-        if raw_bs > bs:
-            raise ValueError(f"FlashInferBackend (replay): {raw_bs} live requests exceed bucket {bs}")
-        # Plan all bs rows: rows [raw_bs:bs) are padding (row 0, length 1) the graph still runs.
-        wrapper = self._graph_wrappers[bs]
-        self._fence.wait()
-        self._plan_decode(
-            "replay", wrapper, bs, req_pool_indices, seq_lens, seq_lens_cpu,
-            max_bs=bs, max_bs_name="the bucket", indices_capacity=self.graph_indices_capacity,
-        )
-        self._fence.mark()
-        self.metadata = FlashInferMetadata(layout, decode=wrapper, triton_bs=0 if wrapper is not None else bs)
 
     # -- attention -----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Any,

@@ -1,4 +1,4 @@
-"""A Hugging Face ``config.json`` turned into a ModelConfig, or refused.
+"""A Hugging Face ``config.json`` turned into ModelConfig fields, or refused.
 
 The rule: the model computes what transformers 5's ``Qwen3MoeForCausalLM`` /
 ``MixtralForCausalLM`` computes for the config, or the config is refused with a
@@ -15,9 +15,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dp_runtime.model.model_config import ModelConfig, ModelConfigError, YarnScaling
+from dp_runtime.model.config_parts import ModelConfigError, YarnScaling
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "model_config_from_hf", "read_json_object"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "model_fields_from_hf", "read_json_object"]
 
 SUPPORTED_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
@@ -162,9 +162,10 @@ def _rope(f: _Fields, max_positions: int) -> tuple[float, YarnScaling | None]:
         raise ModelConfigError(f"{f.source}: {field}: {exc}") from None
 
 
-def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """The ModelConfig of a Qwen3-MoE or Mixtral config dict; ModelConfigError (naming ``source``,
-    the field and its value) for another architecture or a field the model does not compute."""
+def model_fields_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """The ModelConfig fields of a Qwen3-MoE or Mixtral config dict (``ModelConfig.from_hf``
+    builds the config); ModelConfigError (naming ``source``, the field and its value) for another
+    architecture or a field the model does not compute."""
     if not isinstance(hf, dict):
         raise ModelConfigError(f"{source} must hold a JSON object, got {type(hf).__name__}")
     family = _family(hf, source)
@@ -216,7 +217,4 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
             attention_bias=f.bool("attention_bias"),
             sliding_window=None if window is None else f.int("sliding_window", window),
         )
-    try:
-        return ModelConfig(**common, **extra)
-    except ModelConfigError as exc:
-        raise ModelConfigError(f"{source}: {exc}") from None
+    return {**common, **extra}

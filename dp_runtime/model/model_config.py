@@ -6,48 +6,25 @@ dimensions of Qwen3-30B-A3B, for GPU benchmarks with random weights).
 
 ``ModelConfig.load(model)`` takes what a user types for ``--model``: a preset name or a
 checkpoint directory. Reading a ``config.json`` (which fields count, which are refused) lives in
-``dp_runtime.model.hf_config``.
+``dp_runtime.model.hf_config``, which knows ModelConfig's fields but not the class (it returns
+them as a dict); the error type and YaRN's parameters, which both need, live below both in
+``config_parts`` (no import cycle).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dp_runtime.model.checkpoint_files import checkpoint_index, has_weights
+from dp_runtime.model.config_parts import ModelConfigError, YarnScaling
+from dp_runtime.model.hf_config import model_fields_from_hf, read_json_object
+
+logger = logging.getLogger(__name__)
+
 __all__ = ["PRESETS", "ModelConfig", "ModelConfigError", "YarnScaling"]
-
-
-class ModelConfigError(ValueError):
-    """A model that cannot be loaded as given: an unknown preset, a config.json that is not JSON,
-    of an unsupported architecture or with a field the model cannot compute, a checkpoint
-    with a missing, mis-shaped, non-float or unreadable tensor. The message names the file, the
-    field or tensor, and the value: a launcher prints it as one line (a user error, exit 2)."""
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """YaRN rotary scaling, resolved as transformers resolves ``rope_type: yarn``: ``factor`` of
-    context extension over ``original_max_position_embeddings``, the ``beta_fast``/``beta_slow``
-    rotation bounds of the ramp between interpolated and original frequencies, and the
-    ``attention_factor`` that scales cos and sin (from ``mscale``/``mscale_all_dim`` or
-    ``0.1 ln(factor) + 1`` when the config gives none)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float = 1.0
-    truncate: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.factor >= 1.0:
-            raise ModelConfigError(f"YaRN factor must be >= 1, got {self.factor}")
-        if self.original_max_position_embeddings <= 0:
-            raise ModelConfigError(
-                f"YaRN original_max_position_embeddings must be > 0, got {self.original_max_position_embeddings}")
-        if not self.attention_factor > 0:
-            raise ModelConfigError(f"YaRN attention_factor must be > 0, got {self.attention_factor}")
 
 
 @dataclass(frozen=True)
@@ -116,17 +93,18 @@ class ModelConfig:
         """From a Hugging Face Qwen3-MoE or Mixtral ``config.json`` dict (by ``model_type``).
         Raises ModelConfigError naming ``source``, the field and its value for anything the model
         would not compute as transformers does (``dp_runtime.model.hf_config``)."""
-        from dp_runtime.model.hf_config import model_config_from_hf
-
-        return model_config_from_hf(hf, source)
+        fields = model_fields_from_hf(hf, source)
+        try:
+            return cls(**fields)
+        except ModelConfigError as exc:
+            raise ModelConfigError(f"{source}: {exc}") from None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         """From ``path/config.json``. ModelConfigError when ``path`` does not exist (naming the
         presets too: a mistyped preset arrives here), has no config.json, or its config.json is
-        not valid JSON (line and column) or not a supported model."""
-        from dp_runtime.model.hf_config import read_json_object
-
+        not valid JSON (line and column) or not a supported model. ``tie_word_embeddings`` comes
+        out false when the checkpoint carries its own ``lm_head.weight`` (transformers' rule)."""
         root = Path(path)
         if not root.exists():
             raise ModelConfigError(
@@ -134,7 +112,14 @@ class ModelConfig:
         file = root / "config.json"
         if not file.is_file():
             raise ModelConfigError(f"no config.json in checkpoint directory {str(path)!r}")
-        return cls.from_hf(read_json_object(file), str(file))
+        cfg = cls.from_hf(read_json_object(file), str(file))
+        if cfg.tie_word_embeddings and has_weights(root) and "lm_head.weight" in checkpoint_index(root):
+            # transformers 5 does not tie a head the checkpoint carries (it warns when the values
+            # differ; equal values tie to the same logits): the checkpoint's head is the head.
+            logger.warning("%s: tie_word_embeddings is true but the checkpoint carries its own lm_head.weight; "
+                           "using that head, as transformers does", file)
+            cfg = replace(cfg, tie_word_embeddings=False)
+        return cfg
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:

@@ -15,7 +15,6 @@ missing directory or shard, an index that is not valid JSON.
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dispatcher.partition import ExpertPartition
-from dp_runtime.model.hf_config import read_json_object
+from dp_runtime.model.checkpoint_files import checkpoint_index, open_shard
 from dp_runtime.model.model_config import ModelConfig, ModelConfigError
 from dp_runtime.model.tensor_names import expert_names, layer_names
 
@@ -32,20 +31,6 @@ __all__ = ["FLOAT_DTYPES", "checkpoint_index", "expected_shapes", "iter_checkpoi
 
 # safetensors dtype names a weight may be stored as (cast to the runtime dtype on load).
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-
-
-@contextlib.contextmanager
-def _open_shard(file: Path):
-    """``safe_open`` on ``file``, with safetensors' own errors (truncated file, corrupt header)
-    turned into a ModelConfigError naming the file."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        handle = safe_open(str(file), "pt", device="cpu")
-    except (SafetensorError, OSError) as exc:
-        raise ModelConfigError(f"safetensors file {str(file)!r} is unreadable (truncated or corrupt?): {exc}") from None
-    with handle as f:
-        yield f
 
 
 def expected_shapes(cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> dict[str, tuple[int, ...]]:
@@ -71,33 +56,6 @@ def expected_shapes(cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> dic
                 gate, up, down = expert_names(cfg, i, e)
                 out[gate], out[up], out[down] = (i_moe, h), (i_moe, h), (h, i_moe)
     return out
-
-
-def checkpoint_index(path: str | Path) -> dict[str, Path]:
-    """``{tensor name: file}`` of a checkpoint directory (sharded index or a scan of *.safetensors).
-    ModelConfigError for a missing directory or shard, or an index that is not valid JSON."""
-    root = Path(path)
-    if not root.is_dir():
-        raise ModelConfigError(f"checkpoint directory {str(root)!r} does not exist")
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelConfigError(f"{index} has no \"weight_map\" object")
-        files = {name: root / file for name, file in weight_map.items()}
-        for file in sorted(set(files.values())):
-            if not file.is_file():
-                raise ModelConfigError(f"{index.name} names shard {file.name!r}, which is missing from {str(root)!r}")
-        return files
-    shards = sorted(root.glob("*.safetensors"))
-    if not shards:
-        raise ModelConfigError(f"no *.safetensors files in checkpoint directory {str(root)!r}")
-    files = {}
-    for file in shards:
-        with _open_shard(file) as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                files[name] = file
-    return files
 
 
 def iter_checkpoint(
@@ -127,7 +85,7 @@ def iter_checkpoint(
     for name in want:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
-        with _open_shard(file) as f:
+        with open_shard(file) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:  # an index that names a file the tensor is not in
@@ -145,7 +103,7 @@ def iter_checkpoint(
                         "checkpoints are not supported"
                     )
     for file, names in by_file.items():
-        with _open_shard(file) as f:
+        with open_shard(file) as f:
             for name in names:
                 yield name, f.get_tensor(name).to(device=device, dtype=dtype)
 

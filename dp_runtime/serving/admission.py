@@ -2,7 +2,8 @@
 
 Every path that takes requests applies these same pure functions: ``SamplingParams`` and
 ``Request`` at construction (what they can know alone), the scheduler at ``submit`` (the
-Python API: ValueError, all or none), the JSONL loader (WorkloadError naming file and line),
+Python API: ValueError, all or none, for bad input; a request that only its rank's KV cache
+cannot hold fails alone, with its own error result), the JSONL loader (WorkloadError naming file and line),
 and the launchers (Ray, torchrun, local), which turn a refused request into its own
 ``RequestResult`` with ``error`` set and finish_reason "error" so that it costs no other
 request. A refused request never enters a step.
@@ -16,49 +17,65 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from dp_runtime.checks import is_int
-from dp_runtime.serving.request import check_sampling
+from dp_runtime.serving.request import RequestResult, check_request_fields
 
 if TYPE_CHECKING:
-    from dp_runtime.serving.request import Request, RequestResult
+    from dp_runtime.rank_spec import RankSpec
+    from dp_runtime.serving.request import Request
 
 __all__ = [
     "admit",
     "check_request",
     "duplicate_rids",
+    "known_kv_slots",
+    "kv_refusal",
     "refused_result",
 ]
 
 
-def check_request(req: Request, vocab_size: int | None = None, context_len: int | None = None) -> str | None:
+def check_request(req: Request, vocab_size: int | None = None, context_len: int | None = None,
+                  kv_slots: int | None = None) -> str | None:
     """The first rule ``req`` breaks, as one message that starts with the request's rid and
     names the field, the limit and the value; None when it may be queued.
 
-    Rules: a non-empty rid string; a non-empty prompt of ints in ``[0, vocab_size)`` (the
-    vocabulary is not checked when None); valid sampling (``check_sampling``); prompt +
-    max_new_tokens - 1 KV tokens within ``context_len`` (not checked when None).
+    Rules: its own fields (``request.check_request_fields``: rid, prompt_ids, sampling,
+    arrival_s); token ids in ``[0, vocab_size)`` (not checked when None); prompt +
+    max_new_tokens - 1 KV tokens within ``context_len`` and within a rank's whole KV cache of
+    ``kv_slots`` token slots (each not checked when None).
     """
-    rid = req.rid
-    if not isinstance(rid, str) or not rid:
-        return f"request rid must be a non-empty string, got {rid!r}"
-    where = f"request {rid!r}"
-    ids = req.prompt_ids
-    if not isinstance(ids, tuple) or not ids:
-        return f"{where}: prompt_ids must be a non-empty tuple of token ids, got {ids!r:.80}"
-    for pos, t in enumerate(ids):
-        if not is_int(t):
-            return f"{where}: prompt_ids[{pos}] must be an int, got {t!r}"
-        if t < 0 or (vocab_size is not None and t >= vocab_size):
-            limit = f"[0, vocab_size={vocab_size})" if vocab_size is not None else ">= 0"
-            return f"{where}: prompt_ids[{pos}]={t} is not a token id in {limit}"
-    problem = check_sampling(req.sampling)
+    problem = check_request_fields(req)
     if problem is not None:
-        return f"{where}: {problem}"
-    if context_len is not None:
-        need = len(ids) + req.sampling.max_new_tokens - 1
-        if need > context_len:
-            return (f"{where} needs {need} KV tokens (prompt {len(ids)} + max_new_tokens "
-                    f"{req.sampling.max_new_tokens} - 1); max_context_len is {context_len}")
+        return problem
+    where, ids = f"request {req.rid!r}", req.prompt_ids
+    if vocab_size is not None:
+        for pos, t in enumerate(ids):
+            if t >= vocab_size:
+                return f"{where}: prompt_ids[{pos}]={t} is not a token id in [0, vocab_size={vocab_size})"
+    need = len(ids) + req.sampling.max_new_tokens - 1
+    if context_len is not None and need > context_len:
+        return (f"{where} needs {need} KV tokens (prompt {len(ids)} + max_new_tokens "
+                f"{req.sampling.max_new_tokens} - 1); max_context_len is {context_len}")
+    if kv_slots is not None and need > kv_slots:
+        return kv_refusal(req, kv_slots)
+    return None
+
+
+def kv_refusal(req: Request, kv_slots: int) -> str:
+    """Why ``req`` can never run on a rank whose whole KV cache holds ``kv_slots`` tokens."""
+    n, new = len(req.prompt_ids), req.sampling.max_new_tokens
+    return (f"request {req.rid!r} needs {n + new - 1} KV tokens (prompt {n} + max_new_tokens {new} - 1); "
+            f"a rank's whole KV cache holds {kv_slots} (kv_cache_tokens)")
+
+
+def known_kv_slots(spec: RankSpec) -> int | None:
+    """The KV slots each rank of ``spec`` will allocate, where the door can know them before a
+    rank starts: ``spec.kv_cache_tokens`` when given, else a CPU rank's fixed size; None on
+    CUDA, where they follow the free memory after the weights (the rank then answers a request
+    that cannot fit with its own error result, ``Scheduler.submit``)."""
+    from dp_runtime.memory_sizing import kv_slots_for_rank
+
+    if spec.kv_cache_tokens is not None or spec.runtime.device.type != "cuda":
+        return kv_slots_for_rank(spec, spec.runtime.device)
     return None
 
 
@@ -73,28 +90,27 @@ def duplicate_rids(requests: Iterable[Request]) -> list[str]:
     return dups
 
 
-def refused_result(req: Request, error: str) -> RequestResult:
-    """The result of a request refused at the door: no tokens, finish_reason "error", rank -1
-    (no rank ran it), zero times."""
-    from dp_runtime.serving.request import RequestResult
-
+def refused_result(req: Request, error: str, rank: int = -1) -> RequestResult:
+    """The result of a request refused before it ran: no tokens, finish_reason "error", zero
+    times; ``rank`` -1 when refused at the door (no rank saw it), else the rank that refused it."""
     n = len(req.prompt_ids) if hasattr(req.prompt_ids, "__len__") else 0
-    return RequestResult(rid=str(req.rid), prompt_len=n, output_ids=(), finish_reason="error", rank=-1,
+    return RequestResult(rid=str(req.rid), prompt_len=n, output_ids=(), finish_reason="error", rank=rank,
                          queued_s=0.0, ttft_s=0.0, latency_s=0.0, decode_steps=0, error=error)
 
 
-def admit(requests: Sequence[Request], vocab_size: int | None,
-          context_len: int | None) -> tuple[list[Request], list[RequestResult]]:
+def admit(requests: Sequence[Request], vocab_size: int | None, context_len: int | None,
+          kv_slots: int | None = None) -> tuple[list[Request], list[RequestResult]]:
     """Split a job's requests at the door: ``(accepted, refused results)``, each in submission
-    order. Raises ValueError naming the rids when two requests share one (a job-level error:
-    the results could not be told apart)."""
+    order (``check_request``; pass ``kv_slots=known_kv_slots(spec)`` to refuse here a request
+    that no rank's KV cache can hold). Raises ValueError naming the rids when two requests
+    share one (a job-level error: the results could not be told apart)."""
     dups = duplicate_rids(requests)
     if dups:
         raise ValueError(f"duplicate request ids (each rid must be unique within a job): {dups[:5]}")
     accepted: list[Request] = []
     refused: list[RequestResult] = []
     for r in requests:
-        problem = check_request(r, vocab_size, context_len)
+        problem = check_request(r, vocab_size, context_len, kv_slots)
         if problem is None:
             accepted.append(r)
         else:

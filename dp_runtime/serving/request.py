@@ -9,11 +9,14 @@ clock, measured from the moment the request arrived on the rank (``submit``, plu
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dp_runtime.checks import is_int
 
-__all__ = ["FINISH_REASONS", "Request", "RequestResult", "SamplingParams", "check_sampling"]
+__all__ = ["FINISH_REASONS", "Request", "RequestResult", "SamplingParams", "check_request_fields", "check_sampling",
+           "token_ids"]
 
 FINISH_REASONS = ("length", "stop", "error", "abort")
 
@@ -24,6 +27,8 @@ SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64)
 def check_sampling(sp: SamplingParams) -> str | None:
     """The first rule ``sp`` breaks, as a message naming the field, the rule and the value;
     None when it is valid."""
+    if not isinstance(sp, SamplingParams):  # a field set past the Request constructor
+        return f"Request.sampling must be a SamplingParams, got {type(sp).__name__} {sp!r:.80}"
     n = sp.max_new_tokens
     if not is_int(n) or n < 1:
         return f"SamplingParams.max_new_tokens must be an int >= 1, got {n!r}"
@@ -44,6 +49,52 @@ def check_sampling(sp: SamplingParams) -> str | None:
     stops = sp.stop_token_ids
     if not isinstance(stops, tuple) or not all(is_int(x) and x >= 0 for x in stops):
         return f"SamplingParams.stop_token_ids must be a tuple of ints >= 0, got {stops!r}"
+    return None
+
+
+def token_ids(ids: Any, rid: Any = "?") -> tuple[int, ...]:
+    """``ids`` (a sequence of ints, or a 1-D integer tensor or array) as a tuple of Python ints.
+    Raises ValueError naming ``prompt_ids`` for a tensor that is not 1-D or holds no integers,
+    a string, or something that is not a sequence; the elements themselves are checked by
+    ``check_request_fields``."""
+    where = f"request {rid!r}: prompt_ids"
+    if hasattr(ids, "ndim") and hasattr(ids, "tolist"):  # torch.Tensor, numpy.ndarray
+        kind = f"{type(ids).__name__} of dtype {ids.dtype} and shape {tuple(ids.shape)}"
+        if ids.ndim != 1:
+            raise ValueError(f"{where} must be a 1-D tensor of token ids, got a {kind}")
+        if "int" not in str(ids.dtype):  # float, bool, complex: refused, never truncated
+            raise ValueError(f"{where} must hold integer token ids, got a {kind}")
+        return tuple(int(t) for t in ids.tolist())
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ValueError(f"{where} must be a sequence of int token ids, got {type(ids).__name__} {ids!r:.80}")
+    return tuple(int(t) if is_int(t) else t for t in ids)  # ints as Python ints; others checked later
+
+
+def check_request_fields(req: Request) -> str | None:
+    """The first rule a request's own fields break (what it can know alone, without a model),
+    as one message naming the field, the limit and the value; None when they are valid.
+
+    Rules: ``rid`` a non-empty string; ``prompt_ids`` a non-empty tuple of ints >= 0;
+    ``sampling`` a valid SamplingParams (``check_sampling``); ``arrival_s`` a finite number >= 0.
+    """
+    rid = req.rid
+    if not isinstance(rid, str) or not rid:
+        return f"request rid must be a non-empty string, got {rid!r}"
+    where = f"request {rid!r}"
+    ids = req.prompt_ids
+    if not isinstance(ids, tuple) or not ids:
+        return (f"{where}: prompt_ids must be a non-empty tuple of token ids, "
+                f"got {type(ids).__name__} {ids!r:.80}")
+    for pos, t in enumerate(ids):
+        # int(2.7) would be 2 and int(True) 1: a token id must already be an integer.
+        if not is_int(t) or t < 0:
+            return f"{where}: prompt_ids[{pos}] must be an int >= 0, got {t!r}"
+    problem = check_sampling(req.sampling)
+    if problem is not None:
+        return f"{where}: {problem}"
+    a = req.arrival_s
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0:
+        return f"{where}: arrival_s must be finite and >= 0 (seconds after submit), got {a!r}"
     return None
 
 
@@ -83,6 +134,10 @@ class SamplingParams:
 class Request:
     """One generation request: an id unique within a run, the prompt's token ids, sampling.
 
+    ``prompt_ids``: a sequence of ints, or a 1-D integer tensor or array; stored as a tuple of
+    Python ints (``token_ids``), so a request pickles without torch. Every field is checked
+    here and again at the door (``check_request_fields``), with its name, limit and value.
+
     ``arrival_s``: when the request arrives, in seconds after the ``submit`` that queued it (a
     load generator submits a whole arrival stream at once). The scheduler admits it no earlier,
     its times count from then, and ``RankWorker.run_until_idle`` waits for it.
@@ -94,17 +149,10 @@ class Request:
     arrival_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rid, str) or not self.rid:
-            raise ValueError(f"request rid must be a non-empty string, got {self.rid!r}")
-        if not self.prompt_ids:
-            raise ValueError(f"request {self.rid!r}: the prompt is empty")
-        for pos, t in enumerate(self.prompt_ids):
-            # int(2.7) would be 2 and int(True) 1: a token id must already be an integer.
-            if not is_int(t) or t < 0:
-                raise ValueError(f"request {self.rid!r}: prompt_ids[{pos}] must be an int >= 0, got {t!r}")
-        if not (math.isfinite(self.arrival_s) and self.arrival_s >= 0):
-            raise ValueError(f"request {self.rid!r}: arrival_s must be finite and >= 0, got {self.arrival_s}")
-        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "prompt_ids", token_ids(self.prompt_ids, self.rid))
+        problem = check_request_fields(self)  # the rules admission applies at every door too
+        if problem is not None:
+            raise ValueError(problem)
 
     @property
     def max_total_tokens(self) -> int:

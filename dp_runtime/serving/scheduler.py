@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dp_runtime.forward_mode import ForwardMode
-from dp_runtime.serving.admission import check_request
+from dp_runtime.serving.admission import check_request, kv_refusal, refused_result
 from dp_runtime.serving.forward_batch import ForwardBatch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.paged_batches import decode_forward_batch, extend_forward_batch
@@ -156,11 +156,13 @@ class Scheduler:
         self.last_tokens = torch.zeros(cache.req_to_token.shape[0], dtype=torch.int64, device=cache.device)
 
     # -- requests in -----------------------------------------------------------------------------
-    def submit(self, requests: Iterable[Request]) -> None:
-        """Queue ``requests``. All or none: raises ValueError naming the request, the limit and the
-        value when one breaks a rule of the door (``admission.check_request``: token ids in
-        ``[0, vocab_size)``, sampling, context length), can never fit the KV cache, or its rid
-        is already queued or running. A refused request never enters a step."""
+    def submit(self, requests: Iterable[Request]) -> list[RequestResult]:
+        """Queue ``requests``; returns the results of those that can never fit this rank's KV
+        cache (finish_reason "error", the need and the cache's size in ``error``; in submission
+        order): each fails alone and the others are queued. Raises ValueError, all or none,
+        naming the request, the limit and the value when one breaks a rule of the door
+        (``admission.check_request``: its fields, token ids in ``[0, vocab_size)``, context
+        length) or its rid is already queued or running. A refused request never enters a step."""
         reqs = list(requests)
         seen = set(self._rids)
         for r in reqs:
@@ -170,17 +172,17 @@ class Scheduler:
             if r.rid in seen:
                 raise ValueError(f"request {r.rid!r} is already queued or running on rank {self.rank}")
             seen.add(r.rid)
-            need = r.max_total_tokens
-            if need > self.cache.num_slots:
-                raise ValueError(
-                    f"request {r.rid!r} needs {need} KV tokens; the whole KV cache holds {self.cache.num_slots}"
-                )
         now = time.perf_counter()
+        refused = []
         for r in reqs:
+            if r.max_total_tokens > self.cache.num_slots:
+                refused.append(refused_result(r, kv_refusal(r, self.cache.num_slots), rank=self.rank))
+                continue
             gen = None if r.sampling.greedy else torch.Generator().manual_seed(r.sampling.seed)
             # insort_right: arrival order, and submission order among equal arrivals (FCFS).
             bisect.insort_right(self.waiting, _Req(r, now + r.arrival_s, generator=gen), key=lambda q: q.t_arrival)
             self._rids.add(r.rid)
+        return refused
 
     @property
     def has_work(self) -> bool:

@@ -10,7 +10,8 @@ The protocol, per worker (``FailureNotice``; one per rank, built with the worker
   waiting for its row see the mark at once), and re-raises its own error;
 - a rank whose step raises after a peer reported a failure raises PeerRankFailedError naming
   that rank, its step and its error, chained to its own error (typically the timeout of the
-  collective the failed rank never joined).
+  collective the failed rank never joined) -- except a DPPlanMismatchError, which every rank
+  raises alike from the same table and which stays what it is on every rank.
 
 How long a peer waits: the step exchange is bounded by ``dp_sync_timeout_s`` (shm: at once
 when the failed rank marked its slots). A collective inside the forward is bounded by the
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dp_runtime.sync.collectives import rank_of, world_of
-from dp_runtime.sync.errors import DPSyncError
+from dp_runtime.sync.errors import DPPlanMismatchError, DPSyncError
 
 __all__ = ["FailureNotice", "PeerRankFailedError"]
 
@@ -92,7 +93,9 @@ class FailureNotice:
             peers = self.failed_peers()
         except Exception:  # the store itself is gone (the job is being torn down)
             peers = {}
-        if peers:
+        # A plan mismatch is raised by every rank alike from the same gathered table: each
+        # rank's own error is the documented one, never re-wrapped as a peer's failure.
+        if peers and not isinstance(exc, DPPlanMismatchError):
             first = min(peers)
             raise PeerRankFailedError(first, peers[first], self.rank) from exc
         if self._published:

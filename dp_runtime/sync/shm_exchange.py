@@ -8,6 +8,7 @@ File layout, in int64 words::
 
     header (64 bytes):  MAGIC, nonce, world, ncols, 0, 0, 0, 0
     slot (rank r, parity p) at 64 + (2*r + p) * stride:  seq, v_0 ... v_{ncols-1}, checksum
+    abandon marks at 64 + 2*world*stride:  one word per rank (0, or 1 once that rank gave up)
 
 ``stride`` is a multiple of 64 bytes, so ranks never write the same cache line.
 
@@ -29,8 +30,11 @@ Waiting spins for a few polls, then yields the CPU, then sleeps in short naps; p
 process ids are known (same pid namespace) a peer whose process has exited is reported at once
 instead of at the deadline. A dead rank therefore never hangs the others forever.
 
-A rank whose step raised marks both its slots abandoned (``abandon``); a peer that finds the
-mark raises at once.
+A rank whose step raised sets its abandon mark (``abandon``); a peer that waits for a row of
+that rank not yet written finds the mark and raises at once. The mark lives apart from the
+slots, and a reader takes a written row before it looks at the mark: a rank that gives up right
+after an exchange (a plan mismatch every rank raises alike) never overwrites a row a slower
+peer has not read yet, so that peer still gets the table, and raises the same error.
 
 Ownership: one rank creates the file (``create=True``), the others attach; the creator unlinks
 the name as soon as everyone is attached (``unlink()``), so a crash leaves nothing in /dev/shm:
@@ -53,16 +57,19 @@ __all__ = ["ShmExchange", "pid_alive", "shm_file_size"]
 _MAGIC = 0x44505253594E4331  # "DPRSYNC1"
 _HEADER_BYTES = 64
 _LINE = 64
-_ABANDONED = -1  # a slot's seq after its rank gave up (seqs count up from 1)
 
 
 def _stride(ncols: int) -> int:
     return -(-(ncols + 2) * 8 // _LINE) * _LINE
 
 
+def _marks_bytes(world: int) -> int:
+    return -(-world * 8 // _LINE) * _LINE
+
+
 def shm_file_size(world: int, ncols: int) -> int:
     """Bytes of the exchange file for ``world`` ranks and rows of ``ncols`` int64 values."""
-    return _HEADER_BYTES + 2 * world * _stride(ncols)
+    return _HEADER_BYTES + 2 * world * _stride(ncols) + _marks_bytes(world)
 
 
 def _cores() -> int:
@@ -219,21 +226,33 @@ class ShmExchange:
             time.sleep(self._nap_s)
 
     def abandon(self) -> None:
-        """Mark this rank's slots as abandoned (its step raised; it will not write again): a
-        peer waiting for its row raises at once instead of at ``timeout_s``. Not a collective."""
+        """Set this rank's abandon mark (its step raised; it will not write again): a peer
+        waiting for a row it has not written raises at once instead of at ``timeout_s``; rows
+        it wrote stay readable. Not a collective."""
         if self._mm.closed:
             return
-        for parity in (0, 1):
-            self._seq_fmt.pack_into(self._mm, self._slot(self.rank, parity), _ABANDONED)
+        self._seq_fmt.pack_into(self._mm, self._mark(self.rank), 1)
+
+    def _mark(self, rank: int) -> int:
+        return _HEADER_BYTES + 2 * self.world * self._stride + 8 * rank
 
     def _try_read(self, q: int, s: int, rows: list) -> bool:
-        off = self._slot(q, s)
-        seq = self._seq_fmt.unpack_from(self._mm, off)[0]
-        if seq == _ABANDONED:
+        if self._read_slot(q, s, rows):
+            return True
+        if self._seq_fmt.unpack_from(self._mm, self._mark(q))[0]:
+            # Read the slot once more after the mark: a row written just before the mark
+            # (not yet visible on the first read) is still the peer's answer.
+            if self._read_slot(q, s, rows):
+                return True
             raise DPSyncError(
                 f"shm step sync: rank {q} abandoned the step sync (its step raised) while rank "
                 f"{self.rank} waited for exchange #{s}"
             )
+        return False
+
+    def _read_slot(self, q: int, s: int, rows: list) -> bool:
+        off = self._slot(q, s)
+        seq = self._seq_fmt.unpack_from(self._mm, off)[0]
         if seq != s:
             if seq > s:
                 raise DPSyncError(
