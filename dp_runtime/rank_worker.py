@@ -1,9 +1,8 @@
 """RankWorker: one DP rank end to end — requests in, tokens out — with DP sync every step.
 
 Built from a RankSpec (the same object on every rank). Construction is collective when
-``world_size > 1`` (the step sync, the dispatcher and the graph capture all talk to the peers),
-so every rank constructs its worker together, after ``torch.distributed`` is initialised
-(``launch/process_group.py``; under torchrun the test fixture or the entry point does it).
+``world_size > 1`` (sync, dispatcher and graph capture talk to the peers): every rank builds its
+worker together, after ``torch.distributed`` is initialised (``launch/process_group.py``).
 
 One step (``step()``), the same sequence on every rank::
 
@@ -39,20 +38,19 @@ import torch
 import torch.distributed as dist
 
 from buffers import BufferPool, build_prefill_registry
-from dispatcher import DispatcherConfig, EPGroup, make_dispatcher
-from dp_runtime import memory_sizing
+from dispatcher import EPGroup
 from dp_runtime.attention import make_attention_backend
 from dp_runtime.choices import rank_choices
 from dp_runtime.graph_setup import RankGraphs, capture_rank_graphs
-from dp_runtime.model.qwen3_moe import Qwen3MoeModel
-from dp_runtime.model.weights import iter_checkpoint, iter_random
 from dp_runtime.rank_memory import (
     check_largest_step,
     make_kv_cache,
     measured_kv_slots,
     run_largest_step,
 )
+from dp_runtime.rank_parts import build_moe_exchange, load_model
 from dp_runtime.rank_spec import RankSpec
+from dp_runtime.serve_loop import run_until_idle
 from dp_runtime.serving.forward_batch import idle_batch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.outputs import StepOutputs
@@ -60,10 +58,9 @@ from dp_runtime.serving.request import Request, RequestResult
 from dp_runtime.serving.scheduler import ScheduledStep, Scheduler
 from dp_runtime.serving.step_tokens import StepTokens, launch_tokens
 from dp_runtime.step_kinds import STEP_COUNTERS, count_step, steps_by_kind
-from dp_runtime.sync.dp_buffer import DPBufferService
 from dp_runtime.sync.exchange import LocalExchange
 from dp_runtime.sync.peer_failure import FailureNotice
-from dp_runtime.sync.rank_groups import min_over_ranks, rank_groups
+from dp_runtime.sync.rank_groups import rank_groups
 from dp_runtime.sync.spec_check import check_rank_specs
 from dp_runtime.sync.step_plan import StepPlan
 from dp_runtime.sync.step_sync import NCOLS, DPStepSync
@@ -97,9 +94,8 @@ class RankWorker:
             raise ValueError(f"RankWorker: spec.runtime.dp_size={cfg.dp_size} but world_size={world_size}")
         if cfg.attn_tp_size != 1:
             raise ValueError(f"RankWorker: the reference model runs attn_tp_size=1, got {cfg.attn_tp_size}")
-        if cfg.ep_size != world_size:
-            raise ValueError(f"RankWorker: the reference model spreads experts over every rank: ep_size must be "
-                             f"{world_size}, got {cfg.ep_size}")
+        if cfg.ep_size != world_size:  # the model spreads its experts over every rank
+            raise ValueError(f"RankWorker: ep_size must be {world_size}, got {cfg.ep_size}")
         self.spec, self.rank, self.world_size = spec, rank, world_size
         self.model_config = spec.model_config()
         device = torch.device(cfg.device)
@@ -154,29 +150,14 @@ class RankWorker:
         self.choices = choices = rank_choices(spec, mc.head_dim, self.world_size, dev, ep)
         self.dispatcher_kind = choices.dispatcher
 
-        # The rank's one pool. Its first tenant is the DP buffer service, whose gathered
-        # storage exists only when the dispatcher gathers through it.
-        pool = BufferPool()
-        self.pool = pool
-        gathers = memory_sizing.dispatcher_gathers(choices.dispatcher)
-        self.dp_buffers = DPBufferService(cfg, pool, self.rank, group=device_group, device=dev,
-                                          allocate=gathers, routing_top_k=mc.top_k if gathers else 0)
+        # The rank's one pool. Its first tenant is the DP buffer service.
+        self.pool = pool = BufferPool()
+        self.dp_buffers, self.dispatcher = build_moe_exchange(spec, self.rank, device_group, ep, choices.dispatcher,
+                                                              pool, dev)
         self._memory["dp_buffers"] = pool.total_bytes()
-        dcfg = DispatcherConfig(
-            num_experts=mc.num_experts, top_k=mc.top_k, hidden_size=mc.hidden_size, dtype=cfg.dtype,
-            max_tokens_per_rank=cfg.max_tokens_per_rank,
-            check_expert_ids=False,  # the router's top-k ids are in range by construction
-        )
-        extra = {"buffers": self.dp_buffers} if gathers else {}
-        self.dispatcher = make_dispatcher(choices.dispatcher, dcfg, ep=ep, device=dev, **extra)
         self._memory["dispatcher_workspace"] = self.dispatcher.workspace_bytes_per_rank()
-
         self._on_phase("loading weights")
-        if spec.is_preset:
-            weights = iter_random(mc, ep.rank, ep.size, cfg.dtype, dev, spec.seed)
-        else:
-            weights = iter_checkpoint(spec.model, mc, ep.rank, ep.size, cfg.dtype, dev)
-        self.model = Qwen3MoeModel(mc, weights, attention=None, dispatcher=self.dispatcher, dtype=cfg.dtype, device=dev)
+        self.model = load_model(spec, ep, self.dispatcher, dev)
         self._memory["weights"] = self.model.weight_bytes()
         self._on_phase("warming up the dispatcher")
         self.dispatcher.warmup()
@@ -356,36 +337,13 @@ class RankWorker:
         self.outputs.add(kept, finished)
 
     def run_until_idle(self, stop: threading.Event | None = None, max_steps: int | None = None) -> int:
-        """Step until a step in which every rank had nothing and no rank has a request still to
-        arrive (a collective; every rank returns after the same step). While requests are yet
-        to arrive somewhere, every rank sleeps until the earliest of them after such a step.
-        ``stop`` (checked between steps) must be set on every rank alike. Returns the number of
-        steps taken."""
-        n = 0
-        stop = stop if stop is not None else threading.Event()
-        while not stop.is_set():
-            plan = self.step()
-            n += 1
-            if max_steps is not None and n >= max_steps:
-                break
-            if plan.skip:
-                wait = self._next_arrival_anywhere()
-                if wait is None:
-                    break
-                stop.wait(wait)
-        self.wait_tokens()  # the last step's tokens are this call's results
-        return n
+        """``serve_loop.run_until_idle`` on this worker (a collective; see there)."""
+        return run_until_idle(self, stop, max_steps)
 
     def next_arrival_in(self) -> float | None:
         """Seconds until this rank's earliest queued request arrives (None: its queue is empty)."""
         with self._lock:
             return self.scheduler.next_arrival_in()
-
-    def _next_arrival_anywhere(self) -> float | None:
-        """``next_arrival_in`` over every rank (0: one has, since its scheduler last looked; None:
-        every queue is empty). A collective, taken only after a skipped step, which every rank
-        sees alike."""
-        return min_over_ranks(self.next_arrival_in(), self.cpu_group)
 
     def generate(self, requests: Iterable[Request]) -> list[RequestResult]:
         """Submit ``requests``, run until every rank is idle, return this rank's results in

@@ -1,4 +1,7 @@
-"""Long-lived ranks: the step loop of a server, which runs until it is told to stop.
+"""The step loops that drive a RankWorker: ``run_until_idle`` (a batch job: until every rank is
+idle) and ``serve_until_stopped`` (a server's long-lived ranks, until they are told to stop).
+
+Serving:
 
 A rank steps while any rank has work (``RankWorker.step`` is the collective; an IDLE rank joins
 it with zero rows). When a step was skipped on every rank, the ranks sleep, and wake together:
@@ -23,15 +26,14 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from dp_runtime.rank_worker import RankWorker
+from dp_runtime.sync.rank_groups import min_over_ranks
 
-__all__ = ["Wake", "agree_after_skip", "serve_until_stopped"]
+__all__ = ["Wake", "agree_after_skip", "run_until_idle", "serve_until_stopped"]
 
 
 class Wake:
@@ -74,7 +76,7 @@ def agree_after_skip(seen: int, stop: bool, arrival_in: float | None,
     return int(t[0].item()), t[1].item() < 0, None if math.isinf(wait) else wait
 
 
-def serve_until_stopped(worker: RankWorker, wake: Wake) -> int:
+def serve_until_stopped(worker: Any, wake: Wake) -> int:
     """Step ``worker`` until every rank was told to stop and was idle (module docstring); a
     collective on every rank. New tokens and results reach ``worker.outputs`` once per step.
     Returns the number of steps taken."""
@@ -93,3 +95,27 @@ def serve_until_stopped(worker: RankWorker, wake: Wake) -> int:
         wake.wait_past(agreed, arrival_in)
     worker.wait_tokens()
     return steps
+
+
+def run_until_idle(worker: Any, stop: threading.Event | None = None, max_steps: int | None = None) -> int:
+    """Step ``worker`` until a step in which every rank had nothing and no rank has a request
+    still to arrive (a collective; every rank returns after the same step). While requests are
+    yet to arrive somewhere, every rank sleeps until the earliest of them after such a step.
+    ``stop`` (checked between steps) must be set on every rank alike. Returns the number of
+    steps taken."""
+    n = 0
+    stop = stop if stop is not None else threading.Event()
+    while not stop.is_set():
+        plan = worker.step()
+        n += 1
+        if max_steps is not None and n >= max_steps:
+            break
+        if plan.skip:
+            # Every rank's queue, in one collective taken after a skip, which every rank sees
+            # alike (0: a request arrived since its scheduler looked; None: every queue is empty).
+            wait = min_over_ranks(worker.next_arrival_in(), worker.cpu_group)
+            if wait is None:
+                break
+            stop.wait(wait)
+    worker.wait_tokens()  # the last step's tokens are this call's results
+    return n
