@@ -110,6 +110,16 @@ class RankSpec:
         # A checkpoint's config.json is read once per spec, not at every question about it.
         return _model_config(self.model, self.model_overrides)
 
+    @functools.cached_property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The checkpoint's EOS ids (``model/eos.py``): a request stops at one unless its
+        sampling says ``ignore_eos``. A preset has none."""
+        if self.is_preset:
+            return ()
+        from dp_runtime.model.eos import checkpoint_eos_ids
+
+        return checkpoint_eos_ids(self.model)
+
     @property
     def context_len(self) -> int:
         """The resolved ``max_context_len``."""

@@ -50,6 +50,7 @@ from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.forward_batch import idle_batch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.kv_cache import KVCache
+from dp_runtime.serving.outputs import StepOutputs
 from dp_runtime.serving.request import Request, RequestResult
 from dp_runtime.serving.scheduler import ScheduledStep, Scheduler
 from dp_runtime.serving.step_tokens import StepTokens, launch_tokens
@@ -100,7 +101,7 @@ class RankWorker:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._lock = threading.Lock()
-        self._finished: list[RequestResult] = []
+        self.outputs = StepOutputs()  # tokens and results for the launcher (serving/outputs.py)
         self._counters = dict(steps=0, graph_steps=0, extend_graph_steps=0, eager_steps=0, idle_steps=0,
                               skipped_steps=0, extend_steps=0, decode_steps=0, generated_tokens=0,
                               prefill_tokens=0, finished_requests=0)
@@ -136,7 +137,7 @@ class RankWorker:
     def _build(self, group: Any) -> None:
         spec, cfg, mc, dev = self.spec, self.spec.runtime, self.model_config, self.device
         device_group, cpu_group, self._own_cpu_group = rank_groups(group, self.world_size, cfg.dp_sync_timeout_s)
-        self._cpu_group = cpu_group
+        self.cpu_group = cpu_group  # the DP CPU group (None at world size 1)
         # First collective of the build: ranks whose specs differ would hang in the dispatcher's
         # warm-up or give wrong tokens; they raise here, every rank alike, naming the field.
         check_rank_specs(spec, cpu_group)
@@ -184,7 +185,7 @@ class RankWorker:
         self.model.attention = AttentionSplit(self.attention)
         self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
                                    chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank,
-                                   vocab_size=mc.vocab_size)
+                                   vocab_size=mc.vocab_size, eos_token_ids=spec.eos_token_ids)
         self._on_phase("warming up the dispatcher")
         self.dispatcher.warmup()
 
@@ -219,9 +220,15 @@ class RankWorker:
 
     def pop_finished(self) -> list[RequestResult]:
         """Results finished since the last call (thread-safe)."""
+        return self.outputs.pop_finished()
+
+    def abort(self, rids: Iterable[str]) -> None:
+        """Finish the named queued or running requests now, finish_reason "abort", freeing their
+        KV (thread-safe, between steps; not a collective). Unknown rids are ignored."""
         with self._lock:
-            out, self._finished = self._finished, []
-        return out
+            aborted = self.scheduler.abort(rids)
+            self._counters["finished_requests"] += len(aborted)
+        self.outputs.add((), aborted)
 
     def metrics(self) -> dict[str, Any]:
         with self._lock:
@@ -325,17 +332,18 @@ class RankWorker:
         scheduled, tokens = pending.scheduled, pending.wait()
         c = self._counters
         # A request that stopped at the step before ran this one for nothing: its token is dropped.
-        kept = sum(1 for r, s in zip(scheduled.reqs, scheduled.samples, strict=True) if s and not r.done)
+        kept = [(r.request.rid, t) for r, s, t in zip(scheduled.reqs, scheduled.samples, tokens, strict=True)
+                if s and not r.done and isinstance(t, int)]
         with self._lock:
             finished = self.scheduler.advance(scheduled, tokens)
-            self._finished.extend(finished)
             c["finished_requests"] += len(finished)
-            c["generated_tokens"] += kept
+            c["generated_tokens"] += len(kept)
             if scheduled.is_extend:
                 c["extend_steps"] += 1
                 c["prefill_tokens"] += scheduled.num_tokens
             else:
                 c["decode_steps"] += 1
+        self.outputs.add(kept, finished)
 
     def run_until_idle(self, stop: threading.Event | None = None, max_steps: int | None = None) -> int:
         """Step until a step in which every rank had nothing and no rank has a request still to
@@ -358,13 +366,16 @@ class RankWorker:
         self.wait_tokens()  # the last step's tokens are this call's results
         return n
 
-    def _next_arrival_anywhere(self) -> float | None:
-        """Seconds until the earliest queued request on any rank arrives (0: one has, since its
-        scheduler last looked; None: every queue is empty). A collective, taken only after a
-        skipped step, which every rank sees alike."""
+    def next_arrival_in(self) -> float | None:
+        """Seconds until this rank's earliest queued request arrives (None: its queue is empty)."""
         with self._lock:
-            wait = self.scheduler.next_arrival_in()
-        return min_over_ranks(wait, self._cpu_group)
+            return self.scheduler.next_arrival_in()
+
+    def _next_arrival_anywhere(self) -> float | None:
+        """``next_arrival_in`` over every rank (0: one has, since its scheduler last looked; None:
+        every queue is empty). A collective, taken only after a skipped step, which every rank
+        sees alike."""
+        return min_over_ranks(self.next_arrival_in(), self.cpu_group)
 
     def generate(self, requests: Iterable[Request]) -> list[RequestResult]:
         """Submit ``requests``, run until every rank is idle, return this rank's results in

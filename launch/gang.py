@@ -108,8 +108,9 @@ class Gang:
         opt, n = self.options, self.world_size
         self._pg = create_placement_group(n, opt.device, cpus_per_rank=opt.cpus_per_rank,
                                           timeout_s=opt.placement_timeout_s)
-        # The "progress" group answers RankActor.phase() while setup() runs in the default one.
-        remote_cls = ray.remote(concurrency_groups={"progress": 1})(RankActor)
+        # The "progress" group answers RankActor.phase() while setup() runs in the default one;
+        # the engine's waiting polls run in "outputs", beside its submits in the default one.
+        remote_cls = ray.remote(concurrency_groups={"progress": 1, "outputs": 1})(RankActor)
         by_bundle = [
             remote_cls.options(
                 num_cpus=opt.cpus_per_rank,

@@ -10,6 +10,9 @@ importing this module needs no Ray. Every method is lifecycle, never per step:
   on CUDA with the device set from the GPU Ray assigned, gloo on CPU), then the RankWorker;
   collective: every actor of the gang is called together;
 - ``submit`` / ``start`` / ``collect`` / ``health`` / ``stop``: RankSession's lifecycle;
+- serving (the engine): ``serve``, then ``submit`` / ``abort`` / ``wake`` with the driver's
+  message numbers, and ``poll``, which waits for a step's outputs: the engine calls it in the
+  ``outputs`` concurrency group, so a waiting poll never holds up a submit;
 - ``phases()``: the set-up phases entered so far, the current one last (``starting``,
   ``joining the process group``, ``loading weights``, ``warming up the dispatcher``,
   ``capturing graphs``, ``ready``). The gang declares a ``progress`` concurrency group, and the
@@ -99,14 +102,26 @@ class RankActor:
         """The set-up phases so far, the current one last (module docstring)."""
         return self._phases
 
-    def submit(self, requests: Sequence[Request]) -> int:
-        return self._live().submit(requests)
+    def submit(self, requests: Sequence[Request], wake: int | None = None) -> int:
+        return self._live().submit(requests, wake)
 
     def start(self) -> None:
         self._live().start()
 
+    def serve(self) -> None:
+        self._live().serve()
+
+    def abort(self, rids: Sequence[str], wake: int | None = None) -> None:
+        self._live().abort(rids, wake)
+
+    def wake(self, number: int, stop: bool = False) -> None:
+        self._live().wake(number, stop)
+
     def collect(self) -> RankStatus:
         return self._live().collect()
+
+    def poll(self, timeout_s: float) -> RankStatus:
+        return self._live().poll(timeout_s)
 
     def health(self) -> dict[str, Any]:
         """Cheap liveness probe: pid and the session state (``none`` before setup)."""

@@ -10,6 +10,12 @@ States: ``ready`` (built, not started) -> ``running`` (``run_until_idle`` in the
 logged at once on the ``launch`` logger) -> ``closed``. ``submit`` + ``start`` may follow ``done``
 for another round of work.
 
+Serving (the engine): ``serve`` runs ``serve_loop.serve_until_stopped`` instead, in state
+``running`` until every rank was told to stop (``wake(n, stop=True)``) and was idle. Then
+``submit`` and ``abort`` are taken while the loop runs, each with the driver's message number
+(serve_loop's ``Wake``), and ``poll`` waits for the step's outputs instead of the caller
+sleeping a fixed interval.
+
 Progress for hang detection is ``metrics()["steps"]``, reported by every ``collect``.
 """
 
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dp_runtime.rank_spec import RankSpec
+from dp_runtime.serve_loop import Wake, serve_until_stopped
 from dp_runtime.serving.request import Request, RequestResult
 
 __all__ = ["RankSession", "RankStatus"]
@@ -38,7 +45,8 @@ class RankStatus:
     """What ``collect`` returns: the rank's state, its step counter, results finished since the
     previous collect, the traceback when the loop raised, the worker's metrics, and ``loop_s``:
     seconds the latest step loop has run (to its end once done), timed on the rank so the
-    launcher's poll interval does not blur throughput."""
+    launcher's poll interval does not blur throughput; ``tokens``: new tokens by rid since the
+    previous collect (serving only: ``(rid, ids)`` pairs)."""
 
     rank: int
     state: str
@@ -47,6 +55,7 @@ class RankStatus:
     error: str | None = None
     metrics: Mapping[str, Any] = field(default_factory=dict)
     loop_s: float = 0.0
+    tokens: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def _default_worker(spec: RankSpec, rank: int, world_size: int, show_progress: bool,
@@ -81,28 +90,51 @@ class RankSession:
         self._error: str | None = None
         self._lock = threading.Lock()  # guards _state/_error between the loop thread and callers
         self._t_start = self._t_end = 0.0
+        self._wake: Wake | None = None  # set while serving
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def submit(self, requests: Sequence[Request]) -> int:
-        """Queue ``requests`` on this rank (before ``start``); returns how many were queued.
-        Raises ValueError (from the worker) for a request that can never fit."""
-        self._require(READY, DONE, action="submit")
+    def submit(self, requests: Sequence[Request], wake: int | None = None) -> int:
+        """Queue ``requests`` on this rank (before ``start``, or while serving with the driver's
+        message number ``wake``); returns how many were queued. Raises ValueError (from the
+        worker) for a request that can never fit."""
+        if self._wake is None:
+            self._require(READY, DONE, action="submit")
         self._worker.submit(list(requests))
+        self.wake(wake)
         return len(requests)
+
+    def abort(self, rids: Sequence[str], wake: int | None = None) -> None:
+        """Abort the named requests on this rank (their results say "abort"); see ``submit``."""
+        self._worker.abort(rids)
+        self.wake(wake)
+
+    def wake(self, number: int | None, stop: bool = False) -> None:
+        """The driver's message ``number`` reached this rank (serving; ignored otherwise)."""
+        if self._wake is not None and number is not None:
+            self._wake.bump(number, stop=stop)
 
     def start(self) -> None:
         """Run ``run_until_idle`` in a background thread; returns at once."""
+        self._start(lambda: self._worker.run_until_idle(stop=self._stop))
+
+    def serve(self) -> None:
+        """Run the serving loop in a background thread (module docstring); returns at once."""
+        self._wake = Wake()
+        wake = self._wake
+        self._start(lambda: serve_until_stopped(self._worker, wake))
+
+    def _start(self, loop: Callable[[], Any]) -> None:
         with self._lock:
             self._require(READY, DONE, action="start")
             self._state = RUNNING
             self._stop.clear()
             self._t_start = self._t_end = time.perf_counter()
-        self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-steps", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(loop,), name=f"rank{self.rank}-steps", daemon=True)
         self._thread.start()
 
-    def _loop(self) -> None:
+    def _loop(self, loop: Callable[[], Any]) -> None:
         try:
-            self._worker.run_until_idle(stop=self._stop)
+            loop()
         except BaseException:
             error = traceback.format_exc()
             # Logged here, before the state says "error": whoever acts on that state tears the
@@ -134,11 +166,23 @@ class RankSession:
             return RankStatus(self.rank, state, 0)
         # Results are popped after the state was read: a loop that finished in between leaves
         # its last results for the next collect, which the launcher makes once "done" is seen.
-        results = tuple(self._worker.pop_finished())
+        outputs = getattr(self._worker, "outputs", None)
+        if outputs is None:  # a test's stand-in worker
+            tokens, results = {}, self._worker.pop_finished()
+        else:
+            tokens, results = outputs.pop()
         metrics = dict(self._worker.metrics())
         # Every step counts as progress, skipped ones too (a skip ends the loop on every rank).
         progress = int(metrics.get("steps", 0)) + int(metrics.get("skipped_steps", 0))
-        return RankStatus(self.rank, state, progress, results, error, metrics, loop_s)
+        return RankStatus(self.rank, state, progress, tuple(results), error, metrics, loop_s,
+                          tuple(tokens.items()))
+
+    def poll(self, timeout_s: float) -> RankStatus:
+        """``collect``, after waiting up to ``timeout_s`` for a step's outputs (serving)."""
+        outputs = getattr(self._worker, "outputs", None)
+        if outputs is not None and self.state() == RUNNING:
+            outputs.wait(timeout_s)
+        return self.collect()
 
     def state(self) -> str:
         with self._lock:
@@ -155,6 +199,8 @@ class RankSession:
         if self._state == CLOSED:
             return CLOSED
         self._stop.set()
+        if self._wake is not None:  # a serving loop stops at its next idle point
+            self._wake.bump(0, stop=True)
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():

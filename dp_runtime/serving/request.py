@@ -15,7 +15,7 @@ from dp_runtime.checks import is_int
 
 __all__ = ["FINISH_REASONS", "Request", "RequestResult", "SamplingParams", "check_sampling"]
 
-FINISH_REASONS = ("length", "stop", "error")
+FINISH_REASONS = ("length", "stop", "error", "abort")
 
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64)
@@ -33,6 +33,11 @@ def check_sampling(sp: SamplingParams) -> str | None:
     p = sp.top_p
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
         return f"SamplingParams.top_p must be a finite number in (0, 1], got {p!r}"
+    k = sp.top_k
+    if not is_int(k) or k < 0:
+        return f"SamplingParams.top_k must be an int >= 0 (0: off), got {k!r}"
+    if not isinstance(sp.ignore_eos, bool):
+        return f"SamplingParams.ignore_eos must be a bool, got {sp.ignore_eos!r}"
     s = sp.seed
     if not is_int(s) or not 0 <= s < SEED_LIMIT:
         return f"SamplingParams.seed must be an int in [0, 2**64), got {s!r}"
@@ -47,10 +52,11 @@ class SamplingParams:
     """How a request's tokens are chosen and when it stops.
 
     ``temperature == 0`` is greedy (argmax); above it, tokens are drawn from the softmax at that
-    temperature restricted to the smallest set whose mass reaches ``top_p``, with a generator
-    seeded by ``seed`` (the same request draws the same tokens on any rank). A request stops
+    temperature restricted to the ``top_k`` most likely tokens (0: all) and to the smallest set
+    whose mass reaches ``top_p``, with a generator seeded by ``seed`` (the same request draws the same tokens on any rank). A request stops
     after ``max_new_tokens`` tokens (reason "length") or at one of ``stop_token_ids`` (reason
-    "stop"; the stop token is part of the output).
+    "stop"; the stop token is part of the output). The checkpoint's EOS ids
+    (``RankSpec.eos_token_ids``) stop a request the same way unless ``ignore_eos``.
     """
 
     max_new_tokens: int = 16
@@ -58,6 +64,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    top_k: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):

@@ -1,4 +1,5 @@
-"""Choosing each request's next token from its logits row: greedy, or temperature + top-p.
+"""Choosing each request's next token from its logits row: greedy, or temperature + top-k +
+top-p.
 
 Greedy rows take the argmax on the device and cross to the host once per step, together. A
 sampled row is drawn on the host with the request's own generator (seeded by
@@ -14,7 +15,16 @@ import torch
 
 from dp_runtime.serving.request import SamplingParams
 
-__all__ = ["RowFailure", "sample_tokens", "top_p_probs"]
+__all__ = ["RowFailure", "sample_tokens", "top_k_probs", "top_p_probs"]
+
+
+def top_k_probs(probs_V: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``probs_V`` restricted to its ``top_k`` most likely tokens, renormalised (0: unchanged)."""
+    if top_k <= 0 or top_k >= probs_V.shape[-1]:
+        return probs_V
+    values, order = torch.topk(probs_V, top_k)
+    kept = torch.zeros_like(probs_V).scatter_(0, order, values)
+    return kept / kept.sum()
 
 
 def top_p_probs(probs_V: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -53,11 +63,12 @@ def sample_tokens(
             continue
         try:
             probs = torch.softmax(logits_BV[i].float().cpu() / p.temperature, dim=-1)
-            probs = top_p_probs(probs, p.top_p)
+            probs = top_p_probs(top_k_probs(probs, p.top_k), p.top_p)
             tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
         except (RuntimeError, ValueError) as e:
             # One request's draw failing (e.g. a temperature so small that logits / T overflow
             # to inf and the probabilities become NaN) must not cost the others their tokens.
-            tokens[i] = RowFailure(f"sampling failed (temperature={p.temperature!r}, top_p={p.top_p!r}): "
+            tokens[i] = RowFailure(f"sampling failed (temperature={p.temperature!r}, top_k={p.top_k!r}, "
+                                   f"top_p={p.top_p!r}): "
                                    f"{type(e).__name__}: {e}")
     return tokens

@@ -111,10 +111,12 @@ class Scheduler:
         max_running_requests, chunked_prefill_size: from the RuntimeConfig.
         rank: the DP rank, recorded in results.
         vocab_size: the model's vocabulary; prompt token ids must lie below it (None: unchecked).
+        eos_token_ids: the checkpoint's EOS ids: a request stops at one (reason "stop") unless
+            its sampling says ``ignore_eos``.
     """
 
     def __init__(self, allocator: KVAllocator, *, max_running_requests: int, chunked_prefill_size: int,
-                 rank: int = 0, vocab_size: int | None = None) -> None:
+                 rank: int = 0, vocab_size: int | None = None, eos_token_ids: Iterable[int] = ()) -> None:
         cache = allocator.cache
         if max_running_requests > cache.max_reqs:
             raise ValueError(
@@ -125,6 +127,7 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size
         self.rank = rank
         self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[_Req] = deque()
         self.running: list[_Req] = []
         self._reserved = 0  # KV slots the running requests may hold at their end
@@ -258,7 +261,8 @@ class Scheduler:
             if r.t_first_token is None:
                 r.t_first_token = now
             sp = r.request.sampling
-            reason = "stop" if tok in sp.stop_token_ids else "length" if len(r.output) >= sp.max_new_tokens else None
+            stops = tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids)
+            reason = "stop" if stops else "length" if len(r.output) >= sp.max_new_tokens else None
             if reason is not None:
                 finished.append(self._finish(r, reason, now))
         if finished:
@@ -266,11 +270,28 @@ class Scheduler:
             self.running = [r for r in self.running if r.request.rid not in done]
         return finished
 
+    def abort(self, rids: Iterable[str]) -> list[RequestResult]:
+        """Finish the queued or running requests named in ``rids`` now, finish_reason "abort",
+        with the tokens recorded so far; their rows and slots are freed at once (a step already
+        launched may still write them: later steps follow it in stream order). Unknown rids
+        (finished, never queued) are ignored. Returns the aborted requests' results."""
+        wanted = set(rids) & self._rids
+        if not wanted:
+            return []
+        now = time.perf_counter()
+        out = [self._finish(r, "abort", now) for r in self.running if r.request.rid in wanted]
+        self.running = [r for r in self.running if not r.done]
+        for r in [r for r in self.waiting if r.request.rid in wanted]:
+            self.waiting.remove(r)
+            out.append(self._finish(r, "abort", now))
+        return out
+
     def _finish(self, r: _Req, reason: str, now: float, error: str | None = None) -> RequestResult:
         r.done = True
-        self.allocator.free_slots(self.allocator.slots_of(r.row, r.kv_len))
-        self.allocator.free_row(r.row)
-        self._reserved -= r.request.max_total_tokens
+        if r.row >= 0:  # admitted: it holds a row and slots
+            self.allocator.free_slots(self.allocator.slots_of(r.row, r.kv_len))
+            self.allocator.free_row(r.row)
+            self._reserved -= r.request.max_total_tokens
         self._rids.discard(r.request.rid)
         return RequestResult(
             rid=r.request.rid,

@@ -1,0 +1,428 @@
+"""Engine: the Python API of a serving gang, and the one thing the HTTP server talks to.
+
+``Engine(spec, options).start()`` brings up long-lived ranks (one in this process, or a gang of
+Ray actors) that serve until ``shutdown``: requests are ``submit``-ted while the ranks run, each
+to the rank with the least outstanding tokens, and each request's new tokens come back once per
+step through its ``on_output`` callback (``stream`` wraps that for asyncio, ``generate`` blocks).
+
+Lifetimes: a request is *in flight* from ``submit`` until its last output (``finished``): its
+rank finished it ("stop", "length"), failed it alone ("error"), or ``abort`` ended it ("abort").
+When a rank fails, every request in flight gets a last output with ``retryable`` set (the server
+answers 503) and, on Ray while ``max_restarts`` allows, a new gang comes up (state
+``restarting``, then ``ready``); a request is never run twice.
+
+Threads: one poller per rank waits for that rank's outputs (``RankSession.poll``) and calls the
+callbacks; callbacks must be quick and must not call back into the engine while holding their
+own locks. Everything a caller may call is thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.serving.admission import check_request
+from dp_runtime.serving.request import Request, RequestResult
+from launch.engine_errors import EngineUnavailable, QueueFull, RequestRejected, rejection
+from launch.rank_session import CLOSED, DONE, ERROR, RankStatus
+
+__all__ = ["Engine", "EngineHealth", "EngineOptions", "EngineStats", "EngineUnavailable", "QueueFull",
+           "RequestOutput", "RequestRejected"]
+
+logger = logging.getLogger("launch")
+
+LAUNCHERS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """New tokens of one request since its previous output; the last has ``finished`` set and
+    the ``result`` (finish_reason, error, timings). ``retryable``: it ended because its rank
+    failed, not because of the request (HTTP 503, not 500)."""
+
+    rid: str
+    new_token_ids: tuple[int, ...]
+    finished: bool = False
+    result: RequestResult | None = None
+    retryable: bool = False
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """``launcher``: ``local`` (world size 1 in this process) or ``ray`` (connects to
+    ``ray_address``, or starts a private local cluster it stops at shutdown).
+    ``max_queued``: requests in flight beyond what the ranks can run at once
+    (``max_running_requests`` per rank) before ``submit`` raises QueueFull.
+    ``poll_timeout_s``: the longest a poller waits for a step's outputs before it looks again."""
+
+    launcher: str = "local"
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
+    max_queued: int = 1024
+    poll_timeout_s: float = 0.05
+    drain_timeout_s: float = 30.0
+    max_restarts: int = 1
+    cpus_per_rank: float = 1
+    setup_timeout_s: float = 600.0
+    rpc_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"EngineOptions.launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
+        if self.max_queued < 0 or self.max_restarts < 0:
+            raise ValueError(f"EngineOptions.max_queued and max_restarts must be >= 0, got "
+                             f"{self.max_queued} and {self.max_restarts}")
+        for name in ("poll_timeout_s", "drain_timeout_s", "setup_timeout_s", "rpc_timeout_s", "cpus_per_rank"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"EngineOptions.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    ok: bool
+    state: str  # starting | ready | restarting | stopping | stopped | failed
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Per rank: the rank's last reported metrics (running, waiting, kv_slots, free_kv_slots,
+    steps, generated_tokens, prefill_tokens, ...) with the engine's own ``outstanding_tokens``,
+    ``in_flight`` and ``routed_requests`` (the routing rule's inputs and choices)."""
+
+    ranks: tuple[dict[str, Any], ...]
+    restarts: int
+    queued: int
+
+
+@dataclass(eq=False)
+class _Live:
+    request: Request
+    rank: int
+    on_output: Callable[[RequestOutput], None]
+    emitted: int = 0
+
+    @property
+    def outstanding(self) -> int:
+        """Tokens still to compute: the prompt until its first token, then what may follow."""
+        prompt = len(self.request.prompt_ids) if self.emitted == 0 else 0
+        return prompt + self.request.sampling.max_new_tokens - self.emitted
+
+
+@dataclass
+class _RankView:
+    metrics: dict[str, Any] = field(default_factory=dict)
+    routed: int = 0
+
+
+class Engine:
+    """See the module docstring. Facts for the server: ``model_name``, ``model_dir`` (None for a
+    preset), ``context_len``, ``vocab_size``, ``eos_token_ids``, ``world_size``."""
+
+    def __init__(self, spec: RankSpec, options: EngineOptions | None = None) -> None:
+        self.spec, self.options = spec, options or EngineOptions()
+        if self.options.launcher == "local" and spec.runtime.world_size != 1:
+            raise ValueError(f"the local launcher runs world size 1, the spec has {spec.runtime.world_size} "
+                             f"(use launcher='ray')")
+        mc = spec.model_config()
+        self.world_size = spec.runtime.world_size
+        self.vocab_size, self.context_len = mc.vocab_size, spec.context_len
+        self.eos_token_ids = spec.eos_token_ids
+        self.model_dir = None if spec.is_preset else spec.model
+        self.model_name = spec.model if spec.is_preset else spec.model.rstrip("/").rsplit("/", 1)[-1]
+        self._capacity = spec.runtime.max_running_requests * self.world_size + self.options.max_queued
+        self._lock = threading.Lock()  # guards everything below; messages are drawn and sent under it
+        self._number = 0
+        self._live: dict[str, _Live] = {}
+        self._views = [_RankView() for _ in range(self.world_size)]
+        self._state, self._detail = "starting", ""
+        self._restarts = 0
+        self._ranks: Any = None
+        self._pollers: list[threading.Thread] = []
+        self._ray_started = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self, on_phase: Callable[[str], None] | None = None) -> Engine:
+        """Bring the ranks up and start serving; blocks until every rank is ready. Raises what
+        the launch raised (the engine is then stopped)."""
+        try:
+            if self.options.launcher == "ray":
+                from launch.ray_cluster import connect_ray
+
+                cpus = self.options.ray_num_cpus or max(self.world_size, 1)
+                self._ray_started = connect_ray(self.options.ray_address, num_cpus=cpus)
+            self._ranks = self._launch(on_phase)
+        except BaseException:
+            self._set_state("failed", "start-up failed")
+            self._stop_ray()
+            raise
+        self._start_pollers(self._ranks)
+        self._set_state("ready")
+        return self
+
+    def _launch(self, on_phase: Callable[[str], None] | None) -> Any:
+        from launch.engine_ranks import LocalRanks, RayRanks
+
+        if self.options.launcher == "local":
+            return LocalRanks(self.spec, on_phase=on_phase)
+        from launch.gang import GangOptions
+
+        o = self.options
+        gang = GangOptions(device=self.spec.runtime.device.type, cpus_per_rank=o.cpus_per_rank,
+                           setup_timeout_s=o.setup_timeout_s, rpc_timeout_s=o.rpc_timeout_s)
+        return RayRanks(self.spec, gang, attempt=self._restarts)
+
+    def _start_pollers(self, ranks: Any) -> None:
+        self._pollers = [threading.Thread(target=self._poll_loop, args=(ranks, r), daemon=True,
+                                          name=f"engine-poll-{r}") for r in range(self.world_size)]
+        for t in self._pollers:
+            t.start()
+
+    def shutdown(self, drain_timeout_s: float | None = None) -> None:
+        """Stop taking requests, let those in flight finish for up to ``drain_timeout_s``
+        (default ``options.drain_timeout_s``), abort the rest, then stop the ranks (and the Ray
+        cluster the engine started). Idempotent."""
+        with self._lock:
+            if self._state in ("stopped", "stopping"):
+                return
+            ranks, self._state = self._ranks, "stopping"
+        timeout = self.options.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        deadline = time.monotonic() + timeout
+        while self._in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for rid in list(self._live):
+            self.abort(rid)
+        deadline = time.monotonic() + 5.0
+        while self._in_flight() and time.monotonic() < deadline:  # the aborts' results
+            time.sleep(0.01)
+        if ranks is not None:
+            with self._lock:
+                self._number += 1
+                ranks.wake_all(self._number, stop=True)
+            try:
+                ranks.close(timeout_s=30.0)
+            except Exception as e:  # a rank that does not stop is killed with its gang
+                logger.warning("engine: ranks did not stop cleanly: %s", e)
+                if hasattr(ranks, "kill"):
+                    ranks.kill()
+        for t in self._pollers:
+            t.join(timeout=5.0)
+        self._fail_in_flight("the engine stopped")
+        self._stop_ray()
+        self._set_state("stopped")
+
+    def _stop_ray(self) -> None:
+        if self._ray_started:
+            from launch.ray_cluster import stop_ray
+
+            stop_ray()
+            self._ray_started = False
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- requests ---------------------------------------------------------------------------------
+    def check(self, request: Request) -> None:
+        """The door's rules (``admission.check_request``: ids, sampling, context) without
+        submitting; RequestRejected naming the field, the limit and the value."""
+        problem = check_request(request, self.vocab_size, self.context_len)
+        if problem is not None:
+            raise rejection(problem)
+
+    def submit(self, request: Request, on_output: Callable[[RequestOutput], None]) -> int:
+        """Queue ``request`` on the rank with the least outstanding tokens; returns that rank.
+        ``on_output`` is called from a poller thread (module docstring). Raises RequestRejected
+        (bad field, or an rid already in flight), QueueFull, EngineUnavailable."""
+        self.check(request)
+        with self._lock:
+            if self._state != "ready":
+                raise EngineUnavailable(f"the engine is {self._state}{': ' + self._detail if self._detail else ''}")
+            if request.rid in self._live:
+                raise RequestRejected("rid", f"request {request.rid!r} is already in flight")
+            if len(self._live) >= self._capacity:
+                raise QueueFull(f"{len(self._live)} requests in flight, the limit is {self._capacity} "
+                                f"(max_running_requests x ranks + max_queued)", retry_after_s=1.0)
+            rank = self._pick_rank()
+            self._live[request.rid] = _Live(request, rank, on_output)
+            self._views[rank].routed += 1
+            self._number += 1
+            confirm = self._ranks.submit(rank, [request], self._number)
+        try:
+            confirm()
+        except ValueError as e:  # the rank refused it: it never entered a step
+            with self._lock:
+                self._live.pop(request.rid, None)
+            raise rejection(str(e)) from None
+        return rank
+
+    def _pick_rank(self) -> int:
+        load = [0] * self.world_size
+        for live in self._live.values():
+            load[live.rank] += live.outstanding
+        return min(range(self.world_size), key=lambda r: (load[r], self._views[r].routed))
+
+    def abort(self, rid: str) -> bool:
+        """End ``rid`` now (finish_reason "abort"; its rank frees its KV within a step). False
+        when it is not in flight."""
+        with self._lock:
+            live = self._live.get(rid)
+            if live is None or self._ranks is None:
+                return False
+            self._number += 1
+            self._ranks.abort(live.rank, [rid], self._number)
+        return True
+
+    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Submit ``request`` and yield its outputs in this event loop; leaving early (break,
+        ``aclose``, cancellation) aborts it. Raises what ``submit`` raises."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.submit(request, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request.rid)
+
+    def generate(self, requests: Sequence[Request], timeout_s: float | None = None) -> list[RequestResult]:
+        """Submit ``requests`` and wait for all of them; their results in order. Raises what
+        ``submit`` raises (requests already submitted are aborted) or TimeoutError."""
+        results: dict[str, RequestResult] = {}
+        done = threading.Event()
+
+        def on_output(out: RequestOutput) -> None:
+            if out.finished:
+                results[out.rid] = out.result
+                if len(results) == len(requests):
+                    done.set()
+
+        submitted = []
+        try:
+            for r in requests:
+                self.submit(r, on_output)
+                submitted.append(r.rid)
+        except BaseException:
+            for rid in submitted:
+                self.abort(rid)
+            raise
+        if requests and not done.wait(timeout_s):
+            raise TimeoutError(f"generate: {len(requests) - len(results)} of {len(requests)} requests "
+                               f"unfinished after {timeout_s} s")
+        return [results[r.rid] for r in requests]
+
+    # -- outputs ----------------------------------------------------------------------------------
+    def _poll_loop(self, ranks: Any, rank: int) -> None:
+        while True:
+            try:
+                st = ranks.poll(rank, self.options.poll_timeout_s)
+            except Exception as e:
+                if self._ranks is ranks and self._state not in ("stopping", "stopped"):
+                    self._rank_failed(ranks, rank, f"{type(e).__name__}: {e}")
+                return
+            self._deliver(rank, st)
+            if st.state == ERROR:
+                last = (st.error or "").strip().splitlines()
+                self._rank_failed(ranks, rank, last[-1] if last else "its step loop raised")
+                return
+            if st.state in (DONE, CLOSED):
+                return
+
+    def _deliver(self, rank: int, st: RankStatus) -> None:
+        outs: list[tuple[_Live, RequestOutput]] = []
+        finished = {res.rid for res in st.results}
+        with self._lock:
+            self._views[rank].metrics = dict(st.metrics)
+            for rid, toks in st.tokens:
+                live = self._live.get(rid)
+                if live is not None and rid not in finished:
+                    live.emitted += len(toks)
+                    outs.append((live, RequestOutput(rid, toks)))
+            for res in st.results:
+                live = self._live.pop(res.rid, None)
+                if live is not None:
+                    outs.append((live, RequestOutput(res.rid, res.output_ids[live.emitted:], True, res)))
+        for live, out in outs:
+            _call(live.on_output, out)
+
+    def _rank_failed(self, ranks: Any, rank: int, reason: str) -> None:
+        with self._lock:
+            if self._ranks is not ranks:  # another poller of this gang got here first
+                return
+            self._ranks = None
+            can_restart = self.options.launcher == "ray" and self._restarts < self.options.max_restarts
+            self._state = "restarting" if can_restart else "failed"
+            self._detail = f"rank {rank} failed: {reason}"
+        logger.error("engine: rank %d failed: %s", rank, reason)
+        self._fail_in_flight(f"rank {rank} failed: {reason}")
+        if hasattr(ranks, "kill"):
+            ranks.kill()
+        if can_restart:
+            threading.Thread(target=self._restart, daemon=True, name="engine-restart").start()
+
+    def _restart(self) -> None:
+        self._restarts += 1
+        try:
+            ranks = self._launch(None)
+        except Exception as e:
+            self._set_state("failed", f"the restart failed: {type(e).__name__}: {e}")
+            return
+        with self._lock:
+            self._ranks, self._views = ranks, [_RankView() for _ in range(self.world_size)]
+            self._state, self._detail = "ready", ""
+        self._start_pollers(ranks)
+
+    def _fail_in_flight(self, reason: str) -> None:
+        with self._lock:
+            lost, self._live = list(self._live.values()), {}
+        for live in lost:
+            r = live.request
+            res = RequestResult(rid=r.rid, prompt_len=len(r.prompt_ids), output_ids=(), finish_reason="error",
+                                rank=live.rank, queued_s=0.0, ttft_s=0.0, latency_s=0.0, decode_steps=0,
+                                error=f"request {r.rid!r}: {reason}")
+            _call(live.on_output, RequestOutput(r.rid, (), True, res, retryable=True))
+
+    # -- state ------------------------------------------------------------------------------------
+    def _set_state(self, state: str, detail: str = "") -> None:
+        with self._lock:
+            self._state, self._detail = state, detail
+
+    def _in_flight(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def health(self) -> EngineHealth:
+        with self._lock:
+            return EngineHealth(self._state == "ready", self._state, self._detail)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            load, count = [0] * self.world_size, [0] * self.world_size
+            for live in self._live.values():
+                load[live.rank] += live.outstanding
+                count[live.rank] += 1
+            ranks = tuple({**v.metrics, "rank": r, "outstanding_tokens": load[r], "in_flight": count[r],
+                           "routed_requests": v.routed} for r, v in enumerate(self._views))
+            running = sum(int(v.metrics.get("running", 0)) for v in self._views)
+            return EngineStats(ranks, self._restarts, max(0, len(self._live) - running))
+
+
+def _call(callback: Callable[[RequestOutput], None], out: RequestOutput) -> None:
+    # A failing callback (a closed client's queue, say) must not stop the poller: the other
+    # requests of the step still need their outputs.
+    try:
+        callback(out)
+    except Exception:
+        logger.exception("engine: the output callback of request %r raised", out.rid)
