@@ -184,6 +184,10 @@ async def _serve(state: ServerState, request: Request, kind: Kind, body: Any, id
 
 
 def _raise_for_failure(last: Event) -> None:
+    if last.retryable:  # its rank failed under it: the gang restarts or is gone; the client may retry
+        reason = getattr(last.result, "error", None) or "a rank failed"
+        raise ApiError(503, f"the engine lost the request's rank ({reason}); retry",
+                       kind="service_unavailable", code="engine_unavailable")
     if last.finish_reason == "error":
         reason = getattr(last.result, "error", None) or "the request failed on its rank"
         raise ApiError(500, f"request failed: {reason}", kind="server_error", code="request_failed")
@@ -230,7 +234,7 @@ async def _stream(flow: Flow, kind: Kind, model: str, created: int, include_usag
     except BaseException:
         flow.close()
         raise
-    if first.finish_reason in ("error", "abort"):
+    if first.finish_reason in ("error", "abort") or first.retryable:
         flow.close()
         _raise_for_failure(first)
 

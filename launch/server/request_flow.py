@@ -43,6 +43,7 @@ class Event:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     result: Any = None
+    retryable: bool = False  # it ended because its rank failed (HTTP 503), not because of itself
 
 
 def engine_errors():
@@ -120,7 +121,8 @@ class Flow:
             delta = self._text.add(ids, finished=True, stop_by_token=reason == "stop")
             self.done = True
             self._state.metrics.observe(result, "stop" if delta.stopped else None)
-            return Event(delta.text, ids, "stop" if delta.stopped else reason, result)
+            return Event(delta.text, ids, "stop" if delta.stopped else reason, result,
+                         bool(getattr(out, "retryable", False)))
         delta = self._text.add(ids)
         if delta.stopped:
             self.done = True
