@@ -29,7 +29,7 @@ class _Snapshot:
 
 def _rank(rank, **kw):
     base = dict(rank=rank, running=0, waiting=0, kv_slots=100, free_kv_slots=100, outstanding_tokens=0,
-                routed_requests=0, prompt_tokens=0, generated_tokens=0, steps=0)
+                routed_requests=0, prefill_tokens=0, in_flight=0, generated_tokens=0, steps=0)
     return {**base, **kw}
 
 

@@ -169,7 +169,7 @@ async def _serve(state: ServerState, request: Request, kind: Kind, body: Any, id
     flow = submit(state, rid, ids, sampling)
     created = now()
     if sampling.stream:
-        return await _stream(flow, kind, body.model, created, sampling.include_usage)
+        return await _stream(flow, request, kind, body.model, created, sampling.include_usage)
     try:
         parts, token_ids, last = await _until_done(flow, request)
     finally:
@@ -225,15 +225,26 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(flow: Flow, kind: Kind, model: str, created: int, include_usage: bool) -> Response:
+async def _stream(flow: Flow, request: Request, kind: Kind, model: str, created: int,
+                  include_usage: bool) -> Response:
     """Server-sent events. The first event is awaited before the response starts, so a request
-    that fails at once still gets its HTTP status (500/503) instead of a broken stream."""
+    that fails at once still gets its HTTP status (500/503) instead of a broken stream; a client
+    that leaves while its request is still queued aborts it."""
     events = flow.events()
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        first = await anext(events)
+        step = asyncio.ensure_future(anext(events))
+        await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not step.done():
+            step.cancel()
+            flow.close()
+            return Response(status_code=499)
+        first = step.result()
     except BaseException:
         flow.close()
         raise
+    finally:
+        gone.cancel()
     if first.finish_reason in ("error", "abort") or first.retryable:
         flow.close()
         _raise_for_failure(first)
