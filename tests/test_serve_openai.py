@@ -130,7 +130,7 @@ def test_stop_token_ids_end_the_request_and_are_not_text(ckpt, client, name):
     assert r.choices[0].text == _text(ckpt, cut[:-1])
 
 
-def _stream_text(stream):
+def _stream_text(stream, ids=None):
     parts, reasons, usage = [], [], None
     for ch in stream:
         if ch.usage is not None:
@@ -138,6 +138,8 @@ def _stream_text(stream):
         for c in ch.choices:
             parts.append(c.text if hasattr(c, "text") else (c.delta.content or ""))
             reasons.append(c.finish_reason)
+            if ids is not None:
+                ids.extend(c.model_extra.get("token_ids") or [])
     return "".join(parts), [r for r in reasons if r], usage
 
 
@@ -145,9 +147,11 @@ def _stream_text(stream):
 def test_streamed_text_equals_non_streamed(client, name, prompt):
     kw = dict(model=name, prompt=prompt, max_tokens=20, temperature=0)
     whole = client.completions.create(**kw)
+    ids: list[int] = []
     text, reasons, usage = _stream_text(client.completions.create(**kw, stream=True,
-                                                                  stream_options={"include_usage": True}))
+                                                                  stream_options={"include_usage": True}), ids)
     assert text == whole.choices[0].text and reasons == [whole.choices[0].finish_reason]
+    assert ids == whole.choices[0].model_extra["token_ids"]
     assert usage.completion_tokens == whole.usage.completion_tokens
     messages = [{"role": "user", "content": prompt}]
     whole = client.chat.completions.create(model=name, messages=messages, max_tokens=20, temperature=0)
