@@ -30,6 +30,15 @@ def test_token_ids_work_without_a_tokenizer(client):
     assert r.choices[0].finish_reason == "length"
 
 
+def test_token_ids_stream_step_by_step_without_text(client):
+    kw = dict(model="tiny", prompt=[5, 6, 7], max_tokens=6, temperature=0)
+    whole = client.completions.create(**kw).choices[0].model_extra["token_ids"]
+    steps = [c.choices[0].model_extra["token_ids"] for c in client.completions.create(**kw, stream=True)
+             if c.choices]
+    assert [t for step in steps for t in step] == whole
+    assert sum(1 for step in steps if step) > 1  # not all at the end: no text holds ids back
+
+
 def test_text_and_chat_are_400_saying_there_is_no_tokenizer(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt="hello", max_tokens=5)

@@ -254,18 +254,17 @@ async def _stream(flow: Flow, request: Request, kind: Kind, model: str, created:
             if kind == "chat":  # OpenAI's first chat chunk carries the role alone
                 yield _sse(chunk(kind, flow.rid, model, created, "", None, first=True))
             ev: Event | None = first
-            pending: list[int] = []  # ids of steps whose text is still held back
             while ev is not None:
                 if ev.finish_reason in ("error", "abort"):
                     yield _sse(error_body(f"request {ev.finish_reason}: "
                                           f"{getattr(ev.result, 'error', None) or ev.finish_reason}",
                                           "server_error", None, "request_failed"))
                     break
-                pending.extend(ev.token_ids)
-                if ev.text or ev.finish_reason is not None:
+                # A step with ids but no text yet (held back, or no tokenizer) is still sent:
+                # token-id clients read the ids as they are sampled.
+                if ev.text or ev.token_ids or ev.finish_reason is not None:
                     body = chunk(kind, flow.rid, model, created, ev.text, ev.finish_reason)
-                    body["choices"][0]["token_ids"] = pending
-                    pending = []
+                    body["choices"][0]["token_ids"] = list(ev.token_ids)
                     yield _sse(body)
                 if ev.finish_reason is not None:
                     break
