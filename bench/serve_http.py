@@ -1,7 +1,9 @@
 """Serving under load through the HTTP endpoint, side by side with the in-process engine.
 
-    python bench/serve_http.py --device cpu --model tiny --num-requests 16 --lengths random:32:16 --rates 4,inf
-    python bench/serve_http.py --model qwen3-30b-a3b --device cuda --max-running-requests 64 --rates 4,16,inf
+    python bench/serve_http.py --device cpu --model tiny --num-requests 16 \
+        --lengths random:32:16 --rates 4,inf
+    python bench/serve_http.py --model qwen3-30b-a3b --device cuda --max-running-requests 64 \
+        --rates 4,16,inf
 
 The workload is ``bench/serve_load.py``'s (``--lengths``, ``--rates``, ``--arrival``,
 ``--num-requests``, ``--seed``: the same requests), and so are the columns. Two paths run one
@@ -42,13 +44,19 @@ from launch.cli_errors import UsageError, bench_main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="preset (tiny, qwen3-30b-a3b) or a checkpoint directory")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="tiny", help="preset (tiny, qwen3-30b-a3b) or a checkpoint directory"
+    )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto")
     p.add_argument("--launcher", default="local", choices=("local", "ray"))
     p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--rates", default="4,16,inf", help="requests/s, comma-separated; inf: all at once")
+    p.add_argument(
+        "--rates", default="4,16,inf", help="requests/s, comma-separated; inf: all at once"
+    )
     p.add_argument("--arrival", default="poisson", choices=("poisson", "fixed"))
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--lengths", default="sharegpt", help="sharegpt | random:IN:OUT[:RATIO]")
@@ -73,13 +81,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _result(req: Request, sent: float, times: list[float], ids: list[int], rank: int, error: str | None) -> RequestResult:
+def _result(
+    req: Request, sent: float, times: list[float], ids: list[int], rank: int, error: str | None
+) -> RequestResult:
     """The client's view of one request as a RequestResult (times from its send)."""
     rel = tuple(t - sent for t in times)
-    return RequestResult(rid=req.rid, prompt_len=len(req.prompt_ids), output_ids=tuple(ids),
-                         finish_reason="error" if error else "length", rank=rank, queued_s=0.0,
-                         ttft_s=rel[0] if rel else 0.0, latency_s=rel[-1] if rel else 0.0,
-                         decode_steps=max(0, len(ids) - 1), error=error, token_times_s=rel)
+    return RequestResult(
+        rid=req.rid,
+        prompt_len=len(req.prompt_ids),
+        output_ids=tuple(ids),
+        finish_reason="error" if error else "length",
+        rank=rank,
+        queued_s=0.0,
+        ttft_s=rel[0] if rel else 0.0,
+        latency_s=rel[-1] if rel else 0.0,
+        decode_steps=max(0, len(ids) - 1),
+        error=error,
+        token_times_s=rel,
+    )
 
 
 async def _paced(reqs: list[Request], one) -> list[RequestResult]:
@@ -99,16 +118,24 @@ def _spec(args, context_len: int):
 
     device = resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    return RankSpec.create(args.model, dp_size=args.dp, device=device, dtype=dtype,
-                           max_running_requests=args.max_running_requests,
-                           chunked_prefill_size=args.chunked_prefill_size, max_context_len=context_len,
-                           seed=args.seed)
+    return RankSpec.create(
+        args.model,
+        dp_size=args.dp,
+        device=device,
+        dtype=dtype,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_context_len=context_len,
+        seed=args.seed,
+    )
 
 
 def run_engine(args, batches, warm, context_len: int) -> list[list[RequestResult]]:
     from launch.engine import Engine, EngineOptions
 
-    engine = Engine(_spec(args, context_len), EngineOptions(launcher=args.launcher, max_queued=1 << 20)).start()
+    engine = Engine(
+        _spec(args, context_len), EngineOptions(launcher=args.launcher, max_queued=1 << 20)
+    ).start()
 
     async def one(req: Request) -> RequestResult:
         sent, times, ids, error = time.perf_counter(), [], [], None
@@ -138,10 +165,32 @@ def run_http(args, batches, warm, context_len: int) -> list[list[RequestResult]]
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "launch", "serve", "--model", args.model, "--launcher", args.launcher,
-           "--device", args.device, "--dtype", args.dtype, "--port", str(port), "--context-len", str(context_len),
-           "--max-running-requests", str(args.max_running_requests), "--max-queued", str(1 << 20),
-           "--chunked-prefill-size", str(args.chunked_prefill_size), "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch",
+        "serve",
+        "--model",
+        args.model,
+        "--launcher",
+        args.launcher,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--port",
+        str(port),
+        "--context-len",
+        str(context_len),
+        "--max-running-requests",
+        str(args.max_running_requests),
+        "--max-queued",
+        str(1 << 20),
+        "--chunked-prefill-size",
+        str(args.chunked_prefill_size),
+        "--seed",
+        str(args.seed),
+    ]
     if args.launcher == "ray":
         cmd += ["--dp", str(args.dp)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,14 +200,25 @@ def run_http(args, batches, warm, context_len: int) -> list[list[RequestResult]]
 
         async def all_batches() -> list[list[RequestResult]]:
             limits = aiohttp.TCPConnector(limit=0)
-            async with aiohttp.ClientSession(connector=limits, timeout=aiohttp.ClientTimeout(total=None)) as http:
+            async with aiohttp.ClientSession(
+                connector=limits, timeout=aiohttp.ClientTimeout(total=None)
+            ) as http:
+
                 async def one(req: Request) -> RequestResult:
-                    body = {"model": name, "prompt": list(req.prompt_ids), "max_tokens": req.sampling.max_new_tokens,
-                            "temperature": 0, "ignore_eos": True, "stream": True}
+                    body = {
+                        "model": name,
+                        "prompt": list(req.prompt_ids),
+                        "max_tokens": req.sampling.max_new_tokens,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "stream": True,
+                    }
                     sent, times, ids, error = time.perf_counter(), [], [], None
                     async with http.post(url + "/v1/completions", json=body) as resp:
                         if resp.status != 200:
-                            return _result(req, sent, [], [], 0, f"HTTP {resp.status}: {await resp.text()}")
+                            return _result(
+                                req, sent, [], [], 0, f"HTTP {resp.status}: {await resp.text()}"
+                            )
                         async for line in resp.content:
                             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                                 continue
@@ -195,11 +255,25 @@ def _wait_up(url: str, server: subprocess.Popen) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab = _model_config(args.model).vocab_size
-    batches = [(rate, make_requests(args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}"))
-               for i, rate in enumerate(args.rates)]
-    warm = warmup_requests(args.warmup, args.lengths, args.arrival, vocab, args.seed,
-                           chunk=args.chunked_prefill_size, max_prompt=_model_config(args.model).max_positions - 1,
-                           world=args.dp)
+    batches = [
+        (
+            rate,
+            make_requests(
+                args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}"
+            ),
+        )
+        for i, rate in enumerate(args.rates)
+    ]
+    warm = warmup_requests(
+        args.warmup,
+        args.lengths,
+        args.arrival,
+        vocab,
+        args.seed,
+        chunk=args.chunked_prefill_size,
+        max_prompt=_model_config(args.model).max_positions - 1,
+        world=args.dp,
+    )
     every = [r for _, b in batches for r in b] + warm
     context_len = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in every)
     rows = []
@@ -207,27 +281,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = (run_engine if path == "engine" else run_http)(args, batches, warm, context_len)
         for (rate, reqs), res in zip(batches, results, strict=True):
             rows.append({"path": path, **summarize_rate(rate, reqs, res, 1)})
-    header = dict(commit=_commit(), command=" ".join(sys.argv), model=args.model, device=args.device,
-                  launcher=args.launcher, dp=args.dp, max_running_requests=args.max_running_requests,
-                  num_requests=args.num_requests, arrival=args.arrival)
+    header = dict(
+        commit=_commit(),
+        command=" ".join(sys.argv),
+        model=args.model,
+        device=args.device,
+        launcher=args.launcher,
+        dp=args.dp,
+        max_running_requests=args.max_running_requests,
+        num_requests=args.num_requests,
+        arrival=args.arrival,
+    )
     return dict(header=header, rows=rows)
 
 
 def print_table(report: dict[str, Any]) -> None:
     h = report["header"]
-    print(f"commit {h['commit']}  model {h['model']} ({h['device']}, {h['launcher']} x{h['dp']}); "
-          f"max running {h['max_running_requests']}; {h['num_requests']} requests per rate, {h['arrival']} arrivals")
-    print(f"{'path':>7} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>7} "
-          f"{'ITL p50':>8} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'E2E p50':>8} {'p99':>7}")
+    print(
+        f"commit {h['commit']}  model {h['model']} ({h['device']}, {h['launcher']} x{h['dp']}); "
+        f"max running {h['max_running_requests']}; {h['num_requests']} requests per rate, "
+        f"{h['arrival']} arrivals"
+    )
+    print(
+        f"{'path':>7} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} "
+        f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'E2E p50':>8} {'p99':>7}"
+    )
     for r in report["rows"]:
+
         def p(key: str, q: str, r: dict[str, Any] = r) -> str:
             v = r[key][q]
             return f"{'-':>7}" if v is None else f"{v * 1e3:>7.1f}"
 
         rate = "inf" if r["rate"] is None else f"{r['rate']:g}"
-        print(f"{r['path']:>7} {rate:>6} {r['completed']:>5} {r['request_throughput'] or 0:>7.2f} "
-              f"{r['output_tok_s'] or 0:>10.1f}  {p('ttft_s', 'p50')} {p('ttft_s', 'p99')}  {p('itl_s', 'p50')} "
-              f"{p('itl_s', 'p99')}  {p('tpot_s', 'p50')} {p('tpot_s', 'p99')}  {p('e2e_s', 'p50')} {p('e2e_s', 'p99')}")
+        print(
+            f"{r['path']:>7} {rate:>6} {r['completed']:>5} {r['request_throughput'] or 0:>7.2f} "
+            f"{r['output_tok_s'] or 0:>10.1f}  {p('ttft_s', 'p50')} {p('ttft_s', 'p99')}  "
+            f"{p('itl_s', 'p50')} {p('itl_s', 'p99')}  {p('tpot_s', 'p50')} {p('tpot_s', 'p99')}  "
+            f"{p('e2e_s', 'p50')} {p('e2e_s', 'p99')}"
+        )
     by = {(r["path"], r["rate"]): r for r in report["rows"]}
     for (path, rate), r in by.items():
         base = by.get(("engine", rate))
@@ -235,7 +326,10 @@ def print_table(report: dict[str, Any]) -> None:
             share = r["output_tok_s"] / base["output_tok_s"]
             overhead = (r["ttft_s"]["p50"] - base["ttft_s"]["p50"]) * 1e3
             label = "inf" if rate is None else f"{rate:g}"
-            print(f"rate {label}: http out tok/s = {share:.1%} of engine; TTFT p50 overhead {overhead:+.1f} ms")
+            print(
+                f"rate {label}: http out tok/s = {share:.1%} of engine; "
+                f"TTFT p50 overhead {overhead:+.1f} ms"
+            )
     print("times in ms, measured at the client from each request's send")
 
 

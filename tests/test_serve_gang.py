@@ -21,11 +21,15 @@ def ckpt(tmp_path_factory):
     return path, load_reference(path)
 
 
-def test_eight_concurrent_requests_on_two_ranks_equal_transformers_then_sigterm_drains(ckpt, tmp_path):
+def test_eight_concurrent_requests_on_two_ranks_equal_transformers_then_sigterm_drains(
+    ckpt, tmp_path
+):
     path, model = ckpt
     prompts = [[(7 * i + j * 13) % 380 + 3 for j in range(4 + i)] for i in range(8)]
     refs = [greedy_reference(model, p, 8)[0] for p in prompts]
-    srv = ServeProcess(tmp_path, "--model", str(path), "--launcher", "ray", "--dp", "2", "--max-queued", "16")
+    srv = ServeProcess(
+        tmp_path, "--model", str(path), "--launcher", "ray", "--dp", "2", "--max-queued", "16"
+    )
     with srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
 
@@ -40,8 +44,14 @@ def test_eight_concurrent_requests_on_two_ranks_equal_transformers_then_sigterm_
         routed = [m[("dp_runtime_requests_routed_total", (("rank", str(r)),))] for r in (0, 1)]
         assert sum(routed) == 8 and min(routed) >= 1, routed  # the least-loaded rule used both
 
-        stream = client.completions.create(model=path.name, prompt=prompts[0], max_tokens=40, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model=path.name,
+            prompt=prompts[0],
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         chunks = iter(stream)
         first = next(chunks)
         srv.proc.send_signal(signal.SIGTERM)  # drain: the stream still ends by length

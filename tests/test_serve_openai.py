@@ -10,8 +10,6 @@ random model never samples the real EOS).
 from __future__ import annotations
 
 import json
-import socket
-import time
 
 import openai
 import pytest
@@ -37,15 +35,29 @@ def ckpt(tmp_path_factory):
     first, _ = greedy_reference(model, tok(EOS_PROMPT).input_ids, 8)
     eos = first[3]
     assert eos not in first[:3]
-    write_serve_checkpoint(path, extra_eos=(eos,))  # the same weights (same seed), EOS list extended
+    write_serve_checkpoint(
+        path, extra_eos=(eos,)
+    )  # the same weights (same seed), EOS list extended
     model.generation_config.eos_token_id = [tok.eos_token_id, eos]
     return path, model, tok, eos
 
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    args = ("--model", str(ckpt[0]), "--launcher", "local", "--api-key", KEY, "--context-len", str(CONTEXT),
-            "--max-running-requests", str(MAX_RUNNING), "--max-queued", str(MAX_QUEUED))
+    args = (
+        "--model",
+        str(ckpt[0]),
+        "--launcher",
+        "local",
+        "--api-key",
+        KEY,
+        "--context-len",
+        str(CONTEXT),
+        "--max-running-requests",
+        str(MAX_RUNNING),
+        "--max-queued",
+        str(MAX_QUEUED),
+    )
     with ServeProcess(tmp_path_factory.mktemp("logs"), *args) as srv:
         yield srv
     assert srv.returncode == 0, srv.log()
@@ -113,8 +125,9 @@ def test_eos_stops_with_reason_stop_and_is_not_text(ckpt, client, name):
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].model_extra["token_ids"] == ref
     assert r.choices[0].text == _text(ckpt, ref[:-1])
-    r = client.completions.create(model=name, prompt=EOS_PROMPT, max_tokens=16, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=name, prompt=EOS_PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16
     assert r.choices[0].model_extra["token_ids"][:4] == ref
 
@@ -122,10 +135,17 @@ def test_eos_stops_with_reason_stop_and_is_not_text(ckpt, client, name):
 def test_stop_token_ids_end_the_request_and_are_not_text(ckpt, client, name):
     ids = [9, 8, 7, 6, 5]
     ref = _ref(ckpt, ids, 10)
-    stop_id = next(t for i, t in enumerate(ref) if i >= 2 and t not in ref[:i] and t not in _eos_ids(ckpt))
-    cut = ref[:ref.index(stop_id) + 1]
-    r = client.completions.create(model=name, prompt=ids, max_tokens=10, temperature=0,
-                                  extra_body={"stop_token_ids": [stop_id]})
+    stop_id = next(
+        t for i, t in enumerate(ref) if i >= 2 and t not in ref[:i] and t not in _eos_ids(ckpt)
+    )
+    cut = ref[: ref.index(stop_id) + 1]
+    r = client.completions.create(
+        model=name,
+        prompt=ids,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id]},
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["token_ids"] == cut
     assert r.choices[0].text == _text(ckpt, cut[:-1])
 
@@ -148,24 +168,36 @@ def test_streamed_text_equals_non_streamed(client, name, prompt):
     kw = dict(model=name, prompt=prompt, max_tokens=20, temperature=0)
     whole = client.completions.create(**kw)
     ids: list[int] = []
-    text, reasons, usage = _stream_text(client.completions.create(**kw, stream=True,
-                                                                  stream_options={"include_usage": True}), ids)
+    text, reasons, usage = _stream_text(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True}), ids
+    )
     assert text == whole.choices[0].text and reasons == [whole.choices[0].finish_reason]
     assert ids == whole.choices[0].model_extra["token_ids"]
     assert usage.completion_tokens == whole.usage.completion_tokens
     messages = [{"role": "user", "content": prompt}]
-    whole = client.chat.completions.create(model=name, messages=messages, max_tokens=20, temperature=0)
-    text, reasons, _ = _stream_text(client.chat.completions.create(model=name, messages=messages, max_tokens=20,
-                                                                   temperature=0, stream=True))
+    whole = client.chat.completions.create(
+        model=name, messages=messages, max_tokens=20, temperature=0
+    )
+    text, reasons, _ = _stream_text(
+        client.chat.completions.create(
+            model=name, messages=messages, max_tokens=20, temperature=0, stream=True
+        )
+    )
     assert text == whole.choices[0].message.content and reasons == [whole.choices[0].finish_reason]
 
 
 def test_sse_ends_with_done(server, name):
     import urllib.request
 
-    body = json.dumps({"model": name, "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0, "stream": True})
-    req = urllib.request.Request(server.url + "/v1/completions", body.encode(), method="POST",
-                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": name, "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0, "stream": True}
+    )
+    req = urllib.request.Request(
+        server.url + "/v1/completions",
+        body.encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         events = [ln for ln in r.read().decode().splitlines() if ln.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
@@ -173,30 +205,42 @@ def test_sse_ends_with_done(server, name):
 
 
 def test_stop_string_cuts_text_streamed_or_not(client, name):
-    kw = dict(model=name, prompt="The quick brown fox", max_tokens=24, temperature=0,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=name,
+        prompt="The quick brown fox",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     full = client.completions.create(**kw).choices[0].text
     i = next(i for i in range(3, len(full)) if full[i] not in "\ufffd ")
     stop = full[i]
-    expect = full[:full.index(stop)]
+    expect = full[: full.index(stop)]
     r = client.completions.create(**kw, stop=[stop, "never-there"])
     assert r.choices[0].text == expect and r.choices[0].finish_reason == "stop"
     text, reasons, _ = _stream_text(client.completions.create(**kw, stop=[stop], stream=True))
     assert text == expect and reasons == ["stop"]
 
 
-@pytest.mark.parametrize("kw,param,text", [
-    (dict(n=2), "n", "got 2"),
-    (dict(max_tokens=0), "max_tokens", "got 0"),
-    (dict(max_tokens=CONTEXT), "max_tokens", f"must be <= {CONTEXT - 3}"),
-    (dict(temperature=-1), "temperature", "got -1"),
-    (dict(top_p=0), "top_p", "(0, 1]"),
-    (dict(top_p=1.01), "top_p", "got 1.01"),
-    (dict(model="other"), "model", "got 'other'"),
-    (dict(prompt=[1] * CONTEXT), "prompt", f"the prompt has {CONTEXT} tokens; the context length is {CONTEXT}"),
-    (dict(prompt=[1, 384]), "prompt", "prompt[1] must be a token id in [0, 384)"),
-    (dict(temperature="hot"), "temperature", "valid number"),
-])
+@pytest.mark.parametrize(
+    "kw,param,text",
+    [
+        (dict(n=2), "n", "got 2"),
+        (dict(max_tokens=0), "max_tokens", "got 0"),
+        (dict(max_tokens=CONTEXT), "max_tokens", f"must be <= {CONTEXT - 3}"),
+        (dict(temperature=-1), "temperature", "got -1"),
+        (dict(top_p=0), "top_p", "(0, 1]"),
+        (dict(top_p=1.01), "top_p", "got 1.01"),
+        (dict(model="other"), "model", "got 'other'"),
+        (
+            dict(prompt=[1] * CONTEXT),
+            "prompt",
+            f"the prompt has {CONTEXT} tokens; the context length is {CONTEXT}",
+        ),
+        (dict(prompt=[1, 384]), "prompt", "prompt[1] must be a token id in [0, 384)"),
+        (dict(temperature="hot"), "temperature", "valid number"),
+    ],
+)
 def test_bad_fields_are_400_naming_the_field(client, name, kw, param, text):
     kw = {"model": name, "prompt": [1, 2, 3], "max_tokens": 4, **kw}
     with pytest.raises(openai.BadRequestError) as info:
@@ -210,9 +254,15 @@ def test_nan_temperature_is_400(server, name):
     import urllib.error
     import urllib.request
 
-    body = json.dumps({"model": name, "prompt": [1, 2], "max_tokens": 2, "temperature": float("nan")})
-    req = urllib.request.Request(server.url + "/v1/completions", body.encode(), method="POST",
-                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": name, "prompt": [1, 2], "max_tokens": 2, "temperature": float("nan")}
+    )
+    req = urllib.request.Request(
+        server.url + "/v1/completions",
+        body.encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=30)
     err = json.loads(info.value.read())["error"]
@@ -234,55 +284,44 @@ def test_models_lists_the_served_model(client, name):
     assert [m.id for m in client.models.list().data] == [name]
 
 
-def _wait_idle(server):
-    """Until every rank's KV slots are free again (a step or two after an abort)."""
-    for _ in range(400):
-        m = server.metrics(KEY)
-        if m[("dp_runtime_kv_cache_free_slots", (("rank", "0"),))] == m[("dp_runtime_kv_cache_slots", (("rank", "0"),))]:
-            return m
-        time.sleep(0.05)
-    raise AssertionError(f"KV not freed: {m}")
-
-
 def _long(client, name):
-    return client.completions.create(model=name, prompt=[1, 2, 3], max_tokens=CONTEXT - 3, temperature=0,
-                                     stream=True, extra_body={"ignore_eos": True})
+    return client.completions.create(
+        model=name,
+        prompt=[1, 2, 3],
+        max_tokens=CONTEXT - 3,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
 
 
 def test_closing_a_stream_aborts_it_and_frees_its_kv(server, client, name):
-    _wait_idle(server)
+    server.wait_kv_free(KEY)
     stream = _long(client, name)
     it = iter(stream)
     next(it), next(it)
     m = server.metrics(KEY)
     assert m[("dp_runtime_running_requests", (("rank", "0"),))] == 1
-    assert m[("dp_runtime_kv_cache_free_slots", (("rank", "0"),))] < m[("dp_runtime_kv_cache_slots", (("rank", "0"),))]
+    assert (
+        m[("dp_runtime_kv_cache_free_slots", (("rank", "0"),))]
+        < m[("dp_runtime_kv_cache_slots", (("rank", "0"),))]
+    )
     stream.close()
-    m = _wait_idle(server)
+    m = server.wait_kv_free(KEY)
     assert m[("dp_runtime_running_requests", (("rank", "0"),))] == 0
-    assert m[("dp_runtime_requests_finished_total", (("finish_reason", "abort"), ("rank", "0")))] >= 1
+    assert (
+        m[("dp_runtime_requests_finished_total", (("finish_reason", "abort"), ("rank", "0")))] >= 1
+    )
 
 
 def _hold(server, name, n):
-    """``n`` long streaming requests on raw sockets (a queued stream gets no headers until its
-    first token, so a client call would wait); closing a socket is a client leaving."""
-    body = json.dumps({"model": name, "prompt": [1, 2, 3], "max_tokens": CONTEXT - 3, "temperature": 0,
-                       "stream": True, "ignore_eos": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(n)]
-    for s in socks:
-        s.sendall(head + body)
-    for _ in range(400):  # until the engine holds all of them
-        m = server.metrics(KEY)
-        if m[("dp_runtime_in_flight_requests", (("rank", "0"),))] == n:
-            return socks
-        time.sleep(0.02)
-    raise AssertionError(f"{n} requests never in flight together: {m}")
+    body = {"model": name, "prompt": [1, 2, 3], "max_tokens": CONTEXT - 3, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    return server.hold_streams("/v1/completions", body, n, KEY)
 
 
 def test_queue_full_is_429_with_retry_after_and_leaving_clients_free_kv(server, client, name):
-    _wait_idle(server)
+    server.wait_kv_free(KEY)
     socks = _hold(server, name, MAX_RUNNING + MAX_QUEUED)
     try:
         with pytest.raises(openai.RateLimitError) as info:
@@ -292,20 +331,41 @@ def test_queue_full_is_429_with_retry_after_and_leaving_clients_free_kv(server, 
     finally:
         for s in socks:
             s.close()
-    m = _wait_idle(server)  # the running ones and the queued one are all aborted
+    m = server.wait_kv_free(KEY)  # the running ones and the queued one are all aborted
     assert m[("dp_runtime_running_requests", (("rank", "0"),))] == 0
-    assert client.completions.create(model=name, prompt=[1, 2], max_tokens=2).choices[0].finish_reason
+    assert (
+        client.completions.create(model=name, prompt=[1, 2], max_tokens=2).choices[0].finish_reason
+    )
 
 
 def test_metrics_parse_and_count_per_rank(server, client, name):
     before = server.metrics(KEY)
-    client.completions.create(model=name, prompt=[4, 5, 6, 7], max_tokens=5, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model=name,
+        prompt=[4, 5, 6, 7],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     after = server.metrics(KEY)
     rank0 = (("rank", "0"),)
-    assert after[("dp_runtime_generation_tokens_total", rank0)] - before[("dp_runtime_generation_tokens_total", rank0)] == 5
-    assert after[("dp_runtime_prompt_tokens_total", rank0)] - before[("dp_runtime_prompt_tokens_total", rank0)] == 4
-    assert after[("dp_runtime_requests_routed_total", rank0)] == before[("dp_runtime_requests_routed_total", rank0)] + 1
+    assert (
+        after[("dp_runtime_generation_tokens_total", rank0)]
+        - before[("dp_runtime_generation_tokens_total", rank0)]
+        == 5
+    )
+    assert (
+        after[("dp_runtime_prompt_tokens_total", rank0)]
+        - before[("dp_runtime_prompt_tokens_total", rank0)]
+        == 4
+    )
+    assert (
+        after[("dp_runtime_requests_routed_total", rank0)]
+        == before[("dp_runtime_requests_routed_total", rank0)] + 1
+    )
     key = ("dp_runtime_time_to_first_token_seconds_count", rank0)
     assert after[key] == before.get(key, 0) + 1
-    assert after[("dp_runtime_engine_healthy", ())] == 1 and after[("dp_runtime_restarts_total", ())] == 0
+    assert (
+        after[("dp_runtime_engine_healthy", ())] == 1
+        and after[("dp_runtime_restarts_total", ())] == 0
+    )

@@ -14,8 +14,14 @@ from tests.support.serve_process import ServeProcess, get
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with ServeProcess(tmp_path_factory.mktemp("logs"), "--model", "tiny", "--launcher", "local",
-                      env={"DP_RUNTIME_API_KEY": "k"}) as srv:
+    with ServeProcess(
+        tmp_path_factory.mktemp("logs"),
+        "--model",
+        "tiny",
+        "--launcher",
+        "local",
+        env={"DP_RUNTIME_API_KEY": "k"},
+    ) as srv:
         yield srv
 
 
@@ -33,8 +39,11 @@ def test_token_ids_work_without_a_tokenizer(client):
 def test_token_ids_stream_step_by_step_without_text(client):
     kw = dict(model="tiny", prompt=[5, 6, 7], max_tokens=6, temperature=0)
     whole = client.completions.create(**kw).choices[0].model_extra["token_ids"]
-    steps = [c.choices[0].model_extra["token_ids"] for c in client.completions.create(**kw, stream=True)
-             if c.choices]
+    steps = [
+        c.choices[0].model_extra["token_ids"]
+        for c in client.completions.create(**kw, stream=True)
+        if c.choices
+    ]
     assert [t for step in steps for t in step] == whole
     assert sum(1 for step in steps if step) > 1  # not all at the end: no text holds ids back
 

@@ -32,7 +32,7 @@ def _stream(tok, ids, step=1, **kw):
     deltas = []
     for i in range(0, len(ids), step):
         last = i + step >= len(ids)
-        deltas.append(ts.add(ids[i:i + step], finished=last).text)
+        deltas.append(ts.add(ids[i : i + step], finished=last).text)
     return ts, deltas
 
 
@@ -62,7 +62,11 @@ def test_random_ids_stream_equals_full_decode(tok):
 
 
 def test_special_tokens_are_not_text(tok):
-    ids = [*encode_text(tok, "m", "ab"), tok.convert_tokens_to_ids("<|im_start|>"), *encode_text(tok, "m", "cd")]
+    ids = [
+        *encode_text(tok, "m", "ab"),
+        tok.convert_tokens_to_ids("<|im_start|>"),
+        *encode_text(tok, "m", "cd"),
+    ]
     _, deltas = _stream(tok, ids)
     assert "".join(deltas) == "abcd"
 
@@ -83,7 +87,7 @@ def test_stop_string_cuts_the_text_and_is_never_half_sent(tok, step):
     ts = TextStream(tok, stop=("fox jumps", "zzz"))
     deltas = []
     for i in range(0, len(ids), step):
-        d = ts.add(ids[i:i + step])
+        d = ts.add(ids[i : i + step])
         deltas.append(d.text)
         if d.stopped:
             break

@@ -46,7 +46,9 @@ from launch.server.text import TokenizerMissing, encode_chat, encode_text
 
 __all__ = ["ServerState", "create_app"]
 
-_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the rest of the context
+_COMPLETION_MAX_TOKENS = (
+    16  # OpenAI's default for /v1/completions; chat's is the rest of the context
+)
 
 
 @dataclass
@@ -61,18 +63,24 @@ class ServerState:
     tasks: set = field(default_factory=set)
 
 
-def create_app(engine: Any, *, tokenizer: Any | None = None, api_key: str | None = None,
-               lifespan: Any = None) -> FastAPI:
+def create_app(
+    engine: Any, *, tokenizer: Any | None = None, api_key: str | None = None, lifespan: Any = None
+) -> FastAPI:
     """The app serving ``engine``; ``lifespan`` (an async context manager factory) runs around
     it (the CLI's drains and stops the engine on shutdown)."""
     state = ServerState(engine, tokenizer, ServerMetrics(engine), api_key or None)
-    app = FastAPI(title="dp-runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="dp-runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.server = state
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status,
-                            headers=exc.headers)
+        return JSONResponse(
+            error_body(exc.message, exc.kind, exc.param, exc.code),
+            status_code=exc.status,
+            headers=exc.headers,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -83,18 +91,26 @@ def create_app(engine: Any, *, tokenizer: Any | None = None, api_key: str | None
         if state.api_key is not None and request.url.path != "/health":
             header = request.headers.get("authorization", "")
             scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
-                                                                         state.api_key.encode()):
-                return _error_response(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer "
-                                                     "<key>'", kind="authentication_error",
-                                                code="invalid_api_key"))
+            if scheme.lower() != "bearer" or not secrets.compare_digest(
+                token.strip().encode(), state.api_key.encode()
+            ):
+                return _error_response(
+                    ApiError(
+                        401,
+                        "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                        kind="authentication_error",
+                        code="invalid_api_key",
+                    )
+                )
         return await call_next(request)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         h = engine.health()
-        return JSONResponse({"status": "ok" if h.ok else h.state, "state": h.state, "detail": h.detail},
-                            status_code=200 if h.ok else 503)
+        return JSONResponse(
+            {"status": "ok" if h.ok else h.state, "state": h.state, "detail": h.detail},
+            status_code=200 if h.ok else 503,
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -102,8 +118,18 @@ def create_app(engine: Any, *, tokenizer: Any | None = None, api_key: str | None
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
-                                            "owned_by": "dp-runtime", "max_model_len": engine.context_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": engine.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "dp-runtime",
+                    "max_model_len": engine.context_len,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -113,7 +139,9 @@ def create_app(engine: Any, *, tokenizer: Any | None = None, api_key: str | None
             ids = _encode(lambda: encode_text(tokenizer, engine.model_name, prompt), "prompt")
         else:
             ids = list(prompt)
-        return await _serve(state, request, "completion", body, ids, "prompt", _COMPLETION_MAX_TOKENS)
+        return await _serve(
+            state, request, "completion", body, ids, "prompt", _COMPLETION_MAX_TOKENS
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -127,8 +155,12 @@ def create_app(engine: Any, *, tokenizer: Any | None = None, api_key: str | None
 
 def _check_model(engine: Any, name: str) -> None:
     if name != engine.model_name:
-        raise ApiError(400, f"model must be {engine.model_name!r} (the model this server serves), got {name!r}",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            400,
+            f"model must be {engine.model_name!r} (the model this server serves), got {name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _encode(fn, param: str) -> list[int]:
@@ -141,8 +173,11 @@ def _encode(fn, param: str) -> list[int]:
 
 
 def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err.message, err.kind, err.param, err.code), status_code=err.status,
-                        headers=err.headers)
+    return JSONResponse(
+        error_body(err.message, err.kind, err.param, err.code),
+        status_code=err.status,
+        headers=err.headers,
+    )
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
@@ -156,15 +191,29 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     if e.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {e.get('msg')}", code="invalid_json")
     given = f", got {e['input']!r}" if "input" in e and e.get("type") != "missing" else ""
-    return ApiError(400, f"{param or 'body'}: {e.get('msg')}{given}", param=param, code=e.get("type"))
+    return ApiError(
+        400, f"{param or 'body'}: {e.get('msg')}{given}", param=param, code=e.get("type")
+    )
 
 
-async def _serve(state: ServerState, request: Request, kind: Kind, body: Any, ids: list[int], param: str,
-                 default_max_tokens: int | None):
+async def _serve(
+    state: ServerState,
+    request: Request,
+    kind: Kind,
+    body: Any,
+    ids: list[int],
+    param: str,
+    default_max_tokens: int | None,
+):
     engine = state.engine
     check_prompt_ids(ids, vocab_size=engine.vocab_size, context_len=engine.context_len, param=param)
-    sampling = sampling_of(body, prompt_len=len(ids), context_len=engine.context_len,
-                           vocab_size=engine.vocab_size, default_max_tokens=default_max_tokens)
+    sampling = sampling_of(
+        body,
+        prompt_len=len(ids),
+        context_len=engine.context_len,
+        vocab_size=engine.vocab_size,
+        default_max_tokens=default_max_tokens,
+    )
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     flow = submit(state, rid, ids, sampling)
     created = now()
@@ -177,23 +226,42 @@ async def _serve(state: ServerState, request: Request, kind: Kind, body: Any, id
     if last is None:  # the client went away; nobody reads this response
         return Response(status_code=499)
     _raise_for_failure(last)
-    out = response(kind, rid, body.model, created, "".join(parts), last.finish_reason,
-                   usage(flow.prompt_len, flow.completion_tokens))
-    out["choices"][0]["token_ids"] = token_ids  # the ids too: a model without a tokenizer has no text
+    out = response(
+        kind,
+        rid,
+        body.model,
+        created,
+        "".join(parts),
+        last.finish_reason,
+        usage(flow.prompt_len, flow.completion_tokens),
+    )
+    out["choices"][0]["token_ids"] = (
+        token_ids  # the ids too: a model without a tokenizer has no text
+    )
     return JSONResponse(out)
 
 
 def _raise_for_failure(last: Event) -> None:
-    if last.retryable:  # its rank failed under it: the gang restarts or is gone; the client may retry
+    if (
+        last.retryable
+    ):  # its rank failed under it: the gang restarts or is gone; the client may retry
         reason = getattr(last.result, "error", None) or "a rank failed"
-        raise ApiError(503, f"the engine lost the request's rank ({reason}); retry",
-                       kind="service_unavailable", code="engine_unavailable")
+        raise ApiError(
+            503,
+            f"the engine lost the request's rank ({reason}); retry",
+            kind="service_unavailable",
+            code="engine_unavailable",
+        )
     if last.finish_reason == "error":
         reason = getattr(last.result, "error", None) or "the request failed on its rank"
         raise ApiError(500, f"request failed: {reason}", kind="server_error", code="request_failed")
     if last.finish_reason == "abort":  # aborted by the engine itself (shutdown or restart)
-        raise ApiError(503, "the request was aborted by the engine (shutting down or restarting)",
-                       kind="service_unavailable", code="engine_unavailable")
+        raise ApiError(
+            503,
+            "the request was aborted by the engine (shutting down or restarting)",
+            kind="service_unavailable",
+            code="engine_unavailable",
+        )
 
 
 async def _until_done(flow: Flow, request: Request) -> tuple[list[str], list[int], Event | None]:
@@ -225,8 +293,9 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(flow: Flow, request: Request, kind: Kind, model: str, created: int,
-                  include_usage: bool) -> Response:
+async def _stream(
+    flow: Flow, request: Request, kind: Kind, model: str, created: int, include_usage: bool
+) -> Response:
     """Server-sent events. The first event is awaited before the response starts, so a request
     that fails at once still gets its HTTP status (500/503) instead of a broken stream; a client
     that leaves while its request is still queued aborts it."""
@@ -256,9 +325,15 @@ async def _stream(flow: Flow, request: Request, kind: Kind, model: str, created:
             ev: Event | None = first
             while ev is not None:
                 if ev.finish_reason in ("error", "abort"):
-                    yield _sse(error_body(f"request {ev.finish_reason}: "
-                                          f"{getattr(ev.result, 'error', None) or ev.finish_reason}",
-                                          "server_error", None, "request_failed"))
+                    yield _sse(
+                        error_body(
+                            f"request {ev.finish_reason}: "
+                            f"{getattr(ev.result, 'error', None) or ev.finish_reason}",
+                            "server_error",
+                            None,
+                            "request_failed",
+                        )
+                    )
                     break
                 # A step with ids but no text yet (held back, or no tokenizer) is still sent:
                 # token-id clients read the ids as they are sampled.
@@ -270,8 +345,17 @@ async def _stream(flow: Flow, request: Request, kind: Kind, model: str, created:
                     break
                 ev = await anext(events, None)
             if include_usage:
-                yield _sse(chunk(kind, flow.rid, model, created, None, None,
-                                 use=usage(flow.prompt_len, flow.completion_tokens)))
+                yield _sse(
+                    chunk(
+                        kind,
+                        flow.rid,
+                        model,
+                        created,
+                        None,
+                        None,
+                        use=usage(flow.prompt_len, flow.completion_tokens),
+                    )
+                )
             yield "data: [DONE]\n\n"
         finally:
             # Runs on completion and when the client closes the stream (the task is cancelled).
@@ -279,8 +363,11 @@ async def _stream(flow: Flow, request: Request, kind: Kind, model: str, created:
             with contextlib.suppress(Exception):
                 await events.aclose()
 
-    return StreamingResponse(sse(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        sse(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 def _sse(obj: dict) -> str:

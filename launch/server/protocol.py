@@ -22,8 +22,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Sampling", "chunk", "error_body",
-           "response", "sampling_of", "usage"]
+__all__ = [
+    "ApiError",
+    "ChatRequest",
+    "CompletionRequest",
+    "Sampling",
+    "chunk",
+    "error_body",
+    "response",
+    "sampling_of",
+    "usage",
+]
 
 SEED_LIMIT = 2**64
 
@@ -31,10 +40,24 @@ SEED_LIMIT = 2**64
 class ApiError(Exception):
     """An HTTP error with OpenAI's error body; ``headers`` e.g. Retry-After for 429."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.status, self.message, self.param, self.code, self.kind = (
+            status,
+            message,
+            param,
+            code,
+            kind,
+        )
         self.headers = headers or {}
 
 
@@ -105,8 +128,11 @@ def prompt_of(req: CompletionRequest) -> str | list[int]:
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
-            raise bad("prompt", f"prompt must be one text or one list of token ids; got a batch of {len(p)} "
-                                f"prompts (send one request per prompt)")
+            raise bad(
+                "prompt",
+                f"prompt must be one text or one list of token ids; got a batch of {len(p)} "
+                f"prompts (send one request per prompt)",
+            )
         p = p[0]
     if isinstance(p, (str, list)) and not p:
         raise bad("prompt", "prompt must not be empty")
@@ -123,8 +149,10 @@ def messages_of(req: ChatRequest) -> list[dict[str, str]]:
         if isinstance(content, list):
             kinds = sorted({part.type for part in content if part.type != "text"})
             if kinds:
-                raise bad(f"messages[{i}].content", f"messages[{i}].content: only text parts are supported, "
-                                                     f"got {', '.join(kinds)}")
+                raise bad(
+                    f"messages[{i}].content",
+                    f"messages[{i}].content: only text parts are supported, got {', '.join(kinds)}",
+                )
             content = "".join(part.text or "" for part in content)
         out.append({"role": m.role, "content": content or ""})
     return out
@@ -149,24 +177,43 @@ class Sampling:
 
     def params(self) -> dict[str, Any]:
         """The keywords of ``SamplingParams``."""
-        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, stop_token_ids=self.stop_token_ids,
-                    ignore_eos=self.ignore_eos)
+        return dict(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
 
 
 def check_prompt_ids(ids: list[int], *, vocab_size: int, context_len: int, param: str) -> None:
     """Token ids inside the vocabulary, and a prompt leaving room for one new token."""
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
-            raise bad(param, f"{param}[{i}] must be a token id in [0, {vocab_size}) (the model's vocab_size), "
-                             f"got {t}")
+            raise bad(
+                param,
+                f"{param}[{i}] must be a token id in [0, {vocab_size}) (the model's vocab_size), "
+                f"got {t}",
+            )
     if len(ids) >= context_len:
-        raise bad(param, f"the prompt has {len(ids)} tokens; the context length is {context_len} (prompt + "
-                         f"max_tokens <= {context_len}, at least one new token)", code="context_length_exceeded")
+        raise bad(
+            param,
+            f"the prompt has {len(ids)} tokens; the context length is {context_len} (prompt + "
+            f"max_tokens <= {context_len}, at least one new token)",
+            code="context_length_exceeded",
+        )
 
 
-def sampling_of(req: _Common, *, prompt_len: int, context_len: int, vocab_size: int,
-                default_max_tokens: int | None) -> Sampling:
+def sampling_of(
+    req: _Common,
+    *,
+    prompt_len: int,
+    context_len: int,
+    vocab_size: int,
+    default_max_tokens: int | None,
+) -> Sampling:
     """Check ``req``'s sampling fields against the model; returns them resolved. Raises ApiError
     (400) naming the first bad field, its limit and its value. ``default_max_tokens`` None means
     the rest of the context (chat)."""
@@ -183,8 +230,12 @@ def sampling_of(req: _Common, *, prompt_len: int, context_len: int, vocab_size: 
     elif max_tokens <= 0:
         raise bad(name, f"{name} must be >= 1, got {max_tokens}")
     elif max_tokens > room:
-        raise bad(name, f"{name} must be <= {room} (context length {context_len} minus the prompt's "
-                        f"{prompt_len} tokens), got {max_tokens}", code="context_length_exceeded")
+        raise bad(
+            name,
+            f"{name} must be <= {room} (context length {context_len} minus the prompt's "
+            f"{prompt_len} tokens), got {max_tokens}",
+            code="context_length_exceeded",
+        )
     temperature = 1.0 if req.temperature is None else req.temperature
     if not (math.isfinite(temperature) and temperature >= 0):
         raise bad("temperature", f"temperature must be a finite number >= 0, got {temperature}")
@@ -203,13 +254,25 @@ def sampling_of(req: _Common, *, prompt_len: int, context_len: int, vocab_size: 
     stop_ids = tuple(req.stop_token_ids or ())
     for i, t in enumerate(stop_ids):
         if not 0 <= t < vocab_size:
-            raise bad("stop_token_ids", f"stop_token_ids[{i}] must be a token id in [0, {vocab_size}), got {t}")
+            raise bad(
+                "stop_token_ids",
+                f"stop_token_ids[{i}] must be a token id in [0, {vocab_size}), got {t}",
+            )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options", "stream_options applies only with stream: true")
-    return Sampling(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=top_k,
-                    seed=seed, stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos), stop=stop,
-                    stream=bool(req.stream), include_usage=include_usage)
+    return Sampling(
+        max_new_tokens=max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        seed=seed,
+        stop_token_ids=stop_ids,
+        ignore_eos=bool(req.ignore_eos),
+        stop=stop,
+        stream=bool(req.stream),
+        include_usage=include_usage,
+    )
 
 
 def _refuse_unsupported(req: _Common) -> None:
@@ -232,39 +295,75 @@ def _refuse_unsupported(req: _Common) -> None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 Kind = Literal["completion", "chat"]
 
 
-def response(kind: Kind, rid: str, model: str, created: int, text: str, finish_reason: str,
-             use: dict[str, int]) -> dict[str, Any]:
+def response(
+    kind: Kind,
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    use: dict[str, int],
+) -> dict[str, Any]:
     """The whole (non-streamed) response body."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": use}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
 
 
-def chunk(kind: Kind, rid: str, model: str, created: int, text: str | None, finish_reason: str | None,
-          *, first: bool = False, use: dict[str, int] | None = None) -> dict[str, Any]:
+def chunk(
+    kind: Kind,
+    rid: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None,
+    *,
+    first: bool = False,
+    use: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """One streamed event body; ``text`` None with ``use`` is the final usage-only chunk."""
     if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
-        choices = [] if text is None else [{"index": 0, "delta": delta, "logprobs": None,
-                                            "finish_reason": finish_reason}]
+        choices = (
+            []
+            if text is None
+            else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        )
         obj = "chat.completion.chunk"
     else:
-        choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None,
-                                            "finish_reason": finish_reason}]
+        choices = (
+            []
+            if text is None
+            else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        )
         obj = "text_completion"
     body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
     if use is not None:

@@ -30,8 +30,15 @@ from launch.server.text import TextStream
 __all__ = ["Event", "Flow", "submit"]
 
 # The engine's field names as a client spells them.
-_PARAM = {"max_new_tokens": "max_tokens", "prompt_ids": "prompt", "stop_token_ids": "stop_token_ids",
-          "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+_PARAM = {
+    "max_new_tokens": "max_tokens",
+    "prompt_ids": "prompt",
+    "stop_token_ids": "stop_token_ids",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+}
 
 
 @dataclass
@@ -62,8 +69,13 @@ def to_api_error(exc: BaseException) -> ApiError | None:
         return ApiError(400, str(exc), param=_PARAM.get(field, field), code="invalid_value")
     if isinstance(exc, queue_full):
         retry = max(1, math.ceil(getattr(exc, "retry_after_s", 1.0)))
-        return ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
-                        headers={"Retry-After": str(retry)})
+        return ApiError(
+            429,
+            str(exc),
+            kind="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(retry)},
+        )
     if isinstance(exc, unavailable):
         return ApiError(503, str(exc), kind="service_unavailable", code="engine_unavailable")
     return None
@@ -98,7 +110,9 @@ def submit(state: Any, rid: str, prompt_ids: list[int], sampling: Sampling) -> F
 class Flow:
     """The outputs of one submitted request as Events; ``close()`` aborts it if unfinished."""
 
-    def __init__(self, state: Any, rid: str, prompt_len: int, queue: asyncio.Queue, text: TextStream):
+    def __init__(
+        self, state: Any, rid: str, prompt_len: int, queue: asyncio.Queue, text: TextStream
+    ):
         self._state, self.rid, self.prompt_len = state, rid, prompt_len
         self._queue, self._text = queue, text
         self.completion_tokens = 0
@@ -121,8 +135,13 @@ class Flow:
             delta = self._text.add(ids, finished=True, stop_by_token=reason == "stop")
             self.done = True
             self._state.metrics.observe(result, "stop" if delta.stopped else None)
-            return Event(delta.text, ids, "stop" if delta.stopped else reason, result,
-                         bool(getattr(out, "retryable", False)))
+            return Event(
+                delta.text,
+                ids,
+                "stop" if delta.stopped else reason,
+                result,
+                bool(getattr(out, "retryable", False)),
+            )
         delta = self._text.add(ids)
         if delta.stopped:
             self.done = True

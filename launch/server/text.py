@@ -48,9 +48,11 @@ def load_tokenizer(model_dir: Path | None) -> Any | None:
 
 def _need(tokenizer: Any | None, model_name: str, what: str) -> Any:
     if tokenizer is None:
-        raise TokenizerMissing(f"model {model_name!r} has no tokenizer (a preset, or a checkpoint "
-                               f"directory without tokenizer files): {what} needs one; send "
-                               f"token ids as the prompt instead")
+        raise TokenizerMissing(
+            f"model {model_name!r} has no tokenizer (a preset, or a checkpoint "
+            f"directory without tokenizer files): {what} needs one; send "
+            f"token ids as the prompt instead"
+        )
     return tokenizer
 
 
@@ -59,14 +61,18 @@ def encode_text(tokenizer: Any | None, model_name: str, text: str) -> list[int]:
     return list(_need(tokenizer, model_name, "a text prompt")(text).input_ids)
 
 
-def encode_chat(tokenizer: Any | None, model_name: str, messages: list[dict[str, str]]) -> list[int]:
+def encode_chat(
+    tokenizer: Any | None, model_name: str, messages: list[dict[str, str]]
+) -> list[int]:
     """``messages`` rendered by the checkpoint's chat template, with the assistant's generation
     prompt, as token ids. Raises TokenizerMissing without a tokenizer, ValueError without a
     chat template."""
     tok = _need(tokenizer, model_name, "a chat request")
     if not getattr(tok, "chat_template", None):
-        raise ValueError(f"model {model_name!r} has no chat template (tokenizer_config.json "
-                         f"'chat_template'); use /v1/completions")
+        raise ValueError(
+            f"model {model_name!r} has no chat template (tokenizer_config.json "
+            f"'chat_template'); use /v1/completions"
+        )
     # Rendered to text, then encoded without extra specials: the template already writes them.
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tok(text, add_special_tokens=False).input_ids)
@@ -89,7 +95,9 @@ class TextStream:
     tokenizer the text is always empty (token-id clients read the ids).
     """
 
-    def __init__(self, tokenizer: Any | None, stop: Sequence[str] = (), hidden_ids: Sequence[int] = ()):
+    def __init__(
+        self, tokenizer: Any | None, stop: Sequence[str] = (), hidden_ids: Sequence[int] = ()
+    ):
         self._tok = tokenizer
         self._stop = tuple(s for s in stop if s)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
@@ -105,7 +113,9 @@ class TextStream:
     def token_ids(self) -> list[int]:
         return list(self._ids)
 
-    def add(self, new_ids: Sequence[int], *, finished: bool = False, stop_by_token: bool = False) -> Delta:
+    def add(
+        self, new_ids: Sequence[int], *, finished: bool = False, stop_by_token: bool = False
+    ) -> Delta:
         """Feed the ids one step sampled; returns the text that may be sent now.
 
         ``finished``: the last ids of the request (flush every held character);
@@ -129,18 +139,18 @@ class TextStream:
         return Delta(self._release(end))
 
     def _release(self, end: int) -> str:
-        out = self.text[self._sent:end]
+        out = self.text[self._sent : end]
         self._sent = max(self._sent, end)
         return out
 
     def _decode_new(self, finished: bool) -> str:
         # Decode a window from the last clean boundary, not the whole output: each step costs the
         # window, and a byte-level BPE boundary where text was whole decodes the same either way.
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        full_text = self._decode(self._ids[self._prefix:])
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        full_text = self._decode(self._ids[self._prefix :])
         if len(full_text) > len(prefix_text) and (finished or not full_text.endswith(_REPLACEMENT)):
             self._prefix, self._read = self._read, len(self._ids)
-            return full_text[len(prefix_text):]
+            return full_text[len(prefix_text) :]
         return ""
 
     def _decode(self, ids: list[int]) -> str:

@@ -40,17 +40,29 @@ def train_tokenizer(vocab_size: int = 384):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"trained {tok.get_vocab_size()} ids, wanted {vocab_size}: grow the corpus")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=SPECIALS[0],
-                                   bos_token=None, chat_template=CHAT_TEMPLATE)
+        raise RuntimeError(
+            f"trained {tok.get_vocab_size()} ids, wanted {vocab_size}: grow the corpus"
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=SPECIALS[0],
+        bos_token=None,
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
-def write_serve_checkpoint(path: Path, *, seed: int = 0, extra_eos: tuple[int, ...] = (),
-                           vocab_size: int = 384) -> Path:
+def write_serve_checkpoint(
+    path: Path, *, seed: int = 0, extra_eos: tuple[int, ...] = (), vocab_size: int = 384
+) -> Path:
     """The tiny checkpoint with the trained tokenizer in ``path``; generation_config.json's
     ``eos_token_id`` is ``[<|im_end|>, *extra_eos]``. Returns ``path``."""
     from tests.hf_reference import write_tiny_checkpoint
@@ -58,9 +70,17 @@ def write_serve_checkpoint(path: Path, *, seed: int = 0, extra_eos: tuple[int, .
     path = Path(path)
     tokenizer = train_tokenizer(vocab_size)
     eos = tokenizer.convert_tokens_to_ids(EOS)
-    write_tiny_checkpoint(path, seed=seed, vocab_size=vocab_size, eos_token_id=eos,
-                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    tokenizer.save_pretrained(str(path), save_jinja_files=False)  # the template in tokenizer_config.json
+    write_tiny_checkpoint(
+        path,
+        seed=seed,
+        vocab_size=vocab_size,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    tokenizer.save_pretrained(
+        str(path), save_jinja_files=False
+    )  # the template in tokenizer_config.json
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     gen["eos_token_id"] = [eos, *extra_eos]

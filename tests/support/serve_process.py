@@ -32,7 +32,9 @@ def free_port() -> int:
 def get(url: str, headers: dict[str, str] | None = None, timeout: float = 10.0) -> tuple[int, str]:
     """(status, body) of a GET; an HTTP error status is returned, not raised."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers or {}), timeout=timeout
+        ) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -43,7 +45,13 @@ class ServeProcess:
     ``srv.url`` (``http://127.0.0.1:PORT``) once /health is 200; leaving sends SIGTERM and
     stores ``srv.returncode``."""
 
-    def __init__(self, log_dir: Path, *args: str, env: dict[str, str] | None = None, start_timeout_s: float = 240):
+    def __init__(
+        self,
+        log_dir: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 240,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"serve-{self.port}.log"
@@ -58,11 +66,15 @@ class ServeProcess:
 
     def __enter__(self) -> ServeProcess:
         with open(self.log_path, "w") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+            self.proc = subprocess.Popen(
+                self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT
+            )
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {self.proc.returncode} before it was up:\n{self.log()}")
+                raise RuntimeError(
+                    f"serve exited with {self.proc.returncode} before it was up:\n{self.log()}"
+                )
             try:
                 if get(self.url + "/health", timeout=2)[0] == 200:
                     return self
@@ -93,9 +105,37 @@ class ServeProcess:
         status, text = get(self.url + "/metrics", headers)
         if status != 200:
             raise RuntimeError(f"/metrics answered {status}: {text}")
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
 
-    @staticmethod
-    def json(text: str) -> dict:
-        return json.loads(text)
+    def wait_kv_free(self, api_key: str | None = None, rank: int = 0) -> dict:
+        """/metrics once ``rank``'s KV slots are all free again (a step or two after an
+        abort); raises after 20 s of polling."""
+        key = (("rank", str(rank)),)
+        for _ in range(400):
+            m = self.metrics(api_key)
+            if m[("dp_runtime_kv_cache_free_slots", key)] == m[("dp_runtime_kv_cache_slots", key)]:
+                return m
+            time.sleep(0.05)
+        raise AssertionError(f"KV of rank {rank} not freed: {m}")
+
+    def hold_streams(self, path: str, body: dict, n: int, api_key: str | None = None) -> list:
+        """``n`` streaming POSTs of ``body`` on raw sockets, returned once the engine holds all
+        of them (rank 0's in-flight count). A queued stream gets no headers until its first
+        token, so a client call would block; closing a socket is a client leaving."""
+        data = json.dumps(body).encode()
+        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+        head = (f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        socks = [socket.create_connection(("127.0.0.1", self.port)) for _ in range(n)]
+        for s in socks:
+            s.sendall(head + data)
+        for _ in range(400):
+            m = self.metrics(api_key)
+            if m[("dp_runtime_in_flight_requests", (("rank", "0"),))] == n:
+                return socks
+            time.sleep(0.02)
+        raise AssertionError(f"{n} requests never in flight together: {m}")
