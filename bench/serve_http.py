@@ -304,7 +304,8 @@ def print_table(report: dict[str, Any]) -> None:
     )
     print(
         f"{'path':>7} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} "
-        f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'E2E p50':>8} {'p99':>7}"
+        f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'TPOT p50':>9} {'p99':>7} "
+        f"{'E2E p50':>8} {'p99':>7}"
     )
     for r in report["rows"]:
 
