@@ -235,16 +235,14 @@ async def _serve(
         last.finish_reason,
         usage(flow.prompt_len, flow.completion_tokens),
     )
-    out["choices"][0]["token_ids"] = (
-        token_ids  # the ids too: a model without a tokenizer has no text
-    )
+    # The ids too: a model without a tokenizer has no text.
+    out["choices"][0]["token_ids"] = token_ids
     return JSONResponse(out)
 
 
 def _raise_for_failure(last: Event) -> None:
-    if (
-        last.retryable
-    ):  # its rank failed under it: the gang restarts or is gone; the client may retry
+    # Its rank failed under it: the gang restarts or is gone; the client may retry.
+    if last.retryable:
         reason = getattr(last.result, "error", None) or "a rank failed"
         raise ApiError(
             503,
