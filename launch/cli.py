@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import typer
 
 from dp_runtime.version import __version__
-from launch import cli_bench, cli_plan, cli_run
+from launch import cli_bench, cli_plan, cli_run, cli_serve
 from launch.cli_errors import EXIT_INTERRUPTED, EXIT_USAGE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -37,6 +37,7 @@ def _root(
 app.command("run")(cli_run.run)
 app.command("bench")(cli_bench.bench)
 app.command("plan")(cli_plan.plan)
+app.command("serve")(cli_serve.serve)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

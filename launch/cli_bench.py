@@ -39,6 +39,7 @@ BENCHES: dict[str, BenchInfo] = {
     "dispatch": BenchInfo(True, "dispatch + combine latency of the MoE dispatchers"),
     "serve_step": BenchInfo(False, "one serving step of a rank worker, end to end"),
     "serve_load": BenchInfo(True, "arriving requests at several rates: throughput, TTFT, ITL, TPOT, concurrency"),
+    "serve_http": BenchInfo(False, "serve_load's workload through dp-runtime serve (HTTP, streaming) vs the engine"),
     "prefill": BenchInfo(True, "prefill throughput and MFU of the rank worker (one chunk, 8 x 1024, 64 x 128)"),
     "moe_layer": BenchInfo(False, "one MoE layer's experts: grouped GEMM vs Triton fused vs the bytes floor"),
     "skinny_linear": BenchInfo(False, "1-4 row projections: the skinny Triton kernel vs cuBLAS vs the bytes floor"),

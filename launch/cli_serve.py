@@ -1,0 +1,288 @@
+"""`dp-runtime serve`: start the DP gang and serve it over HTTP with the OpenAI protocol.
+
+The model, launcher, device, dtype, dp, Ray and batch options are ``dp-runtime run``'s and are
+checked by the same code (``cli_run.check_launch``, ``RunConfig``); serve adds ``--host``
+(default 127.0.0.1: loopback unless asked), ``--port`` (8000), ``--api-key`` (or
+``DP_RUNTIME_API_KEY``), ``--max-queued``, ``--context-len`` and ``--drain-timeout``.
+
+Order: every option is checked, the checkpoint's tokenizer loaded and the port bound before
+anything slow starts, so a user error (a bad option, a port in use, a broken tokenizer) is one
+line on stderr and exit 2 with no gang started. A gang that fails to start is one line and exit 2
+(a cause the input explains, e.g. a rank that cannot hold the model) or 1; Ctrl-C while it starts
+is 130. Then the engine starts (the phases on stderr),
+uvicorn serves on the bound socket, and SIGTERM or Ctrl-C stops accepting, lets in-flight
+requests finish (uvicorn's graceful shutdown, at most ``--drain-timeout`` seconds), shuts the
+engine down (drain, abort the rest, stop the ranks and a Ray cluster it started) and exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+from typing import Any
+
+import typer
+
+from launch.cli_errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    UsageError,
+    is_user_error,
+    print_error,
+)
+
+__all__ = ["serve"]
+
+
+def serve(
+    model: str = typer.Option(
+        "tiny", "--model", help="Preset name (tiny, qwen3-30b-a3b) or a HF checkpoint dir."
+    ),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Address to listen on (0.0.0.0 opens it to the network)."
+    ),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        envvar="DP_RUNTIME_API_KEY",
+        help="Require 'Authorization: Bearer <key>' on every route but /health.",
+    ),
+    dp: int = typer.Option(
+        None, "--dp", help="DP ranks (default: 2 with --launcher ray, 1 with local)."
+    ),
+    launcher: str = typer.Option(
+        "ray", "--launcher", help="ray (one actor per rank) | local (1 rank, in-process)."
+    ),
+    ray_address: str = typer.Option(
+        None,
+        "--ray-address",
+        help="Default: a private local cluster; 'auto' or host:port joins a running one.",
+    ),
+    max_restarts: int = typer.Option(
+        None, "--max-restarts", help="Gang restarts allowed after a rank fails [default: 2]."
+    ),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    dtype: str = typer.Option(
+        "auto",
+        "--dtype",
+        help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16.",
+    ),
+    dispatcher: str = typer.Option(
+        "auto", "--dispatcher", help="auto | local | all_gather | all_to_all | flashinfer."
+    ),
+    max_running_requests: int = typer.Option(
+        64, "--max-running-requests", help="Decode batch cap per rank."
+    ),
+    chunked_prefill_size: int = typer.Option(
+        2048, "--chunked-prefill-size", help="Prefill chunk in tokens per rank."
+    ),
+    max_queued: int = typer.Option(
+        1024, "--max-queued", help="Requests waiting beyond the running ones; more get 429."
+    ),
+    context_len: int = typer.Option(
+        None,
+        "--context-len",
+        help="Longest prompt + output of one request (default: the model's limit, at most 4096).",
+    ),
+    drain_timeout: float = typer.Option(
+        30.0, "--drain-timeout", help="Seconds in-flight requests get on SIGTERM/Ctrl-C."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of a preset's random weights."),
+    log_level: str = typer.Option("warning", "--log-level", help="debug | info | warning | error."),
+    debug: bool = typer.Option(False, "--debug", help="Print the traceback of an error."),
+) -> None:
+    """Serve a model over HTTP (OpenAI-compatible: /v1/completions, /v1/chat/completions)."""
+    opts = dict(
+        model=model,
+        host=host,
+        port=port,
+        api_key=api_key,
+        dp=dp,
+        launcher=launcher,
+        ray_address=ray_address,
+        max_restarts=max_restarts,
+        device=device,
+        dtype=dtype,
+        dispatcher=dispatcher,
+        max_running_requests=max_running_requests,
+        chunked_prefill_size=chunked_prefill_size,
+        max_queued=max_queued,
+        context_len=context_len,
+        drain_timeout=drain_timeout,
+        seed=seed,
+        log_level=log_level,
+    )
+    try:
+        prepared = _prepare(opts)
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        print_error(e, debug=debug)
+        raise typer.Exit(EXIT_USAGE) from None
+    _serve(prepared, opts, debug)
+
+
+def _prepare(o: dict[str, Any]) -> dict[str, Any]:
+    """Every check that needs no gang: options, spec, tokenizer, the listening socket.
+    Raises UsageError (or another ValueError/OSError) for a user error."""
+    from dataclasses import replace
+
+    from launch.cli_run import _provisional_device, check_launch
+    from launch.run_config import RunConfig
+
+    dp, choice = check_launch(
+        launcher=o["launcher"],
+        device=o["device"],
+        dp=o["dp"],
+        ray_address=o["ray_address"],
+        max_restarts=o["max_restarts"],
+        log_level=o["log_level"],
+        ray_address_env=os.environ.get("RAY_ADDRESS"),
+    )
+    if o["max_queued"] < 1:
+        raise UsageError(f"--max-queued must be an integer >= 1, got {o['max_queued']}")
+    if not (o["drain_timeout"] >= 0 and o["drain_timeout"] < float("inf")):
+        raise UsageError(
+            f"--drain-timeout must be a number of seconds >= 0, got {o['drain_timeout']}"
+        )
+    if not 1 <= o["port"] <= 65535:
+        raise UsageError(f"--port must be in [1, 65535], got {o['port']}")
+    if o["api_key"] is not None and not o["api_key"].strip():
+        raise UsageError("--api-key (or DP_RUNTIME_API_KEY) must not be empty")
+    cfg = RunConfig(
+        dp=dp,
+        model=o["model"],
+        dispatcher=o["dispatcher"],
+        dtype=o["dtype"],
+        max_running_requests=o["max_running_requests"],
+        chunked_prefill_size=o["chunked_prefill_size"],
+        seed=o["seed"],
+    )
+    spec = cfg.spec(
+        _provisional_device(choice["device"], choice["launcher"], choice["ray_address"])
+    )
+    if o["context_len"] is not None:
+        limit = spec.model_config().max_positions
+        if not 2 <= o["context_len"] <= limit:
+            raise UsageError(
+                f"--context-len must be in [2, {limit}] (the model's max positions), "
+                f"got {o['context_len']}"
+            )
+        spec = replace(spec, max_context_len=o["context_len"])
+    from launch.server.text import load_tokenizer
+
+    model_dir = None if spec.is_preset else spec.model
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except Exception as e:
+        raise UsageError(f"--model {o['model']}: its tokenizer does not load: {e}") from e
+    if tokenizer is not None and len(tokenizer) > spec.model_config().vocab_size:
+        raise UsageError(
+            f"--model {o['model']}: the tokenizer has {len(tokenizer)} ids, more than the model's "
+            f"vocab_size {spec.model_config().vocab_size}"
+        )
+    return dict(
+        cfg=cfg, spec=spec, choice=choice, tokenizer=tokenizer, sock=_bind(o["host"], o["port"])
+    )
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now so that a port in use is a user error before the gang
+    starts (uvicorn serves on this very socket)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r} does not resolve: {e}") from e
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UsageError(
+            f"--host {host} --port {port}: cannot listen there: {e.strerror or e}"
+        ) from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _serve(p: dict[str, Any], o: dict[str, Any], debug: bool) -> None:
+    import uvicorn
+
+    from launch.engine import Engine, EngineOptions
+    from launch.server.app import create_app
+
+    choice = p["choice"]
+    options = EngineOptions(
+        launcher=choice["launcher"],
+        ray_address=choice["ray_address"],
+        max_queued=o["max_queued"],
+        max_restarts=choice["max_restarts"],
+        drain_timeout_s=o["drain_timeout"],
+    )
+    engine = Engine(p["spec"], options)
+
+    def phase(text: str) -> None:
+        print(f"[dp-runtime serve] {text}", file=sys.stderr, flush=True)
+
+    try:
+        engine.start(on_phase=phase)
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            engine.shutdown(drain_timeout_s=0)  # the ranks and a Ray cluster it started
+        if isinstance(e, KeyboardInterrupt):
+            print("interrupted", file=sys.stderr, flush=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        if not isinstance(e, Exception):
+            raise
+        print_error(e, debug=debug)  # a rank that cannot be built for this model, the gang failing
+        raise typer.Exit(EXIT_USAGE if is_user_error(e) else EXIT_FAILED) from None
+    port = p["sock"].getsockname()[1]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        phase(f"serving {engine.model_name} on http://{o['host']}:{port} (dp={engine.world_size})")
+        try:
+            yield
+        finally:
+            import asyncio
+
+            phase("shutting down: draining in-flight requests")
+            # In a thread: the drain waits for steps whose outputs this loop still delivers.
+            await asyncio.to_thread(engine.shutdown, drain_timeout_s=o["drain_timeout"])
+            phase("stopped")
+
+    app = create_app(engine, tokenizer=p["tokenizer"], api_key=o["api_key"], lifespan=lifespan)
+    config = uvicorn.Config(
+        app,
+        log_level=o["log_level"],
+        timeout_graceful_shutdown=max(1, int(o["drain_timeout"])),
+        access_log=o["log_level"] in ("debug", "info"),
+    )
+    server = _make_server(config)
+    try:
+        server.run(sockets=[p["sock"]])
+    finally:
+        if engine.health().state != "stopped":
+            engine.shutdown(drain_timeout_s=0)
+
+
+def _make_server(config: Any) -> Any:
+    """uvicorn's Server without re-raising the signal it shut down on: after a drained SIGTERM
+    or Ctrl-C the command exits 0 instead of dying by the signal (uvicorn >= 0.29 re-raises)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    return Server(config)

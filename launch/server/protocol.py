@@ -1,0 +1,375 @@
+"""The OpenAI protocol of ``dp-runtime serve``: request models, their checks, response bodies.
+
+Every check here runs in the server process before any rank sees the request, and a bad field
+is an ``ApiError`` (HTTP 400) whose body is OpenAI's error object, naming the field (``param``),
+the limit and the value::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens",
+               "code": "invalid_value"}}
+
+Sampling defaults are OpenAI's (temperature 1, top_p 1; completions' max_tokens 16, chat's the
+rest of the context). ``top_k``, ``seed``-less determinism, ``stop_token_ids`` and
+``ignore_eos`` follow vLLM's extras: top_k -1 or 0 is off; no seed draws a random one.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "ApiError",
+    "ChatRequest",
+    "CompletionRequest",
+    "Sampling",
+    "chunk",
+    "error_body",
+    "response",
+    "sampling_of",
+    "usage",
+]
+
+SEED_LIMIT = 2**64
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's error body; ``headers`` e.g. Retry-After for 429."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (
+            status,
+            message,
+            param,
+            code,
+            kind,
+        )
+        self.headers = headers or {}
+
+
+def bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    # Unknown fields are ignored (clients send many); the ones this server cannot honour are
+    # refused by name in ``_refuse_unsupported``.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: Any = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+
+
+def prompt_of(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request: text or token ids (a list of one is unwrapped;
+    batched prompts are refused, one request is one choice)."""
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise bad(
+                "prompt",
+                f"prompt must be one text or one list of token ids; got a batch of {len(p)} "
+                f"prompts (send one request per prompt)",
+            )
+        p = p[0]
+    if isinstance(p, (str, list)) and not p:
+        raise bad("prompt", "prompt must not be empty")
+    return p
+
+
+def messages_of(req: ChatRequest) -> list[dict[str, str]]:
+    """The chat messages as the template takes them (content parts joined; only text parts)."""
+    if not req.messages:
+        raise bad("messages", "messages must hold at least one message")
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            kinds = sorted({part.type for part in content if part.type != "text"})
+            if kinds:
+                raise bad(
+                    f"messages[{i}].content",
+                    f"messages[{i}].content: only text parts are supported, got {', '.join(kinds)}",
+                )
+            content = "".join(part.text or "" for part in content)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A request's checked sampling fields, as the engine's SamplingParams takes them, plus
+    the server's own: stop strings and the stream options."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def params(self) -> dict[str, Any]:
+        """The keywords of ``SamplingParams``."""
+        return dict(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def check_prompt_ids(ids: list[int], *, vocab_size: int, context_len: int, param: str) -> None:
+    """Token ids inside the vocabulary, and a prompt leaving room for one new token."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise bad(
+                param,
+                f"{param}[{i}] must be a token id in [0, {vocab_size}) (the model's vocab_size), "
+                f"got {t}",
+            )
+    if len(ids) >= context_len:
+        raise bad(
+            param,
+            f"the prompt has {len(ids)} tokens; the context length is {context_len} (prompt + "
+            f"max_tokens <= {context_len}, at least one new token)",
+            code="context_length_exceeded",
+        )
+
+
+def sampling_of(
+    req: _Common,
+    *,
+    prompt_len: int,
+    context_len: int,
+    vocab_size: int,
+    default_max_tokens: int | None,
+) -> Sampling:
+    """Check ``req``'s sampling fields against the model; returns them resolved. Raises ApiError
+    (400) naming the first bad field, its limit and its value. ``default_max_tokens`` None means
+    the rest of the context (chat)."""
+    _refuse_unsupported(req)
+    if req.n not in (None, 1):
+        raise bad("n", f"n must be 1 (one choice per request), got {req.n}")
+    room = context_len - prompt_len
+    max_tokens = req.max_tokens
+    name = "max_tokens"
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens <= 0:
+        raise bad(name, f"{name} must be >= 1, got {max_tokens}")
+    elif max_tokens > room:
+        raise bad(
+            name,
+            f"{name} must be <= {room} (context length {context_len} minus the prompt's "
+            f"{prompt_len} tokens), got {max_tokens}",
+            code="context_length_exceeded",
+        )
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise bad("temperature", f"temperature must be a finite number >= 0, got {temperature}")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise bad("top_p", f"top_p must be in (0, 1], got {top_p}")
+    top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
+    if top_k < 0:
+        raise bad("top_k", f"top_k must be -1 or 0 (off) or >= 1, got {req.top_k}")
+    seed = secrets.randbelow(2**63) if req.seed is None else req.seed
+    if not 0 <= seed < SEED_LIMIT:
+        raise bad("seed", f"seed must be in [0, 2**64), got {seed}")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if any(not s for s in stop):
+        raise bad("stop", f"stop strings must not be empty, got {list(stop)}")
+    stop_ids = tuple(req.stop_token_ids or ())
+    for i, t in enumerate(stop_ids):
+        if not 0 <= t < vocab_size:
+            raise bad(
+                "stop_token_ids",
+                f"stop_token_ids[{i}] must be a token id in [0, {vocab_size}), got {t}",
+            )
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    if req.stream_options is not None and not req.stream:
+        raise bad("stream_options", "stream_options applies only with stream: true")
+    return Sampling(
+        max_new_tokens=max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        seed=seed,
+        stop_token_ids=stop_ids,
+        ignore_eos=bool(req.ignore_eos),
+        stop=stop,
+        stream=bool(req.stream),
+        include_usage=include_usage,
+    )
+
+
+def _refuse_unsupported(req: _Common) -> None:
+    """Fields a client may set that this server does not implement: refused, never ignored."""
+    if req.logprobs not in (None, False):
+        raise bad("logprobs", f"logprobs are not supported, got {req.logprobs!r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value not in (None, 0, 0.0):
+            raise bad(name, f"{name} is not supported (only 0), got {value}")
+    if req.logit_bias:
+        raise bad("logit_bias", "logit_bias is not supported")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise bad("echo", "echo is not supported, got true")
+        if req.best_of not in (None, 1):
+            raise bad("best_of", f"best_of must be 1, got {req.best_of}")
+        if req.suffix:
+            raise bad("suffix", "suffix is not supported")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+Kind = Literal["completion", "chat"]
+
+
+def response(
+    kind: Kind,
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    use: dict[str, int],
+) -> dict[str, Any]:
+    """The whole (non-streamed) response body."""
+    if kind == "chat":
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
+
+
+def chunk(
+    kind: Kind,
+    rid: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None,
+    *,
+    first: bool = False,
+    use: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """One streamed event body; ``text`` None with ``use`` is the final usage-only chunk."""
+    if kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        choices = (
+            []
+            if text is None
+            else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        )
+        obj = "chat.completion.chunk"
+    else:
+        choices = (
+            []
+            if text is None
+            else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        )
+        obj = "text_completion"
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,57 @@
+"""`dp-runtime serve` user errors: one line on stderr, exit 2, before any gang starts."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.serve_process import ROOT
+
+
+def _serve(*args, env=None):
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch", "serve", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        cwd=ROOT,
+        timeout=120,
+    )
+    return proc.returncode, proc.stderr.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--launcher", "local", "--dp", "2"], "--launcher local runs one rank; got --dp 2"),
+        (["--port", "70000"], "--port must be in [1, 65535], got 70000"),
+        (["--max-queued", "0"], "--max-queued must be an integer >= 1, got 0"),
+        (["--launcher", "local", "--context-len", "100000"], "--context-len must be in [2, "),
+        (
+            ["--launcher", "local", "--api-key", " "],
+            "--api-key (or DP_RUNTIME_API_KEY) must not be empty",
+        ),
+        (["--model", "/no/such/dir"], "--model '/no/such/dir' is neither a preset"),
+        (["--max-running-requests", "0"], "--max-running-requests must be an integer >= 1, got 0"),
+        (["--drain-timeout", "-1"], "--drain-timeout must be a number of seconds >= 0, got -1.0"),
+        (["--bogus"], "No such option: --bogus"),
+    ],
+)
+def test_bad_option_is_one_line_and_exit_2(args, message):
+    code, lines = _serve(*args)
+    assert code == 2 and len(lines) == 1, lines
+    assert message in lines[0]
+
+
+def test_port_in_use_is_a_user_error_before_the_gang_starts():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        code, lines = _serve("--launcher", "local", "--port", str(port))
+    assert code == 2 and len(lines) == 1, lines
+    assert f"--host 127.0.0.1 --port {port}: cannot listen there" in lines[0]

@@ -1,0 +1,188 @@
+"""The server's request checks: each bad field is a 400 naming the field, its limit and value."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from launch.server.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    check_prompt_ids,
+    messages_of,
+    prompt_of,
+    sampling_of,
+)
+
+CTX, VOCAB = 64, 384
+
+
+def _sampling(prompt_len=10, default=16, **fields):
+    req = CompletionRequest(model="m", prompt="x", **fields)
+    return sampling_of(
+        req, prompt_len=prompt_len, context_len=CTX, vocab_size=VOCAB, default_max_tokens=default
+    )
+
+
+def _refused(name, match, fn, *args, **kw):
+    with pytest.raises(ApiError, match=match) as info:
+        fn(*args, **kw)
+    assert info.value.status == 400 and info.value.param == name
+    return info.value
+
+
+def test_defaults_are_openai_s():
+    s = _sampling()
+    assert (s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.stop, s.ignore_eos) == (
+        16,
+        1.0,
+        1.0,
+        0,
+        (),
+        False,
+    )
+    assert 0 <= s.seed < 2**64
+    chat = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert (
+        sampling_of(
+            chat, prompt_len=10, context_len=CTX, vocab_size=VOCAB, default_max_tokens=None
+        ).max_new_tokens
+        == CTX - 10
+    )
+    # The completion default is cut to the room left in the context.
+    assert _sampling(prompt_len=60).max_new_tokens == 4
+
+
+def test_fields_resolve():
+    s = _sampling(
+        max_tokens=5,
+        temperature=0,
+        top_p=0.5,
+        top_k=-1,
+        seed=7,
+        stop="ab",
+        stop_token_ids=[3],
+        ignore_eos=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert s.params() == dict(
+        max_new_tokens=5,
+        temperature=0.0,
+        top_p=0.5,
+        top_k=0,
+        seed=7,
+        stop_token_ids=(3,),
+        ignore_eos=True,
+    )
+    assert s.stop == ("ab",) and s.stream and s.include_usage
+
+
+@pytest.mark.parametrize(
+    "fields,param,match",
+    [
+        (dict(n=2), "n", "n must be 1.*got 2"),
+        (dict(max_tokens=0), "max_tokens", "max_tokens must be >= 1, got 0"),
+        (dict(max_tokens=-3), "max_tokens", "got -3"),
+        (
+            dict(max_tokens=55),
+            "max_tokens",
+            r"max_tokens must be <= 54 \(context length 64 minus the prompt's 10",
+        ),
+        (
+            dict(temperature=-0.5),
+            "temperature",
+            "temperature must be a finite number >= 0, got -0.5",
+        ),
+        (dict(temperature=math.nan), "temperature", "got nan"),
+        (dict(top_p=0), "top_p", r"top_p must be in \(0, 1\], got 0"),
+        (dict(top_p=1.5), "top_p", "got 1.5"),
+        (dict(top_k=-2), "top_k", "got -2"),
+        (dict(seed=-1), "seed", r"seed must be in \[0, 2\*\*64\), got -1"),
+        (dict(stop=["a", ""]), "stop", "must not be empty"),
+        (
+            dict(stop_token_ids=[1, 384]),
+            "stop_token_ids",
+            r"stop_token_ids\[1\] must be a token id in \[0, 384\), got 384",
+        ),
+        (dict(stream_options={"include_usage": True}), "stream_options", "only with stream"),
+        (dict(logprobs=2), "logprobs", "not supported"),
+        (dict(presence_penalty=0.5), "presence_penalty", "got 0.5"),
+        (dict(echo=True), "echo", "not supported"),
+        (dict(best_of=3), "best_of", "got 3"),
+    ],
+)
+def test_bad_field_is_named(fields, param, match):
+    _refused(param, match, _sampling, **fields)
+
+
+def test_chat_max_completion_tokens_is_named_as_sent():
+    chat = ChatRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=100
+    )
+    _refused(
+        "max_completion_tokens",
+        "must be <= 54",
+        sampling_of,
+        chat,
+        prompt_len=10,
+        context_len=CTX,
+        vocab_size=VOCAB,
+        default_max_tokens=None,
+    )
+
+
+def test_prompt_ids_checked_against_vocab_and_context():
+    check_prompt_ids([0, 383], vocab_size=VOCAB, context_len=CTX, param="prompt")
+    _refused(
+        "prompt",
+        r"prompt\[1\] must be a token id in \[0, 384\).*got 999",
+        check_prompt_ids,
+        [5, 999],
+        vocab_size=VOCAB,
+        context_len=CTX,
+        param="prompt",
+    )
+    err = _refused(
+        "messages",
+        "the prompt has 64 tokens; the context length is 64",
+        check_prompt_ids,
+        [1] * CTX,
+        vocab_size=VOCAB,
+        context_len=CTX,
+        param="messages",
+    )
+    assert err.code == "context_length_exceeded"
+
+
+def test_prompt_forms():
+    assert prompt_of(CompletionRequest(model="m", prompt="hi")) == "hi"
+    assert prompt_of(CompletionRequest(model="m", prompt=[1, 2])) == [1, 2]
+    assert prompt_of(CompletionRequest(model="m", prompt=[[1, 2]])) == [1, 2]
+    assert prompt_of(CompletionRequest(model="m", prompt=["hi"])) == "hi"
+    _refused(
+        "prompt", "a batch of 2 prompts", prompt_of, CompletionRequest(model="m", prompt=["a", "b"])
+    )
+    _refused("prompt", "must not be empty", prompt_of, CompletionRequest(model="m", prompt=""))
+
+
+def test_chat_messages():
+    req = ChatRequest(
+        model="m",
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+        ],
+    )
+    assert messages_of(req) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+    ]
+    img = ChatRequest(model="m", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    _refused("messages[0].content", "only text parts.*image_url", messages_of, img)
+    _refused("messages", "at least one", messages_of, ChatRequest(model="m", messages=[]))
