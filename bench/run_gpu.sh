@@ -49,6 +49,8 @@
 #   bash bench/run_gpu.sh mem12    # one GPU: memory-profile/model/extend-graph GPU tests, 512/1024-token extends vs trees
 #   bash bench/run_gpu.sh load12    # one GPU: serve_load 64 running, rate inf, mixed steps on/off side by side
 #   bash bench/run_gpu.sh base12    # one GPU: the same load in the first .bases tree, then 256 running here
+#   bash bench/run_gpu.sh final12   # one GPU: GPU tests of session 12, serve_load 64 running in the base tree and here
+#   bash bench/run_gpu.sh http12    # one GPU: serve_load 256 running, HTTP against in-process at 64 running
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -291,6 +293,22 @@ case "${1:-one}" in
       --model qwen3-30b-a3b --device cuda --rates inf --num-requests ${NREQ:-384} --max-running-requests 64 --json
     step serve_load_256 timeout 280 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
       --num-requests ${NREQ256:-1024} --max-running-requests 256 --json
+    ;;
+  final12)  # one GPU: GPU tests of the session's changes, then serve_load 64 running in the first .bases tree and here
+    step gpu_tests timeout ${TESTS_TIMEOUT:-240} python -m pytest -m gpu -p no:cacheprovider -q -rs -x \
+      tests/test_rank_memory_gpu.py tests/test_mixed_steps_gpu.py tests/test_graph_gpu.py tests/test_model_gpu.py \
+      tests/test_extend_graphs.py tests/test_flashinfer_backend.py tests/test_fused_moe.py
+    bases > /dev/null; b=$(ls -d /tmp/bases/*/ | head -1)
+    step serve_load_base timeout 240 env PYTHONPATH=$b:$PYTHONPATH BENCH_COMMIT=$(basename $b) python $b/bench/serve_load.py \
+      --model qwen3-30b-a3b --device cuda --rates inf --num-requests 384 --max-running-requests 64 --json
+    step serve_load_tree timeout 150 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
+      --num-requests 384 --max-running-requests 64 --json
+    ;;
+  http12)  # one GPU: serve_load 256 running here, then HTTP against in-process at 64 running
+    step serve_load_256 timeout 150 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
+      --num-requests 1024 --max-running-requests 256 --json
+    step serve_http timeout 330 python bench/serve_http.py --model qwen3-30b-a3b --device cuda --rates 16,inf \
+      --num-requests 128 --max-running-requests 64 --json
     ;;
   tests8)  # one GPU: every gpu test of the tree
     step gpu_tests timeout 560 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
