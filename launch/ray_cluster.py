@@ -27,14 +27,15 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from launch.interrupts import held_sigint
 
-__all__ = ["LOGGERS", "RayConnectError", "cluster_device", "connect_ray", "joins_existing_cluster",
-           "rank_logging", "stop_ray"]
+__all__ = ["LOGGERS", "RayConnectError", "check_reachable", "cluster_device", "connect_ray",
+           "joins_existing_cluster", "rank_logging", "stop_ray"]
 
 LOGGERS = ("launch", "dp_runtime", "dispatcher", "graph", "buffers")  # this project's packages
 LOOPBACK = "127.0.0.1"
@@ -70,19 +71,44 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_
                              log_to_driver=log_to_driver, configure_logging=False, runtime_env=runtime_env,
                              _node_ip_address=LOOPBACK)
             else:
+                where = address or os.environ.get("RAY_ADDRESS", "")
+                check_reachable(where)
                 ray.init(address=address, log_to_driver=log_to_driver, configure_logging=False,
                          runtime_env=runtime_env)
-    except (ConnectionError, RuntimeError, ValueError) as e:
+    except RayConnectError:
+        raise
+    except Exception as e:
         stop_ray()
         if not joins:
             raise
-        where = address or f"RAY_ADDRESS={os.environ.get('RAY_ADDRESS')}"
+        # Ray's AuthenticationError says which token is missing and where it is looked for.
         raise RayConnectError(f"cannot join the Ray cluster at {where}: {_cause(e)}") from e
     except BaseException:
         # Interrupted, or init failed part-way: whatever it started goes with it.
         stop_ray()
         raise
     return True
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Raise RayConnectError unless something accepts a TCP connection at ``address``
+    (``host:port``; ``auto`` and ``ray://`` addresses are left to Ray). Ray itself retries an
+    unreachable GCS for minutes before it gives up with no cause."""
+    if address in ("", "auto", "local") or "://" in address or ":" not in address:
+        return
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise RayConnectError(f"--ray-address {address!r} must be auto or host:port (the port is not a number)") from None
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise RayConnectError(f"cannot join the Ray cluster at {address}: nothing answers at {host}:{port} "
+                              f"({why}); is `ray start --head --port {port}` running there, and the port open?") from None
 
 
 @contextmanager
