@@ -24,7 +24,6 @@ node's processes behind.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import socket
@@ -61,7 +60,7 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_
 
     if ray.is_initialized():
         return False
-    runtime_env = {"worker_process_setup_hook": functools.partial(rank_logging, log_level)} if log_level else None
+    runtime_env = {"worker_process_setup_hook": _logging_hook(log_level)} if log_level else None
     joins = joins_existing_cluster(address)
     try:
         with held_sigint():
@@ -142,6 +141,16 @@ def _cause(exc: BaseException) -> str:
             parts.append(text)
         e = e.__cause__ or e.__context__
     return "; ".join(parts) or type(exc).__name__
+
+
+def _logging_hook(level: str):
+    """``rank_logging(level)`` as the argument-less function Ray's setup hook takes (a named
+    function: Ray exports the hook by name, which a functools.partial lacks)."""
+
+    def setup_rank_logging() -> None:
+        rank_logging(level)
+
+    return setup_rank_logging
 
 
 def rank_logging(level: str | None) -> None:
