@@ -11,6 +11,8 @@ UsageError (exit 2, one line) naming the option as typed, the rule and the value
 Combinations refused (the runtime would refuse them too, but only after Ray and a model
 started, or after a gang restart per try):
 
+- ``--launcher ray`` (the default) where Ray does not import (``pip install 'dp-runtime[ray]'``;
+  the base install runs ``--launcher local``);
 - ``--dispatcher local`` with more than one rank (it exchanges nothing);
 - ``--dispatcher flashinfer`` on CPU, or where the ranks run on this machine and flashinfer does
   not import (the install hint names ``dp-runtime[gpu]``);
@@ -35,8 +37,8 @@ if TYPE_CHECKING:
     from dp_runtime.rank_spec import RankSpec
     from launch.run_config import RunConfig
 
-__all__ = ["DEVICES", "LAUNCHERS", "GangOptions", "check_choices", "check_gang_options", "check_launch",
-           "check_synthetic_fits", "provisional_device", "ranks_run_here"]
+__all__ = ["DEVICES", "LAUNCHERS", "GangOptions", "check_choices", "check_gang_options",
+           "check_launch", "check_synthetic_fits", "provisional_device", "ranks_run_here"]
 
 LAUNCHERS = ("ray", "local")
 DEVICES = ("auto", "cpu", "cuda")
@@ -73,10 +75,15 @@ def check_gang_options(*, model: str = "tiny", launcher: str = "ray", device: st
     if ray_address_env is None:
         ray_address_env = os.environ.get("RAY_ADDRESS") or None
     dp, launch = check_launch(launcher=launcher, device=device, dp=dp, ray_address=ray_address,
-                              num_cpus=num_cpus, max_restarts=max_restarts, hang_timeout=hang_timeout,
-                              log_level=log_level, ray_address_env=ray_address_env)
+                              num_cpus=num_cpus, max_restarts=max_restarts,
+                              hang_timeout=hang_timeout, log_level=log_level,
+                              ray_address_env=ray_address_env)
+    if launcher == "ray" and importlib.util.find_spec("ray") is None:
+        raise UsageError("--launcher ray (the default) needs Ray, which does not import here: "
+                         "pip install 'dp-runtime[ray]', or run one rank with --launcher local")
     cfg = RunConfig(dp=dp, model=model, dispatcher=dispatcher, dtype=dtype,
-                    max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
+                    max_running_requests=max_running_requests,
+                    chunked_prefill_size=chunked_prefill_size,
                     context_len=context_len, **run_fields)
     here = ranks_run_here(launcher, ray_address, ray_address_env)
     spec = cfg.spec(provisional_device(launch["device"], here))
@@ -105,17 +112,19 @@ def check_launch(*, launcher: str, device: str, dp: int | None, ray_address: str
     if launcher == "local":
         if dp != 1:
             raise UsageError(f"--launcher local runs one rank; got --dp {dp} (use --launcher ray)")
-        given = [opt for opt, v in zip(_RAY_ONLY, (ray_address, num_cpus, max_restarts, hang_timeout), strict=True)
-                 if v is not None]
+        values = (ray_address, num_cpus, max_restarts, hang_timeout)
+        given = [opt for opt, v in zip(_RAY_ONLY, values, strict=True) if v is not None]
         if given:
-            raise UsageError(f"{given[0]} applies to --launcher ray; --launcher local runs one rank in this process")
+            raise UsageError(f"{given[0]} applies to --launcher ray; --launcher local runs one "
+                             f"rank in this process")
     if num_cpus is not None:
         if num_cpus < 1:
             raise UsageError(f"--num-cpus must be an integer >= 1, got {num_cpus}")
         if ray_address is not None or ray_address_env:
-            where = f"--ray-address {ray_address}" if ray_address is not None else "RAY_ADDRESS (a Ray job)"
-            raise UsageError(f"--num-cpus sizes a private local cluster; with {where} the run joins an existing "
-                             f"cluster, whose CPUs are its own")
+            where = (f"--ray-address {ray_address}" if ray_address is not None
+                     else "RAY_ADDRESS (a Ray job)")
+            raise UsageError(f"--num-cpus sizes a private local cluster; with {where} the run "
+                             f"joins an existing cluster, whose CPUs are its own")
         if num_cpus < dp:
             raise UsageError(f"--num-cpus {num_cpus} cannot hold --dp {dp} ranks of one CPU each")
     if max_restarts is not None and max_restarts < 0:
@@ -123,7 +132,8 @@ def check_launch(*, launcher: str, device: str, dp: int | None, ray_address: str
     if hang_timeout is not None and not (math.isfinite(hang_timeout) and hang_timeout > 0):
         raise UsageError(f"--hang-timeout must be a number of seconds > 0, got {hang_timeout}")
     if ray_address is not None and not ray_address.strip():
-        raise UsageError("--ray-address must not be empty (leave it out for a private local cluster)")
+        raise UsageError("--ray-address must not be empty (leave it out for a private local "
+                         "cluster)")
     launch = dict(launcher=launcher, device=device, ray_address=ray_address, num_cpus=num_cpus,
                   max_restarts=2 if max_restarts is None else max_restarts,
                   hang_timeout_s=120.0 if hang_timeout is None else hang_timeout)
@@ -143,7 +153,8 @@ def provisional_device(device: str, here: bool) -> str:
     import torch
 
     if device == "cuda" and here and not torch.cuda.is_available():
-        raise UsageError("--device cuda, but torch sees no CUDA GPU on this machine (use --device cpu or auto)")
+        raise UsageError("--device cuda, but torch sees no CUDA GPU on this machine (use --device "
+                         "cpu or auto)")
     if device != "auto":
         return device
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -157,20 +168,21 @@ def check_choices(spec: RankSpec, here: bool) -> None:
 
     kind, world, dev = spec.dispatcher, spec.runtime.world_size, spec.runtime.device.type
     if kind == "local" and world != 1:
-        raise UsageError(f"--dispatcher local runs one rank (it exchanges nothing); got --dp {world} "
-                         f"(use auto, all_gather, all_to_all or flashinfer)")
+        raise UsageError(f"--dispatcher local runs one rank (it exchanges nothing); got --dp "
+                         f"{world} (use auto, all_gather, all_to_all or flashinfer)")
     importable = importlib.util.find_spec("flashinfer") is not None
     if kind == "flashinfer":
         if dev != "cuda":
-            raise UsageError(f"--dispatcher flashinfer runs on CUDA (FlashInfer's MoeAlltoAll); the ranks get "
-                             f"--device {dev}")
+            raise UsageError(f"--dispatcher flashinfer runs on CUDA (FlashInfer's MoeAlltoAll); "
+                             f"the ranks get --device {dev}")
         if here and not importable:
-            raise UsageError(f"--dispatcher flashinfer needs flashinfer-python, which does not import here: "
-                             f"{INSTALL_GPU}")
+            raise UsageError(f"--dispatcher flashinfer needs flashinfer-python, which does not "
+                             f"import here: {INSTALL_GPU}")
     try:
-        resolve_choices(dispatcher=kind, use_cuda_graph=spec.use_cuda_graph, attention=spec.attention,
-                        world_size=world, device_type=dev, dtype=spec.runtime.dtype,
-                        head_dim=spec.model_config().head_dim, capture_sizes=spec.runtime.cuda_graph_bs,
+        resolve_choices(dispatcher=kind, use_cuda_graph=spec.use_cuda_graph,
+                        attention=spec.attention, world_size=world, device_type=dev,
+                        dtype=spec.runtime.dtype, head_dim=spec.model_config().head_dim,
+                        capture_sizes=spec.runtime.cuda_graph_bs,
                         flashinfer_dispatch=(False, "not asked before launch"),
                         flashinfer_importable=importable or not here)
     except ValueError as e:
@@ -185,6 +197,6 @@ def check_synthetic_fits(cfg: RunConfig, spec: RankSpec) -> None:
     need, limit = cfg.prompt_len + cfg.max_new_tokens - 1, spec.context_len
     if need > limit:
         given = "--context-len" if cfg.context_len is not None else "the default context length"
-        raise UsageError(f"--prompt-len {cfg.prompt_len} + --max-new-tokens {cfg.max_new_tokens} - 1 = {need} "
-                         f"KV tokens exceeds {given} {limit} (the model allows up to "
+        raise UsageError(f"--prompt-len {cfg.prompt_len} + --max-new-tokens {cfg.max_new_tokens} "
+                         f"- 1 = {need} KV tokens exceeds {given} {limit} (the model allows up to "
                          f"{spec.model_config().max_positions} with --context-len)")
