@@ -158,12 +158,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _SameOnEveryRank as e:
         if rank == 0:
             print_error(e.__cause__ or e, debug=debug)
-        # torchrun stops every rank when the first one exits. Each rank waits a little, so that
-        # the slower ranks reach this error too, and leaves with exit code 2 also when torchrun's
-        # SIGTERM comes first: torchrun then reports exit code 2 for every rank.
+        # torchrun stops every rank when the first one exits: every rank leaves with exit code 2
+        # when torchrun's SIGTERM comes, and none leaves before all got here (torchrun's store),
+        # so torchrun reports exit code 2 for every rank.
         signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_USAGE))
         if "RANK" in os.environ:
-            time.sleep(_PEER_EXIT_DELAY_S)
+            _wait_for_peers()
+            # Not through interpreter shutdown: it restores SIGTERM's default action while a
+            # peer's exit already has torchrun signalling this rank.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_USAGE)
         return EXIT_USAGE
     except Exception as e:
         if not is_user_error(e):
@@ -221,6 +226,24 @@ def _main(argv: list[str], rank: int) -> int:
     if report is not None and rank == 0:
         _print(report, args.json, args.results)
     return EXIT_REQUESTS_FAILED if some_failed[0] else 0
+
+
+def _wait_for_peers(timeout_s: float = 30.0) -> None:
+    """Return once every rank of this torchrun job got here, counted in torchrun's own store
+    (MASTER_ADDR:MASTER_PORT; no process group exists yet), or after ``timeout_s``; without
+    the store, after a short fixed delay."""
+    from datetime import timedelta
+
+    addr, port, world = (os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"))
+    key = f"dp_runtime/usage_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < int(world) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # no store to count in (not under torchrun's agent): wait a little
+        time.sleep(_PEER_EXIT_DELAY_S)
 
 
 def _env_rank() -> int:
