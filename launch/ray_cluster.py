@@ -51,8 +51,8 @@ def joins_existing_cluster(address: str | None) -> bool:
     return address is not None or bool(os.environ.get("RAY_ADDRESS"))
 
 
-def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True,
-                log_level: str | None = None) -> bool:
+def connect_ray(address: str | None = None, *, num_cpus: int | None = None,
+                log_to_driver: bool = True, log_level: str | None = None) -> bool:
     """Connect this process to Ray (module docstring); True when Ray was initialised here.
     Raises RayConnectError when a given cluster cannot be joined, KeyboardInterrupt after a
     clean shutdown when Ctrl-C came while Ray started."""
@@ -62,15 +62,15 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_
         return False
     runtime_env = {"worker_process_setup_hook": _logging_hook(log_level)} if log_level else None
     joins = joins_existing_cluster(address)
+    where = address or os.environ.get("RAY_ADDRESS", "")
     try:
         with held_sigint():
             if not joins:
                 with _loopback_node():
                     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                             log_to_driver=log_to_driver, configure_logging=False, runtime_env=runtime_env,
-                             _node_ip_address=LOOPBACK)
+                             log_to_driver=log_to_driver, configure_logging=False,
+                             runtime_env=runtime_env, _node_ip_address=LOOPBACK)
             else:
-                where = address or os.environ.get("RAY_ADDRESS", "")
                 check_reachable(where)
                 ray.init(address=address, log_to_driver=log_to_driver, configure_logging=False,
                          runtime_env=runtime_env)
@@ -100,14 +100,16 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     try:
         port = int(port_text)
     except ValueError:
-        raise RayConnectError(f"--ray-address {address!r} must be auto or host:port (the port is not a number)") from None
+        raise RayConnectError(f"--ray-address {address!r} must be auto or host:port (the port is "
+                              f"not a number)") from None
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             pass
     except OSError as e:
         why = e.strerror or type(e).__name__
-        raise RayConnectError(f"cannot join the Ray cluster at {address}: nothing answers at {host}:{port} "
-                              f"({why}); is `ray start --head --port {port}` running there, and the port open?") from None
+        raise RayConnectError(f"cannot join the Ray cluster at {address}: nothing answers at "
+                              f"{host}:{port} ({why}); is `ray start --head --port {port}` running "
+                              f"there, and the port open?") from None
 
 
 @contextmanager
@@ -116,7 +118,7 @@ def _loopback_node() -> Iterator[None]:
     machine's outward one (``services.resolve_ip_for_localhost``), and with it every server of
     the node (GCS, raylet, agents, workers) listens on every interface; given 127.0.0.1 as it
     is, they listen on loopback only. A private cluster has no other node to reach it, so nothing
-    is lost. (A private hook of Ray: tests/test_ray_loopback.py checks the listening sockets.)"""
+    is lost. (A private hook of Ray: tests/test_cli_ray_door.py checks the listening sockets.)"""
     from ray._private import services
 
     original = getattr(services, "resolve_ip_for_localhost", None)
