@@ -212,12 +212,14 @@ def _run(t0: float, o: dict[str, Any], debug: bool) -> int:
     from launch.report_view import RunProgress, json_line, summary_table
     from launch.run_report import GangFailedError, summarize
 
+    # Ray forwards the ranks' output only when asked: with --json, only for the logs asked for.
+    forward = not as_json or o["log_level"] in ("debug", "info")
     err = Console(stderr=True)
     progress = RunProgress(err, len(reqs), enabled=not as_json)
     try:
         with _launch_logging(err, as_json, o["log_level"]):
             report = execute(opts.cfg, **opts.launch, requests=reqs, on_poll=progress.poll, on_phase=progress.phase,
-                             show_progress=not as_json, log_to_driver=not as_json, log_level=o["log_level"],
+                             show_progress=not as_json, log_to_driver=forward, log_level=o["log_level"],
                              started_at=t0)
     except GangFailedError as e:
         progress.close()

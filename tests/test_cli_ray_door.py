@@ -6,6 +6,7 @@ once (Ray alone retries for minutes and drops the cause)."""
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import socket
 import subprocess
@@ -83,11 +84,12 @@ def test_an_address_nothing_answers_at_is_named_at_once(capsys):
 @pytest.mark.skipif(os.environ.get("RAY_ADDRESS"), reason="inside a Ray job the job's cluster is joined")
 def test_ray_run_names_rank_nodes_and_shows_rank_logs_at_log_level():
     cmd = [sys.executable, "-m", "launch", "run", "--requests", "2", "--max-new-tokens", "2", "--num-cpus", "2",
-           "--log-level", "info"]
-    done = subprocess.run(cmd, cwd=REPO, env={**ENV, "COLUMNS": "200"}, capture_output=True, text=True,
-                          timeout=300)
+           "--log-level", "info", "--json"]
+    done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "rank nodes" in done.stdout and "all on 127.0.0.1" in done.stdout, done.stdout
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["served"] == 2 and sorted(out["nodes"]) == ["0", "1"]
+    assert all(node.startswith("127.0.0.1") for node in out["nodes"].values()), out["nodes"]
     # The dispatcher is built inside the rank actors: its INFO line comes from a Ray worker.
     rank_lines = [ln for ln in done.stderr.splitlines() if "RankActor" in ln and "MoE dispatcher:" in ln]
     assert rank_lines and "INFO dispatcher" in rank_lines[0], done.stderr[-3000:]
