@@ -117,9 +117,9 @@ class RunProgress:
         if self._bar is None and self._last_event is not None:
             self._flush_line()
         if self._bar is not None:
-            self._bar.update(self._task, description=text)
+            self._bar.update(self._task, description=escape(text))
         else:
-            self.console.print(f"dp-runtime: {text}", highlight=False, soft_wrap=True)
+            self.console.print(f"dp-runtime: {escape(text)}", highlight=False, soft_wrap=True)
 
     def poll(self, event: PollEvent) -> None:
         if not self.enabled:

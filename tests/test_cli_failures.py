@@ -195,3 +195,14 @@ def test_torchrun_entry_checks_combinations_and_context_len(tmp_path):
     assert done.returncode == 3, done.stderr[-2000:]
     obj = json.loads(done.stdout)
     assert [e["rid"] for e in obj["errors"]] == ["long"] and obj["served"] == 1
+
+
+def test_progress_phases_print_user_text_as_written():
+    import io
+
+    from launch.report_view import RunProgress
+
+    buf = io.StringIO()
+    progress = RunProgress(Console(file=buf, width=200), 1)
+    progress.phase("connecting to Ray (ray://head[0]:10001)")
+    assert "dp-runtime: connecting to Ray (ray://head[0]:10001)" in buf.getvalue()
