@@ -204,5 +204,5 @@ def test_progress_phases_print_user_text_as_written():
 
     buf = io.StringIO()
     progress = RunProgress(Console(file=buf, width=200), 1)
-    progress.phase("connecting to Ray (ray://head[0]:10001)")
-    assert "dp-runtime: connecting to Ray (ray://head[0]:10001)" in buf.getvalue()
+    progress.phase("connecting to Ray (ray://gpu-head[eu]:10001)")
+    assert "dp-runtime: connecting to Ray (ray://gpu-head[eu]:10001)" in buf.getvalue()
