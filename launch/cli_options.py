@@ -4,7 +4,7 @@ anything slow starts: no Ray, no model, no process group until they all hold.
 ``check_gang_options`` is the one entry: the model, launcher, device, dtype, dp, dispatcher,
 ray-address, max-running-requests, chunked-prefill-size and context-len options (plus the Ray
 launcher's num-cpus, max-restarts and hang-timeout), each checked by itself and then together.
-It returns a ``GangOptions`` holding the RunConfig, the keywords of ``cli_run.execute`` and the
+It returns a ``CheckedOptions`` holding the RunConfig, the keywords of ``cli_run.execute`` and the
 RankSpec checked against the device the ranks will most likely get. Every refusal is a
 UsageError (exit 2, one line) naming the option as typed, the rule and the value.
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from dp_runtime.rank_spec import RankSpec
     from launch.run_config import RunConfig
 
-__all__ = ["DEVICES", "LAUNCHERS", "GangOptions", "check_choices", "check_gang_options",
+__all__ = ["DEVICES", "LAUNCHERS", "CheckedOptions", "check_choices", "check_gang_options",
            "check_launch", "check_synthetic_fits", "provisional_device", "ranks_run_here"]
 
 LAUNCHERS = ("ray", "local")
@@ -47,7 +47,7 @@ INSTALL_GPU = "pip install 'dp-runtime[gpu]'"
 
 
 @dataclass(frozen=True)
-class GangOptions:
+class CheckedOptions:
     """What ``check_gang_options`` accepted: ``cfg`` (the RunConfig), ``launch`` (the keywords
     of ``cli_run.execute``: launcher, device, ray_address, num_cpus, max_restarts,
     hang_timeout_s), and ``spec``, the RankSpec for the device the ranks will most likely get
@@ -64,7 +64,7 @@ def check_gang_options(*, model: str = "tiny", launcher: str = "ray", device: st
                        chunked_prefill_size: int = 2048, context_len: int | None = None,
                        num_cpus: int | None = None, max_restarts: int | None = None,
                        hang_timeout: float | None = None, log_level: str = "warning",
-                       ray_address_env: str | None = None, **run_fields: Any) -> GangOptions:
+                       ray_address_env: str | None = None, **run_fields: Any) -> CheckedOptions:
     """Check the gang options (module docstring) and return them resolved. ``None`` means "not
     given". ``ray_address_env`` is RAY_ADDRESS (default: read from the environment).
     ``run_fields`` are further RunConfig fields (``requests``, ``prompt_len``, ``seed``, ...).
@@ -88,7 +88,7 @@ def check_gang_options(*, model: str = "tiny", launcher: str = "ray", device: st
     here = ranks_run_here(launcher, ray_address, ray_address_env)
     spec = cfg.spec(provisional_device(launch["device"], here))
     check_choices(spec, here)
-    return GangOptions(cfg, launch, spec)
+    return CheckedOptions(cfg, launch, spec)
 
 
 def check_launch(*, launcher: str, device: str, dp: int | None, ray_address: str | None = None,

@@ -40,7 +40,7 @@ from launch.cli_errors import (
 from launch.cli_options import (
     DEVICES,
     LAUNCHERS,
-    GangOptions,
+    CheckedOptions,
     check_gang_options,
     check_launch,
     check_synthetic_fits,
@@ -181,7 +181,7 @@ def run(
         raise typer.Exit(code)
 
 
-def check_run_options(o: dict[str, Any]) -> GangOptions:
+def check_run_options(o: dict[str, Any]) -> CheckedOptions:
     """Every option of ``run`` (the keywords of ``run`` but ``debug``), alone and together
     (``cli_options.check_gang_options`` plus the workload's): raises UsageError naming the
     option, or the ValueError of a model or runtime rule. Starts nothing."""
