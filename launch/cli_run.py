@@ -260,15 +260,11 @@ def _run(t0: float, o: dict[str, Any], debug: bool) -> int:
 
 
 def _this_node() -> str:
-    """This machine as ``ray_launcher.node_name`` names a node: ``IP (hostname)``."""
+    """This machine's hostname: where a local run's rank ran (no DNS lookup for its IP: a
+    machine whose hostname does not resolve would wait seconds for it)."""
     import socket
 
-    host = socket.gethostname()
-    try:
-        ip = socket.gethostbyname(host)
-    except OSError:
-        ip = ""
-    return f"{ip} ({host})" if ip else host
+    return socket.gethostname()
 
 
 def _user_error(exc: BaseException, as_json: bool, debug: bool) -> int:
