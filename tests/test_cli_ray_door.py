@@ -49,6 +49,8 @@ def _is_loopback(ip: str) -> bool:
 def test_private_cluster_listens_on_loopback_only():
     me = psutil.Process()
     before = _listening([me])
+    # Only what this cluster starts: an earlier test's leftovers are not this test's subject.
+    older = {p.pid for p in me.children(recursive=True)}
     assert connect_ray(None, num_cpus=1)
     try:
         @ray.remote(num_cpus=1)
@@ -59,7 +61,8 @@ def test_private_cluster_listens_on_loopback_only():
         actor = Probe.remote()
         assert ray.get(actor.ip.remote(), timeout=120) == "127.0.0.1"
         # This process's new servers (its core worker) and everything Ray started under it.
-        sockets = (_listening([me]) - before) | _listening(me.children(recursive=True))
+        ours = [p for p in me.children(recursive=True) if p.pid not in older]
+        sockets = (_listening([me]) - before) | _listening(ours)
     finally:
         stop_ray()
     names = {name for _, _, name in sockets}
