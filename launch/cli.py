@@ -17,7 +17,7 @@ from dp_runtime.version import __version__
 from launch import cli_bench, cli_plan, cli_run, cli_serve
 from launch.cli_errors import EXIT_INTERRUPTED, EXIT_USAGE
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="dp-runtime: DP attention + EP MoE runtime.")
 
 

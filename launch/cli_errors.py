@@ -6,6 +6,9 @@ Exit codes (``dp-runtime run``, ``dp-runtime plan``, the torchrun entry):
 - 1: the run failed (the gang failed after every allowed restart), or a bug (with traceback);
 - 2: a user error: a bad option, workload, model or config, or a cluster that cannot hold the
   ranks asked for; one line on stderr, no traceback unless ``--debug``;
+- 3: the run finished but some requests failed on their own (refused at the door: over the
+  context, a bad token id; or failed inside a step); each is listed with its reason
+  (``dp-runtime run`` only);
 - 130: interrupted (Ctrl-C), after everything this command started was stopped.
 
 This module imports nothing heavy: ``--help`` and ``--version`` must not pay for torch.
@@ -17,10 +20,10 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "LOG_LEVELS", "UsageError", "bench_main",
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REQUESTS_FAILED", "EXIT_USAGE", "LOG_LEVELS", "UsageError", "bench_main",
            "check_choice", "error_line", "is_user_error"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REQUESTS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 

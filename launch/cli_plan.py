@@ -195,12 +195,13 @@ def _console():
 
 
 def _print_plan(p: CapacityPlan) -> None:
+    from rich.markup import escape  # a model path or a reason may hold [brackets]
     from rich.table import Table
 
     console, rt = _console(), p.runtime
     console.print(
-        f"[bold]{p.input.model}[/] {str(rt.dtype).removeprefix('torch.')}, dp={rt.dp_size} ep={rt.ep_size}, "
-        f"GPU {p.input.gpu_name} ({_gib(p.gpu_mem_bytes)} GiB), max_running_requests={rt.max_running_requests}, "
+        f"[bold]{escape(p.input.model)}[/] {str(rt.dtype).removeprefix('torch.')}, dp={rt.dp_size} ep={rt.ep_size}, "
+        f"GPU {escape(p.input.gpu_name)} ({_gib(p.gpu_mem_bytes)} GiB), max_running_requests={rt.max_running_requests}, "
         f"chunked_prefill_size={rt.chunked_prefill_size}, context_len={p.context_len}, "
         f"dispatcher={p.dispatcher}, graphs={'on' if p.cuda_graphs else 'off'}"
     )
@@ -209,7 +210,7 @@ def _print_plan(p: CapacityPlan) -> None:
         table.add_column(col, justify=justify)
     sources = _sources(p)
     for name, nbytes in p.components.as_dict().items():
-        table.add_row(name, _gib(nbytes), f"{nbytes:,}", sources[name])
+        table.add_row(name, _gib(nbytes), f"{nbytes:,}", escape(sources[name]))
     table.add_section()
     table.add_row("total", _gib(p.total_bytes), f"{p.total_bytes:,}", "")
     table.add_row("headroom", _gib(p.headroom_bytes), f"{p.headroom_bytes:,}", "kept free")
@@ -229,7 +230,7 @@ def _print_plan(p: CapacityPlan) -> None:
                   f"{kv.requests_at_full_context} requests at full context; needed "
                   f"{rt.max_running_requests} x {p.kv_tokens_per_request} = {kv.needed_slots:,}")
     verdict = "[bold green]FITS[/]" if p.fits else "[bold red]DOES NOT FIT[/]"
-    console.print(f"{verdict}: {p.reason}")
+    console.print(f"{verdict}: {escape(p.reason)}")
     console.print(f"largest max_running_requests that fits: {p.largest_max_running_requests}")
 
 

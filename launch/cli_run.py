@@ -17,7 +17,7 @@ Nothing heavy is imported at module level: ``dp-runtime --help`` must not import
 from __future__ import annotations
 
 import logging
-import math
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -29,81 +29,33 @@ import typer
 from launch.cli_errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
+    EXIT_REQUESTS_FAILED,
     EXIT_USAGE,
-    LOG_LEVELS,
     UsageError,
     check_choice,
     error_line,
     is_user_error,
     print_error,
 )
+from launch.cli_options import (
+    DEVICES,
+    LAUNCHERS,
+    CheckedOptions,
+    check_gang_options,
+    check_launch,
+    check_synthetic_fits,
+)
 
 if TYPE_CHECKING:
     from launch.run_config import RunConfig
     from launch.run_report import RunReport
 
-__all__ = ["check_launch", "execute", "run"]
-
-LAUNCHERS = ("ray", "local")
-DEVICES = ("auto", "cpu", "cuda")
-_RAY_ONLY = ("--ray-address", "--num-cpus", "--max-restarts", "--hang-timeout")
-_LOGGERS = ("launch", "dp_runtime", "dispatcher", "graph", "buffers")  # this project's packages
-
-
-def check_launch(*, launcher: str, device: str, dp: int | None, ray_address: str | None = None,
-                 num_cpus: int | None = None, max_restarts: int | None = None,
-                 hang_timeout: float | None = None, as_json: bool = False, with_results: bool = False,
-                 log_level: str = "warning", ray_address_env: str | None = None) -> tuple[int, dict[str, Any]]:
-    """Check the launch options of ``run`` (pure, no imports); returns ``(dp, choice)``, choice
-    being the launch keywords of ``execute`` with their defaults filled in.
-
-    ``None`` means "not given" (its default applies). ``ray_address_env`` is RAY_ADDRESS (set
-    inside ``ray job submit``). Raises UsageError naming the option as typed: an unknown choice,
-    a number out of range, ``--results`` without ``--json``, a Ray option with ``--launcher
-    local``, ``--num-cpus`` when the run joins an existing cluster (it sizes only a private one)
-    or when it cannot hold ``--dp`` ranks of one CPU each.
-    """
-    check_choice("--launcher", launcher, LAUNCHERS)
-    check_choice("--device", device, DEVICES)
-    check_choice("--log-level", log_level, LOG_LEVELS)
-    if with_results and not as_json:
-        raise UsageError("--results adds every request's output ids to the --json object; add --json")
-    if dp is None:
-        dp = 1 if launcher == "local" else 2
-    if dp < 1:
-        raise UsageError(f"--dp must be an integer >= 1, got {dp}")
-    if launcher == "local":
-        if dp != 1:
-            raise UsageError(f"--launcher local runs one rank; got --dp {dp} (use --launcher ray)")
-        given = [opt for opt, v in zip(_RAY_ONLY, (ray_address, num_cpus, max_restarts, hang_timeout), strict=True)
-                 if v is not None]
-        if given:
-            raise UsageError(f"{given[0]} applies to --launcher ray; --launcher local runs one rank in this process")
-    if num_cpus is not None:
-        if num_cpus < 1:
-            raise UsageError(f"--num-cpus must be an integer >= 1, got {num_cpus}")
-        if ray_address is not None or ray_address_env:
-            where = f"--ray-address {ray_address}" if ray_address is not None else "RAY_ADDRESS (a Ray job)"
-            raise UsageError(f"--num-cpus sizes a private local cluster; with {where} the run joins an existing "
-                             f"cluster, whose CPUs are its own")
-        if num_cpus < dp:
-            raise UsageError(f"--num-cpus {num_cpus} cannot hold --dp {dp} ranks of one CPU each")
-    if max_restarts is not None and max_restarts < 0:
-        raise UsageError(f"--max-restarts must be an integer >= 0, got {max_restarts}")
-    if hang_timeout is not None and not (math.isfinite(hang_timeout) and hang_timeout > 0):
-        raise UsageError(f"--hang-timeout must be a number of seconds > 0, got {hang_timeout}")
-    if ray_address is not None and not ray_address.strip():
-        raise UsageError("--ray-address must not be empty (leave it out for a private local cluster)")
-    choice = dict(launcher=launcher, device=device, ray_address=ray_address, num_cpus=num_cpus,
-                  max_restarts=2 if max_restarts is None else max_restarts,
-                  hang_timeout_s=120.0 if hang_timeout is None else hang_timeout)
-    return dp, choice
-
+__all__ = ["check_launch", "check_run_options", "execute", "run"]
 
 def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_address: str | None = None,
             max_restarts: int = 2, hang_timeout_s: float = 120.0, num_cpus: int | None = None,
             on_poll=None, on_phase: Callable[[str], None] | None = None, show_progress: bool = False,
-            log_to_driver: bool = True, requests: list | None = None,
+            log_to_driver: bool = True, log_level: str | None = None, requests: list | None = None,
             started_at: float | None = None) -> RunReport:
     """Run ``cfg`` with ``launcher`` and return the RunReport (what the CLI prints).
 
@@ -112,6 +64,7 @@ def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_
     started it. ``requests`` (default ``cfg.load_requests()``) are checked before any cluster
     starts. The report's ``wall_s`` runs from ``started_at`` (a ``time.perf_counter()``; default:
     now) to the end, Ray's start and stop included; ``ray_start_s`` is starting or joining Ray.
+    ``log_level``: the level of this project's logs in the Ray rank processes (None: Ray's).
     Raises ValueError/WorkloadError for bad options, GangFailedError when restarts are exhausted,
     KeyboardInterrupt after cleaning up on Ctrl-C.
     """
@@ -129,7 +82,7 @@ def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_
 
         spec = cfg.spec(resolve_device(device))
         report = launch_local(spec, requests, on_poll=on_poll, show_progress=show_progress, on_phase=on_phase)
-        return replace(report, wall_s=time.perf_counter() - t0)
+        return replace(report, wall_s=time.perf_counter() - t0, nodes=report.nodes or (_this_node(),))
 
     from launch.ray_cluster import cluster_device, connect_ray, joins_existing_cluster, stop_ray
     from launch.ray_launcher import LaunchOptions, launch_ray
@@ -140,7 +93,7 @@ def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_
         phase(f"connecting to Ray ({ray_address or os.environ.get('RAY_ADDRESS')})")
     else:
         phase(f"starting Ray (a private local cluster, {cpus} CPUs)")
-    started = connect_ray(ray_address, num_cpus=cpus, log_to_driver=log_to_driver)
+    started = connect_ray(ray_address, num_cpus=cpus, log_to_driver=log_to_driver, log_level=log_level)
     ray_start_s = time.perf_counter() - t_ray
     try:
         spec = cfg.spec(cluster_device(device))
@@ -156,7 +109,9 @@ def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_
 @contextmanager
 def _launch_logging(console: Any, as_json: bool, level: str):
     """Launcher and runtime logs (rank failures, restarts, choices) on stderr at ``level``."""
-    loggers = [logging.getLogger(name) for name in _LOGGERS]
+    from launch.ray_cluster import LOGGERS
+
+    loggers = [logging.getLogger(name) for name in LOGGERS]
     if as_json:
         handler: logging.Handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
@@ -179,7 +134,7 @@ def _launch_logging(console: Any, as_json: bool, level: str):
 
 
 def run(
-    dp: int = typer.Option(None, "--dp", help="DP ranks (default: 2 with --launcher ray, 1 with local)."),
+    dp: int = typer.Option(None, "--dp", show_default="2 with --launcher ray, 1 with local", help="DP ranks."),
     model: str = typer.Option("tiny", "--model", help="Preset name (tiny, qwen3-30b-a3b) or a HF checkpoint dir."),
     dispatcher: str = typer.Option("auto", "--dispatcher", help="auto | local (one rank) | all_gather | all_to_all | flashinfer."),
     requests: int = typer.Option(16, "--requests", help="Synthetic requests (ignored with --workload)."),
@@ -187,31 +142,38 @@ def run(
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Tokens to generate per request."),
     workload: str = typer.Option(None, "--workload", help="JSONL file, one request per line (see docs/launch.md)."),
     launcher: str = typer.Option("ray", "--launcher", help="ray (one actor per rank) | local (1 rank, in-process)."),
-    ray_address: str = typer.Option(None, "--ray-address", help="Default: a private local cluster (or the job's "
-                                    "cluster under ray job submit); 'auto' joins the running one; or host:port."),
-    max_restarts: int = typer.Option(None, "--max-restarts", help="Gang restarts allowed after a rank fails [default: 2]."),
+    ray_address: str = typer.Option(None, "--ray-address", show_default="a private local cluster", help=(
+        "'auto' joins the running cluster; or host:port (under ray job submit: the job's cluster).")),
+    max_restarts: int = typer.Option(None, "--max-restarts", show_default="2", help="Gang restarts allowed after a rank fails."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16."),
     max_running_requests: int = typer.Option(64, "--max-running-requests", help="Decode batch cap per rank."),
     chunked_prefill_size: int = typer.Option(2048, "--chunked-prefill-size", help="Prefill chunk in tokens per rank."),
-    hang_timeout: float = typer.Option(None, "--hang-timeout", help="Seconds without a step before a rank is hung [default: 120]."),
-    num_cpus: int = typer.Option(None, "--num-cpus", help="Logical CPUs of the private local Ray cluster "
-                                 "(default: max(dp, cores); refused when joining a cluster)."),
+    context_len: int = typer.Option(None, "--context-len", show_default="min(model limit, 4096)",
+                                    help="Longest prompt + output; a request over it is refused alone."),
+    hang_timeout: float = typer.Option(None, "--hang-timeout", show_default="120",
+                                       help="Seconds without a step before a rank is hung."),
+    num_cpus: int = typer.Option(None, "--num-cpus", show_default="max(dp, cores)",
+                                 help="Logical CPUs of the private local Ray cluster (refused when joining one)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic workload and the random weights."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     with_results: bool = typer.Option(False, "--results", help="With --json: add every request's output ids."),
-    log_level: str = typer.Option("warning", "--log-level", help="debug | info | warning | error (launcher and runtime logs)."),
+    log_level: str = typer.Option("warning", "--log-level", help="debug | info | warning | error (launcher, runtime and rank logs)."),
     debug: bool = typer.Option(False, "--debug", help="Print the traceback of an error."),
 ) -> None:
-    """Launch ranks, send a synthetic or file workload, print throughput and latency."""
+    """Launch ranks, send a synthetic or file workload, print throughput and latency.
+
+    Exit codes: 0 every request served; 1 the gang failed; 2 a user error; 3 some requests
+    failed (listed); 130 interrupted.
+    """
     t0 = time.perf_counter()
     try:
         code = _run(t0, dict(dp=dp, model=model, dispatcher=dispatcher, requests=requests, prompt_len=prompt_len,
                              max_new_tokens=max_new_tokens, workload=workload or None, launcher=launcher,
                              ray_address=ray_address, max_restarts=max_restarts, device=device, dtype=dtype,
                              max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
-                             hang_timeout=hang_timeout, num_cpus=num_cpus, seed=seed, as_json=as_json,
-                             with_results=with_results, log_level=log_level), debug)
+                             context_len=context_len, hang_timeout=hang_timeout, num_cpus=num_cpus, seed=seed,
+                             as_json=as_json, with_results=with_results, log_level=log_level), debug)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         code = EXIT_INTERRUPTED
@@ -219,52 +181,58 @@ def run(
         raise typer.Exit(code)
 
 
+def check_run_options(o: dict[str, Any]) -> CheckedOptions:
+    """Every option of ``run`` (the keywords of ``run`` but ``debug``), alone and together
+    (``cli_options.check_gang_options`` plus the workload's): raises UsageError naming the
+    option, or the ValueError of a model or runtime rule. Starts nothing."""
+    if o["with_results"] and not o["as_json"]:
+        raise UsageError("--results adds every request's output ids to the --json object; add --json")
+    gang_keys = ("model", "launcher", "device", "dtype", "dp", "dispatcher", "ray_address", "max_running_requests",
+                 "chunked_prefill_size", "context_len", "num_cpus", "max_restarts", "hang_timeout", "log_level")
+    run_keys = ("requests", "prompt_len", "max_new_tokens", "workload", "seed")
+    opts = check_gang_options(**{k: o[k] for k in gang_keys}, **{k: o[k] for k in run_keys})
+    check_synthetic_fits(opts.cfg, opts.spec)
+    return opts
+
+
 def _run(t0: float, o: dict[str, Any], debug: bool) -> int:
     """The run command's body; returns the exit code."""
-    import os
-
-    from launch.run_config import RunConfig
-
     as_json = o["as_json"]
     try:
-        dp, choice = check_launch(launcher=o["launcher"], device=o["device"], dp=o["dp"],
-                                  ray_address=o["ray_address"], num_cpus=o["num_cpus"],
-                                  max_restarts=o["max_restarts"], hang_timeout=o["hang_timeout"], as_json=as_json,
-                                  with_results=o["with_results"], log_level=o["log_level"],
-                                  ray_address_env=os.environ.get("RAY_ADDRESS"))
-        cfg = RunConfig(dp=dp, model=o["model"], dispatcher=o["dispatcher"], requests=o["requests"],
-                        prompt_len=o["prompt_len"], max_new_tokens=o["max_new_tokens"], workload=o["workload"],
-                        dtype=o["dtype"], max_running_requests=o["max_running_requests"],
-                        chunked_prefill_size=o["chunked_prefill_size"], seed=o["seed"])
-        # What needs the model and torch, still before any cluster starts.
-        reqs = cfg.load_requests()
-        cfg.spec(_provisional_device(choice["device"], choice["launcher"], choice["ray_address"]))
+        opts = check_run_options(o)
+        reqs = opts.cfg.load_requests()  # still before any cluster starts: a bad file fails fast
     except Exception as e:
         if not is_user_error(e):
             raise
         return _user_error(e, as_json, debug)
 
     from rich.console import Console
+    from rich.markup import escape
 
     from launch.report_view import RunProgress, json_line, summary_table
     from launch.run_report import GangFailedError, summarize
 
+    # Ray forwards the ranks' output only when asked: with --json, only for the logs asked for.
+    forward = not as_json or o["log_level"] in ("debug", "info")
     err = Console(stderr=True)
     progress = RunProgress(err, len(reqs), enabled=not as_json)
     try:
         with _launch_logging(err, as_json, o["log_level"]):
-            report = execute(cfg, **choice, requests=reqs, on_poll=progress.poll, on_phase=progress.phase,
-                             show_progress=not as_json, log_to_driver=not as_json, started_at=t0)
+            report = execute(opts.cfg, **opts.launch, requests=reqs, on_poll=progress.poll, on_phase=progress.phase,
+                             show_progress=not as_json, log_to_driver=forward, log_level=o["log_level"],
+                             started_at=t0)
     except GangFailedError as e:
         progress.close()
         if debug:
             print_error(e, debug=True)
         if as_json:
+            done = summarize(e.report).as_dict() if e.report else {}
             typer.echo(json_line({"error": str(e), "failures": [f.describe() for f in e.failures],
-                                  "finished": len(e.report.results) if e.report else 0}))
-        err.print(f"[red]error:[/red] {e}", highlight=False)
+                                  "finished": len(e.report.results) if e.report else 0,
+                                  "errors": done.get("errors", []), "nodes": done.get("nodes", {})}))
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         for f in e.failures:
-            err.print(f"  {f.describe()}", highlight=False)
+            err.print(f"  {escape(f.describe())}", highlight=False)
         return EXIT_FAILED
     except Exception as e:
         progress.close()
@@ -281,23 +249,22 @@ def _run(t0: float, o: dict[str, Any], debug: bool) -> int:
         typer.echo(json_line(obj))
     else:
         Console().print(summary_table(summary))
+    if summary.failed:
+        # One line on stderr too, so a script reading only the exit code and stderr knows why.
+        first = summary.errors[0]
+        more = f" (and {summary.failed - 1} more)" if summary.failed > 1 else ""
+        print(f"error: {summary.failed} of {summary.requests} requests failed; first: {first.describe()}{more}",
+              file=sys.stderr, flush=True)
+        return EXIT_REQUESTS_FAILED
     return 0
 
 
-def _provisional_device(device: str, launcher: str, ray_address: str | None) -> str:
-    """The device to check the spec against before Ray starts: the asked one, else what this
-    machine has (a private cluster is this machine; a joined one is checked again once known).
-    Raises UsageError for ``--device cuda`` where the ranks would run here and torch sees no GPU."""
-    import os
+def _this_node() -> str:
+    """This machine's hostname: where a local run's rank ran (no DNS lookup for its IP: a
+    machine whose hostname does not resolve would wait seconds for it)."""
+    import socket
 
-    import torch
-
-    here = launcher == "local" or (ray_address is None and not os.environ.get("RAY_ADDRESS"))
-    if device == "cuda" and here and not torch.cuda.is_available():
-        raise UsageError("--device cuda, but torch sees no CUDA GPU on this machine (use --device cpu or auto)")
-    if device != "auto":
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return socket.gethostname()
 
 
 def _user_error(exc: BaseException, as_json: bool, debug: bool) -> int:

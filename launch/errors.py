@@ -11,9 +11,9 @@ __all__ = ["SetupError", "is_deterministic_setup_error"]
 
 
 class SetupError(ValueError):
-    """A rank could not be built, for a reason a new gang would meet again: a ValueError raised
-    while building its worker (e.g. ``num_experts < ep_size``), or ranks that disagree on their
-    spec. Never retried. ``rank`` is the rank that reported it; ``detail`` its remote traceback
+    """A rank could not be built, for a reason a new gang would meet again: a ValueError or an
+    ImportError raised while building its worker (e.g. ``num_experts < ep_size``, flashinfer
+    missing on the node), or ranks that disagree on their spec. Never retried. ``rank`` is the rank that reported it; ``detail`` its remote traceback
     (for ``--debug``)."""
 
     def __init__(self, message: str, rank: int | None = None, detail: str = "") -> None:
@@ -24,12 +24,13 @@ class SetupError(ValueError):
 
 def is_deterministic_setup_error(exc: BaseException) -> bool:
     """Whether ``exc`` (raised while building a rank, possibly wrapped by Ray) would happen again
-    on a new gang: a ValueError, or a DP mismatch between ranks' configs or specs."""
+    on a new gang: a ValueError, an ImportError (a package the node lacks, e.g. flashinfer: a
+    new gang lands on the same nodes), or a DP mismatch between ranks' configs or specs."""
     from dp_runtime.sync.errors import DPPlanMismatchError
 
     cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError keeps the remote exception
     for e in (exc, cause):
-        if isinstance(e, (ValueError, DPPlanMismatchError)) and not _is_ray_wrapper_only(e):
+        if isinstance(e, (ValueError, ImportError, DPPlanMismatchError)) and not _is_ray_wrapper_only(e):
             return True
     return False
 

@@ -4,11 +4,18 @@
 
 - ``None``: inside a Ray job (``ray job submit`` sets RAY_ADDRESS) join that cluster; otherwise
   start a private local one (``address="local"``: never silently join a cluster someone else
-  started on this machine), with no dashboard and ``num_cpus`` logical CPUs;
+  started on this machine), with no dashboard and ``num_cpus`` logical CPUs, whose GCS, raylet,
+  agents and workers listen on loopback only (``_loopback_node``);
 - ``"auto"``: join the running cluster found on this node (error if none);
 - anything else (``host:port``, ``ray://...``): join that address.
 
-Returns True when this call started Ray, so the caller knows to ``stop_ray()`` it.
+Returns True when this call started Ray, so the caller knows to ``stop_ray()`` it. A cluster
+that cannot be joined raises ``RayConnectError`` (a ValueError: the address is the user's input)
+naming the address and the cause Ray gives (nothing listening, a missing or wrong auth token).
+
+``log_level`` (``debug``/``info``/...) configures this project's loggers in every Ray worker
+process of the job (a ``worker_process_setup_hook``), so rank logs reach the driver's stderr at
+the level ``--log-level`` asks for (with ``log_to_driver``).
 
 Ctrl-C while Ray starts or stops is held until that step is over (``interrupts.held_sigint``):
 then Ray is shut down and KeyboardInterrupt raised, so an interrupt never leaves a half-started
@@ -17,11 +24,25 @@ node's processes behind.
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from launch.interrupts import held_sigint
 
-__all__ = ["cluster_device", "connect_ray", "joins_existing_cluster", "stop_ray"]
+__all__ = ["LOGGERS", "RayConnectError", "check_reachable", "cluster_device", "connect_ray",
+           "joins_existing_cluster", "rank_logging", "stop_ray"]
+
+LOGGERS = ("launch", "dp_runtime", "dispatcher", "graph", "buffers")  # this project's packages
+LOOPBACK = "127.0.0.1"
+
+
+class RayConnectError(ValueError):
+    """The Ray cluster at an address could not be joined; the message names the address and
+    Ray's reason."""
 
 
 def joins_existing_cluster(address: str | None) -> bool:
@@ -30,25 +51,122 @@ def joins_existing_cluster(address: str | None) -> bool:
     return address is not None or bool(os.environ.get("RAY_ADDRESS"))
 
 
-def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True) -> bool:
+def connect_ray(address: str | None = None, *, num_cpus: int | None = None,
+                log_to_driver: bool = True, log_level: str | None = None) -> bool:
     """Connect this process to Ray (module docstring); True when Ray was initialised here.
-    Raises KeyboardInterrupt after a clean shutdown when Ctrl-C came while Ray started."""
+    Raises RayConnectError when a given cluster cannot be joined, KeyboardInterrupt after a
+    clean shutdown when Ctrl-C came while Ray started."""
     import ray
 
     if ray.is_initialized():
         return False
+    runtime_env = {"worker_process_setup_hook": _logging_hook(log_level)} if log_level else None
+    joins = joins_existing_cluster(address)
+    where = address or os.environ.get("RAY_ADDRESS", "")
     try:
         with held_sigint():
-            if not joins_existing_cluster(address):
-                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
-                         configure_logging=False)
+            if not joins:
+                with _loopback_node():
+                    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                             log_to_driver=log_to_driver, configure_logging=False,
+                             runtime_env=runtime_env, _node_ip_address=LOOPBACK)
             else:
-                ray.init(address=address, log_to_driver=log_to_driver, configure_logging=False)
+                check_reachable(where)
+                ray.init(address=address, log_to_driver=log_to_driver, configure_logging=False,
+                         runtime_env=runtime_env)
+    except RayConnectError:
+        raise
+    except Exception as e:
+        stop_ray()
+        if not joins:
+            raise
+        # Ray's AuthenticationError says which token is missing and where it is looked for.
+        raise RayConnectError(f"cannot join the Ray cluster at {where}: {_cause(e)}") from e
     except BaseException:
         # Interrupted, or init failed part-way: whatever it started goes with it.
         stop_ray()
         raise
     return True
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Raise RayConnectError unless something accepts a TCP connection at ``address``
+    (``host:port``; ``auto`` and ``ray://`` addresses are left to Ray). Ray itself retries an
+    unreachable GCS for minutes before it gives up with no cause."""
+    if address in ("", "auto", "local") or "://" in address or ":" not in address:
+        return
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise RayConnectError(f"--ray-address {address!r} must be auto or host:port (the port is "
+                              f"not a number)") from None
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise RayConnectError(f"cannot join the Ray cluster at {address}: nothing answers at "
+                              f"{host}:{port} ({why}); is `ray start --head --port {port}` running "
+                              f"there, and the port open?") from None
+
+
+@contextmanager
+def _loopback_node() -> Iterator[None]:
+    """Let ``ray.init`` start a node on 127.0.0.1. Ray replaces a loopback node IP by the
+    machine's outward one (``services.resolve_ip_for_localhost``), and with it every server of
+    the node (GCS, raylet, agents, workers) listens on every interface; given 127.0.0.1 as it
+    is, they listen on loopback only. A private cluster has no other node to reach it, so nothing
+    is lost. (A private hook of Ray: tests/test_cli_ray_door.py checks the listening sockets.)"""
+    from ray._private import services
+
+    original = getattr(services, "resolve_ip_for_localhost", None)
+    if original is None:
+        yield
+        return
+    services.resolve_ip_for_localhost = lambda host: host
+    try:
+        yield
+    finally:
+        services.resolve_ip_for_localhost = original
+
+
+def _cause(exc: BaseException) -> str:
+    """Ray's reason for a failed join, with its own cause (the auth or connection error) when it
+    wraps one, as one line."""
+    parts: list[str] = []
+    e: BaseException | None = exc
+    while e is not None and len(parts) < 3:
+        text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+        if text and text not in parts:
+            parts.append(text)
+        e = e.__cause__ or e.__context__
+    return "; ".join(parts) or type(exc).__name__
+
+
+def _logging_hook(level: str):
+    """``rank_logging(level)`` as the argument-less function Ray's setup hook takes (a named
+    function: Ray exports the hook by name, which a functools.partial lacks)."""
+
+    def setup_rank_logging() -> None:
+        rank_logging(level)
+
+    return setup_rank_logging
+
+
+def rank_logging(level: str | None) -> None:
+    """Send this project's logs of a Ray worker process to its stderr at ``level`` (Ray forwards
+    a worker's stderr to the driver). Runs in every worker as its setup hook."""
+    if not level:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    for name in LOGGERS:
+        log = logging.getLogger(name)
+        log.addHandler(handler)
+        log.setLevel(level.upper())
+        log.propagate = False
 
 
 def stop_ray() -> None:

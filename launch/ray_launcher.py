@@ -42,7 +42,7 @@ from launch.rank_session import DONE, ERROR, RUNNING, RankStatus
 from launch.run_report import GangFailedError, PollEvent, RankFailure, RunReport
 from launch.workload import split_round_robin
 
-__all__ = ["LaunchOptions", "launch_ray"]
+__all__ = ["LaunchOptions", "launch_ray", "node_name"]
 
 logger = logging.getLogger("launch")
 
@@ -122,6 +122,7 @@ class _Supervisor:
         self.failures: list[RankFailure] = []
         self.rank_metrics: list[dict[str, Any]] = [{} for _ in range(self.world)]
         self.setup_s = self.run_s = 0.0
+        self.nodes: tuple[str, ...] = ()  # per rank, of the last gang that was set up
         self.loop_s: list[float] = []  # per rank, of the current attempt
 
     # -- attempts -------------------------------------------------------------------------------
@@ -160,6 +161,7 @@ class _Supervisor:
             except GangSetupError as e:
                 return list(e.failures)
             self.setup_s += time.perf_counter() - t
+            self.nodes = tuple(node_name(loc) for loc in gang.locations)
             self.tokens_before = sum(len(r.output_ids) for r in self.results.values())
             self._phase("running")
             pending = [r for r in self.requests if r.rid not in self.results]
@@ -271,8 +273,14 @@ class _Supervisor:
         return RunReport(
             results=tuple(self.results[rid] for rid in order), world_size=self.world, launcher="ray",
             device=self.device, wall_s=wall_s, run_s=self.run_s, setup_s=self.setup_s, restarts=restarts,
-            failures=tuple(self.failures), rank_metrics=tuple(self.rank_metrics),
+            failures=tuple(self.failures), rank_metrics=tuple(self.rank_metrics), nodes=self.nodes,
         )
+
+
+def node_name(location: dict[str, Any]) -> str:
+    """A rank's node as people name it: ``IP (hostname)`` from ``RankActor.where``."""
+    ip, host = location.get("node_ip", ""), location.get("hostname", "")
+    return f"{ip} ({host})" if ip and host else ip or host
 
 
 def _last_line(text: str | None) -> str:

@@ -1,5 +1,10 @@
 """How a run looks to people (a start-up line, a progress bar over requests and tokens, a rich
-table) and to programs (one JSON line)."""
+table) and to programs (one JSON line).
+
+Text that comes from the user or a rank (a request's error, a failure message, a path) is
+escaped before rich renders it: rich would read ``[gpu]`` in ``pip install 'dp-runtime[gpu]'``
+as markup and drop it.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,15 @@ import time
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from launch.run_report import PollEvent, RunSummary
 
-__all__ = ["RunProgress", "json_line", "progress_counts", "summary_table"]
+__all__ = ["SHOWN_ERRORS", "RunProgress", "json_line", "progress_counts", "summary_table"]
+
+SHOWN_ERRORS = 5  # failed requests listed in the table; --json lists them all
 
 
 def _ms(s: float) -> str:
@@ -31,8 +39,10 @@ def summary_table(summary: RunSummary) -> Table:
     graphs = summary.graphs if isinstance(summary.graphs, str) or summary.graphs is None else (
         "on" if summary.graphs else "off")
     rest = summary.wall_s - summary.ray_start_s - summary.setup_s - summary.run_s
+    served = str(summary.requests) if not summary.failed else (
+        f"{summary.requests} ({summary.served} served, [red]{summary.failed} failed[/red])")
     rows = [
-        ("requests", str(summary.requests)),
+        ("requests", served),
         ("output tokens", str(summary.output_tokens)),
         ("wall time", f"{summary.wall_s:.2f} s"),
         *([("  start Ray", f"{summary.ray_start_s:.2f} s")] if summary.ray_start_s else []),
@@ -43,14 +53,27 @@ def summary_table(summary: RunSummary) -> Table:
         ("TTFT p50 / p99", f"{_ms(summary.ttft_p50_s)} / {_ms(summary.ttft_p99_s)}"),
         ("latency p50 / p99", f"{_ms(summary.latency_p50_s)} / {_ms(summary.latency_p99_s)}"),
         ("requests per rank", per_rank),
+        *([("rank nodes", escape(_nodes(summary.nodes)))] if summary.nodes else []),
         ("dispatcher / attention / graphs", f"{summary.dispatcher or '-'} / {summary.attention or '-'} / {graphs or '-'}"),
         ("restarts", str(summary.restarts)),
     ]
     for name, value in rows:
         t.add_row(name, value)
     for failure in summary.failures:
-        t.add_row("[red]failure[/red]", failure)
+        t.add_row("[red]rank failure[/red]", escape(failure))
+    for err in summary.errors[:SHOWN_ERRORS]:
+        t.add_row("[red]failed request[/red]", escape(err.describe()))
+    if summary.failed > SHOWN_ERRORS:
+        t.add_row("[red]failed request[/red]", f"... and {summary.failed - SHOWN_ERRORS} more (--json lists all)")
     return t
+
+
+def _nodes(nodes: dict[int, str]) -> str:
+    """``all on 10.0.0.1`` when every rank ran on one node, else ``0: 10.0.0.1, 1: 10.0.0.2``."""
+    distinct = set(nodes.values())
+    if len(distinct) == 1:
+        return f"all on {distinct.pop()}"
+    return ", ".join(f"{r}: {ip or '?'}" for r, ip in sorted(nodes.items()))
 
 
 def json_line(obj: dict[str, Any]) -> str:
@@ -94,9 +117,9 @@ class RunProgress:
         if self._bar is None and self._last_event is not None:
             self._flush_line()
         if self._bar is not None:
-            self._bar.update(self._task, description=text)
+            self._bar.update(self._task, description=escape(text))
         else:
-            self.console.print(f"dp-runtime: {text}", highlight=False, soft_wrap=True)
+            self.console.print(f"dp-runtime: {escape(text)}", highlight=False, soft_wrap=True)
 
     def poll(self, event: PollEvent) -> None:
         if not self.enabled:

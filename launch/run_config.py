@@ -50,12 +50,16 @@ class RunConfig:
     chunked_prefill_size: int = 2048
     seed: int = 0
     dp_sync_timeout_s: float = 120.0
+    context_len: int | None = None  # longest prompt + output; None: the model's limit, capped at 4096
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"{_option(name)} must be an integer >= 1, got {value!r}")
+        n = self.context_len
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise UsageError(f"--context-len must be an integer >= 1, got {n!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise UsageError(f"--seed must be an integer >= 0, got {self.seed!r}")
         check_choice("--dispatcher", self.dispatcher, DISPATCHERS)
@@ -71,21 +75,29 @@ class RunConfig:
 
     def spec(self, device: str) -> RankSpec:
         """The RankSpec for ranks on ``device`` (``cpu`` or ``cuda``, already resolved). Raises
-        ValueError from the model config or the RuntimeConfig rules."""
+        UsageError for a ``--context-len`` over the model's limit, ValueError from the model
+        config or the RuntimeConfig rules."""
         from dp_runtime.rank_spec import RankSpec
 
+        if self.context_len is not None:
+            limit = self.model_config().max_positions
+            if self.context_len > limit:
+                raise UsageError(f"--context-len {self.context_len} exceeds the model's limit of {limit} "
+                                 f"positions ({self.model})")
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         return RankSpec.create(
             self.model, dispatcher=self.dispatcher, dp_size=self.dp, device=device, dtype=dtype,
             max_running_requests=self.max_running_requests, chunked_prefill_size=self.chunked_prefill_size,
-            dp_sync_timeout_s=self.dp_sync_timeout_s, seed=self.seed,
+            dp_sync_timeout_s=self.dp_sync_timeout_s, seed=self.seed, max_context_len=self.context_len,
         )
+
+    def model_config(self) -> ModelConfig:
+        """The model's config (the preset's, or the checkpoint's config.json)."""
+        return ModelConfig.preset(self.model) if self.model in PRESETS else ModelConfig.from_dir(self.model)
 
     def vocab_size(self) -> int:
         """The model's vocabulary (read from the preset or the checkpoint's config.json)."""
-        if self.model in PRESETS:
-            return ModelConfig.preset(self.model).vocab_size
-        return ModelConfig.from_dir(self.model).vocab_size
+        return self.model_config().vocab_size
 
     def load_requests(self) -> list[Request]:
         """The workload file's requests (sampling defaults from the options), else the synthetic

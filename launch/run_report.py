@@ -5,6 +5,11 @@
 ``summarize`` turns it into the numbers the CLI prints (throughput, TTFT and latency
 percentiles, per-rank counts); ``RunSummary.as_dict`` is the ``--json`` object.
 
+A request that failed on its own (refused at the door, or failed inside a step: its result has
+``error`` set) is not served: it is listed in ``RunSummary.errors`` (rid, rank, reason; rank -1
+when no rank ran it) and left out of the TTFT and latency percentiles, which describe served
+requests only (a refused request's zero times would pull them down).
+
 Failure kinds: ``died`` (the rank's actor or process is gone), ``error`` (its step loop raised;
 ``detail`` holds the traceback), ``unresponsive`` (a lifecycle call went unanswered),
 ``hung`` (running, but no step completed within the hang timeout), ``setup`` (building the
@@ -26,7 +31,8 @@ from typing import Any
 
 from dp_runtime.serving.request import RequestResult
 
-__all__ = ["GangFailedError", "PollEvent", "RankFailure", "RunReport", "RunSummary", "percentile", "summarize"]
+__all__ = ["GangFailedError", "PollEvent", "RankFailure", "RequestError", "RunReport", "RunSummary", "percentile",
+           "summarize"]
 
 FAILURE_KINDS = ("died", "error", "unresponsive", "hung", "setup")
 
@@ -86,6 +92,7 @@ class RunReport:
     failures: tuple[RankFailure, ...] = ()
     rank_metrics: tuple[Mapping[str, Any], ...] = ()
     ray_start_s: float = 0.0
+    nodes: tuple[str, ...] = ()  # per rank, where it last ran (a node IP); () when not known
 
     def by_rid(self) -> dict[str, RequestResult]:
         return {r.rid: r for r in self.results}
@@ -100,6 +107,20 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """One request that failed on its own: its rid, the rank that ran it (-1: refused at the
+    door, no rank ran it), and why."""
+
+    rid: str
+    rank: int
+    reason: str
+
+    def describe(self) -> str:
+        where = "refused" if self.rank < 0 else f"rank {self.rank}"
+        return f"{self.rid} ({where}): {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -126,9 +147,20 @@ class RunSummary:
     dispatcher: str | None = None
     attention: str | None = None
     graphs: bool | str | None = None
+    served: int = 0
+    errors: tuple[RequestError, ...] = ()
+    nodes: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> int:
+        return len(self.errors)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["failed"] = self.failed
+        d["errors"] = [{"rid": e.rid, "rank": None if e.rank < 0 else e.rank, "reason": e.reason}
+                       for e in self.errors]
+        d["nodes"] = {str(k): v for k, v in self.nodes.items()}
         d["per_rank_requests"] = {str(k): v for k, v in self.per_rank_requests.items()}
         d["per_rank_tokens"] = {str(k): v for k, v in self.per_rank_tokens.items()}
         d["failures"] = list(self.failures)
@@ -137,7 +169,8 @@ class RunSummary:
 
 def summarize(report: RunReport) -> RunSummary:
     """The CLI's numbers. Throughput is output tokens over ``run_s`` (step loops running; model
-    build and graph capture are ``setup_s``)."""
+    build and graph capture are ``setup_s``); TTFT and latency percentiles are over the served
+    requests only (module docstring)."""
     res = report.results
     tokens = sum(len(r.output_ids) for r in res)
     per_req: dict[int, int] = {r: 0 for r in range(report.world_size)}
@@ -148,8 +181,10 @@ def summarize(report: RunReport) -> RunSummary:
             per_req[r.rank] = per_req.get(r.rank, 0) + 1
             per_tok[r.rank] = per_tok.get(r.rank, 0) + len(r.output_ids)
         reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
-    ttft = [r.ttft_s for r in res]
-    lat = [r.latency_s for r in res]
+    served = [r for r in res if r.error is None]
+    errors = tuple(RequestError(r.rid, r.rank, r.error) for r in res if r.error is not None)
+    ttft = [r.ttft_s for r in served]
+    lat = [r.latency_s for r in served]
     return RunSummary(
         requests=len(res), output_tokens=tokens, wall_s=report.wall_s, run_s=report.run_s,
         setup_s=report.setup_s, throughput_tok_s=tokens / report.run_s if report.run_s > 0 else math.nan,
@@ -160,6 +195,7 @@ def summarize(report: RunReport) -> RunSummary:
         failures=tuple(f.describe() for f in report.failures), finish_reasons=reasons,
         ray_start_s=report.ray_start_s, dispatcher=_chosen(report, "dispatcher"),
         attention=_chosen(report, "attention"), graphs=_chosen(report, "graphs"),
+        served=len(served), errors=errors, nodes=dict(enumerate(report.nodes)),
     )
 
 

@@ -13,8 +13,14 @@ table, or one JSON line with ``--json``; ``--results`` adds every request's outp
 group already exists. No restarts here: torchrun's own ``--max-restarts`` restarts the job.
 
 A bad option, workload or model is found before the process group exists, the same on every
-rank: rank 0 prints one line, every rank exits 2 (no traceback without ``--debug``); torchrun
-then reports the ranks' exit code 2 in its own summary. Without torchrun the entry runs one rank.
+rank and by the same checks as ``dp-runtime run`` (``cli_options``: each option, then the
+combinations, e.g. ``--dispatcher local`` with several ranks, ``--dispatcher flashinfer`` where
+flashinfer does not import, a synthetic prompt over ``--context-len``): rank 0 prints one line,
+every rank exits 2 (no traceback without ``--debug``; a peer that torchrun stops while rank 0
+prints exits 2 too), and torchrun reports exit code 2 for every rank in its own summary.
+Requests over ``--context-len`` in a workload file are refused alone (their errors in the
+report); then the exit code is 3, as with ``dp-runtime run``. Without torchrun the entry runs
+one rank.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -35,6 +42,7 @@ from dp_runtime.serving.request import Request
 from launch import process_group
 from launch.cli_errors import (
     EXIT_INTERRUPTED,
+    EXIT_REQUESTS_FAILED,
     EXIT_USAGE,
     LOG_LEVELS,
     UsageError,
@@ -43,6 +51,7 @@ from launch.cli_errors import (
     is_user_error,
     print_error,
 )
+from launch.cli_options import check_choices, check_synthetic_fits
 from launch.rank_session import ERROR, RankSession
 from launch.run_config import RunConfig
 from launch.run_report import RunReport, summarize
@@ -118,6 +127,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    p.add_argument("--context-len", type=int, default=None, help="longest prompt + output (default: "
+                   "min(model limit, 4096)); a request over it is refused alone")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--pg-timeout", type=float, default=process_group.DEFAULT_TIMEOUT_S,
                    help="seconds before a collective gives up (a dead peer)")
@@ -147,9 +158,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _SameOnEveryRank as e:
         if rank == 0:
             print_error(e.__cause__ or e, debug=debug)
-        else:
-            # torchrun stops every rank when the first one exits: let rank 0 print first.
-            time.sleep(_PEER_EXIT_DELAY_S)
+        # torchrun stops every rank when the first one exits: every rank leaves with exit code 2
+        # when torchrun's SIGTERM comes, and none leaves before all got here (torchrun's store),
+        # so torchrun reports exit code 2 for every rank.
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_USAGE))
+        if "RANK" in os.environ:
+            _wait_for_peers()
+            # Not through interpreter shutdown: it restores SIGTERM's default action while a
+            # peer's exit already has torchrun signalling this rank.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_USAGE)
         return EXIT_USAGE
     except Exception as e:
         if not is_user_error(e):
@@ -178,9 +197,12 @@ def _main(argv: list[str], rank: int) -> int:
         cfg = RunConfig(dp=world, model=args.model, dispatcher=args.dispatcher, requests=args.requests,
                         prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, workload=args.workload,
                         dtype=args.dtype, max_running_requests=args.max_running_requests,
-                        chunked_prefill_size=args.chunked_prefill_size, seed=args.seed)
+                        chunked_prefill_size=args.chunked_prefill_size, seed=args.seed,
+                        context_len=args.context_len)
         device = process_group.resolve_device(args.device)
         spec = cfg.spec(device)
+        check_choices(spec, here=True)  # torchrun starts every rank of this node here
+        check_synthetic_fits(cfg, spec)
         requests = cfg.load_requests()
     except Exception as e:
         if not is_user_error(e):
@@ -192,13 +214,36 @@ def _main(argv: list[str], rank: int) -> int:
     failed = True
     try:
         report = run_torchrun(spec, requests)
+        # Every rank exits with the same code: rank 0 (which holds the report) says whether a
+        # request failed.
+        some_failed = [report is not None and any(r.error is not None for r in report.results)]
+        if world > 1 and dist.is_initialized():
+            dist.broadcast_object_list(some_failed, src=0)
         failed = False
     finally:
         # After a failure a peer may wait in a collective for this rank: abort, do not wait.
         process_group.destroy_process_group(abort=failed)
     if report is not None and rank == 0:
         _print(report, args.json, args.results)
-    return 0
+    return EXIT_REQUESTS_FAILED if some_failed[0] else 0
+
+
+def _wait_for_peers(timeout_s: float = 30.0) -> None:
+    """Return once every rank of this torchrun job got here, counted in torchrun's own store
+    (MASTER_ADDR:MASTER_PORT; no process group exists yet), or after ``timeout_s``; without
+    the store, after a short fixed delay."""
+    from datetime import timedelta
+
+    addr, port, world = (os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"))
+    key = f"dp_runtime/usage_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < int(world) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # no store to count in (not under torchrun's agent): wait a little
+        time.sleep(_PEER_EXIT_DELAY_S)
 
 
 def _env_rank() -> int:

@@ -215,13 +215,15 @@ def test_torchrun_entry_user_error_without_torchrun():
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 def test_torchrun_entry_bad_option_is_printed_once_and_every_rank_exits_2():
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "launch.torchrun_main", "--dispatcher", "nope"]
+    # A combination (local exchanges nothing between 2 ranks): refused before the group exists.
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "launch.torchrun_main", "--dispatcher", "local"]
     done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
     logs = done.stdout + done.stderr
     assert done.returncode != 0
-    assert logs.count("error: --dispatcher must be one of") == 1, logs[-3000:]
-    # The ranks print no traceback of their own (torchrun's own failure report names exit code 2).
-    assert "launch/" not in logs and "exitcode  : 2" in logs, logs[-3000:]
+    assert logs.count("error: --dispatcher local runs one rank") == 1, logs[-3000:]
+    # The ranks print no traceback of their own, and torchrun's own failure report names exit
+    # code 2 for both ranks (not SIGTERM for the one it stopped).
+    assert "launch/" not in logs and logs.count("exitcode  : 2") == 2, logs[-3000:]
 
 
 # -- the README's examples ---------------------------------------------------------------------------
