@@ -18,7 +18,6 @@ engine down (drain, abort the rest, stop the ranks and a Ray cluster it started)
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import sys
 from typing import Any
@@ -129,19 +128,23 @@ def serve(
 def _prepare(o: dict[str, Any]) -> dict[str, Any]:
     """Every check that needs no gang: options, spec, tokenizer, the listening socket.
     Raises UsageError (or another ValueError/OSError) for a user error."""
-    from dataclasses import replace
+    from launch.cli_options import check_gang_options
 
-    from launch.cli_run import _provisional_device, check_launch
-    from launch.run_config import RunConfig
-
-    dp, choice = check_launch(
+    # The options `run` shares, checked by the same function (one line, exit 2, before Ray).
+    checked = check_gang_options(
+        model=o["model"],
         launcher=o["launcher"],
         device=o["device"],
+        dtype=o["dtype"],
         dp=o["dp"],
+        dispatcher=o["dispatcher"],
         ray_address=o["ray_address"],
+        max_running_requests=o["max_running_requests"],
+        chunked_prefill_size=o["chunked_prefill_size"],
+        context_len=o["context_len"],
         max_restarts=o["max_restarts"],
         log_level=o["log_level"],
-        ray_address_env=os.environ.get("RAY_ADDRESS"),
+        seed=o["seed"],
     )
     if o["max_queued"] < 1:
         raise UsageError(f"--max-queued must be an integer >= 1, got {o['max_queued']}")
@@ -153,26 +156,7 @@ def _prepare(o: dict[str, Any]) -> dict[str, Any]:
         raise UsageError(f"--port must be in [1, 65535], got {o['port']}")
     if o["api_key"] is not None and not o["api_key"].strip():
         raise UsageError("--api-key (or DP_RUNTIME_API_KEY) must not be empty")
-    cfg = RunConfig(
-        dp=dp,
-        model=o["model"],
-        dispatcher=o["dispatcher"],
-        dtype=o["dtype"],
-        max_running_requests=o["max_running_requests"],
-        chunked_prefill_size=o["chunked_prefill_size"],
-        seed=o["seed"],
-    )
-    spec = cfg.spec(
-        _provisional_device(choice["device"], choice["launcher"], choice["ray_address"])
-    )
-    if o["context_len"] is not None:
-        limit = spec.model_config().max_positions
-        if not 2 <= o["context_len"] <= limit:
-            raise UsageError(
-                f"--context-len must be in [2, {limit}] (the model's max positions), "
-                f"got {o['context_len']}"
-            )
-        spec = replace(spec, max_context_len=o["context_len"])
+    cfg, choice, spec = checked.cfg, checked.launch, checked.spec
     from launch.server.text import load_tokenizer
 
     model_dir = None if spec.is_preset else spec.model

@@ -30,7 +30,7 @@ def _serve(*args, env=None):
         (["--launcher", "local", "--dp", "2"], "--launcher local runs one rank; got --dp 2"),
         (["--port", "70000"], "--port must be in [1, 65535], got 70000"),
         (["--max-queued", "0"], "--max-queued must be an integer >= 1, got 0"),
-        (["--launcher", "local", "--context-len", "100000"], "--context-len must be in [2, "),
+        (["--launcher", "local", "--context-len", "100000"], "--context-len 100000 exceeds the model's limit"),
         (
             ["--launcher", "local", "--api-key", " "],
             "--api-key (or DP_RUNTIME_API_KEY) must not be empty",
