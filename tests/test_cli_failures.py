@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -24,10 +22,7 @@ from launch.cli_run import check_run_options
 from launch.report_view import SHOWN_ERRORS, summary_table
 from launch.run_config import RunConfig
 from launch.run_report import RankFailure, RunReport, summarize
-
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+from tests.support.cli_probe import ENV, REPO, probe_cli
 
 
 def _result(rid: str, rank: int, latency: float, error: str | None = None) -> RequestResult:
@@ -107,23 +102,6 @@ def test_a_request_over_context_len_is_refused_alone_and_the_run_exits_3(tmp_pat
     assert code == 3 and "failed request" in out and "long (refused)" in out and "1 served, 1 failed" in out
 
 
-# Runs main(argv) for each case in one fresh interpreter; reports exit code and stderr per case
-# and whether Ray was imported (torch may be: the spec reads the model).
-_PROBE = """
-import contextlib, io, json, sys
-from launch.cli import main
-out = []
-for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as e:
-            code = e.code
-    out.append([code, err.getvalue()])
-print(json.dumps({"cases": out, "ray": "ray" in sys.modules}))
-"""
 
 BAD_COMBINATIONS = [
     (["--dispatcher", "local", "--dp", "2"], "--dispatcher local runs one rank (it exchanges nothing); got --dp 2"),
@@ -138,10 +116,7 @@ BAD_COMBINATIONS = [
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the Ray path needs ray")
 def test_impossible_combinations_are_one_line_exit_2_before_ray():
-    done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps([["run", *a] for a, _ in BAD_COMBINATIONS])],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = probe_cli([["run", *a] for a, _ in BAD_COMBINATIONS])
     for (args, message), (code, err) in zip(BAD_COMBINATIONS, report["cases"], strict=True):
         assert code == 2, (args, err)
         assert err.count("\n") == 1 and err.startswith("error: ") and message in err, (args, err)

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -25,35 +23,11 @@ from launch.rank_phases import summarize_phases
 from launch.report_view import RunProgress
 from launch.run_config import DISPATCHERS, DTYPES, RunConfig
 from launch.run_report import PollEvent
-
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
-
-# Runs main(argv) for each case in one fresh interpreter; reports exit code and stderr per case
-# and whether torch or ray was ever imported.
-_PROBE = """
-import contextlib, io, json, sys
-from launch.cli import main
-out = []
-for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as e:
-            code = e.code
-    out.append([code, err.getvalue()])
-print(json.dumps({"cases": out, "torch": "torch" in sys.modules, "ray": "ray" in sys.modules}))
-"""
+from tests.support.cli_probe import ENV, REPO, probe_cli
 
 
 def _probe(cases: list[list[str]]) -> dict:
-    done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(cases)], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return probe_cli(cases, timeout_s=120)
 
 
 BAD_OPTIONS = [
