@@ -161,28 +161,8 @@ class BufferRegistry:
 
     # -- fill ----------------------------------------------------------------------------------
     def _sizes(self, raw_bs: int, padded_bs: int, raw_num_tokens: int | None, padded_num_tokens: int | None) -> FillSizes:
-        where = f"registry {self.user!r}: fill"
-        raw_bs, padded_bs = fp.count_arg(raw_bs, f"{where} raw_bs"), fp.count_arg(padded_bs, f"{where} padded_bs")
-        if raw_num_tokens is not None:
-            raw_num_tokens = fp.count_arg(raw_num_tokens, f"{where} raw_num_tokens")
-        if padded_num_tokens is not None:
-            padded_num_tokens = fp.count_arg(padded_num_tokens, f"{where} padded_num_tokens")
-        raw_t = raw_bs if raw_num_tokens is None else raw_num_tokens
-        pad_t = (padded_bs if raw_num_tokens is None else raw_t) if padded_num_tokens is None else padded_num_tokens
-        sizes = FillSizes(raw_bs, padded_bs, raw_t, pad_t)
-        for axis, raw, padded in (
-            (Axis.BS, sizes.raw_bs, sizes.padded_bs),
-            (Axis.TOKENS, sizes.raw_num_tokens, sizes.padded_num_tokens),
-        ):
-            if raw < 0 or raw > padded:
-                raise ValueError(f"registry {self.user!r}: need 0 <= raw <= padded on axis {axis.value}, got raw={raw}, padded={padded}")
-            for slot in self.slots.values():
-                if slot.axis is axis and padded > self.capacity(slot):
-                    raise ValueError(
-                        f"registry {self.user!r}: slot {slot.name!r} holds {self.capacity(slot)} rows on axis "
-                        f"{axis.value} (limit); padded size {padded} (raw {raw}) exceeds it"
-                    )
-        return sizes
+        return fp.checked_fill_sizes(self.user, raw_bs, padded_bs, raw_num_tokens, padded_num_tokens,
+                                     [(slot, self.capacity(slot)) for slot in self.slots.values()])
 
     def _index(self, slot: Slot, start: int, stop: int) -> tuple[slice, ...]:
         dim = slot.dim % self._buffers[slot.name].dim()

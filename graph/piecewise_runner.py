@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from buffers import BufferRegistry
+from graph.capture_common import capture_largest_first, checked_sizes, resolve_cuda_graph
 from graph.capture_sizes import bucket_for
 from graph.forward_mode import ForwardMode
-from graph.graph_runner import capture_largest_first, checked_sizes, resolve_cuda_graph
 from graph.step_plan_view import StepPlanView
 
 __all__ = ["AttentionSplit", "PiecewiseRunner"]
