@@ -53,7 +53,8 @@ def test_launch_ray_fails_the_request_alone(reference):
     ray = pytest.importorskip("ray")
     from launch.ray_launcher import LaunchOptions, launch_ray
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    # address="local": a private cluster even if another test left one running on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
         good = _good(6)
         opts = LaunchOptions(max_restarts=0, poll_interval_s=0.05, rpc_timeout_s=20.0, setup_timeout_s=60.0,
