@@ -16,7 +16,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,21 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ports import free_ports
+
 pytest.importorskip("ray")
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = shutil.which("ray")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _readme_join_lines() -> list[str]:
@@ -66,7 +56,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _node_ports(*names: str) -> list[str]:
-    ports = _free_ports(len(names))
+    ports = free_ports(len(names))
     return [arg for name, port in zip(names, ports, strict=True) for arg in (name, str(port))]
 
 
@@ -86,7 +76,7 @@ def two_nodes(tmp_path_factory):
     for var in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(var, None)
     temp = tempfile.mkdtemp(prefix="dprm", dir="/tmp")  # Ray's unix sockets: keep the path short
-    (gcs,) = _free_ports(1)
+    (gcs,) = free_ports(1)
     common = ["--block", "--disable-usage-stats", "--num-cpus", "2", "--num-gpus", "0"]
     head = _start([RAY, "start", "--head", "--port", str(gcs), "--include-dashboard=false", "--temp-dir", temp,
                    *common, *_node_ports("--node-manager-port", "--object-manager-port",

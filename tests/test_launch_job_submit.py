@@ -27,7 +27,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,20 +42,10 @@ pytest.importorskip("aiohttp")  # ray[default]: the dashboard and its job server
 
 from launch.local_launcher import launch_local
 from launch.run_config import RunConfig
+from tests.support.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = shutil.which("ray")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _wait_http(url: str, head: subprocess.Popen, timeout_s: float) -> None:
@@ -102,7 +91,7 @@ def head_node(tmp_path_factory):
             env[name] = value
         elif line.startswith("ray get-auth-token"):
             subprocess.run(["bash", "-c", line], env=env, check=True, timeout=60, capture_output=True)
-    gcs, dash, client, agent_http, agent_grpc, metrics, env_agent = _free_ports(7)
+    gcs, dash, client, agent_http, agent_grpc, metrics, env_agent = free_ports(7)
     # Short path: Ray's unix sockets live under the temp dir and must stay under 108 bytes.
     temp = tempfile.mkdtemp(prefix="dprt", dir="/tmp")
     log = open(Path(temp) / "head.log", "w")  # noqa: SIM115 - closed in the teardown below
