@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dp_runtime.rank_spec import RankSpec
-from dp_runtime.serving.admission import check_request
+from dp_runtime.serving.admission import check_request, refused_result
 from dp_runtime.serving.request import Request, RequestResult
 from launch.engine_errors import EngineUnavailable, QueueFull, RequestRejected, rejection
 from launch.engine_types import LAUNCHERS, EngineHealth, EngineOptions, EngineStats, RequestOutput
@@ -327,9 +327,7 @@ class Engine:
             lost, self._live = list(self._live.values()), {}
         for live in lost:
             r = live.request
-            res = RequestResult(rid=r.rid, prompt_len=len(r.prompt_ids), output_ids=(), finish_reason="error",
-                                rank=live.rank, queued_s=0.0, ttft_s=0.0, latency_s=0.0, decode_steps=0,
-                                error=f"request {r.rid!r}: {reason}")
+            res = refused_result(r, f"request {r.rid!r}: {reason}", rank=live.rank)
             _call(live.on_output, RequestOutput(r.rid, (), True, res, retryable=True))
 
     # -- state ------------------------------------------------------------------------------------
