@@ -12,7 +12,7 @@ from typing import Any
 from dp_runtime.serving.request import Request, RequestResult
 from launch.run_report import percentile
 
-__all__ = ["STEP_KINDS", "decode_step_s", "max_overlap", "step_kinds", "summarize_rate"]
+__all__ = ["STEP_KINDS", "decode_step_s", "ideal_occupancy", "max_overlap", "step_kinds", "summarize_rate"]
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
@@ -76,3 +76,45 @@ def decode_step_s(results: list[RequestResult], world: int) -> float | None:
             start = max(r.token_times_s[0] for r in mine)
             gaps += [b - a for r in mine for a, b in pairwise(r.token_times_s) if a >= start]
     return statistics.median(gaps) if gaps else None
+
+
+def ideal_occupancy(requests: list[Request], running: int, chunk: int, mixed_tokens: int, policy: str,
+                    mixed: bool = True) -> float | None:
+    """The occupancy (output tokens / (steps x ``running``)) of one ideal rank serving
+    ``requests`` under the scheduler's rules (``Scheduler``: admission order ``policy``, at most
+    ``running`` at once, a step's prompt tokens within ``chunk``, or ``mixed_tokens`` minus the
+    decode rows in a mixed step; a prompt's chunk that completes it gives its first token, every
+    running prefilled request one token a step) with no KV limit and every step equally long:
+    the ceiling the workload puts on serve_load's ``eff`` where steps run at the decode step's
+    speed. Arrival times are ignored (every request waits from the start): meant for rate inf."""
+    queue = sorted(requests, key=lambda r: -r.sampling.max_new_tokens) if policy == "lof" else list(requests)
+    queue.reverse()  # pop() from the end: the next admission (sorted() is stable: arrival order)
+    left: dict[int, int] = {}  # per running request: prompt tokens not yet prefilled
+    out: dict[int, int] = {}  # per running request: output tokens still to come
+    steps = tokens = 0
+    while queue or out:
+        decode = [k for k in out if not left[k]]
+        is_mixed = mixed and 0 < len(decode) < mixed_tokens
+        budget = mixed_tokens - len(decode) if is_mixed else chunk
+        picks = []  # (request, tokens) as Scheduler._prefill_picks: partial prompts, then admissions
+        for k in [k for k in out if left[k]]:
+            picks.append((k, min(left[k], budget)))
+            budget -= picks[-1][1]
+            if budget <= 0:
+                break
+        while queue and budget > 0 and len(out) < running:
+            r = queue.pop()
+            k = id(r)
+            left[k], out[k] = len(r.prompt_ids), r.sampling.max_new_tokens
+            picks.append((k, min(left[k], budget)))
+            budget -= picks[-1][1]
+        for k, n in picks:
+            left[k] -= n
+        gave = (decode if is_mixed or not picks else []) + [k for k, n in picks if n and not left[k]]
+        steps += 1
+        tokens += len(gave)
+        for k in gave:
+            out[k] -= 1
+            if not out[k]:
+                del out[k], left[k]
+    return tokens / (steps * running) if steps else None

@@ -51,6 +51,8 @@
 #   bash bench/run_gpu.sh base12    # one GPU: the same load in the first .bases tree, then 256 running here
 #   bash bench/run_gpu.sh final12   # one GPU: GPU tests of session 12, serve_load 64 running in the base tree and here
 #   bash bench/run_gpu.sh http12    # one GPU: serve_load 256 running, HTTP against in-process at 64 running
+#   bash bench/run_gpu.sh load13    # one GPU: serve_load 64 running in the first .bases tree, then here fcfs and lof
+#   bash bench/run_gpu.sh more13    # one GPU: serve_load here: 128 and 256 running (lof, fcfs), rate 8 at 64
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -309,6 +311,22 @@ case "${1:-one}" in
       --num-requests 1024 --max-running-requests 256 --json
     step serve_http timeout 330 python bench/serve_http.py --model qwen3-30b-a3b --device cuda --rates 16,inf \
       --num-requests 128 --max-running-requests 64 --json
+    ;;
+  load13)  # one GPU: serve_load 64 running in the first .bases tree (its own script), then here fcfs and lof
+    bases > /dev/null; b=$(ls -d /tmp/bases/*/ | head -1)
+    step serve_load_base timeout ${BASE_TIMEOUT:-330} env PYTHONPATH=$b:$PYTHONPATH BENCH_COMMIT=$(basename $b) \
+      python $b/bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf --num-requests 384 \
+      --max-running-requests 64 --json
+    step serve_load_tree timeout ${TREE_TIMEOUT:-260} python bench/serve_load.py --model qwen3-30b-a3b --device cuda \
+      --rates inf --num-requests 384 --max-running-requests 64 --policy ${POLICY:-both} --json
+    ;;
+  more13)  # one GPU: serve_load here at 128 and 256 running, rate inf (POLICY), and rate 8 at 64 running
+    step serve_load_128 timeout ${T128:-150} python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
+      --num-requests 512 --max-running-requests 128 --policy ${POLICY:-lof} --json
+    step serve_load_256 timeout ${T256:-200} python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
+      --num-requests 1024 --max-running-requests 256 --policy ${POLICY:-lof} --mixed-step-tokens ${MST:-auto} --json
+    step serve_load_rate8 timeout ${T8:-150} python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates 8 \
+      --num-requests 256 --max-running-requests 64 --json
     ;;
   tests8)  # one GPU: every gpu test of the tree
     step gpu_tests timeout 560 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/

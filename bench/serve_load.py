@@ -35,8 +35,12 @@ rank's own ``perf_counter`` from its submit (ranks are submitted to within milli
 
 Steps and the decode-only bound (docs/serving_benchmarks.md): ``steps`` counts each rate's
 steps by kind over the ranks; a decode probe at the rate's ``max run`` R times the decode step
-(``bound`` = R x ranks / step, ``eff`` = out tok/s / bound). ``--mixed both``: every rate
-without mixed steps, then with them, on a fresh set of ranks each.
+(``bound`` = R x ranks / step, ``eff`` = out tok/s / bound). ``occ`` (occupancy): output
+tokens over steps x R, the batch's fill; ``ideal`` is the occupancy the workload allows an ideal
+rank under the same admission rules (``load_summary.ideal_occupancy``: every step equally long,
+no KV limit), the ceiling of ``eff`` where steps run at the decode step's speed. ``--mixed both``
+and ``--policy both`` (the scheduler's admission order, RuntimeConfig.schedule_policy): every
+rate in each variant, on a fresh set of ranks each.
 """
 
 from __future__ import annotations
@@ -56,9 +60,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from bench.load_summary import STEP_KINDS, decode_step_s, step_kinds, summarize_rate
+from bench.load_summary import STEP_KINDS, decode_step_s, ideal_occupancy, step_kinds, summarize_rate
+from bench.load_table import print_table
 from bench.load_workload import Lengths, decode_probe_requests, make_requests, warmup_requests
 from dp_runtime.model.model_config import PRESETS, ModelConfig
+from dp_runtime.config import RuntimeConfig
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request, RequestResult
 from launch import process_group
@@ -194,6 +200,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention", default="auto")
     p.add_argument("--mixed", default="on", choices=("on", "off", "both"),
                    help="mixed prefill+decode steps (RuntimeConfig.mixed_steps); both: off, then on")
+    p.add_argument("--mixed-step-tokens", default="auto",
+                   help="the mixed steps' token budget (RuntimeConfig.mixed_step_tokens): auto or an int")
+    p.add_argument("--policy", default="fcfs", choices=("fcfs", "lof", "both"),
+                   help="admission order (RuntimeConfig.schedule_policy); both: fcfs, then lof")
     p.add_argument("--probe-tokens", type=int, default=32,
                    help="tokens per decode-probe request (the decode-only bound); 0: no probe")
     p.add_argument("--probe-prompt-len", type=int, default=64, help="prompt tokens of a decode-probe request")
@@ -203,6 +213,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     args = p.parse_args(argv)
     args.lengths = Lengths.parse(args.lengths)
+    if args.mixed_step_tokens != "auto":
+        try:
+            args.mixed_step_tokens = int(args.mixed_step_tokens)
+        except ValueError:
+            raise UsageError(f"--mixed-step-tokens must be 'auto' or an int, got {args.mixed_step_tokens!r}") from None
     try:
         args.rates = [float(x) for x in args.rates.split(",")]
     except ValueError:
@@ -225,21 +240,23 @@ def _model_config(model: str) -> ModelConfig:
 
 
 def build_spec(args: argparse.Namespace, world: int, device: str, requests: list[Request],
-               mixed: bool = True) -> RankSpec:
+               mixed: bool = True, policy: str = "fcfs") -> RankSpec:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     return RankSpec.create(
         args.model, model_overrides={"num_layers": args.layers} if args.layers else None, dp_size=world,
         device=device, dtype=dtype, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=args.dispatcher, attention=args.attention,
         max_context_len=max(r.max_total_tokens for r in requests), seed=args.seed, mixed_steps=mixed,
+        schedule_policy=policy, mixed_step_tokens=args.mixed_step_tokens,
     )
 
 
 def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, list[Request]]], world: int,
-              vocab: int, mixed: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+              vocab: int, rt: RuntimeConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every rate through ``ranks``, then the decode probes (module docstring); the rows and
     the per-request entries on rank 0 (empty elsewhere). Collective under torchrun."""
     rows, per_request = [], []
+    mixed, policy = rt.mixed_steps, rt.schedule_policy
     for rate, reqs in batches:
         before = step_kinds(ranks.all_metrics)
         results = ranks.run(reqs)
@@ -247,11 +264,16 @@ def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, l
             continue
         after = step_kinds(ranks.all_metrics)
         row = summarize_rate(rate, reqs, results, world)
-        rows.append(dict(row, mixed=mixed, steps={k: after[k] - before[k] for k in STEP_KINDS}))
+        steps = {k: after[k] - before[k] for k in STEP_KINDS}
+        ideal = ideal_occupancy(reqs, args.max_running_requests, rt.chunked_prefill_size, rt.mixed_step_tokens,
+                                policy, mixed)
+        n_steps, most = sum(steps.values()), max(row["max_running"])
+        occ = row["output_tokens"] / (n_steps * most) if n_steps and most else None
+        rows.append(dict(row, mixed=mixed, policy=policy, steps=steps, occupancy=occ, ideal_occupancy=ideal))
         arrival = {r.rid: r.arrival_s for r in reqs}
         per_request += [dict(rid=r.rid, rank=r.rank, arrival_s=arrival[r.rid], prompt_len=r.prompt_len,
                              output_len=len(r.output_ids), queued_s=r.queued_s, ttft_s=r.ttft_s,
-                             latency_s=r.latency_s, error=r.error, mixed=mixed) for r in results]
+                             latency_s=r.latency_s, error=r.error, mixed=mixed, policy=policy) for r in results]
     # The probes' sizes are rank 0's numbers: every rank must run the same ones.
     sizes = ranks.agree(sorted({max(r["max_running"]) for r in rows}) if args.probe_tokens else [])
     step_s = {}
@@ -301,7 +323,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         rank = dist.get_rank() if world > 1 else 0
     failed = True
-    modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.mixed]
+    modes = [(m, p) for m in {"on": (True,), "off": (False,), "both": (False, True)}[args.mixed]
+             for p in {"fcfs": ("fcfs",), "lof": ("lof",), "both": ("fcfs", "lof")}[args.policy]]
     rows, per_request, build_s = [], [], 0.0
     try:
         # Unreported: on every rank a whole-chunk step and an extend with a cached prefix build
@@ -311,15 +334,15 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         probe = decode_probe_requests(1, 1, vocab, args.seed, prompt_len=args.probe_prompt_len,
                                       new_tokens=max(args.probe_tokens, 1), tag="size")
         everything = [r for _, b in batches for r in b] + warm + (probe if args.probe_tokens else [])
-        for mixed in modes:
-            spec = build_spec(args, world, device, everything, mixed)
+        for mixed, policy in modes:
+            spec = build_spec(args, world, device, everything, mixed, policy)
             t0 = time.perf_counter()
             ranks = RayRanks(spec, not args.json) if args.launcher == "ray" else InProcessRank(spec, rank, world, rank == 0 and not args.json)
             build_s += time.perf_counter() - t0
             try:
                 if warm:
                     ranks.run(warm)
-                got, got_requests = run_rates(args, ranks, batches, world, vocab, mixed)
+                got, got_requests = run_rates(args, ranks, batches, world, vocab, spec.runtime)
                 rows += got
                 per_request += got_requests
             finally:
@@ -345,7 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         dtype=str(spec.runtime.dtype).replace("torch.", ""), lengths=dataclasses.asdict(args.lengths), arrival=args.arrival,
         num_requests=args.num_requests, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=m.get("dispatcher"), attention=m.get("attention"),
-        graphs=m.get("graphs"), build_s=build_s, mixed_steps=list(modes), kv_slots=m.get("kv_slots"),
+        graphs=m.get("graphs"), build_s=build_s, mixed_steps=[m for m, _ in modes], policies=[p for _, p in modes], kv_slots=m.get("kv_slots"),
         memory_gib={k: round(v / 2**30, 3) for k, v in m.get("memory", {}).items()},
     )
     out: dict[str, Any] = dict(header=header, rows=rows)
@@ -358,34 +381,6 @@ def _commit() -> str:
     return os.environ.get("BENCH_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
         cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-
-
-def print_table(report: dict[str, Any]) -> None:
-    h = report["header"]
-    layers = f" ({h['layers']} layers)" if h["layers"] else ""
-    print(f"date {h['date']}  {h['device']} x{h['world_size']} ({h['launcher']})  commit {h['commit']}\n"
-          f"command: {h['command']}\nmodel {h['model']}{layers} {h['dtype']}, "
-          f"dispatcher {h['dispatcher']}, attention {h['attention']}, graphs {h['graphs']}; lengths {h['lengths']}; "
-          f"{h['arrival']} arrivals, {h['num_requests']} requests per rate; max running {h['max_running_requests']}, "
-          f"prefill chunk {h['chunked_prefill_size']}; build {h['build_s']:.0f} s")
-    print(f"{'mixed':>5} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>7} "
-          f"{'ITL p50':>8} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'E2E p50':>8} {'p99':>7} {'max run':>8} "
-          f"{'steps d/e/m':>16} {'bound':>8} {'eff':>5}")
-    for r in report["rows"]:
-        def p(key: str, q: str, r: dict[str, Any] = r) -> str:
-            v = r[key][q]
-            return f"{'-':>7}" if v is None else f"{v * 1e3:>7.1f}"
-
-        rate = "inf" if r["rate"] is None else f"{r['rate']:g}"
-        steps = "/".join(str(r["steps"][k]) for k in STEP_KINDS)
-        bound = f"{r['decode_bound_tok_s']:>8.1f}" if r["decode_bound_tok_s"] else f"{'-':>8}"
-        eff = f"{100 * r['efficiency']:>4.0f}%" if r["efficiency"] else f"{'-':>5}"
-        print(f"{'on' if r['mixed'] else 'off':>5} {rate:>6} {r['completed']:>5} {r['request_throughput'] or 0:>7.2f} "
-              f"{r['output_tok_s'] or 0:>10.1f}  {p('ttft_s', 'p50')} {p('ttft_s', 'p99')}  {p('itl_s', 'p50')} "
-              f"{p('itl_s', 'p99')}  {p('tpot_s', 'p50')} {p('tpot_s', 'p99')}  {p('e2e_s', 'p50')} {p('e2e_s', 'p99')} "
-              f"{max(r['max_running']):>8} {steps:>16} {bound} {eff}")
-    print("times in ms; max run: the most requests running at once on one rank; steps: decode/extend/mixed "
-          "(all ranks); bound: decode-only out tok/s at max run (decode probe); eff: out tok/s / bound")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,13 @@ overlap_schedule                      bool: the host schedules step N+1 while th
 mixed_steps                           bool: a step carries every decode row with the        (True)
                                       prefill chunks (docs/model.md, "Mixed steps");
                                       False: a step prefills or decodes, never both
+mixed_step_tokens                     1 <= value <= chunked_prefill_size: the most tokens  the largest
+                                      a mixed step brings, its decode rows included        extend bucket
+                                                                                           (else the
+                                                                                           chunk)
+schedule_policy                       "fcfs" (arrival order) / "lof" (longest output       ("fcfs")
+                                      first: the arrived request with the most
+                                      max_new_tokens is admitted first)
 dtype                                 a torch.dtype or a name: bfloat16, bf16, float16,   (bfloat16)
                                       fp16, float32, fp32
 device                                anything ``torch.device`` takes                     cuda if
@@ -88,6 +95,7 @@ _DTYPES = {
     "float": torch.float32,
 }
 _EXCHANGES = ("auto", "shm", "gloo")
+_POLICIES = ("fcfs", "lof")
 _AUTO_GRAPH_MAX_BS = 256
 # Token buckets of extend graphs: eager extend steps of the 48-layer model are bound by host
 # time (about 46-50 ms on an H100) up to about 1024 tokens, and mixed steps (the running decode
@@ -129,6 +137,8 @@ class RuntimeConfig:
     flashinfer_checks: bool | str = "auto"
     overlap_schedule: bool = True
     mixed_steps: bool = True
+    mixed_step_tokens: int | str = "auto"
+    schedule_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -210,6 +220,12 @@ class RuntimeConfig:
             raise _fail("overlap_schedule must be a bool", overlap_schedule=self.overlap_schedule)
         if not isinstance(self.mixed_steps, bool):
             raise _fail("mixed_steps must be a bool", mixed_steps=self.mixed_steps)
+        mixed = self.mixed_step_tokens
+        if mixed == "auto":
+            # A mixed step within the largest extend bucket replays graphs: past it the step runs
+            # eager, host-bound, while every running request waits for its next token.
+            mixed = min(ext[-1], self.chunked_prefill_size) if ext else self.chunked_prefill_size
+        out["mixed_step_tokens"] = mixed
         return out
 
     def _validate(self) -> None:
@@ -242,6 +258,12 @@ class RuntimeConfig:
             )
         self._validate_capture_sizes()
         self._validate_extend_tokens()
+        mixed = self.mixed_step_tokens
+        if isinstance(mixed, bool) or not isinstance(mixed, int) or not 1 <= mixed <= self.chunked_prefill_size:
+            raise _fail("mixed_step_tokens must be an int in [1, chunked_prefill_size] or \"auto\"",
+                        mixed_step_tokens=mixed, chunked_prefill_size=self.chunked_prefill_size)
+        if self.schedule_policy not in _POLICIES:
+            raise _fail(f"schedule_policy must be one of {_POLICIES}", schedule_policy=self.schedule_policy)
         if self.dp_sync_exchange not in _EXCHANGES:
             raise _fail(
                 f"dp_sync_exchange must be one of {_EXCHANGES}",

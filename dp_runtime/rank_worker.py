@@ -186,7 +186,8 @@ class RankWorker:
         self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
                                    chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank,
                                    vocab_size=mc.vocab_size, eos_token_ids=spec.eos_token_ids,
-                                   mixed_steps=cfg.mixed_steps)
+                                   mixed_steps=cfg.mixed_steps, mixed_step_tokens=cfg.mixed_step_tokens,
+                                   policy=cfg.schedule_policy)
         self.eager = eager_runner(self.attention)
         if choices.graphs:
             self.rank_graphs = capture_rank_graphs(

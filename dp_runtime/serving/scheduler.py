@@ -5,18 +5,27 @@ A step's kind (``ScheduledStep.kind``):
 
 - **Mixed** (``mixed_steps``, the default) whenever there is prefill work and running requests
   to decode: one EXTEND batch whose first rows are every decodable running request (one token
-  each, a decode row) and then prefill chunks. The decode rows count against the
-  ``chunked_prefill_size`` token budget (as in vLLM), the chunks take what is left: first the
+  each, a decode row) and then prefill chunks. The decode rows count against the mixed step's
+  token budget (``mixed_step_tokens``, as in vLLM), the chunks take what is left: first the
   request whose prompt is partly prefilled, then new requests admitted from the queue. So a
-  prefill never stalls the running requests, and a step never brings more than the budget.
+  prefill never stalls the running requests, and a step never brings more than the budget. The
+  budget is smaller than the prefill chunk by default (the largest extend graph): a mixed step
+  holds up every running request's next token, so it should replay a graph, not run eager.
 - **Extend** when there is prefill work and nothing to decode (or ``mixed_steps`` is off, or
-  the decode rows alone fill the budget: then, as without mixed steps, the prefill runs alone,
-  so admission never starves): prefill chunks only, as above.
+  the decode rows alone fill the mixed budget: then, as without mixed steps, the prefill runs
+  alone, so admission never starves): prefill chunks only, within ``chunked_prefill_size``.
 - **Decode** otherwise: one token for every decodable running request, a DECODE batch (decode
   graphs serve it).
 
 A prompt longer than the budget is prefilled in chunks over several steps; only the chunk that
 completes a prompt samples (its first output token); every decode row samples.
+
+Admission order (``policy``): "fcfs" admits the arrived requests in arrival order; "lof"
+(longest output first, as SGLang's policy of that name) admits the arrived request with the
+largest ``max_new_tokens`` first (arrival order among equals). Under a closed workload (a queue
+that never empties until the end) FCFS leaves the batch draining to the longest outputs at the
+end; LOF starts them first, so the batch stays full to the end, at the cost of short requests'
+queueing time while the queue is long.
 
 Admission (back-pressure, never an overwrite): a request joins the running set only while
 fewer than ``max_running_requests`` run and the KV slots that every running request may still
@@ -127,6 +136,9 @@ class Scheduler:
     Args:
         allocator: the rank's KVAllocator (its cache gives the device and the slot count).
         max_running_requests, chunked_prefill_size, mixed_steps: from the RuntimeConfig.
+        mixed_step_tokens: the mixed steps' token budget (RuntimeConfig.mixed_step_tokens;
+            None: chunked_prefill_size).
+        policy: the admission order, "fcfs" or "lof" (RuntimeConfig.schedule_policy).
         rank: the DP rank, recorded in results.
         vocab_size: the model's vocabulary; prompt token ids must lie below it (None: unchecked).
         eos_token_ids: the checkpoint's EOS ids: a request stops at one (reason "stop") unless
@@ -135,8 +147,10 @@ class Scheduler:
 
     def __init__(self, allocator: KVAllocator, *, max_running_requests: int, chunked_prefill_size: int,
                  rank: int = 0, vocab_size: int | None = None, eos_token_ids: Iterable[int] = (),
-                 mixed_steps: bool = True) -> None:
+                 mixed_steps: bool = True, mixed_step_tokens: int | None = None, policy: str = "fcfs") -> None:
         cache = allocator.cache
+        if policy not in ("fcfs", "lof"):
+            raise ValueError(f"Scheduler: policy must be 'fcfs' or 'lof', got {policy!r}")
         if max_running_requests > cache.max_reqs:
             raise ValueError(
                 f"Scheduler: max_running_requests={max_running_requests} exceeds the KV cache's max_reqs={cache.max_reqs}"
@@ -145,6 +159,8 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.mixed_steps = mixed_steps
+        self.mixed_step_tokens = chunked_prefill_size if mixed_step_tokens is None else mixed_step_tokens
+        self.policy = policy
         self.rank = rank
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -213,9 +229,8 @@ class Scheduler:
         """The batch of this rank's next step, or None when it has nothing to run now (the
         step kinds and the budget: module docstring)."""
         decode = [r for r in self.running if r.decodable]
-        budget = self.chunked_prefill_size
-        mixed = self.mixed_steps and 0 < len(decode) < budget
-        picks = self._prefill_picks(budget - len(decode) if mixed else budget)
+        mixed = self.mixed_steps and 0 < len(decode) < self.mixed_step_tokens
+        picks = self._prefill_picks(self.mixed_step_tokens - len(decode) if mixed else self.chunked_prefill_size)
         if picks:
             return self._extend(decode if mixed else [], picks)
         return self._decode(decode) if decode else None
@@ -230,9 +245,9 @@ class Scheduler:
                 take = min(r.prompt_len - r.kv_len, budget)
                 picks.append((r, take))
                 budget -= take
-        while (self.waiting and budget > 0 and self.waiting[0].t_arrival <= now
-               and self._admissible(self.waiting[0])):
-            r = self.waiting.popleft()
+        while budget > 0 and (i := self._next_admission(now)) is not None and self._admissible(self.waiting[i]):
+            r = self.waiting[i]
+            del self.waiting[i]
             r.row = self.allocator.alloc_row()
             self._reserved += r.request.max_total_tokens
             self.running.append(r)
@@ -240,6 +255,17 @@ class Scheduler:
             picks.append((r, take))
             budget -= take
         return picks
+
+    def _next_admission(self, now: float) -> int | None:
+        """The queue index of the request to admit next by the policy (module docstring), among
+        those arrived by ``now``; None if none has arrived."""
+        if not self.waiting or self.waiting[0].t_arrival > now:
+            return None
+        if self.policy == "fcfs":
+            return 0
+        arrived = bisect.bisect_right(self.waiting, now, key=lambda q: q.t_arrival)
+        # max() keeps the first of equals: arrival order among the same max_new_tokens.
+        return max(range(arrived), key=lambda i: self.waiting[i].request.sampling.max_new_tokens)
 
     def _stamp(self, reqs: Iterable[_Req]) -> None:
         now = time.perf_counter()
