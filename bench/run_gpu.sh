@@ -53,6 +53,7 @@
 #   bash bench/run_gpu.sh http12    # one GPU: serve_load 256 running, HTTP against in-process at 64 running
 #   bash bench/run_gpu.sh load13    # one GPU: serve_load 64 running in the first .bases tree, then here fcfs and lof
 #   bash bench/run_gpu.sh more13    # one GPU: serve_load here: 128 and 256 running (lof, fcfs), rate 8 at 64
+#   bash bench/run_gpu.sh mixed13   # one GPU: mixed steps against decode steps (64/128 rows), one profiled; 1x1024
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -327,6 +328,12 @@ case "${1:-one}" in
       --num-requests 1024 --max-running-requests 256 --policy ${POLICY:-lof} --mixed-step-tokens ${MST:-auto} --json
     step serve_load_rate8 timeout ${T8:-150} python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates 8 \
       --num-requests 256 --max-running-requests 64 --json
+    ;;
+  mixed13)  # one GPU: mixed steps against decode steps at 64 and 128 rows (one profiled), extends' host time
+    step mixed_64 timeout ${TM:-300} python bench/mixed_step.py --decode-rows 64 --prompts ${PROMPTS:-1x256,1x512,1x960,4x240} \
+      --modes graph,eager --profile
+    step mixed_128 timeout ${TM:-200} python bench/mixed_step.py --decode-rows 128 --prompts 1x512,1x896 --modes graph
+    step extend_host timeout 150 python bench/prefill.py --shapes 1x1024 --modes graph,eager --iters 5
     ;;
   tests8)  # one GPU: every gpu test of the tree
     step gpu_tests timeout 560 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
