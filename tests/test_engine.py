@@ -55,7 +55,10 @@ def engine(ckpt):
 
 
 def _free_kv(engine) -> tuple[int, int]:
-    m = engine.stats().ranks[0]
+    # A rank reports its metrics from its first step on: until then they are empty.
+    deadline = time.monotonic() + 30
+    while "free_kv_slots" not in (m := engine.stats().ranks[0]) and time.monotonic() < deadline:
+        time.sleep(0.02)
     return m["free_kv_slots"], m["kv_slots"]
 
 

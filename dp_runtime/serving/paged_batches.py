@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from dp_runtime.forward_mode import ForwardMode
@@ -118,10 +119,13 @@ def extend_forward_batch(
     ext_h.copy_(torch.tensor(ext, dtype=torch.int64))
     prefix_h.copy_(torch.tensor(prefix, dtype=torch.int64))
     torch.add(prefix_h, ext_h, out=seq_h)
-    tok_rows_h.copy_(torch.repeat_interleave(rows_h, ext_h, output_size=t))
+    # numpy, not torch: torch's CPU repeat_interleave took 1.6 ms a call on the H100 machine's
+    # host (its thread pool), on the path of every extend step; np.repeat takes microseconds.
+    ext_n = ext_h.numpy()
+    tok_rows_h.numpy()[:] = np.repeat(rows_h.numpy(), ext_n)
     # Token j of request i sits at prefix_i + j: a ramp, shifted per request.
-    first = torch.cumsum(ext_h, 0) - ext_h
-    pos_h.copy_(torch.arange(t) + torch.repeat_interleave(prefix_h - first, ext_h, output_size=t))
+    first = np.cumsum(ext_n) - ext_n
+    pos_h.numpy()[:] = np.arange(t) + np.repeat(prefix_h.numpy() - first, ext_n)
     slots_h.copy_(allocator.alloc_slots(t, on_host=True))
     allocator.record(tok_rows_h, pos_h, slots_h)
     dev = host.to(cache.device, non_blocking=True)
