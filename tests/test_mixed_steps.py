@@ -217,6 +217,8 @@ def test_a_mixed_batch_gives_the_logits_of_its_decode_and_extend_parts_run_apart
                                          [1, 1, *chunks], list(range(30, 46)), decode_rows=2, token_table=table)
             assert batch.input_ids[:2].tolist() == [7, 8]
             outs.append(runner.run(batch).clone())
+            if backend == "flashinfer":  # the ragged layout attends the decode rows as decode rows
+                assert st.backend.metadata.decode_rows == 2 and st.backend.metadata.decode is not None
         else:
             dec = runner.run(decode_batch(st.allocator, reqs[:2], [7, 8])).clone()
             ext = runner.run(extend_batch(st.allocator, reqs[2:], chunks, list(range(30, 46)))).clone()

@@ -228,17 +228,40 @@ class FlashInferBackend(FlashInferGraphPlans):
             # causal: FlashInfer aligns the mask to the end, so new token i sees prefix + i + 1 keys.
             self._plan_paged("extend paged", p.qo_indptr, p.kv_indptr, p.kv_last_page_len, rows, seq_lens, seq_cpu, True)
             return FlashInferMetadata(layout, paged=self._paged)
+        # A mixed step's leading decode rows (one new token each) attend as a decode step's rows
+        # do: a prefill kernel over them read their KV tile by tile for one query each, and
+        # planned them into the ragged pass and the prefix pass and a merge (2.3x the decode
+        # step's attention time at 64 rows beside a 256-token prompt on an H100).
+        d = _leading_single_tokens(ext_cpu)
+        meta = FlashInferMetadata(layout, decode_rows=d)
+        if d:
+            triton = (bool(self.triton_decode_min_bs) and d >= self.triton_decode_min_bs
+                      and self._graph_indptr is not None and d <= self._graph_max_bs)
+            if triton:  # the Triton kernel over the graph buffers (no graph reads them meanwhile)
+                self._plan_decode("mixed decode rows", None, d, rows, seq_lens, seq_cpu, max_bs=self._graph_max_bs,
+                                  max_bs_name="init_capture's max_bs", indices_capacity=self.graph_indices_capacity)
+                meta.triton_bs = d
+            else:
+                self._plan_decode("mixed decode rows", self._decode, d, rows, seq_lens, seq_cpu,
+                                  max_bs=self.kv_cache.max_reqs, max_bs_name="max_reqs", indices_capacity=None)
+                meta.decode = self._decode
+            if d == bs:
+                return meta
+            rows, seq_lens, seq_cpu = rows[d:], seq_lens[d:], seq_cpu[d:]
+            p = extend_plan_inputs(ext_cpu[d:], seq_cpu)
         # The new tokens among themselves (this step's k/v, causal), then the cached prefix
         # (non-causal: every new token sees all of it), merged by log-sum-exp.
-        ragged = self._ragged_long if int(ext_cpu.max()) >= LONG_EXTEND_TOKENS else self._ragged
+        ragged = self._ragged_long if int(ext_cpu[d:].max()) >= LONG_EXTEND_TOKENS else self._ragged
         ragged.plan(p.qo_indptr, p.qo_indptr, *self._heads(), causal=True, **self._plan_kw())
         if p.has_prefix:
             prefix = batch.extend_prefix_lens
-            prefix = prefix[:bs] if prefix is not None else seq_lens - batch.extend_seq_lens[:bs]
+            prefix = prefix[d:bs] if prefix is not None else seq_lens - batch.extend_seq_lens[d:bs]
             self._plan_paged(
                 "extend prefix", p.qo_indptr, p.prefix_indptr, p.prefix_last_page_len, rows, prefix, p.prefix_lens, False
             )
-        return FlashInferMetadata(layout, paged=self._paged if p.has_prefix else None, ragged=ragged, has_prefix=p.has_prefix)
+        meta.ragged, meta.has_prefix = ragged, p.has_prefix
+        meta.paged = self._paged if p.has_prefix else None
+        return meta
 
     # -- the protocol --------------------------------------------------------------------------
     def init_forward_metadata(self, batch: Any) -> None:
@@ -279,14 +302,19 @@ class FlashInferBackend(FlashInferGraphPlans):
             # k/v may be strided views of the fused projection (v always is): FlashInfer's
             # prefill kernels take row and head strides, so no copy makes them dense.
             k, v = k.to(q.dtype), v.to(q.dtype)
-            o_TQD = None if out is None else out.view(t, self.num_q_heads, self.head_dim)
-            if meta.has_prefix:
-                o, lse = meta.ragged.run(q, k, v, out=o_TQD, return_lse=True)
-                o_prefix, lse_prefix = meta.paged.run(q, paged_kv, return_lse=True)
-                self._fi.merge_state_in_place(o, lse, o_prefix, lse_prefix)
+            d = meta.decode_rows
+            if d == 0:
+                return self._ragged_run(meta, q, k, v, paged_kv, out)
+            o = (q.new_empty((t, self.num_q_heads * self.head_dim)) if out is None else out)
+            o_TQD = o.view(t, self.num_q_heads, self.head_dim)
+            if meta.triton_bs:
+                triton_decode_attention(q[:d].view(d, self.num_q_heads, self.head_dim), *paged_kv,
+                                        self._graph_indptr[: d + 1], self._graph_indices, self.scale, out=o_TQD[:d])
             else:
-                o = meta.ragged.run(q, k, v, out=o_TQD)
-            return o.reshape(t, -1)
+                o_TQD[:d].copy_(meta.decode.run(q[:d], paged_kv).view(d, self.num_q_heads, self.head_dim))
+            if d < t:
+                self._ragged_run(meta, q[d:], k[d:], v[d:], paged_kv, o[d:])
+            return o
         if meta.triton_bs:
             o = triton_decode_attention(q.view(t, self.num_q_heads, self.head_dim), *paged_kv,
                                         self._graph_indptr[: t + 1], self._graph_indices, self.scale)
@@ -295,3 +323,23 @@ class FlashInferBackend(FlashInferGraphPlans):
         else:
             o = meta.paged.run(q, paged_kv)
         return o.reshape(t, -1) if out is None else out.copy_(o.reshape(t, -1))
+
+    def _ragged_run(self, meta: FlashInferMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    paged_kv: Any, out: torch.Tensor | None) -> torch.Tensor:
+        """The RAGGED passes of ``q`` (the new tokens after any decode rows), into ``out``."""
+        t = q.shape[0]
+        o_TQD = None if out is None else out.view(t, self.num_q_heads, self.head_dim)
+        if meta.has_prefix:
+            o, lse = meta.ragged.run(q, k, v, out=o_TQD, return_lse=True)
+            o_prefix, lse_prefix = meta.paged.run(q, paged_kv, return_lse=True)
+            self._fi.merge_state_in_place(o, lse, o_prefix, lse_prefix)
+        else:
+            o = meta.ragged.run(q, k, v, out=o_TQD)
+        return o.reshape(t, -1)
+
+
+def _leading_single_tokens(ext_cpu: torch.Tensor) -> int:
+    """How many requests at the front of an extend batch bring one new token each (a mixed
+    step's decode rows lead its batch: dp_runtime/serving/scheduler.py)."""
+    ones = (ext_cpu == 1).to(torch.int64)
+    return int(torch.cumprod(ones, 0).sum()) if ones.numel() else 0

@@ -35,7 +35,8 @@ class FlashInferMetadata:
     paged: Any = None  # a planned paged prefill wrapper (PAGED extend, or RAGGED's prefix part)
     ragged: Any = None  # a planned ragged prefill wrapper (RAGGED extend)
     has_prefix: bool = False  # RAGGED: whether some request has cached tokens to merge in
-    triton_bs: int = 0  # a decode bucket attended by the Triton kernel over the graph buffers
+    triton_bs: int = 0  # a decode bucket (or a mixed step's decode rows) attended by the Triton kernel over the graph buffers
+    decode_rows: int = 0  # RAGGED: the leading one-token requests, attended as decode rows (decode / triton_bs)
 
 
 class FlashInferGraphPlans:
