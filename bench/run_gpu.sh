@@ -54,6 +54,7 @@
 #   bash bench/run_gpu.sh load13    # one GPU: serve_load 64 running in the first .bases tree, then here fcfs and lof
 #   bash bench/run_gpu.sh more13    # one GPU: serve_load here: 128 and 256 running (lof, fcfs), rate 8 at 64
 #   bash bench/run_gpu.sh mixed13   # one GPU: mixed steps against decode steps (64/128 rows), one profiled; 1x1024
+#   bash bench/run_gpu.sh split13   # one GPU: attention/mixed GPU tests; mixed steps and serve_load (lof) vs .bases/b1
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -334,6 +335,19 @@ case "${1:-one}" in
       --modes graph,eager --profile
     step mixed_128 timeout ${TM:-200} python bench/mixed_step.py --decode-rows 128 --prompts 1x512,1x896 --modes graph
     step extend_host timeout 150 python bench/prefill.py --shapes 1x1024 --modes graph,eager --iters 5
+    ;;
+  split13)  # one GPU: attention/mixed GPU tests; mixed steps and serve_load 64 running (lof) in b1 and here
+    step gpu_tests timeout ${TESTS_TIMEOUT:-240} python -m pytest -m gpu -p no:cacheprovider -q -rs \
+      tests/test_mixed_steps_gpu.py tests/test_flashinfer_backend.py tests/test_model_gpu.py tests/test_extend_graphs.py
+    bases > /dev/null; b=/tmp/bases/b1
+    for t in $b .; do
+      step mixed_$(basename $(realpath $t)) timeout 150 env PYTHONPATH=$(realpath $t):$PYTHONPATH python $t/bench/mixed_step.py \
+        --decode-rows 64 --prompts 1x256,1x512,1x960 --modes graph $([ $t = . ] && echo --profile)
+    done
+    for t in $b .; do
+      step load_$(basename $(realpath $t)) timeout 150 env PYTHONPATH=$(realpath $t):$PYTHONPATH python $t/bench/serve_load.py \
+        --model qwen3-30b-a3b --device cuda --rates inf --num-requests 384 --max-running-requests 64 --policy lof --json
+    done
     ;;
   tests8)  # one GPU: every gpu test of the tree
     step gpu_tests timeout 560 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
