@@ -194,7 +194,8 @@ def run_http(args, batches, warm, context_len: int) -> list[list[RequestResult]]
     if args.launcher == "ray":
         cmd += ["--dp", str(args.dp)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    server = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)  # keep what the caller had
+    server = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": path})
     try:
         name = _wait_up(url, server)
 
