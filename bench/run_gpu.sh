@@ -55,6 +55,8 @@
 #   bash bench/run_gpu.sh more13    # one GPU: serve_load here: 128 and 256 running (lof, fcfs), rate 8 at 64
 #   bash bench/run_gpu.sh mixed13   # one GPU: mixed steps against decode steps (64/128 rows), one profiled; 1x1024
 #   bash bench/run_gpu.sh split13   # one GPU: attention/mixed GPU tests; mixed steps and serve_load (lof) vs .bases/b1
+#   bash bench/run_gpu.sh http13    # one GPU: HTTP against in-process at 64 running (rates 16 and inf)
+#   bash bench/run_gpu.sh decode13  # one GPU: serve_step bs 1/64/256 here against .bases/b2 (dfb36f3)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -348,6 +350,15 @@ case "${1:-one}" in
       step load_$(basename $(realpath $t)) timeout 150 env PYTHONPATH=$(realpath $t):$PYTHONPATH python $t/bench/serve_load.py \
         --model qwen3-30b-a3b --device cuda --rates inf --num-requests 384 --max-running-requests 64 --policy lof --json
     done
+    ;;
+  http13)  # one GPU: HTTP against in-process at 64 running, rates 16 and inf
+    step serve_http timeout ${THTTP:-400} python bench/serve_http.py --model qwen3-30b-a3b --device cuda --rates 16,inf \
+      --num-requests 128 --max-running-requests 64
+    ;;
+  decode13)  # one GPU: decode steps here against dfb36f3 (.bases/b2), each tree with its own serve_step
+    bases > /dev/null
+    step decode_compare timeout ${TDEC:-400} python bench/compare_trees.py --base /tmp/bases/b2 -- python bench/serve_step.py \
+      --batch-sizes 1,64,256 --iters 20
     ;;
   tests8)  # one GPU: every gpu test of the tree
     step gpu_tests timeout 560 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
