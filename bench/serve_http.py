@@ -7,7 +7,8 @@
 
 The workload is ``bench/serve_load.py``'s (``--lengths``, ``--rates``, ``--arrival``,
 ``--num-requests``, ``--seed``: the same requests), and so are the columns. Two paths run one
-after the other on the same machine, each measured at its client with one clock:
+after the other on the same machine (the server first: its process gives its GPU memory back
+when it exits), each measured at its client with one clock:
 
 - ``engine``: the Engine in this process; each request is submitted at its arrival time and
   read with ``Engine.stream`` (asyncio);
@@ -278,7 +279,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     every = [r for _, b in batches for r in b] + warm
     context_len = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in every)
     rows = []
-    for path in args.paths:
+    # The server process first: it gives its GPU memory back when it exits, where the in-process
+    # engine's stays cached in this process (the server after it ran out of memory on an H100).
+    for path in sorted(args.paths, key=lambda p: p != "http"):
         results = (run_engine if path == "engine" else run_http)(args, batches, warm, context_len)
         for (rate, reqs), res in zip(batches, results, strict=True):
             rows.append({"path": path, **summarize_rate(rate, reqs, res, 1)})
