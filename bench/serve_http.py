@@ -6,26 +6,31 @@
         --rates 4,16,inf
 
 The workload is ``bench/serve_load.py``'s (``--lengths``, ``--rates``, ``--arrival``,
-``--num-requests``, ``--seed``: the same requests), and so are the columns. Two paths run one
-after the other on the same machine (the server first: its process gives its GPU memory back
-when it exits), each measured at its client with one clock:
+``--num-requests``, ``--seed``: the same requests), and so are the columns. The paths
+(``--paths``) run one after the other on the same machine (the server first: its process gives
+its GPU memory back when it exits):
 
-- ``engine``: the Engine in this process; each request is submitted at its arrival time and
-  read with ``Engine.stream`` (asyncio);
+- ``rank`` (the in-process run, default): serve_load.py's: the ranks in this process get every
+  request with its arrival time and the step loop times each one from its arrival;
+- ``engine``: the Engine in this process, each request submitted at its arrival time and read
+  with ``Engine.stream`` by an asyncio client in the same process (its client and the ranks share
+  one interpreter: on an H100 its TTFT at rate 16 was seconds, not milliseconds);
 - ``http``: ``python -m launch serve`` in a subprocess with the same options; each request is a
   streaming ``POST /v1/completions`` (token-id prompt, greedy, ``ignore_eos``, ``max_tokens`` its
   output length) sent at its arrival time by an aiohttp client, tokens counted from each
   chunk's ``token_ids``.
 
-TTFT and E2E run from the request's arrival (its send) to its first / last token as the client
-sees it; ITL is the gap between consecutive token arrivals. The last table lines compare the
-paths: HTTP output tok/s as a share of the engine's, and the TTFT p50 overhead in ms.
+For http and engine, TTFT and E2E run from the request's send to its first / last token as the
+client sees it; ITL is the gap between consecutive token arrivals. The last table lines compare
+HTTP with the in-process paths: its output tok/s as a share of theirs, and the TTFT p50 overhead
+in ms (what the server, the network stack and the client add).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -42,6 +47,9 @@ from bench.load_workload import Lengths, make_requests, warmup_requests
 from bench.serve_load import _commit, _model_config, summarize_rate
 from dp_runtime.serving.request import Request, RequestResult
 from launch.cli_errors import UsageError, bench_main
+
+
+PATHS = ("rank", "engine", "http")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,7 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
-    p.add_argument("--paths", default="engine,http", help="engine, http or both (comma-separated)")
+    p.add_argument("--paths", default="rank,http",
+                   help="rank, engine and/or http (comma-separated; module docstring)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--debug", action="store_true")
@@ -75,8 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as e:
         raise UsageError(f"--rates/--lengths: {e}") from e
     args.paths = [x for x in args.paths.split(",") if x]
-    if not args.paths or any(x not in ("engine", "http") for x in args.paths):
-        raise UsageError(f"--paths must name engine and/or http, got {','.join(args.paths)!r}")
+    if not args.paths or any(x not in PATHS for x in args.paths):
+        raise UsageError(f"--paths must name some of {', '.join(PATHS)}, got {','.join(args.paths)!r}")
     if args.launcher == "local" and args.dp != 1:
         raise UsageError(f"--launcher local runs one rank; got --dp {args.dp}")
     return args
@@ -153,6 +162,21 @@ def run_engine(args, batches, warm, context_len: int) -> list[list[RequestResult
         return [asyncio.run(_paced(reqs, one)) for _, reqs in batches]
     finally:
         engine.shutdown()
+
+
+def run_ranks(args, batches, warm, context_len: int) -> list[list[RequestResult]]:
+    """serve_load's in-process run: the requests go to the ranks with their arrival times and
+    are timed by the step loop itself (no client, no asyncio beside the ranks)."""
+    from bench.serve_load import InProcessRank, RayRanks
+
+    spec = _spec(args, context_len)
+    ranks = RayRanks(spec, False) if args.launcher == "ray" else InProcessRank(spec, 0, 1, False)
+    try:
+        if warm:
+            ranks.run(warm)
+        return [ranks.run(reqs) for _, reqs in batches]
+    finally:
+        ranks.close()
 
 
 def _free_port() -> int:
@@ -281,8 +305,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     # The server process first: it gives its GPU memory back when it exits, where the in-process
     # engine's stays cached in this process (the server after it ran out of memory on an H100).
+    runs = {"rank": run_ranks, "engine": run_engine, "http": run_http}
     for path in sorted(args.paths, key=lambda p: p != "http"):
-        results = (run_engine if path == "engine" else run_http)(args, batches, warm, context_len)
+        results = runs[path](args, batches, warm, context_len)
+        gc.collect()  # the in-process ranks' memory goes before the next path's are built
         for (rate, reqs), res in zip(batches, results, strict=True):
             rows.append({"path": path, **summarize_rate(rate, reqs, res, 1)})
     header = dict(
@@ -326,16 +352,16 @@ def print_table(report: dict[str, Any]) -> None:
         )
     by = {(r["path"], r["rate"]): r for r in report["rows"]}
     for (path, rate), r in by.items():
-        base = by.get(("engine", rate))
-        if path == "http" and base and base["output_tok_s"] and r["ttft_s"]["p50"] is not None:
-            share = r["output_tok_s"] / base["output_tok_s"]
-            overhead = (r["ttft_s"]["p50"] - base["ttft_s"]["p50"]) * 1e3
-            label = "inf" if rate is None else f"{rate:g}"
-            print(
-                f"rate {label}: http out tok/s = {share:.1%} of engine; "
-                f"TTFT p50 overhead {overhead:+.1f} ms"
-            )
-    print("times in ms, measured at the client from each request's send")
+        for against in ("rank", "engine"):
+            base = by.get((against, rate))
+            if path == "http" and base and base["output_tok_s"] and r["ttft_s"]["p50"] is not None:
+                share = r["output_tok_s"] / base["output_tok_s"]
+                overhead = (r["ttft_s"]["p50"] - base["ttft_s"]["p50"]) * 1e3
+                label = "inf" if rate is None else f"{rate:g}"
+                print(f"rate {label}: http out tok/s = {share:.1%} of {against}; "
+                      f"TTFT p50 overhead {overhead:+.1f} ms")
+    print("times in ms: http and engine at the client from each request's send, rank at the rank "
+          "from each request's arrival")
 
 
 def main(argv: list[str] | None = None) -> int:
