@@ -170,9 +170,12 @@ def _gib(nbytes: int) -> str:
 
 
 def _sources(p: CapacityPlan) -> dict[str, str]:
+    from dp_runtime.memory_sizing import CUDA_CONTEXT_BYTES, largest_step_tokens
+
     rt = p.runtime
-    bucket = rt.cuda_graph_bs[-1] if p.cuda_graphs else 0
-    graph_note = f"estimate: decode forward at bucket {bucket}" if p.cuda_graphs else f"no graphs ({p.cuda_graphs_reason})"
+    tokens, requests = largest_step_tokens(rt, p.context_len)
+    graph_note = (f"estimate: decode buckets up to {rt.cuda_graph_bs[-1]}, extend pieces" if p.cuda_graphs
+                  else f"no graphs ({p.cuda_graphs_reason})")
     ws = "transient, inside activation_peak" if p.components.dispatcher_workspace_transient else "persistent"
     return {
         "weights": f"weight_bytes_per_rank (EP rank {p.ep_rank}: {p.local_experts} experts)",
@@ -181,9 +184,9 @@ def _sources(p: CapacityPlan) -> dict[str, str]:
         "dispatcher_workspace": f"dispatcher.sizing, {p.dispatcher} ({ws})",
         "graph_inputs": "decode + eager registries, pooled by name",
         "graph_pool": graph_note,
-        "activation_peak": f"estimate: eager step of {rt.max_tokens_per_rank} tokens",
+        "activation_peak": f"estimate: profile step of {tokens} tokens in {requests} requests",
         "nccl": "estimate: communicators x 256 MiB",
-        "cuda_context": "estimate: ~0.5 GiB per process",
+        "cuda_context": f"estimate: ~{CUDA_CONTEXT_BYTES / GIB:.1f} GiB per process",
     }
 
 

@@ -2,8 +2,9 @@
 
 ``plan_capacity(PlanInput) -> CapacityPlan``. Every number comes from the sizing functions the
 runtime allocates with (``dp_runtime.memory_sizing``, ``dispatcher.sizing``, the registry
-builders and the DP buffer service on the meta device); the graph pool and the activation peak
-are documented estimates that ``dp-runtime plan --measure`` checks on a GPU. The inputs go
+builders and the DP buffer service on the meta device); the graph memory and the largest
+step's peak are documented estimates (``dp_runtime.memory_estimates``, the rank reserves its
+graphs with the same) that ``dp-runtime plan --measure`` checks on a GPU. The inputs go
 through ``RankSpec.create`` (and so ``RuntimeConfig``): an invalid combination raises the
 runtime's own ValueError.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dispatcher.partition import ExpertPartition
+from dp_runtime import memory_estimates as me
 from dp_runtime import memory_sizing as ms
 from dp_runtime.choices import Choices, resolve_choices
 from dp_runtime.config import RuntimeConfig
@@ -121,20 +123,15 @@ def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> Capac
     choices = plan_choices(inp, rt, cfg.head_dim)
     graphs, graphs_reason = choices.graphs, choices.graphs_reason
     dispatcher, dispatcher_reason = choices.dispatcher, choices.dispatcher_reason
-    max_bucket = rt.cuda_graph_bs[-1] if graphs else 0
     moe = (cfg.hidden_size, cfg.top_k, rt.dtype)
-    step_at_bucket = ms.dispatcher_step_bytes(dispatcher, rt.ep_size, max_bucket, *moe)
-    step_at_max = ms.dispatcher_step_bytes(dispatcher, rt.ep_size, rt.max_tokens_per_rank, *moe)
     fixed_parts = dict(
         weights_bytes=fixed.weights_bytes,
         dp_buffers_bytes=ms.dp_buffer_bytes(rt, dispatcher, cfg.top_k),
         dispatcher_workspace_bytes=ms.dispatcher_workspace_bytes(dispatcher, rt.ep_size, rt.max_tokens_per_rank, *moe),
         graph_inputs_bytes=ms.graph_input_bytes(rt, decode_graphs=graphs),
-        graph_pool_bytes=ms.graph_pool_bytes_estimate(
-            cfg, rt.dtype, max_bucket, step_at_bucket, capture_sizes=tuple(rt.cuda_graph_bs) if graphs else (),
-            per_bucket_bytes=ms.FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES if choices.attention == "flashinfer" else 0),
-        activation_peak_bytes=ms.activation_peak_bytes_estimate(cfg, rt.dtype, rt.max_tokens_per_rank, mrr,
-                                                                step_at_max),
+        graph_pool_bytes=me.rank_graph_pool_bytes_estimate(cfg, rt, ctx, attention=choices.attention, graphs=graphs),
+        activation_peak_bytes=me.largest_step_bytes_estimate(cfg, rt, ctx, attention=choices.attention,
+                                                             dispatcher=dispatcher),
         nccl_bytes=ms.nccl_overhead_bytes(rt.dp_size, rt.ep_size),
         cuda_context_bytes=ms.cuda_context_bytes("cuda"),
     )
