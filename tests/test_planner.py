@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -218,14 +219,23 @@ def test_graphs_off_have_no_pool_and_no_decode_registry():
     assert off.dispatcher == "all_to_all"
 
 
-def test_kv_takes_exactly_what_is_left():
+def test_kv_is_sized_by_the_ranks_rule():
+    """What the rank holds when it sizes its KV cache, less the largest step's peak and the
+    graphs' reserve, times kv_mem_fraction: the budget the rank's own functions turn into slots."""
     plan = plan_capacity(PlanInput(max_running_requests=32))
-    c, kv = plan.components, plan.kv
+    c, kv, gpu = plan.components, plan.kv, H100
+    held = c.weights_bytes + c.dp_buffers_bytes + c.dispatcher_workspace_bytes + c.graph_inputs_bytes
+    held += c.nccl_bytes + c.cuda_context_bytes
+    assert plan.graph_reserve_bytes == math.ceil(1.25 * c.graph_pool_bytes)
+    budget = int((gpu - held - c.activation_peak_bytes - plan.graph_reserve_bytes) * 0.85)
+    assert kv.slots == (budget - 33 * 4096 * 4) // 98_304 - 1
     assert c.kv_cache_bytes == ms.kv_cache_bytes(QWEN, BF16, kv.slots, 32, 4096)
-    # Everything left above the headroom is less than one more slot.
-    assert 0 <= plan.free_bytes - plan.headroom_bytes < kv.bytes_per_token
-    assert plan.headroom_bytes == round(0.05 * H100)
+    assert plan.headroom_bytes == gpu - held - c.activation_peak_bytes - plan.graph_reserve_bytes - c.kv_cache_bytes
+    # the headroom is what the 15% left, and the reserve's margin is free too
+    assert plan.free_bytes == plan.headroom_bytes + plan.graph_reserve_bytes - c.graph_pool_bytes
     assert kv.requests_at_full_context == kv.slots // 4096 and kv.needed_slots == 32 * 4096
+    leaner = plan_capacity(PlanInput(max_running_requests=32, kv_mem_fraction=0.5))
+    assert leaner.kv.slots < kv.slots and leaner.headroom_bytes > plan.headroom_bytes
 
 
 def test_the_graphs_reserve_and_largest_step_are_one_function_for_rank_and_planner():
@@ -234,7 +244,7 @@ def test_the_graphs_reserve_and_largest_step_are_one_function_for_rank_and_plann
     for mrr in (64, 256):
         inp = PlanInput(max_running_requests=mrr)
         plan, spec = plan_capacity(inp), inp.rank_spec()
-        assert me.graph_reserve_bytes(plan.components.graph_pool_bytes) == graph_reserve_bytes(spec, True, "flashinfer")
+        assert plan.graph_reserve_bytes == graph_reserve_bytes(spec, True, "flashinfer")
         assert plan.components.activation_peak_bytes == me.largest_step_bytes_estimate(
             spec.model_config(), spec.runtime, spec.context_len, attention="flashinfer", dispatcher="local")
     assert graph_reserve_bytes(inp.rank_spec(), False, "flashinfer") == 0
@@ -358,15 +368,16 @@ def test_gpu_names():
 # -- JSON schema ------------------------------------------------------------------------------------
 def test_json_schema_keys_are_stable():
     doc = json.loads(plan_capacity(PlanInput(dp_size=2, max_running_requests=64)).to_json())
-    assert doc["schema"] == SCHEMA == "dp-runtime.plan/1"
+    assert doc["schema"] == SCHEMA == "dp-runtime.plan/2"
     assert set(doc) == {
         "schema", "input", "resolved", "components_bytes", "dp_buffer_modes", "kv", "gpu_mem_bytes",
-        "total_bytes", "headroom_bytes", "free_bytes", "fits", "reason", "largest_max_running_requests",
+        "total_bytes", "graph_reserve_bytes", "headroom_bytes", "free_bytes", "fits", "reason",
+        "largest_max_running_requests",
     }
     assert set(doc["input"]) == {
         "model", "dtype", "dp_size", "ep_size", "gpu", "gpu_mem_bytes", "nvlink", "max_running_requests",
         "chunked_prefill_size", "cuda_graph_bs", "context_len", "dispatcher", "use_cuda_graph",
-        "kv_tokens_per_request", "headroom_fraction", "headroom_min_bytes",
+        "kv_tokens_per_request", "kv_mem_fraction",
     }
     assert set(doc["resolved"]) == {
         "world_size", "ep_size", "ep_rank", "local_experts", "dtype", "dispatcher", "dispatcher_reason",
