@@ -51,6 +51,7 @@
 #   bash bench/run_gpu.sh base12    # one GPU: the same load in the first .bases tree, then 256 running here
 #   bash bench/run_gpu.sh final12   # one GPU: GPU tests of session 12, serve_load 64 running in the base tree and here
 #   bash bench/run_gpu.sh http12    # one GPU: serve_load 256 running, HTTP against in-process at 64 running
+#   bash bench/run_gpu.sh plan13    # one GPU: plan --measure (qwen3-30b-a3b) at 64 and 256 running, ~4 min
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -309,6 +310,12 @@ case "${1:-one}" in
       --num-requests 1024 --max-running-requests 256 --json
     step serve_http timeout 330 python bench/serve_http.py --model qwen3-30b-a3b --device cuda --rates 16,inf \
       --num-requests 128 --max-running-requests 64 --json
+    ;;
+  plan13)  # one GPU: the planner's estimates against the rank's own accounting, 64 and 256 running (a rank each)
+    for n in 64 256; do
+      TAIL=16 step plan_measure_$n timeout ${PLAN_TIMEOUT:-115} python -m launch.cli plan --model qwen3-30b-a3b \
+        --dp 1 --ep 1 --max-running-requests $n --context-len 4096 --measure
+    done
     ;;
   tests8)  # one GPU: every gpu test of the tree
     step gpu_tests timeout 560 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
