@@ -57,6 +57,7 @@
 #   bash bench/run_gpu.sh split13   # one GPU: attention/mixed GPU tests; mixed steps and serve_load (lof) vs .bases/b1
 #   bash bench/run_gpu.sh http13    # one GPU: HTTP against in-process at 64 running (rates 16 and inf)
 #   bash bench/run_gpu.sh decode13  # one GPU: serve_step bs 1/64/256 here against .bases/b2 (dfb36f3)
+#   bash bench/run_gpu.sh plan13    # one GPU: plan --measure (qwen3-30b-a3b) at 64 and 256 running, ~4 min
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -359,6 +360,12 @@ case "${1:-one}" in
     bases > /dev/null
     step decode_compare timeout ${TDEC:-400} python bench/compare_trees.py --base /tmp/bases/b2 -- python bench/serve_step.py \
       --batch-sizes 1,64,256 --iters 20
+    ;;
+  plan13)  # one GPU: the planner's estimates against the rank's own accounting, 64 and 256 running (a rank each)
+    for n in 64 256; do
+      TAIL=16 step plan_measure_$n timeout ${PLAN_TIMEOUT:-115} python -m launch.cli plan --model qwen3-30b-a3b \
+        --dp 1 --ep 1 --max-running-requests $n --context-len 4096 --measure
+    done
     ;;
   tests8)  # one GPU: every gpu test of the tree
     step gpu_tests timeout 560 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/

@@ -21,14 +21,16 @@ from dp_runtime.sync.step_plan import StepPlan, plan_step
 from dp_runtime.sync.step_table import StepTable
 from graph import AttentionSplit, GraphRunner, PiecewiseRunner
 
-__all__ = ["RankGraphs", "capture_plan", "capture_rank_graphs"]
+__all__ = ["RankGraphs", "capture_plan", "capture_rank_graphs", "extend_capture_tokens"]
 
 
 @dataclass
 class RankGraphs:
     decode: GraphRunner | None
     extend: PiecewiseRunner | None
-    memory_bytes: int  # graph memory grown over both captures
+    # Device memory the captures left allocated, the backend's graph state (init_capture)
+    # included; the registries are the pool's (graph inputs), not counted here.
+    memory_bytes: int
 
     def destroy(self) -> None:
         """Extend pieces, then decode graphs (before the process groups go)."""
@@ -46,13 +48,24 @@ def capture_plan(cfg: RuntimeConfig, bucket: int, *, extend: bool = False) -> St
     return plan_step(StepTable.from_counts([bucket] * cfg.dp_size, can_run_graph=True, is_extend=extend), cfg)
 
 
+def extend_capture_tokens(cfg: RuntimeConfig, max_context_len: int) -> tuple[int, ...]:
+    """The extend token buckets a rank captures: ``cfg.cuda_graph_extend_tokens`` less any whose
+    capture batch (its tokens over at most ``max_running_requests`` requests) would need a
+    request longer than ``max_context_len``: no step could fill it either."""
+    mrr = cfg.max_running_requests
+    return tuple(t for t in cfg.cuda_graph_extend_tokens if -(-t // min(t, mrr)) <= max_context_len)
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
 def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], split: AttentionSplit, attention: Any,
                         pool: BufferPool, device: torch.device, set_plan: Callable[[StepPlan], None],
                         max_context_len: int, show_progress: bool, on_phase: Callable[[str], None]) -> RankGraphs:
     """Capture the decode buckets (``cfg.cuda_graph_bs``) and the extend token buckets
-    (``cfg.cuda_graph_extend_tokens``; none: extend steps stay eager). An extend bucket whose
-    capture batch would need a request longer than ``max_context_len`` (its tokens spread over
-    ``max_running_requests``) is left out: no step could fill it either."""
+    (``extend_capture_tokens``; none: extend steps stay eager). ``memory_bytes``: the device
+    memory this left allocated beyond the registries' pool storage."""
     use_cuda = device.type == "cuda"
     on_phase("capturing graphs")
     # No graph path reads device-side counts (a graph always gathers MAX_LEN), so no registry
@@ -67,11 +80,11 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
         show_progress=show_progress,
     )
     graphs = RankGraphs(decode, None, 0)
+    before, pool_before = _allocated(device), pool.total_bytes()
     try:
-        decode.capture()
-        graphs.memory_bytes = decode.capture_memory_bytes
+        decode.capture()  # the runner's own count starts after the backend's init_capture: not used
         mrr = cfg.max_running_requests
-        tokens = tuple(t for t in cfg.cuda_graph_extend_tokens if -(-t // min(t, mrr)) <= max_context_len)
+        tokens = extend_capture_tokens(cfg, max_context_len)
         if tokens:
             registry = build_prefill_registry(min(tokens[-1], mrr), tokens[-1], device, pool, dp_size=cfg.dp_size,
                                               register_input_embeds=False, register_global_num_tokens=False,
@@ -84,8 +97,9 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
                 pool=decode.graph_pool, use_cuda_graph=use_cuda, show_progress=show_progress,
             )
             graphs.extend.capture()
-            graphs.memory_bytes += graphs.extend.capture_memory_bytes
     except BaseException:
         graphs.destroy()
         raise
+    if use_cuda:
+        graphs.memory_bytes = _allocated(device) - before - (pool.total_bytes() - pool_before)
     return graphs

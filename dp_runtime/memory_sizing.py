@@ -6,11 +6,12 @@ Pool-backed sizes (DP buffers, graph inputs) are computed by building the runtim
 the pool on the ``meta`` device, which allocates nothing: the bytes come from the same
 declarations the runtime makes, not from a copy of their shapes.
 
-Two components have no allocator function: the CUDA-graph memory pool and the eager activation
-peak. ``graph_pool_bytes_estimate`` and ``activation_peak_bytes_estimate`` are documented
-*estimates* of them (``dp-runtime plan --measure`` prints them beside measured values). CUDA
-context and NCCL overheads are constants with their provenance (``CUDA_CONTEXT_BYTES``,
-``NCCL_COMMUNICATOR_BYTES``).
+Two components have no allocator function: the memory that capturing the graphs adds and
+the largest step's peak. ``dp_runtime/memory_estimates.py`` holds their documented *estimates*
+(``dp-runtime plan --measure`` prints them beside the rank's measured values). The rules a rank
+sizes its KV cache by are here (``largest_step_tokens``, ``kv_budget_bytes``), so the planner
+applies the same ones. CUDA context and NCCL overheads are constants with their provenance
+(``CUDA_CONTEXT_BYTES``, ``NCCL_COMMUNICATOR_BYTES``).
 
 Legend: ``T`` tokens of a forward, ``R`` logit rows, ``H`` hidden, ``E`` experts, ``K`` top-k,
 ``I`` expert intermediate size, ``V`` vocab, ``Hq``/``Hkv`` heads, ``D`` head dim, ``e`` bytes
@@ -39,7 +40,6 @@ __all__ = [
     "CUDA_CONTEXT_BYTES",
     "NCCL_COMMUNICATOR_BYTES",
     "TRANSIENT_WORKSPACE_DISPATCHERS",
-    "activation_peak_bytes_estimate",
     "cuda_context_bytes",
     "dispatcher_gathers",
     "dispatcher_step_bytes",
@@ -47,28 +47,28 @@ __all__ = [
     "dp_buffer_bytes",
     "dp_gathered_rows",
     "dtype_bytes",
-    "forward_peak_bytes_estimate",
     "graph_input_bytes",
     "graph_input_bytes_by_name",
-    "graph_pool_bytes_estimate",
+    "kv_budget_bytes",
     "kv_bytes_per_token",
     "kv_cache_bytes",
     "kv_slots_for_budget",
     "kv_slots_for_rank",
+    "largest_step_tokens",
     "nccl_communicators",
     "nccl_overhead_bytes",
     "weight_bytes_per_rank",
 ]
 
 _MIB = 1 << 20
-_FP32 = 4
-_INT64 = 8
-# Estimated device memory one process loses to its CUDA context before torch allocates
-# anything: the context itself, lazily loaded kernel modules (CUDA_MODULE_LOADING=LAZY, the
-# default since CUDA 11.7) and cuBLAS/cuBLASLt workspaces. ~0.5 GiB is what nvidia-smi shows for
-# a torch process on an H100 that has run a few GEMMs and attention kernels; it is an estimate,
-# not something torch reports (memory_allocated() never sees it).
-CUDA_CONTEXT_BYTES = 512 * _MIB
+# Estimated device memory one process holds outside torch's allocator: the CUDA context and
+# the kernel modules loaded lazily (CUDA_MODULE_LOADING=LAZY, the default since CUDA 11.7):
+# torch's, cuBLAS's, FlashInfer's and Triton's. About 1.1 GiB for a qwen3-30b-a3b rank on an
+# H100 when it sizes its KV cache (session 12, docs/BENCHMARKS.md: its KV sizes at 64 and at 256
+# running both imply 21.05 GiB free of 79.1, with 56.9 GiB in torch's hands); the rank measures it
+# then (``memory_report()["cuda_context"]``: total - free - torch's reserved), and
+# ``dp-runtime plan --measure`` prints the two side by side.
+CUDA_CONTEXT_BYTES = round(1.1 * (1 << 30))
 # Estimated device memory of one NCCL communicator on one rank, NVLS (multicast) off as on our
 # GPU machines (NCCL_NVLS_ENABLE=0; NVLS adds buffers of its own, ~1 GiB+). NCCL's default
 # NCCL_BUFFSIZE is 4 MiB per channel and direction; with up to 32 channels on NVLink nodes that
@@ -112,6 +112,21 @@ def kv_slots_for_budget(cfg: ModelConfig, dtype: torch.dtype, budget_bytes: int,
     table = (max_reqs + 1) * max_context_len * 4
     slots = (budget_bytes - table) // kv_bytes_per_token(cfg, dtype) - 1
     return max(0, int(slots))
+
+
+def largest_step_tokens(cfg: RuntimeConfig, context_len: int) -> tuple[int, int]:
+    """``(tokens, requests)`` of the largest step a rank can be given: the token budget
+    (``max_tokens_per_rank``) over at most ``max_running_requests`` requests, none longer than
+    ``context_len``. The rank profiles this step before sizing its KV cache."""
+    tokens = min(cfg.max_tokens_per_rank, cfg.max_running_requests * context_len)
+    return tokens, min(tokens, cfg.max_running_requests)
+
+
+def kv_budget_bytes(free_bytes: int, peak_bytes: int, reserve_bytes: int, fraction: float) -> int:
+    """Bytes a rank's KV cache may take (dp_runtime/rank_memory.py): ``fraction``
+    (``kv_mem_fraction``) of what is free once the largest step has run, less that step's peak
+    and the graphs' reserve; never negative. The rest is the rank's headroom."""
+    return max(0, int((free_bytes - peak_bytes - reserve_bytes) * fraction))
 
 
 # A CPU rank's KV cache when no size is given: enough for tests and the tiny preset.
@@ -263,77 +278,6 @@ def dispatcher_step_bytes(kind: str, ep_size: int, num_tokens: int, hidden_size:
     if num_tokens <= 0:
         return 0
     return dispatcher_workspace_bytes(kind, ep_size, num_tokens, hidden_size, top_k, dtype)
-
-
-# -- estimates (checked by `dp-runtime plan --measure`) -------------------------------------------
-def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int,
-                                num_logit_rows: int) -> int:
-    """ESTIMATE of the largest set of intermediate tensors live at once in one forward.
-
-    Takes the model, its dtype, ``T`` tokens and ``R`` rows that reach the LM head. Returns
-    ``max(layer, head)`` bytes, where (see the module legend)::
-
-        residual  = 2*T*H*e                      hidden stream + its normed copy
-        attention = T*(Hq + 2*Hkv)*D*e           fused qkv
-                  + T*Hq*D*e                     attention output
-        moe       = T*E*4                        router probabilities (fp32)
-                  + T*K*(4 + 8)                  top-k weights (fp32) and ids (int64)
-                  + max(T*K*(H + 2I)*e,          grouped GEMM: sorted rows + gate/up rows,
-                        T*K*H*(e + 4))           or its output put back in (token, k) order
-                                                 while its fp32 copy (the weighted terms) is made
-                  (``dp_runtime.model.experts.local_expert_sum`` frees each intermediate when used)
-        layer     = residual + max(attention, moe)      (a layer's attention and MoE
-                                                         intermediates are not live together)
-        head      = T*H*e + R*V*(e + 4)          normed hidden + logits in dtype and fp32
-
-    An estimate: the caching allocator rounds blocks, and kernels take workspaces of their own.
-    """
-    t, r = int(num_tokens), int(num_logit_rows)
-    e = dtype_bytes(dtype)
-    h, k, i = cfg.hidden_size, cfg.top_k, cfg.moe_intermediate_size
-    residual = 2 * t * h * e
-    attention = t * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * e
-    attention += t * cfg.num_heads * cfg.head_dim * e
-    moe = t * cfg.num_experts * _FP32 + t * k * (_FP32 + _INT64)
-    moe += max(t * k * (h + 2 * i) * e, t * k * h * (e + _FP32))
-    head = t * h * e + r * cfg.vocab_size * (e + _FP32)
-    return max(residual + max(attention, moe), head)
-
-
-# FlashInfer's decode wrapper allocates an 8 MiB int workspace on the device
-# (flashinfer/decode.py, BatchDecodeWithPagedKVCacheWrapper.__init__); the graph runner creates
-# one wrapper per captured bucket, during capture.
-FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES = 8 << 20
-
-
-def graph_pool_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, max_graph_bs: int,
-                              dispatcher_step_bytes: int = 0, capture_sizes: tuple[int, ...] = (),
-                              per_bucket_bytes: int = FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES) -> int:
-    """ESTIMATE of the memory that graph capture adds: graphs are captured largest first into
-    one shared pool, so about one decode forward at the largest bucket ``B`` (``T = R = B``:
-    every decode row is sampled) plus the dispatcher's step buffers inside the graph
-    (``dispatcher_step_bytes(kind, ep, B, ...)``); then what the graphs keep for as long as they
-    live: the float32 logits of the largest bucket (``B x V x 4``: every bucket writes its rows
-    there, ``GraphRunner._into_shared``) and ``per_bucket_bytes`` of attention-wrapper state per
-    bucket (FlashInfer's int workspace). 0 without graphs (``B == 0``).
-    """
-    if max_graph_bs <= 0:
-        return 0
-    sizes = tuple(capture_sizes) or (max_graph_bs,)
-    kept = max(sizes) * cfg.vocab_size * _FP32 + len(sizes) * per_bucket_bytes
-    return forward_peak_bytes_estimate(cfg, dtype, max_graph_bs, max_graph_bs) + dispatcher_step_bytes + kept
-
-
-def activation_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, max_tokens_per_rank: int,
-                                   max_running_requests: int, dispatcher_step_bytes: int = 0) -> int:
-    """ESTIMATE of the eager activation peak: the largest eager step, ``T = max_tokens_per_rank``
-    tokens (a full prefill chunk, or a decode batch of ``max_running_requests``), with logits for
-    the last token of each request only (``R = min(max_running_requests, T)``), plus the
-    dispatcher's transient step buffers at ``T`` (``dispatcher_step_bytes(kind, ep, T, ...)``):
-    what the rank worker measures as the allocation growth over one eager step.
-    """
-    t = int(max_tokens_per_rank)
-    return forward_peak_bytes_estimate(cfg, dtype, t, min(int(max_running_requests), t)) + dispatcher_step_bytes
 
 
 # -- fixed overheads --------------------------------------------------------------------------------

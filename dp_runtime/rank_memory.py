@@ -9,10 +9,11 @@ cache after a profiling forward for the same reason). On CUDA, with no ``kv_cach
    one-request KV cache with its own attention backend; the peak allocation growth over it,
    that cache and that backend's workspaces included, is what the real step will need on top
    of the real cache (whose backend takes the same workspaces).
-2. **Size** (``kv_budget_bytes``): ``kv_mem_fraction`` of what is free after the profile, less
-   the peak and less the graphs' reserve (``graph_reserve_bytes``: the graphs are captured after
-   the cache, whose addresses they bake in, so they are reserved from an estimate with a
-   margin, and their measured size is reported beside it).
+2. **Size** (``memory_sizing.kv_budget_bytes``): ``kv_mem_fraction`` of what is free after the
+   profile, less the peak and less the graphs' reserve (``graph_reserve_bytes``: the graphs are
+   captured after the cache, whose addresses they bake in, so they are reserved from an estimate
+   with a margin, ``memory_estimates``, and their measured size is reported beside it). The
+   memory held outside torch then (CUDA context and kernel modules) is recorded too.
 3. **Check** (``check_largest_step``): once the graphs are captured, the largest step runs once
    more, eagerly, against the real cache. A configuration that cannot run it is refused at start
    with the numbers, never out of memory mid-serving.
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dp_runtime import memory_estimates as me
 from dp_runtime import memory_sizing as ms
 from dp_runtime.attention import make_attention_backend
 from dp_runtime.forward_mode import ForwardMode
@@ -36,35 +38,19 @@ from dp_runtime.sync.step_plan import plan_step
 from dp_runtime.sync.step_table import StepTable
 from graph import AttentionSplit
 
-__all__ = ["GRAPH_RESERVE_MARGIN", "check_largest_step", "graph_reserve_bytes", "kv_budget_bytes",
-           "largest_step_tokens", "make_kv_cache", "measured_kv_slots", "profile_largest_step",
+__all__ = ["check_largest_step", "graph_reserve_bytes", "make_kv_cache", "measured_kv_slots", "profile_largest_step",
            "run_largest_step"]
 
 logger = logging.getLogger("dp_runtime")
 
-# The graph estimate missed the measured pool by up to 14% (docs/BENCHMARKS.md): reserve a
-# quarter more than it says.
-GRAPH_RESERVE_MARGIN = 1.25
-# What a captured graph keeps beyond its tensors: the caching allocator gives a graph's private
-# allocations segments of their own (2 MiB at least), so a small model's many small graphs
-# outweigh their tensors (the tiny preset: a 68 MiB pool for 24 graphs on an H100, 2.8 MiB each).
-GRAPH_SEGMENT_BYTES = 3 << 20
 _GIB = 2**30
-
-
-def largest_step_tokens(cfg: Any, context_len: int) -> tuple[int, int]:
-    """``(tokens, requests)`` of the largest step a rank can be given: the token budget
-    (``max_tokens_per_rank``) over at most ``max_running_requests`` requests, none longer than
-    ``context_len``."""
-    tokens = min(cfg.max_tokens_per_rank, cfg.max_running_requests * context_len)
-    return tokens, min(tokens, cfg.max_running_requests)
 
 
 def run_largest_step(eager: Any, dp_buffers: Any, cfg: Any, device: torch.device, context_len: int) -> None:
     """One eager forward of the largest step and its greedy pick, on every rank alike (a
     collective when the dispatcher exchanges). Its requests all read request row 0 and KV slot 0,
     the padding targets, as a graph capture's do: nothing live is touched."""
-    tokens, requests = largest_step_tokens(cfg, context_len)
+    tokens, requests = ms.largest_step_tokens(cfg, context_len)
     plan = plan_step(StepTable.from_counts([tokens] * cfg.dp_size, can_run_graph=False, is_extend=True), cfg)
     dp_buffers.set_from_plan(plan)
     batch = capture_batch(requests, tokens, plan, device=device, forward_mode=ForwardMode.EXTEND)
@@ -90,38 +76,13 @@ def profile_largest_step(run_with_kv: Callable[[Any], None], make_kv: Callable[[
         torch.cuda.empty_cache()
 
 
-def graph_reserve_bytes(spec: Any, graphs: bool, attention: str, dispatcher: str) -> int:
-    """What the rank's graphs are expected to take, with the margin: the decode graphs
-    (``memory_sizing.graph_pool_bytes_estimate``) plus the extend pieces, which keep each
-    attention layer's q/k/v and output at the largest token bucket and run one forward at it,
-    plus a segment per captured graph (0 without graphs)."""
-    if not graphs:
-        return 0
-    cfg, mc = spec.runtime, spec.model_config()
-    moe = (mc.hidden_size, mc.top_k, cfg.dtype)
-    sizes = tuple(cfg.cuda_graph_bs)
-    decode = 0
-    if sizes:
-        step = ms.dispatcher_step_bytes(dispatcher, cfg.ep_size, sizes[-1], *moe)
-        per_bucket = ms.FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES if attention == "flashinfer" else 0
-        decode = ms.graph_pool_bytes_estimate(mc, cfg.dtype, sizes[-1], step, capture_sizes=sizes,
-                                              per_bucket_bytes=per_bucket)
-    extend = 0
-    graphs_captured = len(sizes)
-    if cfg.cuda_graph_extend_tokens:
-        graphs_captured += len(cfg.cuda_graph_extend_tokens) * (mc.num_layers + 1)  # L + 1 pieces a bucket
-        t = cfg.cuda_graph_extend_tokens[-1]
-        per_token = (2 * mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim * ms.dtype_bytes(cfg.dtype)
-        extend = mc.num_layers * t * per_token
-        extend += ms.forward_peak_bytes_estimate(mc, cfg.dtype, t, min(t, cfg.max_running_requests))
-        extend += ms.dispatcher_step_bytes(dispatcher, cfg.ep_size, t, *moe)
-    return int(GRAPH_RESERVE_MARGIN * (decode + extend + graphs_captured * GRAPH_SEGMENT_BYTES))
-
-
-def kv_budget_bytes(free_bytes: int, peak_bytes: int, reserve_bytes: int, fraction: float) -> int:
-    """Bytes the KV cache may take: ``fraction`` of what is free less the largest step's peak and
-    the graphs' reserve (module docstring, step 2); never negative."""
-    return max(0, int((free_bytes - peak_bytes - reserve_bytes) * fraction))
+def graph_reserve_bytes(spec: Any, graphs: bool, attention: str) -> int:
+    """What the rank's graphs are expected to take, with the margin:
+    ``memory_estimates.graph_reserve_bytes`` of ``rank_graph_pool_bytes_estimate`` (0 without
+    graphs), the function the planner predicts with."""
+    estimate = me.rank_graph_pool_bytes_estimate(spec.model_config(), spec.runtime, spec.context_len,
+                                                 attention=attention, graphs=graphs)
+    return me.graph_reserve_bytes(estimate)
 
 
 def check_largest_step(run: Callable[[], None], device: torch.device, memory: dict[str, int]) -> None:
@@ -153,8 +114,9 @@ def measured_kv_slots(spec: Any, model: Any, dp_buffers: Any, device: torch.devi
                       eager_runner: Callable[[Any], Any], memory: dict[str, int],
                       on_phase: Callable[[str], None]) -> int:
     """The KV slots of a rank: ``memory_sizing.kv_slots_for_rank`` when they are given or the
-    device is not CUDA; else measured (module docstring, steps 1-2), with ``activation_peak``
-    and ``graph_reserve`` recorded in ``memory``. ``eager_runner(backend)`` makes the rank's
+    device is not CUDA; else measured (module docstring, steps 1-2), with ``activation_peak``,
+    ``graph_reserve`` and ``cuda_context`` (device memory outside torch's allocator: total -
+    free - reserved) recorded in ``memory``. ``eager_runner(backend)`` makes the rank's
     eager runner over an attention backend. RuntimeError with the numbers when one request of
     the full context does not fit."""
     cfg, mc = spec.runtime, spec.model_config()
@@ -172,11 +134,12 @@ def measured_kv_slots(spec: Any, model: Any, dp_buffers: Any, device: torch.devi
             model.attention = None
 
     peak = profile_largest_step(run_with_kv, lambda: make_kv_cache(spec, 1, device), device)
-    reserve = graph_reserve_bytes(spec, choices.graphs, choices.attention, choices.dispatcher)
-    free, _ = torch.cuda.mem_get_info(device)
-    budget = kv_budget_bytes(free, peak, reserve, spec.kv_mem_fraction)
+    reserve = graph_reserve_bytes(spec, choices.graphs, choices.attention)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = ms.kv_budget_bytes(free, peak, reserve, spec.kv_mem_fraction)
     slots = ms.kv_slots_for_budget(mc, cfg.dtype, budget, cfg.max_running_requests, spec.context_len)
-    memory.update(activation_peak=int(peak), graph_reserve=reserve)
+    memory.update(activation_peak=int(peak), graph_reserve=reserve,
+                  cuda_context=int(total - free - torch.cuda.memory_reserved(device)))
     if slots < spec.context_len:
         raise RuntimeError(
             f"RankWorker: {free / _GIB:.2f} GiB free after the weights, less the largest step's {peak / _GIB:.2f} "

@@ -1,7 +1,8 @@
 """`dp-runtime plan`: the capacity planner on the command line (a table, or --json).
 
-``--measure`` (one CUDA GPU) builds the planned rank with ``RankWorker`` and prints predicted
-beside measured bytes for every component it reports (``planner.compare_measured``).
+``--measure`` (one CUDA GPU) builds the planned rank with ``RankWorker``, which sizes its own KV
+cache (profile step, graphs' reserve), and prints predicted beside measured bytes for every
+component it reports (``planner.compare_measured``).
 
 The planner (and torch) is imported inside the command: ``--help`` answers without them.
 """
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MEASURE_SCHEMA", "measure_workload", "parse_graph_sizes", "plan"]
 
-MEASURE_SCHEMA = "dp-runtime.plan-measure/1"
+MEASURE_SCHEMA = "dp-runtime.plan-measure/2"
 
 
 def parse_graph_sizes(text: str) -> tuple[int, ...] | str:
@@ -63,9 +64,9 @@ def plan(
     no_graphs: bool = typer.Option(False, "--no-graphs", help="Eager only (no CUDA graphs)."),
     kv_tokens_per_request: int | None = typer.Option(
         None, "--kv-tokens-per-request", help="KV tokens guaranteed per running request (default: --context-len)."),
-    headroom_frac: float = typer.Option(0.05, "--headroom-frac", help="Memory kept free, as a fraction of the GPU's."),
-    headroom_min_gib: float = typer.Option(1.0, "--headroom-min-gib", help="...and at least this many GiB."),
-    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema dp-runtime.plan/1)."),
+    kv_mem_fraction: float = typer.Option(
+        0.85, "--kv-mem-fraction", help="The rank's share for its KV cache of what is left after the rest."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema dp-runtime.plan/2)."),
     measure: bool = typer.Option(False, "--measure", help="Build the rank on this CUDA GPU; print predicted vs measured."),
 ) -> None:
     """Plan one rank's memory: every component, the KV cache that fits, and the verdict."""
@@ -82,27 +83,28 @@ def plan(
     try:
         inp = _plan_input(model, dtype, dp, ep, gpu, gpu_mem_gib, nvlink, max_running_requests,
                           chunked_prefill_size, parse_graph_sizes(cuda_graph_bs), context_len, dispatcher,
-                          no_graphs, kv_tokens_per_request, headroom_frac, headroom_min_gib, measure)
+                          no_graphs, kv_tokens_per_request, kv_mem_fraction, measure)
         result = plan_capacity(inp)
     except (ValueError, FileNotFoundError) as exc:
         raise _fail(str(exc)) from None
-    rows = None
+    rows = measured = None
     if measure:
-        rows = compare_measured(result, _measure(inp, result))
+        measured = _measure(inp, result)
+        rows = compare_measured(result, measured)
     if json_out:
         doc = result.to_dict()
         if rows is not None:
-            doc = {"schema": MEASURE_SCHEMA, "plan": doc, "comparison": [vars(r) for r in rows]}
+            doc = {"schema": MEASURE_SCHEMA, "plan": doc, "comparison": [vars(r) for r in rows],
+                   "measured": measured}
         typer.echo(json.dumps(doc, indent=2))
         return
     _print_plan(result)
     if rows is not None:
-        _print_comparison(rows)
+        _print_comparison(result, rows, measured)
 
 
 def _plan_input(model, dtype, dp, ep, gpu, gpu_mem_gib, nvlink, mrr, chunk, graph_bs, context_len,
-                dispatcher, no_graphs, kv_tokens_per_request, headroom_frac, headroom_min_gib,
-                measure) -> PlanInput:
+                dispatcher, no_graphs, kv_tokens_per_request, kv_mem_fraction, measure) -> PlanInput:
     from launch.planner import PlanInput
 
     name, mem, link = None, None, True
@@ -126,7 +128,7 @@ def _plan_input(model, dtype, dp, ep, gpu, gpu_mem_gib, nvlink, mrr, chunk, grap
         nvlink=link if nvlink is None else nvlink, max_running_requests=mrr, chunked_prefill_size=chunk,
         cuda_graph_bs=graph_bs, context_len=context_len, dispatcher=dispatcher,
         use_cuda_graph=False if no_graphs else None, kv_tokens_per_request=kv_tokens_per_request,
-        headroom_fraction=headroom_frac, headroom_min_bytes=round(headroom_min_gib * GIB),
+        kv_mem_fraction=kv_mem_fraction,
     )
 
 
@@ -146,17 +148,16 @@ def measure_workload(result: CapacityPlan) -> list:
 
 
 def _measure(inp: PlanInput, result: CapacityPlan) -> dict[str, int]:
-    """Build the planned rank on CUDA (KV sized to the planned slots, so both sides hold the same
-    cache), run one full prefill step (``measure_workload``) and return
-    ``RankWorker.memory_report()``."""
+    """Build the planned rank on CUDA as serving builds it (it profiles its largest step and
+    sizes its own KV cache by the rule the plan predicts), run one full prefill step
+    (``measure_workload``) and return ``RankWorker.memory_report()``."""
     try:
         from dp_runtime.rank_worker import RankWorker
     except ImportError as exc:
         raise _fail(f"--measure needs dp_runtime.rank_worker ({exc})") from None
     if result.kv.slots < 1:
         raise _fail(f"the plan leaves no memory for the KV cache ({result.reason}); nothing to measure")
-    spec = inp.rank_spec(device="cuda", kv_cache_tokens=result.kv.slots)
-    worker = RankWorker(spec, rank=0, world_size=1)
+    worker = RankWorker(inp.rank_spec(device="cuda"), rank=0, world_size=1)
     try:
         worker.generate(measure_workload(result))
         return {k: int(v) for k, v in worker.memory_report().items()}
@@ -170,20 +171,24 @@ def _gib(nbytes: int) -> str:
 
 
 def _sources(p: CapacityPlan) -> dict[str, str]:
+    from dp_runtime.memory_sizing import CUDA_CONTEXT_BYTES, largest_step_tokens
+
     rt = p.runtime
-    bucket = rt.cuda_graph_bs[-1] if p.cuda_graphs else 0
-    graph_note = f"estimate: decode forward at bucket {bucket}" if p.cuda_graphs else f"no graphs ({p.cuda_graphs_reason})"
+    tokens, requests = largest_step_tokens(rt, p.context_len)
+    graph_note = (f"estimate: decode buckets up to {rt.cuda_graph_bs[-1]}, extend pieces" if p.cuda_graphs
+                  else f"no graphs ({p.cuda_graphs_reason})")
     ws = "transient, inside activation_peak" if p.components.dispatcher_workspace_transient else "persistent"
     return {
         "weights": f"weight_bytes_per_rank (EP rank {p.ep_rank}: {p.local_experts} experts)",
-        "kv_cache": f"kv_cache_bytes ({p.kv.slots} slots, {rt.max_running_requests} request rows)",
+        "kv_cache": (f"kv_budget_bytes x {p.input.kv_mem_fraction:g}: {p.kv.slots} slots, "
+                     f"{rt.max_running_requests} request rows"),
         "dp_buffers": f"DPBufferService ({rt.max_global_tokens} + {rt.max_tokens_per_rank} rows)",
         "dispatcher_workspace": f"dispatcher.sizing, {p.dispatcher} ({ws})",
         "graph_inputs": "decode + eager registries, pooled by name",
         "graph_pool": graph_note,
-        "activation_peak": f"estimate: eager step of {rt.max_tokens_per_rank} tokens",
+        "activation_peak": f"estimate: profile step of {tokens} tokens in {requests} requests",
         "nccl": "estimate: communicators x 256 MiB",
-        "cuda_context": "estimate: ~0.5 GiB per process",
+        "cuda_context": f"estimate: ~{CUDA_CONTEXT_BYTES / GIB:.1f} GiB per process",
     }
 
 
@@ -213,7 +218,10 @@ def _print_plan(p: CapacityPlan) -> None:
         table.add_row(name, _gib(nbytes), f"{nbytes:,}", escape(sources[name]))
     table.add_section()
     table.add_row("total", _gib(p.total_bytes), f"{p.total_bytes:,}", "")
-    table.add_row("headroom", _gib(p.headroom_bytes), f"{p.headroom_bytes:,}", "kept free")
+    table.add_row("graphs' reserve", _gib(p.graph_reserve_bytes), f"{p.graph_reserve_bytes:,}",
+                  "set aside for graph_pool before the KV cache")
+    table.add_row("headroom", _gib(p.headroom_bytes), f"{p.headroom_bytes:,}",
+                  f"the {1 - p.input.kv_mem_fraction:.0%} the KV cache leaves")
     table.add_row("free", _gib(p.free_bytes), f"{p.free_bytes:,}", "GPU - total")
     console.print(table)
 
@@ -234,15 +242,21 @@ def _print_plan(p: CapacityPlan) -> None:
     console.print(f"largest max_running_requests that fits: {p.largest_max_running_requests}")
 
 
-def _print_comparison(rows: list[ComparisonRow]) -> None:
+def _print_comparison(p: CapacityPlan, rows: list[ComparisonRow], measured: dict[str, int]) -> None:
     from rich.table import Table
 
-    table = Table(title="predicted vs measured (this GPU)")
+    table = Table(title="predicted vs measured (this GPU; measured: the rank's memory_report)")
     for col, justify in (("component", "left"), ("predicted GiB", "right"), ("measured GiB", "right"),
                          ("error %", "right")):
         table.add_column(col, justify=justify)
     for r in rows:
-        measured = "-" if r.measured_bytes is None else _gib(r.measured_bytes)
+        got = "-" if r.measured_bytes is None else _gib(r.measured_bytes)
         error = "-" if r.error_pct is None else f"{r.error_pct:+.1f}"
-        table.add_row(r.component, _gib(r.predicted_bytes), measured, error)
-    _console().print(table)
+        table.add_row(r.component, _gib(r.predicted_bytes), got, error)
+    console = _console()
+    console.print(table)
+    reserve, pool = measured.get("graph_reserve"), measured.get("graph_pool")
+    if reserve is not None and pool is not None:
+        within = "within it" if pool <= reserve else "OVER it"
+        console.print(f"graphs' reserve: planned {_gib(p.graph_reserve_bytes)} GiB, the rank's {_gib(reserve)} GiB; "
+                      f"graph_pool measured {_gib(pool)} GiB, {within}")

@@ -9,7 +9,7 @@ from typing import Any
 
 from dp_runtime.model.model_config import PRESETS
 from dp_runtime.rank_spec import RankSpec
-from launch.gpu_specs import GIB, GPUS
+from launch.gpu_specs import GPUS
 
 __all__ = ["PlanInput"]
 
@@ -30,7 +30,8 @@ class PlanInput:
       ``use_cuda_graph`` (None: on, as the rank worker on CUDA; False: eager only).
     - ``kv_tokens_per_request``: KV tokens to guarantee each running request (None:
       ``context_len``); the fit rule in the module docstring.
-    - ``headroom_fraction`` of the GPU memory, at least ``headroom_min_bytes``: kept free.
+    - ``kv_mem_fraction``: the rank's (``RankSpec.kv_mem_fraction``): the share of the memory
+      left after everything else that its KV cache takes; the rest is its headroom.
     """
 
     model: str = "qwen3-30b-a3b"
@@ -47,23 +48,19 @@ class PlanInput:
     dispatcher: str = "auto"
     use_cuda_graph: bool | None = None
     kv_tokens_per_request: int | None = None
-    headroom_fraction: float = 0.05
-    headroom_min_bytes: int = GIB
+    kv_mem_fraction: float = RankSpec.kv_mem_fraction
 
     def __post_init__(self) -> None:
         if self.gpu_mem_bytes <= 0:
             raise ValueError(f"PlanInput.gpu_mem_bytes must be > 0, got {self.gpu_mem_bytes}")
-        if not 0 <= self.headroom_fraction < 1:
-            raise ValueError(f"PlanInput.headroom_fraction must be in [0, 1), got {self.headroom_fraction}")
-        if self.headroom_min_bytes < 0:
-            raise ValueError(f"PlanInput.headroom_min_bytes must be >= 0, got {self.headroom_min_bytes}")
         if self.kv_tokens_per_request is not None and self.kv_tokens_per_request < 1:
             raise ValueError(f"PlanInput.kv_tokens_per_request must be >= 1, got {self.kv_tokens_per_request}")
 
-    def rank_spec(self, max_running_requests: int | None = None, *, device: str = "cpu",
-                  kv_cache_tokens: int | None = None) -> RankSpec:
+    def rank_spec(self, max_running_requests: int | None = None, *, device: str = "cpu") -> RankSpec:
         """The RankSpec these inputs describe (validated by RankSpec and RuntimeConfig), with
-        ``max_running_requests`` replaced when given. ``device`` only matters to a real rank."""
+        ``max_running_requests`` replaced when given. ``device`` only matters to a real rank,
+        which then sizes its own KV cache (no ``kv_cache_tokens``), by the rule the plan
+        predicts."""
         graph_kwargs: dict[str, Any] = {"cuda_graph_bs": "auto", "cuda_graph_max_bs": "auto"}
         if not isinstance(self.cuda_graph_bs, str):
             sizes = tuple(int(s) for s in self.cuda_graph_bs)
@@ -72,7 +69,7 @@ class PlanInput:
             raise ValueError(f'PlanInput.cuda_graph_bs must be "auto" or sizes, got {self.cuda_graph_bs!r}')
         return RankSpec.create(
             _model_ref(self.model), dispatcher=self.dispatcher, use_cuda_graph=self.use_cuda_graph,
-            kv_cache_tokens=kv_cache_tokens, max_context_len=self.context_len,
+            kv_mem_fraction=self.kv_mem_fraction, max_context_len=self.context_len,
             dp_size=self.dp_size, ep_size="auto" if self.ep_size is None else self.ep_size,
             max_running_requests=self.max_running_requests if max_running_requests is None else max_running_requests,
             chunked_prefill_size=self.chunked_prefill_size, dtype=self.dtype, device=device,

@@ -1,5 +1,5 @@
 """What the capacity planner returns: per-rank components, KV capacity, the verdict, the JSON
-schema ``dp-runtime.plan/1`` (keys: docs/planner.md), and the predicted-vs-measured rows of
+schema ``dp-runtime.plan/2`` (keys: docs/planner.md), and the predicted-vs-measured rows of
 ``--measure``."""
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ __all__ = [
     "compare_measured",
 ]
 
-SCHEMA = "dp-runtime.plan/1"
-# The components RankWorker.memory_report() measures, under the same names.
-MEASURED_COMPONENTS = (
+SCHEMA = "dp-runtime.plan/2"
+# Every component, in the order of the table and of the JSON.
+COMPONENTS = (
     "weights", "kv_cache", "dp_buffers", "dispatcher_workspace", "graph_inputs", "graph_pool",
-    "activation_peak",
+    "activation_peak", "nccl", "cuda_context",
 )
-COMPONENTS = (*MEASURED_COMPONENTS, "nccl", "cuda_context")
+# The components RankWorker.memory_report() measures, under the same names (activation_peak:
+# its profile step; cuda_context: the memory outside torch when it sizes the KV cache).
+MEASURED_COMPONENTS = tuple(c for c in COMPONENTS if c != "nccl")
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ class CapacityPlan:
     components: Components
     dp_buffer_modes: tuple[GatheredRows, ...]
     kv: KVCapacity
-    headroom_bytes: int
+    graph_reserve_bytes: int  # what the rank sets aside for its graphs before sizing the KV cache
+    headroom_bytes: int  # what the rank leaves of the memory its KV cache could have taken
     fits: bool
     reason: str
     largest_max_running_requests: int
@@ -124,7 +127,8 @@ class CapacityPlan:
 
     @property
     def free_bytes(self) -> int:
-        """GPU memory left after every component (the headroom lies in it); negative: over."""
+        """GPU memory left after every component: the headroom and what the graphs' reserve
+        holds beyond their estimate; negative: over."""
         return self.gpu_mem_bytes - self.total_bytes
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,7 +144,7 @@ class CapacityPlan:
                 "chunked_prefill_size": inp.chunked_prefill_size, "cuda_graph_bs": graph_bs,
                 "context_len": inp.context_len, "dispatcher": inp.dispatcher,
                 "use_cuda_graph": inp.use_cuda_graph, "kv_tokens_per_request": inp.kv_tokens_per_request,
-                "headroom_fraction": inp.headroom_fraction, "headroom_min_bytes": inp.headroom_min_bytes,
+                "kv_mem_fraction": inp.kv_mem_fraction,
             },
             "resolved": {
                 "world_size": self.world_size, "ep_size": rt.ep_size, "ep_rank": self.ep_rank,
@@ -163,6 +167,7 @@ class CapacityPlan:
             },
             "gpu_mem_bytes": self.gpu_mem_bytes,
             "total_bytes": self.total_bytes,
+            "graph_reserve_bytes": self.graph_reserve_bytes,
             "headroom_bytes": self.headroom_bytes,
             "free_bytes": self.free_bytes,
             "fits": self.fits,

@@ -2,23 +2,25 @@
 
 ``plan_capacity(PlanInput) -> CapacityPlan``. Every number comes from the sizing functions the
 runtime allocates with (``dp_runtime.memory_sizing``, ``dispatcher.sizing``, the registry
-builders and the DP buffer service on the meta device); the graph pool and the activation peak
-are documented estimates that ``dp-runtime plan --measure`` checks on a GPU. The inputs go
-through ``RankSpec.create`` (and so ``RuntimeConfig``): an invalid combination raises the
-runtime's own ValueError.
+builders and the DP buffer service on the meta device); the graph memory and the largest
+step's peak are documented estimates (``dp_runtime.memory_estimates``) that
+``dp-runtime plan --measure`` checks on a GPU. The inputs go through ``RankSpec.create`` (and
+so ``RuntimeConfig``): an invalid combination raises the runtime's own ValueError.
 
 The rank planned is EP rank 0, which holds the most experts when they do not divide evenly
-(``ExpertPartition`` gives the remainder to the first ranks). The KV cache takes what is left
-after every other component and the headroom, sized with ``kv_slots_for_budget``. (The rank
-worker, given no ``kv_cache_tokens``, budgets ``kv_mem_fraction`` of the memory free after its
-weights instead; ``--measure`` passes the planned slots as ``kv_cache_tokens``.)
+(``ExpertPartition`` gives the remainder to the first ranks). Its KV cache is sized by the
+rank's own rule (``dp_runtime/rank_memory.py``, with the same functions): of what is free when
+it sizes the cache (the GPU less the CUDA context, NCCL, the weights, the DP buffers, a
+persistent dispatcher workspace and the graph inputs), ``memory_sizing.kv_budget_bytes`` takes
+``kv_mem_fraction`` after the largest step's peak and the graphs' reserve
+(``memory_estimates.graph_reserve_bytes``), and ``kv_slots_for_budget`` turns it into slots.
 
-Fit rule: the plan fits when the other components and the headroom leave room for a KV cache of
-at least ``max_running_requests * kv_tokens_per_request`` token slots (default
-``kv_tokens_per_request = context_len``: every running request can reach its full context at
-once, with no preemption). ``largest_max_running_requests`` is the largest value for which that
-holds with every other input unchanged, found by bisection (the rule is monotone: a larger
-max_running_requests needs more KV and never less of anything else).
+Fit rule: the plan fits when that KV cache holds at least ``max_running_requests *
+kv_tokens_per_request`` token slots (default ``kv_tokens_per_request = context_len``: every
+running request can reach its full context at once, with no preemption) and one request of
+``context_len`` (less, and the rank refuses to start). ``largest_max_running_requests`` is the
+largest value for which that holds with every other input unchanged, found by bisection (the
+rule is monotone: a larger max_running_requests needs more KV and never less of anything else).
 
 JSON: ``CapacityPlan.to_dict()`` / ``to_json()``, schema ``dp-runtime.plan/1`` (keys:
 docs/planner.md). The input lives in ``plan_input.py``, the result types in ``plan_result.py``,
@@ -30,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dispatcher.partition import ExpertPartition
+from dp_runtime import memory_estimates as me
 from dp_runtime import memory_sizing as ms
 from dp_runtime.choices import Choices, resolve_choices
 from dp_runtime.config import RuntimeConfig
@@ -121,59 +124,62 @@ def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> Capac
     choices = plan_choices(inp, rt, cfg.head_dim)
     graphs, graphs_reason = choices.graphs, choices.graphs_reason
     dispatcher, dispatcher_reason = choices.dispatcher, choices.dispatcher_reason
-    max_bucket = rt.cuda_graph_bs[-1] if graphs else 0
     moe = (cfg.hidden_size, cfg.top_k, rt.dtype)
-    step_at_bucket = ms.dispatcher_step_bytes(dispatcher, rt.ep_size, max_bucket, *moe)
-    step_at_max = ms.dispatcher_step_bytes(dispatcher, rt.ep_size, rt.max_tokens_per_rank, *moe)
+    graph_pool = me.rank_graph_pool_bytes_estimate(cfg, rt, ctx, attention=choices.attention, graphs=graphs)
     fixed_parts = dict(
         weights_bytes=fixed.weights_bytes,
         dp_buffers_bytes=ms.dp_buffer_bytes(rt, dispatcher, cfg.top_k),
         dispatcher_workspace_bytes=ms.dispatcher_workspace_bytes(dispatcher, rt.ep_size, rt.max_tokens_per_rank, *moe),
         graph_inputs_bytes=ms.graph_input_bytes(rt, decode_graphs=graphs),
-        graph_pool_bytes=ms.graph_pool_bytes_estimate(
-            cfg, rt.dtype, max_bucket, step_at_bucket, capture_sizes=tuple(rt.cuda_graph_bs) if graphs else (),
-            per_bucket_bytes=ms.FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES if choices.attention == "flashinfer" else 0),
-        activation_peak_bytes=ms.activation_peak_bytes_estimate(cfg, rt.dtype, rt.max_tokens_per_rank, mrr,
-                                                                step_at_max),
+        graph_pool_bytes=graph_pool,
+        activation_peak_bytes=me.largest_step_bytes_estimate(cfg, rt, ctx, attention=choices.attention,
+                                                             dispatcher=dispatcher),
         nccl_bytes=ms.nccl_overhead_bytes(rt.dp_size, rt.ep_size),
         cuda_context_bytes=ms.cuda_context_bytes("cuda"),
     )
     transient = dispatcher in ms.TRANSIENT_WORKSPACE_DISPATCHERS
     gpu = inp.gpu_mem_bytes
-    headroom = max(round(inp.headroom_fraction * gpu), inp.headroom_min_bytes)
-    # A transient dispatcher workspace is part of the activation peak: count it once.
-    non_kv = sum(fixed_parts.values()) - (fixed_parts["dispatcher_workspace_bytes"] if transient else 0)
-    budget = gpu - headroom - non_kv
+    # What the rank holds when it sizes its KV cache: not the graphs (captured after it), not the
+    # step's transients (a transient workspace is one of them), not the cache.
+    held = sum(v for k, v in fixed_parts.items() if k not in ("graph_pool_bytes", "activation_peak_bytes"))
+    held -= fixed_parts["dispatcher_workspace_bytes"] if transient else 0
+    reserve = me.graph_reserve_bytes(graph_pool)
+    peak = fixed_parts["activation_peak_bytes"]
+    budget = ms.kv_budget_bytes(gpu - held, peak, reserve, inp.kv_mem_fraction)
     slots = ms.kv_slots_for_budget(cfg, rt.dtype, budget, mrr, ctx) if budget > 0 else 0
     kv_bytes = ms.kv_cache_bytes(cfg, rt.dtype, slots, mrr, ctx) if slots > 0 else 0
     kv = KVCapacity(fixed.kv_bytes_per_token, slots, slots // ctx, mrr * fixed.kv_tokens_per_request)
     components = Components(kv_cache_bytes=kv_bytes, dispatcher_workspace_transient=transient, **fixed_parts)
-    fits, reason = _verdict(components, kv, gpu, headroom, fixed, mrr)
+    fits, reason = _verdict(components, kv, gpu, reserve, fixed, mrr, inp.kv_mem_fraction)
     return CapacityPlan(
         input=inp, runtime=rt, model=cfg, world_size=rt.world_size, ep_rank=fixed.ep_rank,
         local_experts=fixed.local_experts, dispatcher=dispatcher, dispatcher_reason=dispatcher_reason,
         cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, context_len=ctx,
         kv_tokens_per_request=fixed.kv_tokens_per_request, components=components,
-        dp_buffer_modes=_dp_buffer_modes(rt, cfg.top_k), kv=kv, headroom_bytes=headroom, fits=fits,
-        reason=reason, largest_max_running_requests=-1,
+        dp_buffer_modes=_dp_buffer_modes(rt, cfg.top_k), kv=kv, graph_reserve_bytes=reserve,
+        headroom_bytes=gpu - held - peak - reserve - kv_bytes, fits=fits, reason=reason,
+        largest_max_running_requests=-1,
     )
 
 
-def _verdict(c: Components, kv: KVCapacity, gpu: int, headroom: int, fixed: _Fixed,
-             mrr: int) -> tuple[bool, str]:
+def _verdict(c: Components, kv: KVCapacity, gpu: int, reserve: int, fixed: _Fixed, mrr: int,
+             fraction: float) -> tuple[bool, str]:
     others = {k: v for k, v in c.as_dict().items() if k != "kv_cache"}
     if c.dispatcher_workspace_transient:
         others.pop("dispatcher_workspace")
-    if c.weights_bytes + headroom > gpu:
+    outside = c.cuda_context_bytes + c.nccl_bytes
+    if c.weights_bytes + outside > gpu:
         return False, (f"weights alone are {_gib_text(c.weights_bytes)} on EP rank "
                        f"{fixed.ep_rank} ({fixed.local_experts} experts), over the GPU's "
-                       f"{_gib_text(gpu)} less {_gib_text(headroom)} headroom")
-    if kv.slots < 1 or kv.slots < kv.needed_slots:
+                       f"{_gib_text(gpu)} less {_gib_text(outside)} of CUDA context and NCCL")
+    if kv.slots < 1 or kv.slots < kv.needed_slots or kv.slots < fixed.context_len:
         largest = max(others, key=others.__getitem__)
-        return False, (f"the KV cache gets {kv.slots} token slots, "
-                       f"max_running_requests {mrr} x {fixed.kv_tokens_per_request} tokens needs "
-                       f"{kv.needed_slots} (other components {_gib_text(sum(others.values()))}, "
-                       f"largest: {largest} {_gib_text(others[largest])}; headroom {_gib_text(headroom)})")
+        need = (f"max_running_requests {mrr} x {fixed.kv_tokens_per_request} tokens needs {kv.needed_slots}"
+                if kv.slots < kv.needed_slots else f"one request of context_len {fixed.context_len} needs more: "
+                "the rank refuses to start")
+        return False, (f"the KV cache gets {kv.slots} token slots, {need} (other components "
+                       f"{_gib_text(sum(others.values()))}, largest: {largest} {_gib_text(others[largest])}; "
+                       f"graphs' reserve {_gib_text(reserve)}; kv_mem_fraction {fraction:g})")
     return True, (f"the KV cache holds {kv.slots} tokens ({kv.requests_at_full_context} requests "
                   f"at full context {fixed.context_len}); {kv.needed_slots} needed")
 

@@ -42,7 +42,7 @@ def test_json_is_the_plan_of_the_same_input():
     doc = json.loads(result.output)
     want = plan_capacity(PlanInput(dp_size=2, max_running_requests=64, context_len=2048)).to_dict()
     assert doc == want
-    assert doc["schema"] == "dp-runtime.plan/1" and doc["resolved"]["dispatcher"] == "flashinfer"
+    assert doc["schema"] == "dp-runtime.plan/2" and doc["resolved"]["dispatcher"] == "flashinfer"
 
 
 def test_gpu_options():
@@ -51,6 +51,8 @@ def test_gpu_options():
     assert doc["resolved"]["dispatcher"] == "all_gather"  # auto without NVLink, graphs on
     doc = json.loads(invoke("plan", "--json", "--gpu-mem-gib", "200").output)
     assert doc["gpu_mem_bytes"] == 200 * GIB and doc["input"]["gpu"] == "200 GiB"
+    half = json.loads(invoke("plan", "--json", "--gpu-mem-gib", "200", "--kv-mem-fraction", "0.5").output)
+    assert half["input"]["kv_mem_fraction"] == 0.5 and half["kv"]["slots"] < doc["kv"]["slots"]
 
 
 def test_small_gpu_does_not_fit_and_says_weights():
@@ -79,6 +81,7 @@ def test_graph_sizes_option():
         (("--model", "/no/such/dir"), "neither a preset"),
         (("--dispatcher", "all_to_all"), "cannot be captured in a CUDA graph"),
         (("--dtype", "int8"), "dtype must be"),
+        (("--kv-mem-fraction", "0"), "kv_mem_fraction must be in (0, 1]"),
     ],
 )
 def test_bad_input_exits_2_with_the_rule(args, words):
@@ -112,7 +115,8 @@ class _FakeWorker:
 
     def memory_report(self):
         return {"weights": 1000, "kv_cache": 2000, "dp_buffers": 10, "dispatcher_workspace": 0,
-                "graph_inputs": 5, "graph_pool": 0, "activation_peak": 7}
+                "graph_inputs": 5, "graph_pool": 40, "activation_peak": 7, "graph_reserve": 50,
+                "cuda_context": 3}
 
     def close(self):
         type(self).closed += 1
@@ -126,31 +130,35 @@ def test_measure_builds_one_rank_and_compares(monkeypatch):
                     "--gpu-mem-gib", "10")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
-    assert doc["schema"] == "dp-runtime.plan-measure/1"
+    assert doc["schema"] == "dp-runtime.plan-measure/2"
     rows = {r["component"]: r for r in doc["comparison"]}
     assert list(rows) == list(MEASURED_COMPONENTS)
     assert rows["weights"]["measured_bytes"] == 1000
     assert rows["weights"]["predicted_bytes"] == doc["plan"]["components_bytes"]["weights"]
+    assert rows["cuda_context"]["measured_bytes"] == 3 and doc["measured"]["graph_reserve"] == 50
     spec, rank, world = _FakeWorker.built[0]
     assert (rank, world, _FakeWorker.closed) == (0, 1, 1)
-    assert spec.runtime.device.type == "cuda" and spec.kv_cache_tokens == doc["plan"]["kv"]["slots"]
+    # the rank sizes its own KV cache, by the rule and fraction the plan used
+    assert spec.runtime.device.type == "cuda" and spec.kv_cache_tokens is None
+    assert spec.kv_mem_fraction == doc["plan"]["input"]["kv_mem_fraction"] == 0.85
     # One full prefill chunk of tiny's default 8192 tokens, requests within the context (2048).
     prompts = [r.prompt_ids for r in _FakeWorker.requests]
     assert sum(map(len, prompts)) >= 8192 and max(map(len, prompts)) <= 2047
     assert len(prompts) <= 8 and all(r.sampling.max_new_tokens == 1 for r in _FakeWorker.requests)
     table = invoke("plan", "--measure", "--model", "tiny", "--max-running-requests", "8", "--gpu-mem-gib", "10")
     assert "predicted vs measured" in table.output and "error %" in table.output
+    assert "graph_pool measured 0.000 GiB, within it" in table.output
 
 
 def test_measure_workload_fits_the_plan():
-    kw = dict(model="tiny", max_running_requests=2, chunked_prefill_size=512, headroom_min_bytes=0,
-              headroom_fraction=0.0)
+    kw = dict(model="tiny", max_running_requests=2, chunked_prefill_size=512, kv_mem_fraction=1.0)
     big = plan_capacity(PlanInput(**kw))
     full = measure_workload(big)
     assert sum(len(r.prompt_ids) for r in full) >= 512 and len(full) <= 2
     # A GPU whose memory leaves exactly 300 KV slots: the workload stays within them.
-    non_kv = big.total_bytes - big.components.kv_cache_bytes
-    tight = plan_capacity(PlanInput(gpu_mem_bytes=non_kv + ms.kv_cache_bytes(big.model, torch.bfloat16, 300, 2, 2048),
+    c = big.components
+    others = big.total_bytes - c.kv_cache_bytes - c.graph_pool_bytes + big.graph_reserve_bytes
+    tight = plan_capacity(PlanInput(gpu_mem_bytes=others + ms.kv_cache_bytes(big.model, torch.bfloat16, 300, 2, 2048),
                                     **kw))
     assert tight.kv.slots == 300
     reqs = measure_workload(tight)

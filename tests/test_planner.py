@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from buffers import BufferPool, build_decode_registry, build_prefill_registry
 from dispatcher.sizing import all_to_all_buffer_bytes, flashinfer_workspace_bytes_per_rank
+from dp_runtime import memory_estimates as me
 from dp_runtime import memory_sizing as ms
 from dp_runtime.choices import resolve_choices
 from dp_runtime.config import RuntimeConfig
@@ -115,8 +117,9 @@ def test_transient_workspace_is_counted_once_inside_the_activation_peak():
     ws = all_to_all_buffer_bytes(1, 8192, 2048, 8, BF16)
     c = plan.components
     assert c.dispatcher_workspace_bytes == ws and c.dispatcher_workspace_transient
-    forward = ms.forward_peak_bytes_estimate(QWEN, BF16, 8192, 64)
-    assert c.activation_peak_bytes == forward + ws
+    local = me.largest_step_bytes_estimate(QWEN, plan.runtime, 4096, attention="flashinfer", dispatcher="local")
+    # all_to_all's step buffers at 8192 tokens, and its expert output (8192 rows, as local's)
+    assert c.activation_peak_bytes == local + ws
     assert plan.total_bytes == sum(c.as_dict().values()) - ws
 
 
@@ -149,21 +152,63 @@ def test_graph_inputs_are_the_per_name_maxima_of_both_registries():
     assert ms.graph_input_bytes(rt) == shared
 
 
-def test_forward_estimate_by_hand_and_graph_pool():
-    tiny = ModelConfig.preset("tiny")
+def test_forward_estimate_by_hand():
+    tiny = ModelConfig.preset("tiny")  # H 64, 4 q / 2 kv heads of 16, 8 experts of 32, top-2, V 256
     t, r, e = 16, 4, 2
-    residual = 2 * t * 64 * e
-    # router fp32 + top-k (fp32 weights, int64 ids) + max(GEMM inputs, GEMM outputs + fp32 terms)
-    moe = t * 8 * 4 + t * 2 * 12 + max(t * 2 * (64 + 2 * 32) * e, t * 2 * 64 * (e + 4))
-    head = t * 64 * e + r * 256 * (e + 4)
-    assert ms.forward_peak_bytes_estimate(tiny, BF16, t, r) == max(residual + moe, head)
-    assert ms.graph_pool_bytes_estimate(tiny, BF16, 0, 123) == 0
-    fwd8 = ms.forward_peak_bytes_estimate(tiny, BF16, 8, 8)
-    # the largest bucket's fp32 logits (largest x vocab x 4, shared by every bucket) and one
-    # wrapper workspace per bucket
-    assert ms.graph_pool_bytes_estimate(tiny, BF16, 8, 10, per_bucket_bytes=0) == fwd8 + 10 + 8 * 256 * 4
-    assert ms.graph_pool_bytes_estimate(tiny, BF16, 8, 10, capture_sizes=(1, 4, 8), per_bucket_bytes=100) == (
-        fwd8 + 10 + 8 * 256 * 4 + 300)
+    attention = t * (3 * 64 + 3 * (4 + 2) * 16) * e
+    # residual + normed input + the local expert output; weights and ids, alignment slots; the
+    # Triton path's SwiGLU and down-projection rows (bf16)
+    moe = t * 64 * e * 3 + t * 2 * (4 + 4) + t * 2 * 4 + t * 2 * (32 + 64) * e
+    head = 2 * t * 64 * e + 2 * r * 64 * e + r * 256 * (e + 4)
+    assert ms.dtype_bytes(BF16) == e
+    assert me.forward_peak_bytes_estimate(tiny, BF16, t, r) == max(attention, moe, head)
+    # all_gather: its experts run on every DP rank's rows, written over the gathered buffer
+    n = 3 * t
+    moe3 = t * 64 * e * 2 + t * 2 * 8 + n * 2 * 4 + n * 2 * (32 + 64) * e
+    assert me.forward_peak_bytes_estimate(tiny, BF16, t, r, dispatcher="all_gather", dp_size=3,
+                                          ep_size=3) == max(attention, moe3, head)
+    # fp32 takes the torch path: the (N, K, H) outputs and their fp32 copy
+    moe32 = t * 64 * 4 * 3 + t * 2 * 8 + t * 2 * 4 + max(t * 2 * (64 + 64) * 4, t * 2 * 64 * 12)
+    head32 = 2 * t * 64 * 4 + 2 * r * 64 * 4 + r * 256 * 8
+    assert me.forward_peak_bytes_estimate(tiny, torch.float32, t, r) == max(attention // e * 4, moe32, head32)
+
+
+def test_largest_step_estimate_is_the_profile_steps_parts():
+    rt = PlanInput(max_running_requests=64).rank_spec().runtime
+    tokens, requests = ms.largest_step_tokens(rt, 4096)
+    assert (tokens, requests) == (8192, 64)
+    fi = (256 << 20) + 4 * (8 << 20) + 32768 * 4  # FlashInfer's eager workspace and wrappers
+    want = (me.forward_peak_bytes_estimate(QWEN, BF16, 8192, 64) + fi + me.CUBLAS_WORKSPACE_BYTES
+            + ms.kv_cache_bytes(QWEN, BF16, 1, 64, 4096) + ms.graph_input_bytes(rt, decode_graphs=False))
+    assert me.largest_step_bytes_estimate(QWEN, rt, 4096, attention="flashinfer", dispatcher="local") == want
+    sdpa = me.largest_step_bytes_estimate(QWEN, rt, 4096, attention="sdpa", dispatcher="local")
+    assert sdpa == want - fi
+
+
+def test_graph_pool_estimate_by_hand():
+    tiny = ModelConfig.preset("tiny")
+    kw = dict(max_running_requests=8, context_len=64, attention="flashinfer")
+    assert me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(), extend_tokens=(16,), **kw) == 0
+    cublas, wrapper, fi = me.CUBLAS_WORKSPACE_BYTES, 8 << 20, 256 << 20
+    # decode: the graph workspace and fixed indptr / last-page / indices, the largest bucket's
+    # fp32 logits, a wrapper per bucket (all below the Triton threshold of 64), the stream's cuBLAS
+    decode = fi + (2 * 8 + 1 + 8 * 64) * 4 + 8 * 256 * 4 + 3 * wrapper + cublas
+    assert me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(1, 4, 8), extend_tokens=(), **kw) == decode
+    # extend: per bucket and layer the fused qkv and the rotated q and k; one attention output
+    # per layer at the largest bucket; each bucket's logits (min(T, 8) rows); the stream's cuBLAS
+    piece = (2 * 4 + 3 * 2) * 16 * 2
+    assert me.extend_piece_bytes_per_token(tiny, BF16) == piece
+    extend = (16 + 32) * 2 * piece + 2 * 32 * 4 * 16 * 2 + (8 + 8) * 256 * 4 + cublas
+    assert me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(1, 4, 8), extend_tokens=(16, 32), **kw) == (
+        decode + extend)
+    sdpa = dict(kw, attention="sdpa")  # indices and a mask, no workspace, no wrappers
+    assert me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(1, 4, 8), extend_tokens=(), **sdpa) == (
+        8 * 64 * 5 + 8 * 256 * 4 + cublas)
+    # buckets from 64 up decode with the Triton kernel: no wrapper
+    big = me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(32, 64, 128), extend_tokens=(), **dict(
+        kw, max_running_requests=128))
+    assert big == fi + (2 * 128 + 1 + 128 * 64) * 4 + 128 * 256 * 4 + 1 * wrapper + cublas
+    assert me.graph_reserve_bytes(1000) == 1250
 
 
 def test_graphs_off_have_no_pool_and_no_decode_registry():
@@ -174,14 +219,35 @@ def test_graphs_off_have_no_pool_and_no_decode_registry():
     assert off.dispatcher == "all_to_all"
 
 
-def test_kv_takes_exactly_what_is_left():
+def test_kv_is_sized_by_the_ranks_rule():
+    """What the rank holds when it sizes its KV cache, less the largest step's peak and the
+    graphs' reserve, times kv_mem_fraction: the budget the rank's own functions turn into slots."""
     plan = plan_capacity(PlanInput(max_running_requests=32))
-    c, kv = plan.components, plan.kv
+    c, kv, gpu = plan.components, plan.kv, H100
+    held = c.weights_bytes + c.dp_buffers_bytes + c.dispatcher_workspace_bytes + c.graph_inputs_bytes
+    held += c.nccl_bytes + c.cuda_context_bytes
+    assert plan.graph_reserve_bytes == math.ceil(1.25 * c.graph_pool_bytes)
+    budget = int((gpu - held - c.activation_peak_bytes - plan.graph_reserve_bytes) * 0.85)
+    assert kv.slots == (budget - 33 * 4096 * 4) // 98_304 - 1
     assert c.kv_cache_bytes == ms.kv_cache_bytes(QWEN, BF16, kv.slots, 32, 4096)
-    # Everything left above the headroom is less than one more slot.
-    assert 0 <= plan.free_bytes - plan.headroom_bytes < kv.bytes_per_token
-    assert plan.headroom_bytes == round(0.05 * H100)
+    assert plan.headroom_bytes == gpu - held - c.activation_peak_bytes - plan.graph_reserve_bytes - c.kv_cache_bytes
+    # the headroom is what the 15% left, and the reserve's margin is free too
+    assert plan.free_bytes == plan.headroom_bytes + plan.graph_reserve_bytes - c.graph_pool_bytes
     assert kv.requests_at_full_context == kv.slots // 4096 and kv.needed_slots == 32 * 4096
+    leaner = plan_capacity(PlanInput(max_running_requests=32, kv_mem_fraction=0.5))
+    assert leaner.kv.slots < kv.slots and leaner.headroom_bytes > plan.headroom_bytes
+
+
+def test_the_graphs_reserve_and_largest_step_are_one_function_for_rank_and_planner():
+    from dp_runtime.rank_memory import graph_reserve_bytes
+
+    for mrr in (64, 256):
+        inp = PlanInput(max_running_requests=mrr)
+        plan, spec = plan_capacity(inp), inp.rank_spec()
+        assert plan.graph_reserve_bytes == graph_reserve_bytes(spec, True, "flashinfer")
+        assert plan.components.activation_peak_bytes == me.largest_step_bytes_estimate(
+            spec.model_config(), spec.runtime, spec.context_len, attention="flashinfer", dispatcher="local")
+    assert graph_reserve_bytes(inp.rank_spec(), False, "flashinfer") == 0
 
 
 def test_overheads():
@@ -302,15 +368,16 @@ def test_gpu_names():
 # -- JSON schema ------------------------------------------------------------------------------------
 def test_json_schema_keys_are_stable():
     doc = json.loads(plan_capacity(PlanInput(dp_size=2, max_running_requests=64)).to_json())
-    assert doc["schema"] == SCHEMA == "dp-runtime.plan/1"
+    assert doc["schema"] == SCHEMA == "dp-runtime.plan/2"
     assert set(doc) == {
         "schema", "input", "resolved", "components_bytes", "dp_buffer_modes", "kv", "gpu_mem_bytes",
-        "total_bytes", "headroom_bytes", "free_bytes", "fits", "reason", "largest_max_running_requests",
+        "total_bytes", "graph_reserve_bytes", "headroom_bytes", "free_bytes", "fits", "reason",
+        "largest_max_running_requests",
     }
     assert set(doc["input"]) == {
         "model", "dtype", "dp_size", "ep_size", "gpu", "gpu_mem_bytes", "nvlink", "max_running_requests",
         "chunked_prefill_size", "cuda_graph_bs", "context_len", "dispatcher", "use_cuda_graph",
-        "kv_tokens_per_request", "headroom_fraction", "headroom_min_bytes",
+        "kv_tokens_per_request", "kv_mem_fraction",
     }
     assert set(doc["resolved"]) == {
         "world_size", "ep_size", "ep_rank", "local_experts", "dtype", "dispatcher", "dispatcher_reason",

@@ -1,0 +1,230 @@
+"""ESTIMATES of the two components no allocator function sizes: the largest step's peak (what a
+rank's profile step measures, dp_runtime/rank_memory.py) and the memory that capturing the
+graphs adds (what the rank measures over its capture, dp_runtime/graph_setup.py); and the
+graphs' reserve built on the second. Pure functions of shapes: the rank reserves with them and
+the planner (launch/planner.py) predicts with them, one formula for both, and
+``dp-runtime plan --measure`` prints each beside the rank's measured value.
+
+Modelled for the path a rank takes on a CUDA GPU in bf16: FlashInfer attention, norms and the
+fused q/k prologue, the Triton expert path (``model/fused_moe_triton.py``). Built from what the
+code allocates and checked against the session-12 measurements of qwen3-30b-a3b on an H100
+(docs/BENCHMARKS.md): graph memory 2.55 GiB at 64 running and 5.28 at 256 (that tree kept every
+decode bucket's logits and did not count the backend's graph state), largest step 0.75 and
+0.76 GiB; these formulas, applied to those trees, give each within 1%.
+
+Legend: ``T`` tokens of a forward on this rank, ``N`` rows its experts run on, ``R`` logit rows,
+``H`` hidden, ``K`` top-k, ``I`` expert intermediate size, ``V`` vocab, ``L`` layers,
+``Hq``/``Hkv`` heads, ``D`` head dim, ``B`` the largest decode bucket, ``C`` the context
+length, ``e`` bytes per element of the model dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from dp_runtime import memory_sizing as ms
+from dp_runtime.attention.triton_decode import TRITON_DECODE_MIN_BS
+from dp_runtime.config import RuntimeConfig
+from dp_runtime.graph_setup import extend_capture_tokens
+from dp_runtime.model.model_config import ModelConfig
+
+__all__ = [
+    "CUBLAS_WORKSPACE_BYTES",
+    "FLASHINFER_FLOAT_WORKSPACE_BYTES",
+    "FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES",
+    "GRAPH_RESERVE_MARGIN",
+    "attention_backend_bytes",
+    "attention_graph_state_bytes",
+    "expert_rows",
+    "extend_piece_bytes_per_token",
+    "forward_peak_bytes_estimate",
+    "graph_pool_bytes_estimate",
+    "graph_reserve_bytes",
+    "largest_step_bytes_estimate",
+    "rank_graph_pool_bytes_estimate",
+]
+
+_MIB = 1 << 20
+_FP32 = _INT32 = 4
+_INT64 = 8
+# torch's cuBLAS workspace, one per (handle, stream) that runs a GEMM, from the caching allocator
+# (so counted where it is made): 32 MiB on sm90 (CUBLAS_WORKSPACE_CONFIG ":4096:8"). A rank makes
+# one on its stream in the profile step (its first GEMM) and one on each capture stream (decode,
+# extend): the tiny preset's 68 MiB of graph memory on an H100 is two of these.
+CUBLAS_WORKSPACE_BYTES = 32 * _MIB
+# FlashInferBackend's float workspace (its ``workspace_bytes`` default): one for the eager
+# wrappers, one more for the graph wrappers (``init_capture``).
+FLASHINFER_FLOAT_WORKSPACE_BYTES = 256 * _MIB
+# FlashInfer allocates an 8 MiB int workspace on the device in every wrapper's __init__
+# (flashinfer 0.7.2 decode.py / prefill.py): the eager backend makes four (decode, paged, ragged,
+# ragged for long runs), the graph runner one per decode bucket below TRITON_DECODE_MIN_BS.
+FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES = 8 * _MIB
+_FLASHINFER_EAGER_WRAPPERS = 4
+_FLASHINFER_PAGED_KV_LENS_BYTES = 32768 * _INT32  # the paged prefill wrapper's kv_lens buffer
+# The graphs are captured after the KV cache (they bake in its addresses), so they are reserved
+# from the estimate. The estimate counts what stays allocated; the graphs' private pool also
+# keeps the blocks its largest capture freed (about one extend forward at the largest token
+# bucket, ~0.1 GiB for qwen3-30b-a3b) reserved as long as the graphs live: a quarter more.
+GRAPH_RESERVE_MARGIN = 1.25
+
+
+# -- attention backends ---------------------------------------------------------------------------
+def attention_backend_bytes(attention: str) -> int:
+    """Device bytes an eager attention backend allocates when built: FlashInfer's float workspace,
+    its four wrappers' int workspaces and the paged wrapper's kv_lens; SDPA nothing."""
+    if attention != "flashinfer":
+        return 0
+    return (FLASHINFER_FLOAT_WORKSPACE_BYTES + _FLASHINFER_EAGER_WRAPPERS * FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES
+            + _FLASHINFER_PAGED_KV_LENS_BYTES)
+
+
+def attention_graph_state_bytes(attention: str, max_bs: int, context_len: int) -> int:
+    """What ``init_capture(max_bs)`` allocates for the decode graphs: FlashInfer a second float
+    workspace and fixed int32 indptr (B + 1), last-page lengths (B) and indices (B x C); SDPA
+    int32 indices and a bool mask, B x C each."""
+    if max_bs <= 0:
+        return 0
+    if attention == "flashinfer":
+        return FLASHINFER_FLOAT_WORKSPACE_BYTES + (2 * max_bs + 1 + max_bs * context_len) * _INT32
+    return max_bs * context_len * (_INT32 + 1)
+
+
+# -- the forward -----------------------------------------------------------------------------------
+def expert_rows(dispatcher: str, dp_size: int, ep_size: int, num_tokens: int) -> int:
+    """``N``: the rows a rank's experts run on when every rank has ``num_tokens``: ``local`` its
+    own; ``all_gather`` every DP rank's (the gathered buffer); ``flashinfer`` and
+    ``all_to_all`` up to every EP rank's (FlashInfer pads each to the step's largest). The
+    fused expert path sizes its intermediates for all ``N x K`` picks, this rank's or not."""
+    t = int(num_tokens)
+    if dispatcher == "local":
+        return t
+    if dispatcher == "all_gather":
+        return t * dp_size
+    if dispatcher in ("flashinfer", "all_to_all"):
+        return t * ep_size
+    raise ValueError(f"unknown dispatcher kind {dispatcher!r}; expected local, all_gather, all_to_all or flashinfer")
+
+
+def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, num_logit_rows: int, *,
+                                dispatcher: str = "local", dp_size: int = 1, ep_size: int = 1) -> int:
+    """ESTIMATE of the intermediates of one forward live at once, at its peak: ``max(attention,
+    moe, head)`` bytes, where (module legend; ``N = expert_rows(...)``)::
+
+        attention = T*(3H + 3(Hq + Hkv)D)*e       residual, normed input, fused qkv (v is a view),
+                                                  normed+rotated q and k, attention output, o_proj
+        moe       = 2T*H*e                         residual, normed input
+                  + N*H*e   (local, all_to_all)    the expert output (else in the dispatcher's
+                                                   workspace or the gathered rows)
+                  + T*K*8 + N*K*4                  top-k weights (fp32) and ids (int32), the
+                                                   pick alignment's slots
+                  + N*K*(I + H)*e                  bf16 (Triton path): SwiGLU rows, then the
+                                                   down projection's rows, live together
+                    N*K*max((H + 2I)*e, H*(2e + 4))  other dtypes (torch path): grouped GEMM
+                                                   rows, or the outputs put back in (token, k)
+                                                   order beside their fp32 copy
+        head      = 2T*H*e + 2R*H*e + R*V*(e + 4)  the last layer's rows, the sampling rows,
+                                                   logits in dtype and in fp32
+
+    An estimate: kernels may take workspaces of their own (FlashInfer's are counted with the
+    backend, ``attention_backend_bytes``), and the caching allocator rounds blocks.
+    """
+    t, r = int(num_tokens), int(num_logit_rows)
+    n = expert_rows(dispatcher, dp_size, ep_size, t)
+    e = ms.dtype_bytes(dtype)
+    h, k, i, d = cfg.hidden_size, cfg.top_k, cfg.moe_intermediate_size, cfg.head_dim
+    attention = t * (3 * h + 3 * (cfg.num_heads + cfg.num_kv_heads) * d) * e
+    moe = 2 * t * h * e + (n * h * e if dispatcher in ("local", "all_to_all") else 0)
+    moe += t * k * (_FP32 + _INT32) + n * k * _INT32
+    if dtype == torch.bfloat16:
+        moe += n * k * (i + h) * e
+    else:
+        moe += max(n * k * (h + 2 * i) * e, n * k * h * (2 * e + _FP32))
+    head = 2 * t * h * e + 2 * r * h * e + r * cfg.vocab_size * (e + _FP32)
+    return max(attention, moe, head)
+
+
+def largest_step_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len: int, *, attention: str,
+                                dispatcher: str) -> int:
+    """ESTIMATE of what the rank's profile step measures (``rank_memory.profile_largest_step``):
+    the allocation growth over one eager forward of the largest step
+    (``memory_sizing.largest_step_tokens``) on a one-slot KV cache with an attention backend of
+    its own. That is the forward's peak (``forward_peak_bytes_estimate``) plus the dispatcher's
+    step buffers at ``T`` (all_to_all), the backend (``attention_backend_bytes``), the one-slot
+    cache (``memory_sizing.kv_cache_bytes``), the eager registry the probe's runner takes from
+    the pool (``memory_sizing.graph_input_bytes`` without decode graphs) and the cuBLAS
+    workspace of the rank's first GEMM (``CUBLAS_WORKSPACE_BYTES``)."""
+    tokens, requests = ms.largest_step_tokens(rt, context_len)
+    moe = (cfg.hidden_size, cfg.top_k, rt.dtype)
+    peak = forward_peak_bytes_estimate(cfg, rt.dtype, tokens, requests, dispatcher=dispatcher, dp_size=rt.dp_size,
+                                       ep_size=rt.ep_size)
+    peak += ms.dispatcher_step_bytes(dispatcher, rt.ep_size, tokens, *moe)
+    peak += attention_backend_bytes(attention) + CUBLAS_WORKSPACE_BYTES
+    peak += ms.kv_cache_bytes(cfg, rt.dtype, 1, rt.max_running_requests, context_len)
+    return peak + ms.graph_input_bytes(rt, decode_graphs=False)
+
+
+# -- the graphs ------------------------------------------------------------------------------------
+def extend_piece_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """What a captured extend piece keeps per token of its bucket, for each attention layer:
+    the fused projection (its v is a view of it) and the normed, rotated q and k, which the
+    attention between two pieces reads: ``(Hq + 2Hkv)D + HqD + HkvD`` elements."""
+    return (2 * cfg.num_heads + 3 * cfg.num_kv_heads) * cfg.head_dim * ms.dtype_bytes(dtype)
+
+
+def graph_pool_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, *, capture_sizes: Sequence[int],
+                              extend_tokens: Sequence[int], max_running_requests: int, context_len: int,
+                              attention: str) -> int:
+    """ESTIMATE of the memory that capturing the graphs leaves allocated (what
+    ``graph_setup.capture_rank_graphs`` measures). Graphs are captured largest first into one
+    private pool, where what a capture frees is reused by the next, so what stays is what the
+    graphs keep. Decode buckets (``capture_sizes``, largest ``B``; none: 0)::
+
+        attention_graph_state_bytes(attention, B, C)     init_capture
+        + B*V*4                                          the largest bucket's fp32 logits, where
+                                                         every bucket writes its rows
+        + 8 MiB per bucket below TRITON_DECODE_MIN_BS    FlashInfer's wrapper (none for SDPA)
+        + CUBLAS_WORKSPACE_BYTES                         the capture stream's
+
+    and extend token buckets (``extend_tokens``, largest ``T_max``; pieces around attention)::
+
+        sum(T)*L*extend_piece_bytes_per_token            each bucket's q/k/v, per layer
+        + L*T_max*Hq*D*e                                 the attention outputs, one buffer per
+                                                         layer shared by every bucket
+        + sum(min(T, max_running_requests))*V*4          each bucket's fp32 logits
+        + CUBLAS_WORKSPACE_BYTES                         the capture stream's
+    """
+    sizes, tokens = tuple(capture_sizes), tuple(extend_tokens)
+    if not sizes:
+        return 0
+    v = cfg.vocab_size
+    b = max(sizes)
+    total = attention_graph_state_bytes(attention, b, context_len) + b * v * _FP32 + CUBLAS_WORKSPACE_BYTES
+    if attention == "flashinfer":
+        total += sum(s < TRITON_DECODE_MIN_BS for s in sizes) * FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES
+    if tokens:
+        layers, e = cfg.num_layers, ms.dtype_bytes(dtype)
+        total += sum(tokens) * layers * extend_piece_bytes_per_token(cfg, dtype)
+        total += layers * max(tokens) * cfg.num_heads * cfg.head_dim * e
+        total += sum(min(t, max_running_requests) for t in tokens) * v * _FP32 + CUBLAS_WORKSPACE_BYTES
+    return total
+
+
+def rank_graph_pool_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len: int, *, attention: str,
+                                   graphs: bool) -> int:
+    """``graph_pool_bytes_estimate`` for the graphs a rank of ``rt`` captures: its decode sizes
+    and the extend buckets ``graph_setup.extend_capture_tokens`` keeps; 0 without graphs."""
+    if not graphs:
+        return 0
+    return graph_pool_bytes_estimate(cfg, rt.dtype, capture_sizes=rt.cuda_graph_bs,
+                                     extend_tokens=extend_capture_tokens(rt, context_len),
+                                     max_running_requests=rt.max_running_requests, context_len=context_len,
+                                     attention=attention)
+
+
+def graph_reserve_bytes(graph_pool_estimate: int) -> int:
+    """What a rank sets aside for its graphs before sizing the KV cache: the estimate with
+    ``GRAPH_RESERVE_MARGIN`` (see there)."""
+    return math.ceil(GRAPH_RESERVE_MARGIN * graph_pool_estimate)
