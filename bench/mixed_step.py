@@ -33,7 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from bench.prefill import parse_shapes
-from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.request import Request, SamplingParams
@@ -115,8 +114,8 @@ def timed(worker: RankWorker, b: int, n: int, iters: int, tag: str) -> tuple[lis
     if "other" in kinds:
         raise RuntimeError(f"shape {b}x{n}: a step was not the mixed/decode step expected ({kinds})")
     gaps = [b2 - a for a, b2 in itertools.pairwise(returns)]
-    mixed = [t for t, k in zip(gaps, kinds) if k == "mixed"]
-    decode = [t for t, k in zip(gaps, kinds) if k == "decode"]
+    mixed = [t for t, k in zip(gaps, kinds, strict=True) if k == "mixed"]
+    decode = [t for t, k in zip(gaps, kinds, strict=True) if k == "decode"]
     worker.pop_finished()
     return mixed, decode, host
 

@@ -48,7 +48,6 @@ from bench.serve_load import _commit, _model_config, summarize_rate
 from dp_runtime.serving.request import Request, RequestResult
 from launch.cli_errors import UsageError, bench_main
 
-
 PATHS = ("rank", "engine", "http")
 
 

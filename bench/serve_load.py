@@ -60,11 +60,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from bench.load_summary import STEP_KINDS, decode_step_s, ideal_occupancy, step_kinds, summarize_rate
+from bench.load_summary import (
+    STEP_KINDS,
+    decode_step_s,
+    ideal_occupancy,
+    step_kinds,
+    summarize_rate,
+)
 from bench.load_table import print_table
 from bench.load_workload import Lengths, decode_probe_requests, make_requests, warmup_requests
-from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.config import RuntimeConfig
+from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request, RequestResult
 from launch import process_group

@@ -183,11 +183,8 @@ class RankWorker:
                                                 check_indices=cfg.flashinfer_checks)
         # The model attends through a seam that extend graphs cut their pieces at.
         self.model.attention = AttentionSplit(self.attention)
-        self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
-                                   chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank,
-                                   vocab_size=mc.vocab_size, eos_token_ids=spec.eos_token_ids,
-                                   mixed_steps=cfg.mixed_steps, mixed_step_tokens=cfg.mixed_step_tokens,
-                                   policy=cfg.schedule_policy)
+        self.scheduler = Scheduler.for_runtime(KVAllocator(self.kv_cache), cfg, rank=self.rank,
+                                               vocab_size=mc.vocab_size, eos_token_ids=spec.eos_token_ids)
         self.eager = eager_runner(self.attention)
         if choices.graphs:
             self.rank_graphs = capture_rank_graphs(

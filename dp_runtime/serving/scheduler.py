@@ -58,6 +58,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -170,6 +171,15 @@ class Scheduler:
         self._rids: set[str] = set()
         # The token each request row sampled last, on the device: decode input ids (module docstring).
         self.last_tokens = torch.zeros(cache.req_to_token.shape[0], dtype=torch.int64, device=cache.device)
+
+    @classmethod
+    def for_runtime(cls, allocator: KVAllocator, cfg: Any, *, rank: int, vocab_size: int | None,
+                    eos_token_ids: Iterable[int]) -> Scheduler:
+        """The scheduler of a rank whose RuntimeConfig is ``cfg`` (its serving fields)."""
+        return cls(allocator, max_running_requests=cfg.max_running_requests,
+                   chunked_prefill_size=cfg.chunked_prefill_size, rank=rank, vocab_size=vocab_size,
+                   eos_token_ids=eos_token_ids, mixed_steps=cfg.mixed_steps,
+                   mixed_step_tokens=cfg.mixed_step_tokens, policy=cfg.schedule_policy)
 
     # -- requests in -----------------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> list[RequestResult]:
