@@ -57,6 +57,8 @@
 #   bash bench/run_gpu.sh split13   # one GPU: attention/mixed GPU tests; mixed steps and serve_load (lof) vs .bases/b1
 #   bash bench/run_gpu.sh http13    # one GPU: HTTP against in-process at 64 running (rates 16 and inf)
 #   bash bench/run_gpu.sh decode13  # one GPU: serve_step bs 1/64/256 here against .bases/b2 (dfb36f3)
+#   bash bench/run_gpu.sh final13   # one GPU: the GPU tests of session 13's changes (memory, graphs, DP buffers, attention)
+#   bash bench/run_gpu.sh mst13     # one GPU: serve_load (lof) at 64 and 128 running, mixed budget auto against 2048
 #   bash bench/run_gpu.sh plan13    # one GPU: plan --measure (qwen3-30b-a3b) at 64 and 256 running, ~4 min
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
@@ -360,6 +362,18 @@ case "${1:-one}" in
     bases > /dev/null
     step decode_compare timeout ${TDEC:-400} python bench/compare_trees.py --base /tmp/bases/b2 -- python bench/serve_step.py \
       --batch-sizes 1,64,256 --iters 20
+    ;;
+  final13)  # one GPU: the GPU tests of session 13's changes
+    step gpu_tests timeout ${TESTS_TIMEOUT:-540} python -m pytest -m gpu -p no:cacheprovider -q -rs \
+      tests/test_rank_memory_gpu.py tests/test_mixed_steps_gpu.py tests/test_graph_gpu.py tests/test_model_gpu.py \
+      tests/test_extend_graphs.py tests/test_flashinfer_backend.py tests/test_overlap_gpu.py tests/test_dp_gather_gpu.py \
+      tests/test_dispatch_gpu.py tests/test_buffers_gpu.py
+    ;;
+  mst13)  # one GPU: serve_load (lof) at 64 and 128 running, the mixed budget auto (1024) against 2048
+    for n in 64 128; do for m in auto 2048; do
+      TAIL=1 step load_${n}_$m timeout 100 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
+        --num-requests $((n == 64 ? 384 : 512)) --max-running-requests $n --policy lof --mixed-step-tokens $m --json
+    done; done
     ;;
   plan13)  # one GPU: the planner's estimates against the rank's own accounting, 64 and 256 running (a rank each)
     for n in 64 256; do
