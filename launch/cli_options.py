@@ -2,8 +2,9 @@
 anything slow starts: no Ray, no model, no process group until they all hold.
 
 ``check_gang_options`` is the one entry: the model, launcher, device, dtype, dp, dispatcher,
-ray-address, max-running-requests, chunked-prefill-size and context-len options (plus the Ray
-launcher's num-cpus, max-restarts and hang-timeout), each checked by itself and then together.
+ray-address, max-running-requests, chunked-prefill-size, context-len, schedule-policy and
+mixed-step-tokens options (plus the Ray launcher's num-cpus, max-restarts and hang-timeout), each
+checked by itself and then together.
 It returns a ``CheckedOptions`` holding the RunConfig, the keywords of ``cli_run.execute`` and the
 RankSpec checked against the device the ranks will most likely get. Every refusal is a
 UsageError (exit 2, one line) naming the option as typed, the rule and the value.
@@ -62,15 +63,17 @@ def check_gang_options(*, model: str = "tiny", launcher: str = "ray", device: st
                        dtype: str = "auto", dp: int | None = None, dispatcher: str = "auto",
                        ray_address: str | None = None, max_running_requests: int = 64,
                        chunked_prefill_size: int = 2048, context_len: int | None = None,
+                       schedule_policy: str = "fcfs", mixed_step_tokens: int | str = "auto",
                        num_cpus: int | None = None, max_restarts: int | None = None,
                        hang_timeout: float | None = None, log_level: str = "warning",
                        ray_address_env: str | None = None, **run_fields: Any) -> CheckedOptions:
     """Check the gang options (module docstring) and return them resolved. ``None`` means "not
-    given". ``ray_address_env`` is RAY_ADDRESS (default: read from the environment).
+    given". ``mixed_step_tokens`` may be the option's text (``"auto"`` or digits).
+    ``ray_address_env`` is RAY_ADDRESS (default: read from the environment).
     ``run_fields`` are further RunConfig fields (``requests``, ``prompt_len``, ``seed``, ...).
     Imports torch (the spec reads the model) but starts nothing. Raises UsageError, or the
     ValueError of a model config or RuntimeConfig rule (a user error too: exit 2)."""
-    from launch.run_config import RunConfig
+    from launch.run_config import RunConfig, parse_mixed_step_tokens
 
     if ray_address_env is None:
         ray_address_env = os.environ.get("RAY_ADDRESS") or None
@@ -83,8 +86,10 @@ def check_gang_options(*, model: str = "tiny", launcher: str = "ray", device: st
                          "pip install 'dp-runtime[ray]', or run one rank with --launcher local")
     cfg = RunConfig(dp=dp, model=model, dispatcher=dispatcher, dtype=dtype,
                     max_running_requests=max_running_requests,
-                    chunked_prefill_size=chunked_prefill_size,
-                    context_len=context_len, **run_fields)
+                    chunked_prefill_size=chunked_prefill_size, context_len=context_len,
+                    schedule_policy=schedule_policy,
+                    mixed_step_tokens=parse_mixed_step_tokens(mixed_step_tokens, chunked_prefill_size),
+                    **run_fields)
     here = ranks_run_here(launcher, ray_address, ray_address_env)
     spec = cfg.spec(provisional_device(launch["device"], here))
     check_choices(spec, here)

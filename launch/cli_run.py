@@ -149,6 +149,10 @@ def run(
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16."),
     max_running_requests: int = typer.Option(64, "--max-running-requests", help="Decode batch cap per rank."),
     chunked_prefill_size: int = typer.Option(2048, "--chunked-prefill-size", help="Prefill chunk in tokens per rank."),
+    schedule_policy: str = typer.Option("fcfs", "--schedule-policy", help=(
+        "Admission order: fcfs (arrival) | lof (longest output first: the most --max-new-tokens).")),
+    mixed_step_tokens: str = typer.Option("auto", "--mixed-step-tokens", show_default="auto: the largest extend graph", help=(
+        "Most tokens of a mixed prefill+decode step, its decode rows included: 1..--chunked-prefill-size.")),
     context_len: int = typer.Option(None, "--context-len", show_default="min(model limit, 4096)",
                                     help="Longest prompt + output; a request over it is refused alone."),
     hang_timeout: float = typer.Option(None, "--hang-timeout", show_default="120",
@@ -172,6 +176,7 @@ def run(
                              max_new_tokens=max_new_tokens, workload=workload or None, launcher=launcher,
                              ray_address=ray_address, max_restarts=max_restarts, device=device, dtype=dtype,
                              max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
+                             schedule_policy=schedule_policy, mixed_step_tokens=mixed_step_tokens,
                              context_len=context_len, hang_timeout=hang_timeout, num_cpus=num_cpus, seed=seed,
                              as_json=as_json, with_results=with_results, log_level=log_level), debug)
     except KeyboardInterrupt:
@@ -188,7 +193,8 @@ def check_run_options(o: dict[str, Any]) -> CheckedOptions:
     if o["with_results"] and not o["as_json"]:
         raise UsageError("--results adds every request's output ids to the --json object; add --json")
     gang_keys = ("model", "launcher", "device", "dtype", "dp", "dispatcher", "ray_address", "max_running_requests",
-                 "chunked_prefill_size", "context_len", "num_cpus", "max_restarts", "hang_timeout", "log_level")
+                 "chunked_prefill_size", "schedule_policy", "mixed_step_tokens", "context_len", "num_cpus",
+                 "max_restarts", "hang_timeout", "log_level")
     run_keys = ("requests", "prompt_len", "max_new_tokens", "workload", "seed")
     opts = check_gang_options(**{k: o[k] for k in gang_keys}, **{k: o[k] for k in run_keys})
     check_synthetic_fits(opts.cfg, opts.spec)

@@ -79,6 +79,17 @@ def serve(
     chunked_prefill_size: int = typer.Option(
         2048, "--chunked-prefill-size", help="Prefill chunk in tokens per rank."
     ),
+    schedule_policy: str = typer.Option(
+        "fcfs",
+        "--schedule-policy",
+        help="Admission order: fcfs (arrival) | lof (longest output first: the most max_tokens).",
+    ),
+    mixed_step_tokens: str = typer.Option(
+        "auto",
+        "--mixed-step-tokens",
+        show_default="auto: the largest extend graph",
+        help="Most tokens of a mixed prefill+decode step: 1..--chunked-prefill-size.",
+    ),
     max_queued: int = typer.Option(
         1024, "--max-queued", help="Requests waiting beyond the running ones; more get 429."
     ),
@@ -109,6 +120,8 @@ def serve(
         dispatcher=dispatcher,
         max_running_requests=max_running_requests,
         chunked_prefill_size=chunked_prefill_size,
+        schedule_policy=schedule_policy,
+        mixed_step_tokens=mixed_step_tokens,
         max_queued=max_queued,
         context_len=context_len,
         drain_timeout=drain_timeout,
@@ -141,6 +154,8 @@ def _prepare(o: dict[str, Any]) -> dict[str, Any]:
         ray_address=o["ray_address"],
         max_running_requests=o["max_running_requests"],
         chunked_prefill_size=o["chunked_prefill_size"],
+        schedule_policy=o["schedule_policy"],
+        mixed_step_tokens=o["mixed_step_tokens"],
         context_len=o["context_len"],
         max_restarts=o["max_restarts"],
         log_level=o["log_level"],

@@ -27,12 +27,13 @@ if TYPE_CHECKING:
     from dp_runtime.rank_spec import RankSpec
     from dp_runtime.serving.request import Request
 
-__all__ = ["DISPATCHERS", "DTYPES", "RunConfig"]
+__all__ = ["DISPATCHERS", "DTYPES", "SCHEDULE_POLICIES", "RunConfig", "parse_mixed_step_tokens"]
 
 # The same names as dp_runtime.choices.DISPATCHERS and RuntimeConfig's dtypes (a test
 # holds them equal); spelled out here so that checking an option imports no torch.
 DISPATCHERS = ("auto", "local", "all_gather", "all_to_all", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULE_POLICIES = ("fcfs", "lof")  # RuntimeConfig.schedule_policy's, held equal by a test
 _COUNTS = ("dp", "requests", "prompt_len", "max_new_tokens", "max_running_requests", "chunked_prefill_size")
 
 
@@ -51,6 +52,8 @@ class RunConfig:
     seed: int = 0
     dp_sync_timeout_s: float = 120.0
     context_len: int | None = None  # longest prompt + output; None: the model's limit, capped at 4096
+    schedule_policy: str = "fcfs"  # admission order: fcfs (arrival) | lof (longest output first)
+    mixed_step_tokens: int | str = "auto"  # a mixed step's token budget; auto: the largest extend graph
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -64,6 +67,11 @@ class RunConfig:
             raise UsageError(f"--seed must be an integer >= 0, got {self.seed!r}")
         check_choice("--dispatcher", self.dispatcher, DISPATCHERS)
         check_choice("--dtype", self.dtype, DTYPES)
+        check_choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
+        mixed = self.mixed_step_tokens
+        if mixed != "auto" and (isinstance(mixed, bool) or not isinstance(mixed, int)
+                                or not 1 <= mixed <= self.chunked_prefill_size):
+            raise UsageError(_mixed_rule(self.chunked_prefill_size, mixed))
         timeout = self.dp_sync_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout) and timeout > 0):
             raise UsageError(f"dp_sync_timeout_s must be a number > 0, got {timeout!r}")
@@ -89,6 +97,7 @@ class RunConfig:
             self.model, dispatcher=self.dispatcher, dp_size=self.dp, device=device, dtype=dtype,
             max_running_requests=self.max_running_requests, chunked_prefill_size=self.chunked_prefill_size,
             dp_sync_timeout_s=self.dp_sync_timeout_s, seed=self.seed, max_context_len=self.context_len,
+            schedule_policy=self.schedule_policy, mixed_step_tokens=self.mixed_step_tokens,
         )
 
     def model_config(self) -> ModelConfig:
@@ -111,6 +120,23 @@ class RunConfig:
             return load_jsonl(self.workload, SamplingParams(max_new_tokens=self.max_new_tokens), vocab_size=vocab)
         return SyntheticWorkload(num_requests=self.requests, prompt_len=self.prompt_len,
                                  max_new_tokens=self.max_new_tokens, vocab_size=vocab, seed=self.seed).requests()
+
+
+def parse_mixed_step_tokens(value: int | str, chunked_prefill_size: int) -> int | str:
+    """``--mixed-step-tokens`` as typed (``"auto"`` or digits; an int passes) turned into the
+    RunConfig value; the range is RunConfig's to check. Raises UsageError for anything else,
+    with the rule ``chunked_prefill_size`` sets."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise UsageError(_mixed_rule(chunked_prefill_size, value)) from None
+
+
+def _mixed_rule(chunked_prefill_size: int, value: object) -> str:
+    return (f"--mixed-step-tokens must be auto or an integer in [1, {chunked_prefill_size}] "
+            f"(at most --chunked-prefill-size), got {value!r}")
 
 
 def _option(field: str) -> str:

@@ -53,7 +53,7 @@ from launch.cli_errors import (
 )
 from launch.cli_options import check_choices, check_synthetic_fits
 from launch.rank_session import ERROR, RankSession
-from launch.run_config import RunConfig
+from launch.run_config import RunConfig, parse_mixed_step_tokens
 from launch.run_report import RunReport, summarize
 from launch.workload import split_round_robin
 
@@ -127,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    p.add_argument("--schedule-policy", default=d.schedule_policy, help="fcfs | lof (longest output first)")
+    p.add_argument("--mixed-step-tokens", default=d.mixed_step_tokens,
+                   help="most tokens of a mixed step: auto (the largest extend graph) or 1..chunk")
     p.add_argument("--context-len", type=int, default=None, help="longest prompt + output (default: "
                    "min(model limit, 4096)); a request over it is refused alone")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -198,7 +201,9 @@ def _main(argv: list[str], rank: int) -> int:
                         prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, workload=args.workload,
                         dtype=args.dtype, max_running_requests=args.max_running_requests,
                         chunked_prefill_size=args.chunked_prefill_size, seed=args.seed,
-                        context_len=args.context_len)
+                        context_len=args.context_len, schedule_policy=args.schedule_policy,
+                        mixed_step_tokens=parse_mixed_step_tokens(args.mixed_step_tokens,
+                                                                  args.chunked_prefill_size))
         device = process_group.resolve_device(args.device)
         spec = cfg.spec(device)
         check_choices(spec, here=True)  # torchrun starts every rank of this node here

@@ -140,15 +140,18 @@ def test_check_gang_options_is_the_shared_entry():
                 workload=None, launcher="local", ray_address=None, max_restarts=None, device="cpu",
                 dtype="auto", max_running_requests=4, chunked_prefill_size=64, context_len=None,
                 hang_timeout=None, num_cpus=None, seed=0, as_json=False, with_results=False,
-                log_level="warning")
+                log_level="warning", schedule_policy="fcfs", mixed_step_tokens="auto")
     assert check_run_options(base).cfg.requests == 2
+    typed = check_run_options({**base, "schedule_policy": "lof", "mixed_step_tokens": "16"})
+    assert (typed.spec.runtime.schedule_policy, typed.spec.runtime.mixed_step_tokens) == ("lof", 16)
 
 
 def test_run_help_shows_every_default():
     out = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"}).stdout
     flat = " ".join(out.split())
     for option, default in (("--max-restarts", "2"), ("--hang-timeout", "120"), ("--context-len", "min(model"),
-                            ("--num-cpus", "max(dp, cores)"), ("--dp", "2 with --launcher ray")):
+                            ("--num-cpus", "max(dp, cores)"), ("--dp", "2 with --launcher ray"),
+                            ("--mixed-step-tokens", "auto: the largest extend graph")):
         at = flat.index(option + " ")
         assert f"[default: ({default}" in flat[at:at + 300], (option, flat[at:at + 300])
     assert "3 some requests failed" in flat

@@ -21,7 +21,7 @@ from launch.cli import app, main
 from launch.local_launcher import launch_local
 from launch.rank_phases import summarize_phases
 from launch.report_view import RunProgress
-from launch.run_config import DISPATCHERS, DTYPES, RunConfig
+from launch.run_config import DISPATCHERS, DTYPES, SCHEDULE_POLICIES, RunConfig
 from launch.run_report import PollEvent
 from tests.support.cli_probe import ENV, REPO, probe_cli
 
@@ -43,6 +43,12 @@ BAD_OPTIONS = [
     (["--log-level", "loud"], "--log-level must be one of debug, info, warning, error"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
     (["--model", "qwen3-7b"], "--model 'qwen3-7b' is neither a preset"),
+    (["--schedule-policy", "sjf"], "--schedule-policy must be one of fcfs, lof; got 'sjf'"),
+    (["--mixed-step-tokens", "0"], "--mixed-step-tokens must be auto or an integer in [1, 2048] "
+                                   "(at most --chunked-prefill-size), got 0"),
+    (["--chunked-prefill-size", "64", "--mixed-step-tokens", "65"],
+     "--mixed-step-tokens must be auto or an integer in [1, 64] (at most --chunked-prefill-size), got 65"),
+    (["--mixed-step-tokens", "many"], "--mixed-step-tokens must be auto or an integer in [1, 2048]"),
     (["--dp", "x"], "Invalid value for '--dp'"),
     (["--bogus"], "No such option: --bogus"),
 ]
@@ -112,9 +118,9 @@ def test_log_level_shows_the_runtime_logs(capsys):
 
 def test_option_names_match_the_runtime():
     from dp_runtime.choices import DISPATCHERS as RUNTIME_DISPATCHERS
-    from dp_runtime.config import _DTYPES
+    from dp_runtime.config import _DTYPES, _POLICIES
 
-    assert DISPATCHERS == RUNTIME_DISPATCHERS
+    assert DISPATCHERS == RUNTIME_DISPATCHERS and SCHEDULE_POLICIES == _POLICIES
     assert set(DTYPES) - {"auto"} <= set(_DTYPES)
 
 

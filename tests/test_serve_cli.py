@@ -37,6 +37,12 @@ def _serve(*args, env=None):
         ),
         (["--model", "/no/such/dir"], "--model '/no/such/dir' is neither a preset"),
         (["--max-running-requests", "0"], "--max-running-requests must be an integer >= 1, got 0"),
+        (["--schedule-policy", "LOF"], "--schedule-policy must be one of fcfs, lof; got 'LOF'"),
+        (
+            ["--chunked-prefill-size", "32", "--mixed-step-tokens", "64"],
+            "--mixed-step-tokens must be auto or an integer in [1, 32] (at most "
+            "--chunked-prefill-size), got 64",
+        ),
         (["--drain-timeout", "-1"], "--drain-timeout must be a number of seconds >= 0, got -1.0"),
         (["--bogus"], "No such option: --bogus"),
     ],
