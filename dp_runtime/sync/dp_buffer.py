@@ -4,12 +4,13 @@ Shapes (legend): ``G`` = global_dp_buffer_len (rows of the gathered buffer), ``L
 local_dp_buffer_len (rows of this rank's local buffer), ``D`` = hidden_size, ``R`` = dp_size,
 ``K`` = the MoE top-k of the routing rows.
 
-Each step ``set_dp_buffer_len`` (``set_from_plan`` with the StepPlan) lays the buffers out for
-the step's ``global_num_tokens_cpu``; the all-gather dispatcher gathers hidden rows and routing
-into them and reduce-scatters its expert outputs back through the service. Storage comes from
-the rank's ``buffers.BufferPool`` once, at the largest size the config allows, and only with
-``allocate=True`` (all-to-all dispatchers: layouts only). Steps take views of it, so addresses
-never move and a graph may keep them; the views are valid until the next ``set_dp_buffer_len``.
+The all-gather dispatcher lays the buffers out from the plan it is handed in every dispatch
+(``set_from_plan``, which calls ``set_dp_buffer_len``), gathers hidden rows and routing into
+them and reduce-scatters its expert outputs back through the service. Storage comes from the
+rank's ``buffers.BufferPool`` once, at the largest size the config allows, and only with
+``allocate=True`` (all-to-all dispatchers: layouts only). Layouts only take views of it, so
+addresses never move and a graph may keep them; laying out allocates nothing (safe during a
+capture); the views are valid until the next layout.
 
 Layout (``dp_buffer_layout``, pure): MAX_LEN ``G = L * R``, rank ``r`` at ``r * L``, its first
 ``global_num_tokens[r]`` rows live; SUM_LEN ``G = sum(global_num_tokens)``, rank ``r`` after the
@@ -197,6 +198,7 @@ class DPBufferService:
                 full[name] = pool.request(name, shape, dtype, device, user)
         self._full = full
         self._key: tuple | None = None
+        self._plan: Any = None  # the plan the buffers were last laid out from (set_from_plan)
         # Row-prefix views by length, made once: slicing costs ~1.5 us a step, a lookup ~0.1 us.
         self._views: dict[str, dict[int, torch.Tensor]] = {name: {} for name in full}
         self._step: dict[str, torch.Tensor] = {}
@@ -214,6 +216,7 @@ class DPBufferService:
 
         Repeating the previous step's arguments costs one tuple comparison.
         """
+        self._plan = None
         key = (
             global_dp_buffer_len,
             local_dp_buffer_len,
@@ -234,13 +237,25 @@ class DPBufferService:
         return layout
 
     def set_from_plan(self, plan: Any) -> DPBufferLayout:
-        """``set_dp_buffer_len`` with a StepPlan's values (read by attribute name)."""
-        return self.set_dp_buffer_len(
-            plan.global_dp_buffer_len,
-            plan.local_dp_buffer_lens[self.rank],
-            plan.padding is PaddingMode.MAX_LEN,
-            plan.global_num_tokens_cpu,
-        )
+        """Lay the buffers out for ``plan`` (a ``dispatcher.StepPlanLike``: the counts,
+        ``runtime_max_tokens_per_rank`` and ``is_max_len``) as ``plan_step`` sizes a step: MAX_LEN
+        slots of ``runtime_max_tokens_per_rank`` rows, or SUM_LEN live rows. Returns the layout.
+
+        The all-gather dispatcher calls it in every sparse layer with the forward's plan: the
+        plan it was last given costs one identity check (plans are frozen).
+        """
+        if plan is self._plan:
+            return self.layout
+        counts = plan.global_num_tokens_cpu
+        if plan.is_max_len:
+            rows = plan.runtime_max_tokens_per_rank
+            layout = self.set_dp_buffer_len(rows * len(counts), rows, True, counts)
+        else:
+            # A count list of the wrong length is refused by dp_buffer_layout, naming dp_size.
+            own = counts[self.rank] if len(counts) == self.config.dp_size else 0
+            layout = self.set_dp_buffer_len(sum(counts), own, False, counts)
+        self._plan = plan
+        return layout
 
     # -- views -----------------------------------------------------------------------------------
     def _buffer(self, name: str) -> torch.Tensor:
