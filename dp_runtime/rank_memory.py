@@ -60,13 +60,13 @@ def largest_step_tokens(cfg: Any, context_len: int) -> tuple[int, int]:
     return tokens, min(tokens, cfg.max_running_requests)
 
 
-def run_largest_step(eager: Any, dp_buffers: Any, cfg: Any, device: torch.device, context_len: int) -> None:
+def run_largest_step(eager: Any, cfg: Any, device: torch.device, context_len: int) -> None:
     """One eager forward of the largest step and its greedy pick, on every rank alike (a
-    collective when the dispatcher exchanges). Its requests all read request row 0 and KV slot 0,
-    the padding targets, as a graph capture's do: nothing live is touched."""
+    collective when the dispatcher exchanges; the batch carries the plan it lays out from). Its
+    requests all read request row 0 and KV slot 0, the padding targets, as a graph capture's do:
+    nothing live is touched."""
     tokens, requests = largest_step_tokens(cfg, context_len)
     plan = plan_step(StepTable.from_counts([tokens] * cfg.dp_size, can_run_graph=False, is_extend=True), cfg)
-    dp_buffers.set_from_plan(plan)
     batch = capture_batch(requests, tokens, plan, device=device, forward_mode=ForwardMode.EXTEND)
     eager.run(batch).argmax(dim=-1)
 
@@ -149,7 +149,7 @@ def make_kv_cache(spec: Any, num_slots: int, device: torch.device, max_reqs: int
                    max_context_len=spec.context_len, dtype=spec.runtime.dtype, device=device)
 
 
-def measured_kv_slots(spec: Any, model: Any, dp_buffers: Any, device: torch.device, choices: Any,
+def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
                       eager_runner: Callable[[Any], Any], memory: dict[str, int],
                       on_phase: Callable[[str], None]) -> int:
     """The KV slots of a rank: ``memory_sizing.kv_slots_for_rank`` when they are given or the
@@ -167,7 +167,7 @@ def measured_kv_slots(spec: Any, model: Any, dp_buffers: Any, device: torch.devi
         backend = make_attention_backend(choices.attention, kv, mc)
         model.attention = AttentionSplit(backend)
         try:
-            run_largest_step(eager_runner(backend), dp_buffers, cfg, device, spec.context_len)
+            run_largest_step(eager_runner(backend), cfg, device, spec.context_len)
         finally:
             model.attention = None
 

@@ -115,8 +115,8 @@ class PiecewiseRunner:
         max_requests: the most requests one extend step holds (``max_running_requests``).
         capture_batch: ``(bs, num_tokens, plan) -> batch``, an EXTEND batch of one token per
             request pointing at the reserved padding targets.
-        capture_plan: ``bucket -> plan``, the step plan every rank has when all run that bucket.
-        set_plan: called with each capture plan before its capture (the DP buffer layout).
+        capture_plan: ``bucket -> plan``, the step plan every rank has when all run that bucket;
+            the capture batch carries it into the forward (and the stand-in replays with it).
         pool: a CUDA graph memory pool to share (the decode graphs'), or None for a new one.
         use_cuda_graph: None for "when CUDA is available and the registry is on CUDA".
         warmup_runs: eager runs of the whole forward before each capture.
@@ -133,7 +133,6 @@ class PiecewiseRunner:
         max_requests: int,
         capture_batch: Callable[[int, int, StepPlanView], Any],
         capture_plan: Callable[[int], StepPlanView],
-        set_plan: Callable[[StepPlanView], None] | None = None,
         pool: Any = None,
         use_cuda_graph: bool | None = None,
         warmup_runs: int = 2,
@@ -155,7 +154,7 @@ class PiecewiseRunner:
         self.forward, self.split, self.backend, self.registry = forward, split, backend, registry
         self.warmup_runs = int(warmup_runs)
         self.show_progress = show_progress
-        self._capture_batch, self._capture_plan, self._set_plan = capture_batch, capture_plan, set_plan
+        self._capture_batch, self._capture_plan = capture_batch, capture_plan
         self._pool = pool
         self._buckets: dict[int, _Bucket] = {}
         self._out_buffers: dict[int, torch.Tensor] = {}  # per layer, shared by every bucket
@@ -192,8 +191,6 @@ class PiecewiseRunner:
 
     def _capture_one(self, tokens: int, stream: torch.cuda.Stream | None) -> _Bucket:
         plan = self._capture_plan(tokens)
-        if self._set_plan is not None:
-            self._set_plan(plan)
         bs = self.slots(tokens)
         batch = self._capture_batch(bs, tokens, plan)
         if batch.forward_mode is not ForwardMode.EXTEND or batch.num_tokens != tokens or batch.batch_size != bs:
@@ -281,9 +278,8 @@ class PiecewiseRunner:
                     graph.replay()
             output = b.output
         else:
+            # The capture plan, as the pieces recorded it (a gathering dispatcher lays out from it).
             view = dataclasses.replace(self.registry.view(batch, bs, t), forward_mode=ForwardMode.EXTEND, plan=b.plan)
-            if self._set_plan is not None:
-                self._set_plan(b.plan)
 
             def stand_in(q, k, v, layer_id, _batch, kv_stored) -> torch.Tensor:
                 out = q.new_zeros(t, q.shape[1] * q.shape[2] if q.dim() == 3 else q.shape[1])

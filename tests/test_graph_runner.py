@@ -124,12 +124,21 @@ def test_capture_records_what_was_baked_in():
     assert runner.captured
 
 
-def test_set_plan_sees_each_capture_plan_in_order():
-    stack = make_stack()
+def test_the_stand_in_runs_the_forward_with_the_capture_plan():
+    """The runner lays out nothing for DP: the plan travels in the batch, and a replay runs what
+    the capture ran, the capture plan (the bucket on every rank), not the step's live counts. A
+    gathering dispatcher lays its buffers out from that plan, as it did while capturing."""
     seen = []
-    runner = make_graph_runner(stack, (1, 2, 4), backend=RecordingBackend(), forward=echo, set_plan=seen.append)
+
+    def forward(batch):
+        seen.append(batch.plan)
+        return echo(batch)
+
+    runner = make_graph_runner(make_stack(), (1, 2, 4), backend=RecordingBackend(), forward=forward, dp_size=2)
     runner.capture()
-    assert [p.graph_bucket for p in seen] == [4, 2, 1]
+    runner.replay(manual_decode(3), Plan(4, Padding.MAX_LEN, 4, (3, 1)))
+    runner.replay(idle_batch("cpu", Plan(2, Padding.MAX_LEN, 2, (0, 2))), Plan(2, Padding.MAX_LEN, 2, (0, 2)))
+    assert seen == [graph_plan(4, (4, 4)), graph_plan(2, (2, 2))]
 
 
 def test_bucket_is_smallest_captured_size_at_or_above_the_plan():

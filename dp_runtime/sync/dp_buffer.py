@@ -4,13 +4,15 @@ Shapes (legend): ``G`` = global_dp_buffer_len (rows of the gathered buffer), ``L
 local_dp_buffer_len (rows of this rank's local buffer), ``D`` = hidden_size, ``R`` = dp_size,
 ``K`` = the MoE top-k of the routing rows.
 
-The all-gather dispatcher lays the buffers out from the plan it is handed in every dispatch
+A rank builds the service only when its dispatcher gathers (all_gather), and that dispatcher
+is its one user: in every dispatch it lays the buffers out from the plan it is handed
 (``set_from_plan``, which calls ``set_dp_buffer_len``), gathers hidden rows and routing into
-them and reduce-scatters its expert outputs back through the service. Storage comes from the
-rank's ``buffers.BufferPool`` once, at the largest size the config allows, and only with
-``allocate=True`` (all-to-all dispatchers: layouts only). Layouts only take views of it, so
-addresses never move and a graph may keep them; laying out allocates nothing (safe during a
-capture); the views are valid until the next layout.
+them and reduce-scatters its expert outputs back through the service. So the layout follows the
+plan of the forward that runs (an eager step, a graph capture, the runners' eager stand-in) and
+nobody lays it out ahead. Storage comes from the rank's ``buffers.BufferPool`` once, at the
+largest size the config allows. Layouts only take views of it, so addresses never move and a
+graph may keep them; laying out allocates nothing (safe during a capture); the views are valid
+until the next layout.
 
 Layout (``dp_buffer_layout``, pure): MAX_LEN ``G = L * R``, rank ``r`` at ``r * L``, its first
 ``global_num_tokens[r]`` rows live; SUM_LEN ``G = sum(global_num_tokens)``, rank ``r`` after the
@@ -169,7 +171,6 @@ class DPBufferService:
         rank: this rank's index in the DP group.
         group: the device process group of the gathers (None: default group / none at world 1).
         device: overrides ``config.device`` (e.g. ``cuda:LOCAL_RANK``).
-        allocate: request the gathered storage (False: layouts only, for all-to-all dispatchers).
         routing_top_k: also hold a routing buffer of ``2 * routing_top_k`` int32 per row.
     """
 
@@ -181,7 +182,6 @@ class DPBufferService:
         *,
         group: Any = None,
         device: torch.device | str | None = None,
-        allocate: bool = True,
         routing_top_k: int = 0,
         user: str = "dp_buffer",
     ) -> None:
@@ -190,12 +190,9 @@ class DPBufferService:
                 f"DPBufferService: rank {rank} is not in [0, dp_size={config.dp_size})"
             )
         self.config, self.rank, self.group = config, rank, group
-        self.allocates = allocate
         device = config.device if device is None else device
-        full: dict[str, torch.Tensor] = {}
-        if allocate:
-            for name, (shape, dtype) in dp_buffer_shapes(config, routing_top_k).items():
-                full[name] = pool.request(name, shape, dtype, device, user)
+        full = {name: pool.request(name, shape, dtype, device, user)
+                for name, (shape, dtype) in dp_buffer_shapes(config, routing_top_k).items()}
         self._full = full
         self._key: tuple | None = None
         self._plan: Any = None  # the plan the buffers were last laid out from (set_from_plan)
@@ -261,14 +258,10 @@ class DPBufferService:
     def _buffer(self, name: str) -> torch.Tensor:
         view = self._step.get(name)
         if view is None:
-            raise RuntimeError(
-                f"DPBufferService: no {name!r} storage on this rank (allocate="
-                f"{self.allocates}; its dispatcher does not gather, or routing_top_k was 0)"
-            )
+            raise RuntimeError(f"DPBufferService: no {name!r} storage (the service was built with routing_top_k=0)")
         return view
 
     def _local_storage(self) -> torch.Tensor:
-        self._buffer("dp_local_hidden")  # the clear error when there is none
         return self._full["dp_local_hidden"]
 
     def get_global_buffer(self) -> torch.Tensor:
