@@ -154,8 +154,9 @@ def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
                       on_phase: Callable[[str], None]) -> int:
     """The KV slots of a rank: ``memory_sizing.kv_slots_for_rank`` when they are given or the
     device is not CUDA; else measured (module docstring, steps 1-2), with ``activation_peak``
-    and ``graph_reserve`` recorded in ``memory``. ``eager_runner(backend)`` makes the rank's
-    eager runner over an attention backend. RuntimeError with the numbers when one request of
+    and ``graph_reserve`` recorded in ``memory``. ``eager_runner(model, backend)`` makes the
+    rank's eager runner of a model over an attention backend; the profile runs a copy of
+    ``model`` bound to a probe backend and cache, so ``model`` itself stays unbound. RuntimeError with the numbers when one request of
     the full context does not fit."""
     cfg, mc = spec.runtime, spec.model_config()
     memory["activation_peak"] = 0
@@ -165,11 +166,8 @@ def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
 
     def run_with_kv(kv: KVCache) -> None:
         backend = make_attention_backend(choices.attention, kv, mc)
-        model.attention = AttentionSplit(backend)
-        try:
-            run_largest_step(eager_runner(backend), cfg, device, spec.context_len)
-        finally:
-            model.attention = None
+        probe = model.with_attention(AttentionSplit(backend))
+        run_largest_step(eager_runner(probe, backend), cfg, device, spec.context_len)
 
     peak = profile_largest_step(run_with_kv, lambda: make_kv_cache(spec, 1, device), device)
     reserve = graph_reserve_bytes(spec, choices.graphs, choices.attention, choices.dispatcher)

@@ -171,8 +171,8 @@ class RankWorker:
             return build_prefill_registry(bs, tokens, dev, pool, dp_size=cfg.dp_size, register_input_embeds=False,
                                           register_global_num_tokens=False, user="eager")
 
-        def eager_runner(attention) -> EagerRunner:
-            return EagerRunner(self.model.forward, attention, eager_registry, no_copy=cfg.eager_input_no_copy,
+        def eager_runner(model, attention) -> EagerRunner:
+            return EagerRunner(model.forward, attention, eager_registry, no_copy=cfg.eager_input_no_copy,
                                max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
 
         slots = measured_kv_slots(spec, self.model, dev, choices, eager_runner, self._memory, self._on_phase)
@@ -180,13 +180,14 @@ class RankWorker:
         self._memory["kv_cache"] = self.kv_cache.nbytes()
         self.attention = make_attention_backend(choices.attention, self.kv_cache, mc,
                                                 check_indices=cfg.flashinfer_checks)
-        # The model attends through a seam that extend graphs cut their pieces at.
-        self.model.attention = AttentionSplit(self.attention)
+        # The model's one binding: it attends through a seam that extend graphs cut their pieces
+        # at, and stores K/V into the cache that attention reads.
+        self.model.bind_attention(AttentionSplit(self.attention))
         self.scheduler = Scheduler(KVAllocator(self.kv_cache), max_running_requests=cfg.max_running_requests,
                                    chunked_prefill_size=cfg.chunked_prefill_size, rank=self.rank,
                                    vocab_size=mc.vocab_size, eos_token_ids=spec.eos_token_ids,
                                    mixed_steps=cfg.mixed_steps)
-        self.eager = eager_runner(self.attention)
+        self.eager = eager_runner(self.model, self.attention)
         if choices.graphs:
             self.rank_graphs = capture_rank_graphs(
                 cfg=cfg, forward=self.model.forward, split=self.model.attention, attention=self.attention, pool=pool,

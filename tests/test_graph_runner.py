@@ -22,7 +22,6 @@ from dp_runtime.attention import TorchSDPABackend
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.serving.forward_batch import ForwardBatch, idle_batch
 from graph import AttentionMetadataBackend, GraphRunner
-from tests.support.local_model import with_attention
 from tests.support.synthetic_batch import add_requests, decode_batch, extend_batch
 
 
@@ -258,7 +257,7 @@ def test_replay_on_its_own_backend_instance_equals_eager():
     # KV cache (its own metadata), through a copy of the model that shares the weights.
     stack = make_stack()
     graph_backend = TorchSDPABackend(stack.cache, num_q_heads=4, num_kv_heads=2, head_dim=8)
-    graph_model = with_attention(stack.model, graph_backend)
+    graph_model = stack.model.with_attention(graph_backend)
     assert graph_model.attention is graph_backend and stack.model.attention is stack.backend
     assert graph_model.embed is stack.model.embed and graph_model.dispatcher is stack.model.dispatcher
     runner = make_graph_runner(stack, (4, 8), backend=graph_backend, forward=graph_model.forward)
