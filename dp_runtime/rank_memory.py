@@ -150,14 +150,15 @@ def make_kv_cache(spec: Any, num_slots: int, device: torch.device, max_reqs: int
 
 
 def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
-                      eager_runner: Callable[[Any], Any], memory: dict[str, int],
+                      eager_runner: Callable[[Any, Any], Any], memory: dict[str, int],
                       on_phase: Callable[[str], None]) -> int:
     """The KV slots of a rank: ``memory_sizing.kv_slots_for_rank`` when they are given or the
     device is not CUDA; else measured (module docstring, steps 1-2), with ``activation_peak``
     and ``graph_reserve`` recorded in ``memory``. ``eager_runner(model, backend)`` makes the
     rank's eager runner of a model over an attention backend; the profile runs a copy of
-    ``model`` bound to a probe backend and cache, so ``model`` itself stays unbound. RuntimeError with the numbers when one request of
-    the full context does not fit."""
+    ``model`` bound to a probe backend and cache, so ``model`` itself stays unbound (it is
+    bound once, to the real cache). RuntimeError with the numbers when one request of the full
+    context does not fit."""
     cfg, mc = spec.runtime, spec.model_config()
     memory["activation_peak"] = 0
     if spec.kv_cache_tokens is not None or device.type != "cuda":

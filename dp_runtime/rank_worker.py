@@ -151,7 +151,7 @@ class RankWorker:
         self.choices = choices = rank_choices(spec, mc.head_dim, self.world_size, dev, ep)
         self.dispatcher_kind = choices.dispatcher
 
-        # The rank's one pool. Its first tenant is the DP buffer service.
+        # The rank's one pool. Its first tenant is the DP buffer service of a gathering dispatcher.
         self.pool = pool = BufferPool()
         self.dispatcher = build_moe_exchange(spec, self.rank, device_group, ep, choices.dispatcher, pool, dev)
         self._memory["dp_buffers"] = pool.total_bytes()
