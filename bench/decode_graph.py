@@ -71,7 +71,7 @@ from dp_runtime.serving.forward_batch import capture_batch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.kv_cache import KVCache
 from graph import EagerRunner, GraphRunner
-from tests.support.local_model import local_model, with_attention
+from tests.support.local_model import local_model
 from tests.support.synthetic_batch import add_requests, decode_batch
 
 
@@ -112,6 +112,7 @@ class EagerAttention:
     """The backend's forward behind a compile boundary: FlashInfer's wrappers are not traceable."""
 
     def __init__(self, backend) -> None:
+        self.kv_cache = backend.kv_cache  # the cache the model stores K/V into, the one it reads
         self._forward = torch.compiler.disable(backend.forward)
 
     def forward(self, q, k, v, layer_id, batch):
@@ -270,7 +271,7 @@ def main() -> None:
     graph_backend = make_backend(backend_name)
     # Decode steps only: no step has more tokens than the largest batch.
     model = local_model(cfg, eager_backend, dtype=dtype, device=device, max_tokens_per_rank=max_bs)
-    graph_model = with_attention(model, graph_backend)  # the same weights
+    graph_model = model.with_attention(graph_backend)  # the same weights
     print(describe_env(args, backend_name))
     print(f"experts via {'torch._grouped_mm' if model.use_grouped_mm else 'dense loop (no grouped GEMM here)'}; "
           f"RMSNorm and RoPE via {type(model.ops).__name__}")
@@ -352,7 +353,7 @@ def main() -> None:
             f"its metadata planned outside the compiled function"
         )
         torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-        compiled = torch.compile(with_attention(model, EagerAttention(compile_backend)).forward,
+        compiled = torch.compile(model.with_attention(EagerAttention(compile_backend)).forward,
                                  mode="reduce-overhead", dynamic=True)
 
         def compile_step(batch):

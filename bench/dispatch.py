@@ -49,7 +49,7 @@ from dispatcher import (
     make_dispatcher,
 )
 from dispatcher.sizing import flashinfer_workspace_bytes_per_rank
-from tests.support.gather_buffers import gather_buffers, lay_out
+from tests.support.gather_buffers import gather_buffers
 
 GPU_TOKENS = tuple(2**i for i in range(14))  # 1 .. 8192
 GPU_QUICK = (1, 8, 64, 512, 4096)
@@ -145,9 +145,7 @@ def _capture(fn: Callable[[], object], ep: EPGroup) -> torch.cuda.CUDAGraph:
 
 
 def _ours_round(d, x, ids, w, plan):
-    if d.kind == "all_gather":
-        lay_out(d.buffers, plan)  # MAX_LEN slots, as a decode step's set_dp_buffer_len gives them
-
+    # all_gather lays its buffers out from the plan in dispatch: MAX_LEN slots, as a decode step's.
     def run():
         handle, inputs = d.dispatch(x, ids, w, plan)
         out = d.expert_output_buffer(handle)

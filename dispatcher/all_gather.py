@@ -2,16 +2,19 @@
 
 The gathered storage is not the dispatcher's: it is the rank's DP buffer service
 (``dp_runtime.sync.dp_buffer.DPBufferService``, seen here through the ``GatherBuffers``
-protocol), laid out for the step by its ``set_dp_buffer_len`` call. Dispatch gathers the hidden
-rows and the routing (ids and fp32 weights, bit-cast into one int32 row) into the service's
-buffers; the padding mode of the step decides what moves (MAX_LEN: each rank's slot padded to
-the agreed length, padding rows carrying invalid expert ids; SUM_LEN: live rows only). Each rank
+protocol), whose one user this dispatcher is. Dispatch lays the buffers out from the plan it is
+handed (``set_from_plan``: the plan's counts, ``runtime_max_tokens_per_rank`` and
+``is_max_len``), so nobody else has to lay them out before a forward; then it gathers the hidden
+rows and the routing (ids and fp32 weights, bit-cast into one int32 row) into them. The padding
+mode decides what moves (MAX_LEN: each rank's slot padded to the agreed length, padding rows
+carrying invalid expert ids; SUM_LEN: live rows only). Each rank
 runs its experts on the gathered rows routed to them, writing the partial sums in place over the
 gathered hidden rows (every expert path reads all of its input before it writes its output), and
 combine reduce-scatters those partials back through the service.
 
-A CUDA graph captures the gathers with the bucket's MAX_LEN layout: the same shapes, offsets and
-pool addresses at every replay.
+A CUDA graph captures the gathers with the layout of its capture plan (the bucket's MAX_LEN, laid
+out while the capture ran): the same shapes, offsets and pool addresses at every replay, and no
+host code runs at a replay. Laying out takes views of storage allocated once, never memory.
 
 Legend: ``T`` local tokens, ``G`` gathered rows, ``K`` top-k, ``D`` hidden size.
 """
@@ -49,8 +52,9 @@ class GatherBuffers(Protocol):
 
     def reduce_scatter(self, global_GD: torch.Tensor, *, num_rows: int | None = None) -> torch.Tensor: ...
 
-    def set_dp_buffer_len(self, global_dp_buffer_len: int, local_dp_buffer_len: int, is_max_len: bool,
-                          global_num_tokens_cpu: tuple[int, ...]) -> Any: ...
+    def set_from_plan(self, plan: StepPlanLike) -> Any:
+        """Lay the buffers out for ``plan``; returns the layout."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -85,17 +89,9 @@ class AllGatherDispatcher:
         return 0  # the gathered storage is the DP buffer service's, counted as dp_buffers
 
     def warmup(self) -> None:
-        if self._guard.warmed:
-            return
-        # The tiny round runs one token per rank (MAX_LEN); the step that may have triggered
-        # this warm-up gets its own layout back afterwards.
-        before, r = self.buffers.layout, self.ep.size
-        self.buffers.set_dp_buffer_len(r, 1, True, (1,) * r)
-        try:
-            warmup_round(self, self._guard, self.config.first_step_timeout_s)
-        finally:
-            self.buffers.set_dp_buffer_len(before.global_dp_buffer_len, before.local_dp_buffer_len,
-                                           before.is_max_len, before.global_num_tokens)
+        # The tiny round's dispatch lays the buffers out for its own plan (one token per rank);
+        # a step that triggered this warm-up lays out for its plan after it.
+        warmup_round(self, self._guard, self.config.first_step_timeout_s)
 
     def close(self) -> None:
         self.buffers = None
@@ -105,13 +101,9 @@ class AllGatherDispatcher:
         cfg, ep = self.config, self.ep
         check_step(hidden_TD, topk_ids_TK, topk_weights_TK, plan, config=cfg, ep=ep, backend=self.kind)
         self._guard.before_step(plan, self.warmup)
-        laid_out = tuple(self.buffers.layout.global_num_tokens)
-        if laid_out != tuple(plan.global_num_tokens_cpu):
-            raise ValueError(
-                f"all_gather dispatch: the DP buffers are laid out for counts {list(laid_out)}, the step "
-                f"plan has {list(plan.global_num_tokens_cpu)}: call set_dp_buffer_len with this step's "
-                f"plan before the forward"
-            )
+        # The one place the buffers are laid out: from the plan of this forward (a graph capture
+        # records this layout; the same plan in the next layer costs an identity check).
+        self.buffers.set_from_plan(plan)
         gathered_GD = self.buffers.gather(hidden_TD)
         routing_GK2 = self.buffers.gather_routing(topk_ids_TK, topk_weights_TK, INVALID_EXPERT_ID)
         k = cfg.top_k

@@ -2,7 +2,9 @@
 (``graph.GraphRunner``) and extend steps per token bucket in pieces around attention
 (``graph.PiecewiseRunner``), both reading inputs from registries of the rank's one pool and
 sharing one graph memory pool. The capture plans come from ``plan_step``, the function every
-step is planned with, so what a graph bakes in is what a step at its bucket agrees on.
+step is planned with, so what a graph bakes in is what a step at its bucket agrees on; each
+capture batch carries its plan into the forward, whose dispatcher lays out its buffers from it
+(the runners know nothing of DP).
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ def _allocated(device: torch.device) -> int:
 
 
 def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], split: AttentionSplit, attention: Any,
-                        pool: BufferPool, device: torch.device, set_plan: Callable[[StepPlan], None],
-                        max_context_len: int, show_progress: bool, on_phase: Callable[[str], None]) -> RankGraphs:
+                        pool: BufferPool, device: torch.device, max_context_len: int, show_progress: bool,
+                        on_phase: Callable[[str], None]) -> RankGraphs:
     """Capture the decode buckets (``cfg.cuda_graph_bs``) and the extend token buckets
     (``extend_capture_tokens``; none: extend steps stay eager). ``memory_bytes``: the device
     memory this left allocated beyond the registries' pool storage."""
@@ -76,7 +78,7 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
     decode = GraphRunner(
         forward, attention, registry, sizes,
         capture_batch=lambda bs, n, plan: capture_batch(bs, n, plan, device=device),
-        capture_plan=lambda bucket: capture_plan(cfg, bucket), set_plan=set_plan, use_cuda_graph=use_cuda,
+        capture_plan=lambda bucket: capture_plan(cfg, bucket), use_cuda_graph=use_cuda,
         show_progress=show_progress,
     )
     graphs = RankGraphs(decode, None, 0)
@@ -93,7 +95,7 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
                 forward, split, attention, registry, tokens, max_requests=mrr,
                 capture_batch=lambda bs, n, plan: capture_batch(bs, n, plan, device=device,
                                                                forward_mode=ForwardMode.EXTEND),
-                capture_plan=lambda bucket: capture_plan(cfg, bucket, extend=True), set_plan=set_plan,
+                capture_plan=lambda bucket: capture_plan(cfg, bucket, extend=True),
                 pool=decode.graph_pool, use_cuda_graph=use_cuda, show_progress=show_progress,
             )
             graphs.extend.capture()

@@ -167,10 +167,10 @@ def dp_buffer_bytes(config: RuntimeConfig, dispatcher: str, top_k: int) -> int:
     routing (``max_global_tokens x 2 top_k`` int32); for all-to-all dispatchers nothing. Built on
     the meta device with the service itself, so nothing is allocated and nothing can drift.
     """
+    if not dispatcher_gathers(dispatcher):
+        return 0  # no service at all: the rank builds one only for a gathering dispatcher
     pool = BufferPool()
-    gathers = dispatcher_gathers(dispatcher)
-    DPBufferService(config, pool, rank=0, device="meta", allocate=gathers,
-                    routing_top_k=top_k if gathers else 0)
+    DPBufferService(config, pool, rank=0, device="meta", routing_top_k=top_k)
     return sum(_device_bytes_by_name(pool).values())
 
 

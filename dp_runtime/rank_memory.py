@@ -46,13 +46,13 @@ logger = logging.getLogger("dp_runtime")
 _GIB = 2**30
 
 
-def run_largest_step(eager: Any, dp_buffers: Any, cfg: Any, device: torch.device, context_len: int) -> None:
+def run_largest_step(eager: Any, cfg: Any, device: torch.device, context_len: int) -> None:
     """One eager forward of the largest step and its greedy pick, on every rank alike (a
-    collective when the dispatcher exchanges). Its requests all read request row 0 and KV slot 0,
-    the padding targets, as a graph capture's do: nothing live is touched."""
+    collective when the dispatcher exchanges; the batch carries the plan it lays out from). Its
+    requests all read request row 0 and KV slot 0, the padding targets, as a graph capture's do:
+    nothing live is touched."""
     tokens, requests = ms.largest_step_tokens(cfg, context_len)
     plan = plan_step(StepTable.from_counts([tokens] * cfg.dp_size, can_run_graph=False, is_extend=True), cfg)
-    dp_buffers.set_from_plan(plan)
     batch = capture_batch(requests, tokens, plan, device=device, forward_mode=ForwardMode.EXTEND)
     eager.run(batch).argmax(dim=-1)
 
@@ -110,15 +110,17 @@ def make_kv_cache(spec: Any, num_slots: int, device: torch.device, max_reqs: int
                    max_context_len=spec.context_len, dtype=spec.runtime.dtype, device=device)
 
 
-def measured_kv_slots(spec: Any, model: Any, dp_buffers: Any, device: torch.device, choices: Any,
-                      eager_runner: Callable[[Any], Any], memory: dict[str, int],
+def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
+                      eager_runner: Callable[[Any, Any], Any], memory: dict[str, int],
                       on_phase: Callable[[str], None]) -> int:
     """The KV slots of a rank: ``memory_sizing.kv_slots_for_rank`` when they are given or the
     device is not CUDA; else measured (module docstring, steps 1-2), with ``activation_peak``,
     ``graph_reserve`` and ``cuda_context`` (device memory outside torch's allocator: total -
-    free - reserved) recorded in ``memory``. ``eager_runner(backend)`` makes the rank's
-    eager runner over an attention backend. RuntimeError with the numbers when one request of
-    the full context does not fit."""
+    free - reserved) recorded in ``memory``. ``eager_runner(model, backend)`` makes the rank's
+    eager runner of a model over an attention backend; the profile runs a copy of ``model``
+    bound to a probe backend and cache, so ``model`` itself stays unbound (it is bound once, to
+    the real cache). RuntimeError with the numbers when one request of the full context does not
+    fit."""
     cfg, mc = spec.runtime, spec.model_config()
     memory["activation_peak"] = 0
     if spec.kv_cache_tokens is not None or device.type != "cuda":
@@ -127,11 +129,8 @@ def measured_kv_slots(spec: Any, model: Any, dp_buffers: Any, device: torch.devi
 
     def run_with_kv(kv: KVCache) -> None:
         backend = make_attention_backend(choices.attention, kv, mc)
-        model.attention = AttentionSplit(backend)
-        try:
-            run_largest_step(eager_runner(backend), dp_buffers, cfg, device, spec.context_len)
-        finally:
-            model.attention = None
+        probe = model.with_attention(AttentionSplit(backend))
+        run_largest_step(eager_runner(probe, backend), cfg, device, spec.context_len)
 
     peak = profile_largest_step(run_with_kv, lambda: make_kv_cache(spec, 1, device), device)
     reserve = graph_reserve_bytes(spec, choices.graphs, choices.attention)

@@ -1,6 +1,6 @@
 """Parts a RankWorker is built from, each from the spec and the rank's groups alone: the MoE
-exchange (the DP buffer service and the dispatcher that may gather through it) and the model
-with this EP rank's experts."""
+exchange (the dispatcher, with the DP buffer service it gathers through when it gathers) and the
+model with this EP rank's experts."""
 
 from __future__ import annotations
 
@@ -19,20 +19,20 @@ __all__ = ["build_moe_exchange", "load_model"]
 
 
 def build_moe_exchange(spec: Any, rank: int, device_group: Any, ep: EPGroup, kind: str, pool: BufferPool,
-                       device: torch.device) -> tuple[DPBufferService, Any]:
-    """``(dp_buffers, dispatcher)`` of dispatcher ``kind`` (resolved). The DP buffer service takes
-    gathered storage from ``pool`` only when the dispatcher gathers through it (all_gather)."""
+                       device: torch.device) -> Any:
+    """The dispatcher of ``kind`` (resolved). One that gathers (all_gather) gets the rank's DP
+    buffer service, storage from ``pool``, as its own: it is the service's one user and lays it
+    out from each forward's plan. The others have no gathered storage and no layout to keep."""
     cfg, mc = spec.runtime, spec.model_config()
-    gathers = memory_sizing.dispatcher_gathers(kind)
-    dp_buffers = DPBufferService(cfg, pool, rank, group=device_group, device=device, allocate=gathers,
-                                 routing_top_k=mc.top_k if gathers else 0)
     dcfg = DispatcherConfig(
         num_experts=mc.num_experts, top_k=mc.top_k, hidden_size=mc.hidden_size, dtype=cfg.dtype,
         max_tokens_per_rank=cfg.max_tokens_per_rank,
         check_expert_ids=False,  # the router's top-k ids are in range by construction
     )
-    extra = {"buffers": dp_buffers} if gathers else {}
-    return dp_buffers, make_dispatcher(kind, dcfg, ep=ep, device=device, **extra)
+    extra = {}
+    if memory_sizing.dispatcher_gathers(kind):
+        extra["buffers"] = DPBufferService(cfg, pool, rank, group=device_group, device=device, routing_top_k=mc.top_k)
+    return make_dispatcher(kind, dcfg, ep=ep, device=device, **extra)
 
 
 def load_model(spec: Any, ep: EPGroup, dispatcher: Any, device: torch.device) -> Qwen3MoeModel:

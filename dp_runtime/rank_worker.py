@@ -9,7 +9,8 @@ One step (``step()``), the same sequence on every rank::
     scheduler.next_step()        the rank's batch: decode, extend, mixed (both), or nothing
     sync.sync(LocalStepInfo)     the one exchange of counts; every rank gets the same StepPlan
     plan.skip                    every rank had nothing: all return here, together
-    dp_buffers.set_from_plan     set_dp_buffer_len for the step
+    batch.plan = plan            the plan travels with the batch: a gathering dispatcher lays
+                                 its DP buffers out from it in the forward (nothing here does)
     graph replay                 when the plan has a bucket: a decode graph (DECODE on every
                                  busy rank) or extend pieces (EXTEND on every busy rank), fits
     or eager                     otherwise (prefill, SUM_LEN, a batch over the largest graph)
@@ -150,10 +151,9 @@ class RankWorker:
         self.choices = choices = rank_choices(spec, mc.head_dim, self.world_size, dev, ep)
         self.dispatcher_kind = choices.dispatcher
 
-        # The rank's one pool. Its first tenant is the DP buffer service.
+        # The rank's one pool. Its first tenant is the DP buffer service of a gathering dispatcher.
         self.pool = pool = BufferPool()
-        self.dp_buffers, self.dispatcher = build_moe_exchange(spec, self.rank, device_group, ep, choices.dispatcher,
-                                                              pool, dev)
+        self.dispatcher = build_moe_exchange(spec, self.rank, device_group, ep, choices.dispatcher, pool, dev)
         self._memory["dp_buffers"] = pool.total_bytes()
         self._memory["dispatcher_workspace"] = self.dispatcher.workspace_bytes_per_rank()
         self._on_phase("loading weights")
@@ -171,32 +171,31 @@ class RankWorker:
             return build_prefill_registry(bs, tokens, dev, pool, dp_size=cfg.dp_size, register_input_embeds=False,
                                           register_global_num_tokens=False, user="eager")
 
-        def eager_runner(attention) -> EagerRunner:
-            return EagerRunner(self.model.forward, attention, eager_registry, no_copy=cfg.eager_input_no_copy,
+        def eager_runner(model, attention) -> EagerRunner:
+            return EagerRunner(model.forward, attention, eager_registry, no_copy=cfg.eager_input_no_copy,
                                max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
 
-        slots = measured_kv_slots(spec, self.model, self.dp_buffers, dev, choices, eager_runner, self._memory,
-                                  self._on_phase)
+        slots = measured_kv_slots(spec, self.model, dev, choices, eager_runner, self._memory, self._on_phase)
         self.kv_cache = make_kv_cache(spec, slots, dev)
         self._memory["kv_cache"] = self.kv_cache.nbytes()
         self.attention = make_attention_backend(choices.attention, self.kv_cache, mc,
                                                 check_indices=cfg.flashinfer_checks)
-        # The model attends through a seam that extend graphs cut their pieces at.
-        self.model.attention = AttentionSplit(self.attention)
+        # The model's one binding: it attends through a seam that extend graphs cut their pieces
+        # at, and stores K/V into the cache that attention reads.
+        self.model.bind_attention(AttentionSplit(self.attention))
         self.scheduler = Scheduler.for_runtime(KVAllocator(self.kv_cache), cfg, rank=self.rank,
                                                vocab_size=mc.vocab_size, eos_token_ids=spec.eos_token_ids)
-        self.eager = eager_runner(self.attention)
+        self.eager = eager_runner(self.model, self.attention)
         if choices.graphs:
             self.rank_graphs = capture_rank_graphs(
                 cfg=cfg, forward=self.model.forward, split=self.model.attention, attention=self.attention, pool=pool,
-                device=dev, set_plan=self.dp_buffers.set_from_plan, max_context_len=spec.context_len,
+                device=dev, max_context_len=spec.context_len,
                 show_progress=self._show_progress, on_phase=self._on_phase)
         self._memory["graph_pool"] = 0 if self.rank_graphs is None else self.rank_graphs.memory_bytes
         self._memory["graph_inputs"] = pool.total_bytes() - pool_before
         if "graph_reserve" in self._memory:  # profiled: the largest step must still fit
             self._on_phase("checking the largest step")
-            check_largest_step(lambda: run_largest_step(self.eager, self.dp_buffers, cfg, dev, spec.context_len),
-                               dev, self._memory)
+            check_largest_step(lambda: run_largest_step(self.eager, cfg, dev, spec.context_len), dev, self._memory)
             logger.info("rank %d memory (bytes): %s", self.rank, self._memory)
 
     # -- requests --------------------------------------------------------------------------------
@@ -279,8 +278,8 @@ class RankWorker:
         if plan.skip:
             c["skipped_steps"] += 1
             return plan
-        self.dp_buffers.set_from_plan(plan)
         # The step's batch, built once: the scheduler's with the plan (never written in place).
+        # The plan is all the forward needs of DP: the dispatcher lays its buffers out from it.
         if scheduled is None:
             batch = idle_batch(self.device, plan)
         else:

@@ -20,6 +20,10 @@ Outputs are views of graph memory: they are overwritten by the next replay of an
 Without CUDA (or with ``use_cuda_graph=False``) capture records the same values and replay
 runs the forward eagerly on the same padded registry views, so fill, padding, metadata and
 slicing are exercised by CPU tests.
+
+The runner knows nothing of DP: whatever the forward's plan decides (a dispatcher's buffer
+layout among it) travels in the batch. At capture the batch carries the capture plan, and the
+eager stand-in runs with it too, which is what a captured graph replays.
 """
 
 from __future__ import annotations
@@ -72,9 +76,8 @@ class GraphRunner:
         sizes: the buckets (``graph.capture_sizes``).
         capture_batch: ``(bs, num_tokens, plan) -> batch``, a dummy batch to capture with.
         capture_plan: ``bucket -> plan``, the step plan every rank has when all run that bucket
-            (from the same plan function the step loop uses, so the baked values match).
-        set_plan: called with each capture plan before its capture, e.g. the DP buffer
-            service's ``set_dp_buffer_len``; at replay the step loop has already done it.
+            (from the same plan function the step loop uses, so the baked values match); the
+            capture batch carries it into the forward.
         forward_mode: the mode captured (DECODE); IDLE batches replay it with 0 live rows.
         num_tokens_per_bs: tokens per request in a captured batch (1 for decode).
         use_cuda_graph: None for "when CUDA is available and the registry is on CUDA".
@@ -91,7 +94,6 @@ class GraphRunner:
         *,
         capture_batch: CaptureBatchFn,
         capture_plan: Callable[[int], StepPlanView],
-        set_plan: Callable[[StepPlanView], None] | None = None,
         forward_mode: ForwardMode = ForwardMode.DECODE,
         num_tokens_per_bs: int = 1,
         use_cuda_graph: bool | None = None,
@@ -122,7 +124,6 @@ class GraphRunner:
         self.show_progress = show_progress
         self._capture_batch = capture_batch
         self._capture_plan = capture_plan
-        self._set_plan = set_plan
         self._captured: dict[int, _Captured] = {}
         self._pool: Any = None
         self._shared_output: torch.Tensor | None = None  # the largest bucket's (_into_shared)
@@ -162,8 +163,6 @@ class GraphRunner:
     def _capture_one(self, bs: int, stream: torch.cuda.Stream | None) -> _Captured:
         n = bs * self.num_tokens_per_bs
         plan = self._capture_plan(bs)
-        if self._set_plan is not None:
-            self._set_plan(plan)
         batch = self._capture_batch(bs, n, plan)
         if batch.batch_size != bs or batch.num_tokens != n:
             raise ValueError(
@@ -306,11 +305,9 @@ class GraphRunner:
             output = captured.output
         else:
             # The stand-in runs what the capture recorded: the captured mode (an IDLE batch too)
-            # and the capture plan, with the DP buffers laid out for it.
+            # and the capture plan (a gathering dispatcher lays its buffers out from it).
             view = dataclasses.replace(self.registry.view(batch, bucket, n), forward_mode=self.forward_mode,
                                        plan=captured.plan)
-            if self._set_plan is not None:
-                self._set_plan(captured.plan)
             with torch.inference_mode():
                 output = self.forward(view)
         if raw_n == n and raw_bs == bucket:

@@ -13,7 +13,9 @@ The seam is ``AttentionSplit``: the model's attention object, transparent by def
 call and attribute goes to the backend). While a bucket is captured it ends the current graph
 at each ``forward(q, k, v, ...)``, keeps q/k/v (graph memory, rewritten by every replay) and
 returns a fixed per-layer output buffer that the next graph reads; while one replays without
-CUDA it runs the backend on the live rows and pads the result to ``T`` rows.
+CUDA it runs the backend on the live rows and pads the result to ``T`` rows. The model stores
+each layer's K/V before it calls attention, so the store lies inside a piece (every row of the
+bucket, padding rows into the reserved slot 0) and attention between pieces only reads.
 
 Geometry: bucket ``T`` holds ``T`` tokens and ``min(T, max_requests)`` request slots (a
 request has at least one token; a rank runs at most ``max_requests`` at once). ``registry.fill`` copies the live rows and pads the tail: padding tokens carry position
@@ -48,8 +50,8 @@ from graph.step_plan_view import StepPlanView
 
 __all__ = ["AttentionSplit", "PiecewiseRunner"]
 
-# (q, k, v, layer_id, batch, kv_stored) -> the attention output, (T, heads * head_dim)
-AttentionHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Any, bool], torch.Tensor]
+# (q, k, v, layer_id, batch) -> the attention output, (T, heads * head_dim)
+AttentionHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Any], torch.Tensor]
 
 
 class AttentionSplit:
@@ -64,10 +66,10 @@ class AttentionSplit:
         # Only reached for names not set on the split itself: the backend's (kv_cache, ...).
         return getattr(self.__dict__["backend"], name)
 
-    def forward(self, q, k, v, layer_id: int, batch: Any, kv_stored: bool = False) -> torch.Tensor:
+    def forward(self, q, k, v, layer_id: int, batch: Any) -> torch.Tensor:
         if self._hook is None:
-            return self.backend.forward(q, k, v, layer_id, batch, kv_stored=kv_stored)
-        return self._hook(q, k, v, layer_id, batch, kv_stored)
+            return self.backend.forward(q, k, v, layer_id, batch)
+        return self._hook(q, k, v, layer_id, batch)
 
     @contextmanager
     def hooked(self, hook: AttentionHook) -> Iterator[None]:
@@ -89,7 +91,6 @@ class _Piece:
     k: torch.Tensor
     v: torch.Tensor
     out: torch.Tensor
-    kv_stored: bool
 
 
 @dataclass
@@ -115,8 +116,8 @@ class PiecewiseRunner:
         max_requests: the most requests one extend step holds (``max_running_requests``).
         capture_batch: ``(bs, num_tokens, plan) -> batch``, an EXTEND batch of one token per
             request pointing at the reserved padding targets.
-        capture_plan: ``bucket -> plan``, the step plan every rank has when all run that bucket.
-        set_plan: called with each capture plan before its capture (the DP buffer layout).
+        capture_plan: ``bucket -> plan``, the step plan every rank has when all run that bucket;
+            the capture batch carries it into the forward (and the stand-in replays with it).
         pool: a CUDA graph memory pool to share (the decode graphs'), or None for a new one.
         use_cuda_graph: None for "when CUDA is available and the registry is on CUDA".
         warmup_runs: eager runs of the whole forward before each capture.
@@ -133,7 +134,6 @@ class PiecewiseRunner:
         max_requests: int,
         capture_batch: Callable[[int, int, StepPlanView], Any],
         capture_plan: Callable[[int], StepPlanView],
-        set_plan: Callable[[StepPlanView], None] | None = None,
         pool: Any = None,
         use_cuda_graph: bool | None = None,
         warmup_runs: int = 2,
@@ -155,7 +155,7 @@ class PiecewiseRunner:
         self.forward, self.split, self.backend, self.registry = forward, split, backend, registry
         self.warmup_runs = int(warmup_runs)
         self.show_progress = show_progress
-        self._capture_batch, self._capture_plan, self._set_plan = capture_batch, capture_plan, set_plan
+        self._capture_batch, self._capture_plan = capture_batch, capture_plan
         self._pool = pool
         self._buckets: dict[int, _Bucket] = {}
         self._out_buffers: dict[int, torch.Tensor] = {}  # per layer, shared by every bucket
@@ -192,8 +192,6 @@ class PiecewiseRunner:
 
     def _capture_one(self, tokens: int, stream: torch.cuda.Stream | None) -> _Bucket:
         plan = self._capture_plan(tokens)
-        if self._set_plan is not None:
-            self._set_plan(plan)
         bs = self.slots(tokens)
         batch = self._capture_batch(bs, tokens, plan)
         if batch.forward_mode is not ForwardMode.EXTEND or batch.num_tokens != tokens or batch.batch_size != bs:
@@ -216,10 +214,10 @@ class PiecewiseRunner:
             graphs.append(torch.cuda.CUDAGraph())
             graphs[-1].capture_begin(pool=self._pool)
 
-        def cut(q, k, v, layer_id, _batch, kv_stored) -> torch.Tensor:
+        def cut(q, k, v, layer_id, _batch) -> torch.Tensor:
             graphs[-1].capture_end()
             out = self._out_buffer(layer_id, q)[:tokens]
-            pieces.append(_Piece(layer_id, q, k, v, out, kv_stored))
+            pieces.append(_Piece(layer_id, q, k, v, out))
             begin()
             return out
 
@@ -268,8 +266,8 @@ class PiecewiseRunner:
         live = self.registry.view(batch, raw_bs, raw_n)
         self.backend.init_forward_metadata(live)
 
-        def attend(q, k, v, layer_id, kv_stored, out) -> None:  # the live rows' attention, into out
-            self.backend.forward(q[:raw_n], k[:raw_n], v[:raw_n], layer_id, live, kv_stored=kv_stored, out=out)
+        def attend(q, k, v, layer_id, out) -> None:  # the live rows' attention, into out
+            self.backend.forward(q[:raw_n], k[:raw_n], v[:raw_n], layer_id, live, out=out)
 
         if b.graphs:
             # The pieces' tensors were made in inference mode (the capture): writes to them too.
@@ -277,18 +275,17 @@ class PiecewiseRunner:
                 b.graphs[0].replay()
                 for piece, graph in zip(b.pieces, b.graphs[1:], strict=True):
                     if raw_n:  # straight into the buffer the next graph reads: no copy
-                        attend(piece.q, piece.k, piece.v, piece.layer_id, piece.kv_stored, out=piece.out[:raw_n])
+                        attend(piece.q, piece.k, piece.v, piece.layer_id, out=piece.out[:raw_n])
                     graph.replay()
             output = b.output
         else:
+            # The capture plan, as the pieces recorded it (a gathering dispatcher lays out from it).
             view = dataclasses.replace(self.registry.view(batch, bs, t), forward_mode=ForwardMode.EXTEND, plan=b.plan)
-            if self._set_plan is not None:
-                self._set_plan(b.plan)
 
-            def stand_in(q, k, v, layer_id, _batch, kv_stored) -> torch.Tensor:
+            def stand_in(q, k, v, layer_id, _batch) -> torch.Tensor:
                 out = q.new_zeros(t, q.shape[1] * q.shape[2] if q.dim() == 3 else q.shape[1])
                 if raw_n:
-                    attend(q, k, v, layer_id, kv_stored, out=out[:raw_n])
+                    attend(q, k, v, layer_id, out=out[:raw_n])
                 return out
 
             with self.split.hooked(stand_in), torch.inference_mode():

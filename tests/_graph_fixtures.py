@@ -41,6 +41,10 @@ class Plan:
     global_num_tokens_cpu: tuple[int, ...]
 
     @property
+    def is_max_len(self) -> bool:
+        return self.padding is Padding.MAX_LEN
+
+    @property
     def fingerprint(self) -> int:
         return zlib.crc32(repr((self.global_num_tokens_cpu, self.runtime_max_tokens_per_rank)).encode())
 

@@ -36,17 +36,22 @@ def _qkv(t, seed):
     return (torch.randn(t, HQ, D, generator=gen), torch.randn(t, HKV, D, generator=gen), torch.randn(t, HKV, D, generator=gen))
 
 
+def _store(stack, layer, batch, k, v):
+    """This step's K/V into the cache, as the model's attention block does before attending."""
+    stack.cache.set_kv(layer, batch.out_cache_loc, k, v)
+
+
 def test_decode_equals_dense_reference():
     stack = make_stack()
     backend = stack.backend
     reqs = add_requests(stack.allocator, [1, 7, 30, 64, 12])
     batch = decode_batch(stack.allocator, reqs, [1] * 5)
     q, k, v = _qkv(5, 0)
+    _store(stack, 1, batch, k, v)
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, 1, batch)
     for i, req in enumerate(reqs):
         kk, vv = _kv_of(stack, req, 1)
-        assert torch.equal(kk[-1], k[i]) and torch.equal(vv[-1], v[i])  # this step's K/V was written
         ref = reference(q[i : i + 1], kk, vv, torch.tensor([req.seq_len - 1]), backend.scale)
         torch.testing.assert_close(out[i : i + 1].double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -57,6 +62,7 @@ def test_decode_graph_metadata_path_equals_eager_path():
     reqs = add_requests(stack.allocator, [3, 40, 9])
     batch = decode_batch(stack.allocator, reqs, [1, 2, 3])
     q, k, v = _qkv(3, 1)
+    _store(stack, 0, batch, k, v)
     backend.init_forward_metadata(batch)
     eager = backend.forward(q, k, v, 0, batch)
     backend.init_capture(max_bs=8, max_num_tokens=8)
@@ -73,6 +79,7 @@ def test_decode_graph_metadata_path_equals_eager_path():
     )
     padded = torch.cat([q, q[:1]]), torch.cat([k, k[:1]]), torch.cat([v, v[:1]])
     batch.out_cache_loc = torch.cat([batch.out_cache_loc, pad])
+    _store(stack, 0, batch, *padded[1:])  # the padding row into slot 0, as in a graph
     graph = backend.forward(*padded, 0, batch)
     torch.testing.assert_close(graph[:3], eager)
     with pytest.raises(KeyError, match="no captured metadata for bucket 8"):
@@ -92,6 +99,7 @@ def test_decode_ignores_garbage_in_masked_window_positions():
     reqs = add_requests(stack.allocator, [5, 9])
     batch = decode_batch(stack.allocator, reqs, [1, 2])
     q, k, v = _qkv(2, 2)
+    _store(stack, 0, batch, k, v)
     backend.init_forward_metadata(batch)
     clean = backend.forward(q, k, v, 0, batch)
     stack.cache.k[0][0] = float("nan")  # slot 0: what padded rows write; masked positions point there
@@ -107,6 +115,7 @@ def test_extend_with_prefix_equals_dense_reference():
     ext = [5, 2, 7]
     batch = extend_batch(stack.allocator, reqs, ext, list(range(14)))
     q, k, v = _qkv(14, 3)
+    _store(stack, 0, batch, k, v)
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, 0, batch)
     start = 0
@@ -116,6 +125,24 @@ def test_extend_with_prefix_equals_dense_reference():
         ref = reference(q[start : start + e], kk, vv, positions, backend.scale)
         torch.testing.assert_close(out[start : start + e].double(), ref, atol=1e-5, rtol=1e-5)
         start += e
+
+
+def test_attention_reads_the_cache_and_never_writes_it():
+    """One writer of K/V: the model's attention block. The backend attends over what the cache
+    holds, whatever k/v it is handed."""
+    stack = make_stack()
+    backend = stack.backend
+    reqs = add_requests(stack.allocator, [0, 6])
+    for batch in (extend_batch(stack.allocator, reqs, [4, 3], list(range(7))),
+                  decode_batch(stack.allocator, reqs, [1, 2])):
+        q, k, v = _qkv(batch.num_tokens, 4)
+        _store(stack, 0, batch, k, v)
+        before = stack.cache.k[0].clone(), stack.cache.v[0].clone()
+        backend.init_forward_metadata(batch)
+        out = backend.forward(q, k, v, 0, batch)
+        assert torch.equal(stack.cache.k[0], before[0]) and torch.equal(stack.cache.v[0], before[1])
+        # other k/v handed over change nothing: the cache is what is read
+        torch.testing.assert_close(backend.forward(q, k + 1, v - 1, 0, batch), out, atol=0, rtol=0)
 
 
 def test_zero_tokens_and_idle_metadata():

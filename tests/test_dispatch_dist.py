@@ -33,7 +33,7 @@ from dispatcher import (
     reference_moe,
     run_local_experts,
 )
-from tests.support.gather_buffers import gather_buffers, lay_out
+from tests.support.gather_buffers import gather_buffers
 
 pytestmark = pytest.mark.dist
 
@@ -52,9 +52,7 @@ def _make(kind: str, cfg: DispatcherConfig, ep: EPGroup):
     return make_dispatcher(kind, cfg, ep=ep, device="cpu", **extra)
 
 
-def _moe(d, x, ids, w, plan, fn, *, sum_len: bool = False, dense: bool = False):
-    if d.kind == "all_gather":
-        lay_out(d.buffers, plan, sum_len=sum_len)
+def _moe(d, x, ids, w, plan, fn, *, dense: bool = False):
     return moe_forward(d, x, ids, w, plan, fn, dense=dense)
 
 
@@ -113,13 +111,13 @@ def _scenario_counts(name: str, world: int, rank_seed: int = 0):
 def test_matches_global_reference(ep, experts, kind, scenario, routing):
     d = _make(kind, _cfg(), ep)
     counts, runtime_max = _scenario_counts(scenario, ep.size)
-    plan = FixedPlan.from_counts(counts, runtime_max)
     x, ids, w = _global_step(counts, seed=11, routing=routing, ep_size=ep.size)
     ref = reference_moe(x, ids, w, experts, E)
     local_fn = experts.local(d.partition, ep.rank)
     for dense, sum_len in ((False, False), (True, False), (False, True)):
+        plan = FixedPlan.from_counts(counts, runtime_max, is_max_len=not sum_len)
         out = _moe(d, _mine(x, counts, ep.rank), _mine(ids, counts, ep.rank), _mine(w, counts, ep.rank),
-                   plan, local_fn, dense=dense, sum_len=sum_len)
+                   plan, local_fn, dense=dense)
         assert out.shape == (counts[ep.rank], D)
         torch.testing.assert_close(out, _mine(ref, counts, ep.rank), rtol=1e-5, atol=1e-5)
 
@@ -132,11 +130,12 @@ def test_many_steps_with_changing_plans(ep, experts, kind):
     for step in range(6):
         g = torch.Generator().manual_seed(step)
         counts = torch.randint(0, 9, (ep.size,), generator=g).tolist()
-        plan = FixedPlan.from_counts(counts, max(counts) + step % 3)
+        # Odd steps SUM_LEN: the all-gather dispatcher lays its buffers out from each plan.
+        plan = FixedPlan.from_counts(counts, max(counts) + step % 3, is_max_len=step % 2 == 0)
         x, ids, w = _global_step(counts, seed=step)
         ref = reference_moe(x, ids, w, experts, E)
         out = _moe(d, _mine(x, counts, ep.rank), _mine(ids, counts, ep.rank),
-                   _mine(w, counts, ep.rank), plan, local_fn, sum_len=step % 2 == 1)
+                   _mine(w, counts, ep.rank), plan, local_fn)
         torch.testing.assert_close(out, _mine(ref, counts, ep.rank), rtol=1e-5, atol=1e-5)
 
 
@@ -195,10 +194,9 @@ def test_all_gather_moves_what_the_padding_mode_says(ep, experts, monkeypatch, s
     d.warmup()
     counts = [1 + 2 * r for r in range(ep.size)]
     padded = max(counts) + 3
-    plan = FixedPlan.from_counts(counts, padded)
+    plan = FixedPlan.from_counts(counts, padded, is_max_len=not sum_len)
     x, ids, w = _global_step(counts, seed=4)
     mine = (_mine(x, counts, ep.rank), _mine(ids, counts, ep.rank), _mine(w, counts, ep.rank))
-    lay_out(d.buffers, plan, sum_len=sum_len)
     moved.clear()
     handle, inputs = d.dispatch(*mine, plan)
     assert inputs.hidden_ND.data_ptr() == d.buffers.get_global_buffer().data_ptr()

@@ -45,7 +45,7 @@ except ImportError:  # no plugin, no per-test limit to lift
         return fn
 
 
-from tests.support.gather_buffers import gather_buffers, lay_out
+from tests.support.gather_buffers import gather_buffers
 
 E, K, D, INTER = 32, 4, 256, 128
 MAX_TOKENS = 64
@@ -214,10 +214,10 @@ def test_flashinfer_matches_reference_and_torch_backends(ep, device, experts, ex
         out_fi = moe_forward(fi_dispatcher, *mine, plan, local_fn)
         out_fi_dense = moe_forward(fi_dispatcher, *mine, plan, local_fn, dense=True)
         out_a2a = moe_forward(a2a, *mine, plan, local_fn)
-        lay_out(ag.buffers, plan)
         out_ag = moe_forward(ag, *mine, plan, local_fn)
-        lay_out(ag.buffers, plan, sum_len=True)  # NCCL's uneven all-gather and reduce-scatter
-        out_ag_sum = moe_forward(ag, *mine, plan, local_fn)
+        # SUM_LEN: NCCL's uneven all-gather and reduce-scatter
+        sum_plan = FixedPlan.from_counts(counts, runtime_max, is_max_len=False)
+        out_ag_sum = moe_forward(ag, *mine, sum_plan, local_fn)
         torch.cuda.synchronize()
         if out_fi.shape != (counts[ep.rank], D):
             errors.append(f"step {step}: flashinfer output shape {tuple(out_fi.shape)}")
@@ -257,9 +257,7 @@ def test_cuda_graph_replays_with_new_inputs(ep, device, experts, experts_f32, ki
         d.warmup()
     counts = [6 + 3 * r for r in range(ep.size)]
     counts[0] = 0 if ep.size > 2 else counts[0]  # an idle rank inside the graph when there are 3+
-    plan = FixedPlan.from_counts(counts, 16)  # the captured bucket
-    if kind == "all_gather":
-        lay_out(d.buffers, plan)  # MAX_LEN slots of 16 rows: what the graph records
+    plan = FixedPlan.from_counts(counts, 16)  # the captured bucket: MAX_LEN slots of 16 rows
     t = counts[ep.rank]
     static_x = torch.zeros(t, D, dtype=torch.bfloat16, device=device)
     static_ids = torch.zeros(t, K, dtype=torch.int32, device=device)

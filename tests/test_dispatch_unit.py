@@ -32,7 +32,7 @@ from dispatcher import (
 )
 from dispatcher.all_to_all import RowLayout
 from dispatcher.groups import EPGroup
-from tests.support.gather_buffers import gather_buffers, lay_out
+from tests.support.gather_buffers import gather_buffers
 
 E, K, D = 8, 2, 16
 BACKENDS = ["all_gather", "all_to_all"]
@@ -51,8 +51,6 @@ def _make(kind: str, cfg: DispatcherConfig | None = None):
 
 
 def _dispatch(d, x, ids, w, plan):
-    if d.kind == "all_gather":
-        lay_out(d.buffers, plan)
     return d.dispatch(x, ids, w, plan)
 
 
@@ -173,12 +171,19 @@ def test_config_validation():
         _cfg(dtype=torch.int32)
 
 
-def test_all_gather_refuses_a_step_its_buffers_were_not_laid_out_for():
+def test_all_gather_lays_its_buffers_out_from_each_plan_it_is_handed():
+    """Nobody lays the DP buffers out before a forward: each dispatch does, from its plan,
+    whatever layout the service held before (another count, the other padding mode)."""
     d = _make("all_gather")
-    x, ids, w = _inputs(4)
-    lay_out(d.buffers, FixedPlan.from_counts([3]))
-    with pytest.raises(ValueError, match=r"laid out for counts \[3\], the step plan has \[4\]"):
-        d.dispatch(x, ids, w, FixedPlan.from_counts([4]))
+    experts = SwiGLUExperts.random(E, D, 24, seed=2)
+    d.buffers.set_dp_buffer_len(3, 3, True, (3,))  # a stale layout, as a previous step left it
+    for t, runtime_max, is_max_len in ((4, 4, True), (4, 7, True), (5, 9, False), (2, 2, True), (0, 3, True)):
+        x, ids, w = _inputs(t, seed=t)
+        handle, inputs = d.dispatch(x, ids, w, FixedPlan.from_counts([t], runtime_max, is_max_len=is_max_len))
+        assert inputs.hidden_ND.shape[0] == (runtime_max if is_max_len else t)
+        out = d.combine(run_local_experts(inputs, experts.local(d.partition, 0),
+                                          out_ND=d.expert_output_buffer(handle)), handle)
+        torch.testing.assert_close(out, reference_moe(x, ids, w, experts, E), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- world size 1 answers
@@ -192,8 +197,6 @@ def test_world_size_one_matches_reference(kind, dense, t, runtime_max):
     d = _make(kind)
     x, ids, w = _inputs(t, seed=t)
     plan = FixedPlan.from_counts([t], runtime_max)
-    if kind == "all_gather":
-        lay_out(d.buffers, plan)
     out = moe_forward(d, x, ids, w, plan, experts.local(d.partition, 0), dense=dense)
     ref = reference_moe(x, ids, w, experts, E)
     assert out.shape == (t, D)
@@ -205,8 +208,7 @@ def test_all_gather_gathers_into_the_dp_buffer_service(sum_len):
     d = _make("all_gather")
     experts = SwiGLUExperts.random(E, D, 24, seed=1)
     x, ids, w = _inputs(6)
-    plan = FixedPlan.from_counts([6], 9)
-    lay_out(d.buffers, plan, sum_len=sum_len)
+    plan = FixedPlan.from_counts([6], 9, is_max_len=not sum_len)
     handle, inputs = d.dispatch(x, ids, w, plan)
     # The experts read the service's pool storage, and write their partials over it.
     assert inputs.hidden_ND.data_ptr() == d.buffers.get_global_buffer().data_ptr()

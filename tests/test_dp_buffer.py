@@ -116,15 +116,34 @@ def test_service_refuses_over_the_configured_maximum():
 
 
 def test_set_from_plan_matches_the_plan():
+    """The layout is derived from what a dispatcher reads of a plan (counts,
+    ``runtime_max_tokens_per_rank``, ``is_max_len``); it must be the one ``plan_step`` sized."""
+    c = cfg(cuda_graph_bs=(1, 2, 4, 8), cuda_graph_max_bs=8)
+    cases = [((3, 5, 0), True, False), ((2, 2, 2), False, False), ((9, 0, 0), False, False),
+             ((3, 1, 0), False, True), ((0, 0, 0), False, False), ((1, 7, 2), False, True)]
+    for rank in range(c.dp_size):
+        svc = DPBufferService(c, BufferPool(), rank=rank)
+        for counts, is_extend, graph in cases:
+            plan = plan_step(StepTable.from_counts(counts, can_run_graph=graph, is_extend=is_extend), c)
+            lay = svc.set_from_plan(plan)
+            assert lay.global_dp_buffer_len == plan.global_dp_buffer_len
+            assert lay.local_dp_buffer_len == plan.local_dp_buffer_len(rank)
+            assert lay.padding is plan.padding and lay.global_num_tokens == plan.global_num_tokens_cpu
+            assert svc.get_global_buffer().shape[0] == plan.global_dp_buffer_len
+
+
+def test_a_plan_is_laid_out_again_after_another_layout():
+    """The same plan object is laid out once (an identity check in every later layer), but
+    never kept once another layout came in between."""
     c = cfg()
     svc = DPBufferService(c, BufferPool(), rank=1)
-    for counts, is_extend in [((3, 5, 0), True), ((2, 2, 2), False), ((9, 0, 0), False)]:
-        plan = plan_step(StepTable.from_counts(counts, is_extend=is_extend), c)
-        lay = svc.set_from_plan(plan)
-        assert lay.global_dp_buffer_len == plan.global_dp_buffer_len
-        assert lay.local_dp_buffer_len == plan.local_dp_buffer_len(1)
-        assert lay.padding is plan.padding
-        assert svc.get_global_buffer().shape[0] == plan.global_dp_buffer_len
+    plan = plan_step(StepTable.from_counts((3, 5, 0), is_extend=True), c)  # SUM_LEN
+    assert svc.set_from_plan(plan).global_dp_buffer_len == 8
+    svc.set_dp_buffer_len(12, 4, True, (4, 0, 3))
+    assert svc.set_from_plan(plan).global_dp_buffer_len == 8 and svc.get_global_buffer().shape[0] == 8
+    other = plan_step(StepTable.from_counts((2, 2, 2)), c)  # MAX_LEN
+    svc.set_from_plan(other)
+    assert svc.set_from_plan(plan).offsets == (0, 3, 8)
 
 
 def test_pool_conflict_is_reported():

@@ -31,7 +31,7 @@ class RecordingBackend:
     def init_forward_metadata(self, batch) -> None:
         self.planned.append((batch.forward_mode.name, batch.batch_size, batch.num_tokens))
 
-    def forward(self, q, k, v, layer_id, batch, kv_stored=False, out=None):
+    def forward(self, q, k, v, layer_id, batch, out=None):
         self.attended.append((layer_id, q.shape[0]))
         o = 2 * q.reshape(q.shape[0], -1)
         return o if out is None else out.copy_(o)

@@ -81,6 +81,7 @@ def test_attention_matches_sdpa_on_extend_with_prefixes_then_decode(deterministi
     reqs = add_requests(alloc, PREFIXES, seed=11)
     batch = extend_batch(alloc, reqs, EXTENDS, list(range(sum(EXTENDS))))
     q, k, v = qkv(sum(EXTENDS), seed=1)
+    cache.set_kv(0, batch.out_cache_loc, k, v)  # the model's store, before attention
     fi.init_forward_metadata(batch)
     want_layout = KVLayout.PAGED if deterministic else KVLayout.RAGGED
     assert fi.metadata.layout is want_layout
@@ -91,6 +92,7 @@ def test_attention_matches_sdpa_on_extend_with_prefixes_then_decode(deterministi
 
     dec = decode_batch(alloc, reqs, [3, 1, 4, 1])
     q, k, v = qkv(4, seed=2)
+    cache.set_kv(0, dec.out_cache_loc, k, v)  # the model's store, before attention
     fi.init_forward_metadata(dec)
     got = fi.forward(q, k, v, 0, dec)
     ref.init_forward_metadata(dec)
@@ -107,6 +109,7 @@ def test_ragged_extend_reads_k_v_views_of_one_projection_and_writes_the_given_ou
     fi = fi_backend(cache)
     batch = extend_batch(alloc, add_requests(alloc, prefixes, seed=5), EXTENDS, list(range(sum(EXTENDS))))
     q, k, v = qkv(sum(EXTENDS), seed=6)
+    cache.set_kv(0, batch.out_cache_loc, k, v)  # the model's store, before attention
     fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
     k_view = fused[:, HQ * D:(HQ + HKV) * D].view(-1, HKV, D)
     v_view = fused[:, (HQ + HKV) * D:].view(-1, HKV, D)
@@ -133,6 +136,7 @@ def test_long_extends_plan_the_auto_backend_wrapper_and_still_match_sdpa():
         reqs = add_requests(alloc, [0, 9], seed=3)
         batch = extend_batch(alloc, reqs, extends, list(range(sum(extends))))
         q, k, v = qkv(sum(extends), seed=4)
+        cache.set_kv(0, batch.out_cache_loc, k, v)  # the model's store, before attention
         fi.init_forward_metadata(batch)
         assert (fi.metadata.ragged is fi._ragged_long) is long
         got = fi.forward(q, k, v, 0, batch)
@@ -148,6 +152,7 @@ def test_ragged_and_paged_layouts_agree():
         fi = fi_backend(cache, deterministic=deterministic)
         batch = extend_batch(alloc, add_requests(alloc, PREFIXES, seed=3), EXTENDS, list(range(sum(EXTENDS))))
         q, k, v = qkv(sum(EXTENDS), seed=4)
+        cache.set_kv(0, batch.out_cache_loc, k, v)  # the model's store, before attention
         fi.init_forward_metadata(batch)
         outs.append(fi.forward(q, k, v, 0, batch))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

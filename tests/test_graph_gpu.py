@@ -264,6 +264,7 @@ def test_flashinfer_attention_matches_sdpa_on_extend_and_decode(deterministic, e
         decode_batch(stack.allocator, reqs, [3, 1, 4, 1]),
     ):
         q, k, v = qkv(batch.num_tokens)
+        stack.cache.set_kv(0, batch.out_cache_loc, k, v)  # the model's store, before attention
         fi.init_forward_metadata(batch)
         got = fi.forward(q, k, v, 0, batch).float()
         ref.init_forward_metadata(batch)

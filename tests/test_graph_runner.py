@@ -22,7 +22,6 @@ from dp_runtime.attention import TorchSDPABackend
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.serving.forward_batch import ForwardBatch, idle_batch
 from graph import AttentionMetadataBackend, GraphRunner
-from tests.support.local_model import with_attention
 from tests.support.synthetic_batch import add_requests, decode_batch, extend_batch
 
 
@@ -124,12 +123,21 @@ def test_capture_records_what_was_baked_in():
     assert runner.captured
 
 
-def test_set_plan_sees_each_capture_plan_in_order():
-    stack = make_stack()
+def test_the_stand_in_runs_the_forward_with_the_capture_plan():
+    """The runner lays out nothing for DP: the plan travels in the batch, and a replay runs what
+    the capture ran, the capture plan (the bucket on every rank), not the step's live counts. A
+    gathering dispatcher lays its buffers out from that plan, as it did while capturing."""
     seen = []
-    runner = make_graph_runner(stack, (1, 2, 4), backend=RecordingBackend(), forward=echo, set_plan=seen.append)
+
+    def forward(batch):
+        seen.append(batch.plan)
+        return echo(batch)
+
+    runner = make_graph_runner(make_stack(), (1, 2, 4), backend=RecordingBackend(), forward=forward, dp_size=2)
     runner.capture()
-    assert [p.graph_bucket for p in seen] == [4, 2, 1]
+    runner.replay(manual_decode(3), Plan(4, Padding.MAX_LEN, 4, (3, 1)))
+    runner.replay(idle_batch("cpu", Plan(2, Padding.MAX_LEN, 2, (0, 2))), Plan(2, Padding.MAX_LEN, 2, (0, 2)))
+    assert seen == [graph_plan(4, (4, 4)), graph_plan(2, (2, 2))]
 
 
 def test_bucket_is_smallest_captured_size_at_or_above_the_plan():
@@ -249,7 +257,7 @@ def test_replay_on_its_own_backend_instance_equals_eager():
     # KV cache (its own metadata), through a copy of the model that shares the weights.
     stack = make_stack()
     graph_backend = TorchSDPABackend(stack.cache, num_q_heads=4, num_kv_heads=2, head_dim=8)
-    graph_model = with_attention(stack.model, graph_backend)
+    graph_model = stack.model.with_attention(graph_backend)
     assert graph_model.attention is graph_backend and stack.model.attention is stack.backend
     assert graph_model.embed is stack.model.embed and graph_model.dispatcher is stack.model.dispatcher
     runner = make_graph_runner(stack, (4, 8), backend=graph_backend, forward=graph_model.forward)

@@ -18,12 +18,14 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)
 class AttentionBackend(AttentionMetadataBackend, Protocol):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Any,
-        kv_stored: bool = False, out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write this step's ``k``/``v`` (T, kv_heads, D) at ``batch.out_cache_loc`` (unless
-        ``kv_stored``: a fused prologue wrote them) and attend ``q`` (T, q_heads, D) with the
-        metadata of the last ``init_forward_metadata*`` call. Returns (T, q_heads * D): ``out``
-        when given (contiguous, q's dtype), written in place."""
+        """Attend ``q`` (T, q_heads, D) with the metadata of the last ``init_forward_metadata*``
+        call, over the backend's ``kv_cache``, which already holds this step's ``k``/``v``
+        (T, kv_heads, D) at ``batch.out_cache_loc``: the model wrote them (its attention block
+        is the cache's one writer); a ragged pass may read ``k``/``v`` as given. Never writes the
+        cache. Returns (T, q_heads * D): ``out`` when given (contiguous, q's dtype), written in
+        place."""
         ...
 
 

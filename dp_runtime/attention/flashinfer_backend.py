@@ -286,13 +286,11 @@ class FlashInferBackend(FlashInferGraphPlans):
 
     # -- attention -----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Any,
-                kv_stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor:
         t = q.shape[0]
         if t == 0:
             return q.new_empty((0, self.num_q_heads * self.head_dim)) if out is None else out
-        # This step's K/V go into the cache first: the paged passes read them from there.
-        if not kv_stored:  # a fused prologue (qk_norm_rope) has stored them already
-            self.kv_cache.set_kv(layer_id, batch.out_cache_loc, k, v)
+        # The paged passes read this step's K/V from the cache, where the model wrote them.
         meta = self.metadata
         if meta is None:
             raise RuntimeError(f"FlashInferBackend: no metadata for a forward of {t} tokens")

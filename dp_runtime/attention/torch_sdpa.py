@@ -176,13 +176,11 @@ class TorchSDPABackend:
     # -- attention -----------------------------------------------------------------------------
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Any,
-        kv_stored: bool = False, out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         t = q.shape[0]
         if t == 0:
             return q.new_empty((0, self.num_q_heads * self.head_dim)) if out is None else out
-        if not kv_stored:  # a fused prologue (qk_norm_rope) has stored them already
-            self.kv_cache.set_kv(layer_id, batch.out_cache_loc, k, v)
         meta = self.metadata
         if isinstance(meta, _DecodeMeta):
             o = self._decode(q, layer_id, meta)

@@ -32,7 +32,7 @@ class TorchOps:
     """The torch versions (CPU, float32, or without flashinfer)."""
 
     name = "torch"
-    fused_qk_prologue = False  # attention stores K/V itself
+    fused_qk_prologue = False  # the attention block stores K/V with KVCache.set_kv
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

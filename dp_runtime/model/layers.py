@@ -90,6 +90,7 @@ def qk_norm_attention(
     eps: float,
     rotary: RotaryEmbedding,
     attention,
+    kv_cache,
     layer_id: int,
     batch,
     ops,
@@ -98,27 +99,29 @@ def qk_norm_attention(
 ) -> torch.Tensor:
     """Qwen3's attention block on normed hidden states ``x_TH``: fused QKV projection (plus
     ``b_qkv`` when the model has attention biases), RMSNorm per head of q and k, RoPE at
-    ``batch.positions``, the backend's attention (which writes this step's K/V), output
-    projection (plus ``b_o``). ``ops`` supplies ``linear`` (both projections), ``rms_norm`` and
-    ``rope`` (``dp_runtime.model.elementwise_ops``: torch's, or FlashInfer's and Triton's).
-    Returns (T, H) in ``x_TH``'s dtype."""
+    ``batch.positions``, this step's K/V stored at ``batch.out_cache_loc`` of ``kv_cache`` (the
+    cache ``attention`` reads: the block is its one writer, the backend only reads), the
+    backend's attention, output projection (plus ``b_o``). ``ops`` supplies ``linear`` (both
+    projections), ``rms_norm`` and ``rope`` (``dp_runtime.model.elementwise_ops``: torch's, or
+    FlashInfer's and Triton's), or ``qk_norm_rope_store``, which norms, rotates and stores in
+    one launch. Returns (T, H) in ``x_TH``'s dtype."""
     t = x_TH.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = ops.linear(x_TH, w_qkv, b_qkv)
     v = qkv[:, q_size + kv_size:].reshape(t, num_kv_heads, head_dim)
     if ops.fused_qk_prologue:
         # one kernel: per-head norm, rotary, and this step's K/V into the cache
-        cache = attention.kv_cache
         q, k = ops.qk_norm_rope_store(
             qkv, q_norm, k_norm, rotary.cos_sin_PD, batch.positions, batch.out_cache_loc,
-            cache.k[layer_id], cache.v[layer_id], num_heads=num_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, eps=eps)
-        o = attention.forward(q, k, v, layer_id, batch, kv_stored=True)
+            kv_cache.k[layer_id], kv_cache.v[layer_id], num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps)
+        o = attention.forward(q, k, v, layer_id, batch)
         return ops.linear(o.to(x_TH.dtype), w_o, b_o)
     q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
     q, k = q.reshape(t, num_heads, head_dim), k.reshape(t, num_kv_heads, head_dim)
     if q_norm is not None:  # Qwen3's per-head norm; Mixtral has none
         q, k = ops.rms_norm(q, q_norm, eps), ops.rms_norm(k, k_norm, eps)
     q, k = ops.rope(rotary, q, k, batch.positions)
+    kv_cache.set_kv(layer_id, batch.out_cache_loc, k, v)
     o = attention.forward(q, k, v, layer_id, batch)
     return ops.linear(o.to(x_TH.dtype), w_o, b_o)

@@ -6,7 +6,7 @@ Per decoder layer (Hugging Face ``Qwen3MoeForCausalLM`` arithmetic):
 
     x = rms_norm(h);  q, k, v = x @ [Wq; Wk; Wv] (+ [bq; bk; bv])   (one fused GEMM)
     q, k = rms_norm per head (q_norm, k_norm);  q, k = RoPE(q, k, positions)   (plain or YaRN)
-    h = h + attention(q, k, v) @ Wo (+ bo)          (the backend writes this step's K/V)
+    store this step's k, v in the KV cache;  h = h + attention(q) @ Wo (+ bo)   (the backend reads)
     x = rms_norm(h)
     sparse layer: softmax router, top-k, optional renormalisation; dispatch -> the rank's experts
                   (SwiGLU, grouped GEMM on CUDA sm90+ bf16, a dense loop elsewhere) -> combine
@@ -17,6 +17,10 @@ then a final RMSNorm and the LM head. RMSNorm and RoPE run as FlashInfer's fused
 CUDA in bf16/fp16 (``dp_runtime.model.elementwise_ops``), as torch ops elsewhere. ``forward(batch)`` returns float32 logits of the rows that
 sample: every token of a decode batch (one per request), the last token of each request of an
 extend batch. The forward never syncs with the host on the decode path, so it can be captured.
+
+The model is bound once to its attention and that attention's KV cache (``bind_attention``;
+``with_attention`` gives a copy bound to another, weights shared): its attention block is the
+cache's one writer, storing each layer's K/V before the backend attends (which only reads).
 
 Every EP rank calls dispatch and combine in every sparse layer of every step, IDLE ranks with
 zero rows included: the step loop makes sure an IDLE rank still runs this forward.
@@ -31,8 +35,10 @@ experts, L local experts, I expert size, V vocab, B requests.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,7 +79,8 @@ class Qwen3MoeModel:
         weights: ``(name, tensor)`` pairs with Hugging Face names, covering exactly
             ``expected_shapes(cfg, ep_rank, ep_size)`` (``dp_runtime.model.weights.iter_*``).
             Each is copied into the model's own storage, so a generator holds one at a time.
-        attention: the attention backend (``dp_runtime.attention``).
+        attention: the attention backend (``dp_runtime.attention``) or None, bound later with
+            ``bind_attention``.
         dispatcher: the EP dispatcher (``dispatcher.make_dispatcher``); its EP group decides
             which experts this rank holds.
         dtype, device: of the weights and hidden states.
@@ -93,7 +100,9 @@ class Qwen3MoeModel:
         expert_kernels: str | None = None,
     ) -> None:
         device = torch.device(device)
-        self.cfg, self.attention, self.dispatcher = cfg, attention, dispatcher
+        self.cfg, self.dispatcher = cfg, dispatcher
+        self.attention: Any = None
+        self.kv_cache: Any = None
         self.dtype, self.device = dtype, device
         ep_rank, ep_size = dispatcher.ep.rank, dispatcher.ep.size
         self.partition = ExpertPartition(cfg.num_experts, ep_size)
@@ -116,6 +125,27 @@ class Qwen3MoeModel:
             raise KeyError(f"weights are missing {len(missing)} tensors, first {missing[0]!r}")
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope_theta, device, yarn=cfg.rope_yarn)
         self.ops = elementwise_ops(device, dtype)
+        if attention is not None:
+            self.bind_attention(attention)
+
+    # -- attention binding ----------------------------------------------------------------------
+    def bind_attention(self, attention: Any) -> None:
+        """Attend through ``attention`` (a backend, or the ``graph.AttentionSplit`` over one) and
+        store each layer's K/V into its ``kv_cache``, the cache it reads: one binding for both,
+        so the model cannot write one cache while its attention reads another. Once per model
+        (RuntimeError on a second: graphs captured with the first would keep writing it)."""
+        if self.attention is not None:
+            raise RuntimeError("Qwen3MoeModel: attention is bound already; with_attention() gives a copy bound "
+                               "to another")
+        self.attention, self.kv_cache = attention, attention.kv_cache
+
+    def with_attention(self, attention: Any) -> Qwen3MoeModel:
+        """A shallow copy bound to ``attention`` and its KV cache (``bind_attention``): the same
+        weights, dispatcher and kernels; this model keeps its own binding (or none)."""
+        other = copy.copy(self)
+        other.attention = other.kv_cache = None
+        other.bind_attention(attention)
+        return other
 
     # -- storage ---------------------------------------------------------------------------------
     def _empty(self, *shape: int) -> torch.Tensor:
@@ -228,8 +258,8 @@ class Qwen3MoeModel:
             a_TH = qk_norm_attention(
                 x_TH, layer.w_qkv, layer.q_norm, layer.k_norm,
                 layer.w_o, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                eps=eps, rotary=self.rotary, attention=self.attention, layer_id=i, batch=batch,
-                ops=ops, b_qkv=layer.b_qkv, b_o=layer.b_o,
+                eps=eps, rotary=self.rotary, attention=self.attention, kv_cache=self.kv_cache, layer_id=i,
+                batch=batch, ops=ops, b_qkv=layer.b_qkv, b_o=layer.b_o,
             )
             x_TH, h_TH = ops.add_rms_norm(a_TH, h_TH, layer.mlp_norm, eps)
             if layer.sparse and fuse_norm and i + 1 < len(self.layers):

@@ -4,12 +4,15 @@ Shapes (legend): ``G`` = global_dp_buffer_len (rows of the gathered buffer), ``L
 local_dp_buffer_len (rows of this rank's local buffer), ``D`` = hidden_size, ``R`` = dp_size,
 ``K`` = the MoE top-k of the routing rows.
 
-Each step ``set_dp_buffer_len`` (``set_from_plan`` with the StepPlan) lays the buffers out for
-the step's ``global_num_tokens_cpu``; the all-gather dispatcher gathers hidden rows and routing
-into them and reduce-scatters its expert outputs back through the service. Storage comes from
-the rank's ``buffers.BufferPool`` once, at the largest size the config allows, and only with
-``allocate=True`` (all-to-all dispatchers: layouts only). Steps take views of it, so addresses
-never move and a graph may keep them; the views are valid until the next ``set_dp_buffer_len``.
+A rank builds the service only when its dispatcher gathers (all_gather), and that dispatcher
+is its one user: in every dispatch it lays the buffers out from the plan it is handed
+(``set_from_plan``, which calls ``set_dp_buffer_len``), gathers hidden rows and routing into
+them and reduce-scatters its expert outputs back through the service. So the layout follows the
+plan of the forward that runs (an eager step, a graph capture, the runners' eager stand-in) and
+nobody lays it out ahead. Storage comes from the rank's ``buffers.BufferPool`` once, at the
+largest size the config allows. Layouts only take views of it, so addresses never move and a
+graph may keep them; laying out allocates nothing (safe during a capture); the views are valid
+until the next layout.
 
 Layout (``dp_buffer_layout``, pure): MAX_LEN ``G = L * R``, rank ``r`` at ``r * L``, its first
 ``global_num_tokens[r]`` rows live; SUM_LEN ``G = sum(global_num_tokens)``, rank ``r`` after the
@@ -168,7 +171,6 @@ class DPBufferService:
         rank: this rank's index in the DP group.
         group: the device process group of the gathers (None: default group / none at world 1).
         device: overrides ``config.device`` (e.g. ``cuda:LOCAL_RANK``).
-        allocate: request the gathered storage (False: layouts only, for all-to-all dispatchers).
         routing_top_k: also hold a routing buffer of ``2 * routing_top_k`` int32 per row.
     """
 
@@ -180,7 +182,6 @@ class DPBufferService:
         *,
         group: Any = None,
         device: torch.device | str | None = None,
-        allocate: bool = True,
         routing_top_k: int = 0,
         user: str = "dp_buffer",
     ) -> None:
@@ -189,14 +190,12 @@ class DPBufferService:
                 f"DPBufferService: rank {rank} is not in [0, dp_size={config.dp_size})"
             )
         self.config, self.rank, self.group = config, rank, group
-        self.allocates = allocate
         device = config.device if device is None else device
-        full: dict[str, torch.Tensor] = {}
-        if allocate:
-            for name, (shape, dtype) in dp_buffer_shapes(config, routing_top_k).items():
-                full[name] = pool.request(name, shape, dtype, device, user)
+        full = {name: pool.request(name, shape, dtype, device, user)
+                for name, (shape, dtype) in dp_buffer_shapes(config, routing_top_k).items()}
         self._full = full
         self._key: tuple | None = None
+        self._plan: Any = None  # the plan the buffers were last laid out from (set_from_plan)
         # Row-prefix views by length, made once: slicing costs ~1.5 us a step, a lookup ~0.1 us.
         self._views: dict[str, dict[int, torch.Tensor]] = {name: {} for name in full}
         self._step: dict[str, torch.Tensor] = {}
@@ -214,6 +213,7 @@ class DPBufferService:
 
         Repeating the previous step's arguments costs one tuple comparison.
         """
+        self._plan = None
         key = (
             global_dp_buffer_len,
             local_dp_buffer_len,
@@ -234,26 +234,34 @@ class DPBufferService:
         return layout
 
     def set_from_plan(self, plan: Any) -> DPBufferLayout:
-        """``set_dp_buffer_len`` with a StepPlan's values (read by attribute name)."""
-        return self.set_dp_buffer_len(
-            plan.global_dp_buffer_len,
-            plan.local_dp_buffer_lens[self.rank],
-            plan.padding is PaddingMode.MAX_LEN,
-            plan.global_num_tokens_cpu,
-        )
+        """Lay the buffers out for ``plan`` (a ``dispatcher.StepPlanLike``: the counts,
+        ``runtime_max_tokens_per_rank`` and ``is_max_len``) as ``plan_step`` sizes a step: MAX_LEN
+        slots of ``runtime_max_tokens_per_rank`` rows, or SUM_LEN live rows. Returns the layout.
+
+        The all-gather dispatcher calls it in every sparse layer with the forward's plan: the
+        plan it was last given costs one identity check (plans are frozen).
+        """
+        if plan is self._plan:
+            return self.layout
+        counts = plan.global_num_tokens_cpu
+        if plan.is_max_len:
+            rows = plan.runtime_max_tokens_per_rank
+            layout = self.set_dp_buffer_len(rows * len(counts), rows, True, counts)
+        else:
+            # A count list of the wrong length is refused by dp_buffer_layout, naming dp_size.
+            own = counts[self.rank] if len(counts) == self.config.dp_size else 0
+            layout = self.set_dp_buffer_len(sum(counts), own, False, counts)
+        self._plan = plan
+        return layout
 
     # -- views -----------------------------------------------------------------------------------
     def _buffer(self, name: str) -> torch.Tensor:
         view = self._step.get(name)
         if view is None:
-            raise RuntimeError(
-                f"DPBufferService: no {name!r} storage on this rank (allocate="
-                f"{self.allocates}; its dispatcher does not gather, or routing_top_k was 0)"
-            )
+            raise RuntimeError(f"DPBufferService: no {name!r} storage (the service was built with routing_top_k=0)")
         return view
 
     def _local_storage(self) -> torch.Tensor:
-        self._buffer("dp_local_hidden")  # the clear error when there is none
         return self._full["dp_local_hidden"]
 
     def get_global_buffer(self) -> torch.Tensor:

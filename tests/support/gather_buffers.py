@@ -1,9 +1,8 @@
-"""A rank's DP buffer service for dispatcher tests and benchmarks, sized from a DispatcherConfig,
-and the MAX_LEN / SUM_LEN layout of a step, as the rank worker's set_dp_buffer_len gives it."""
+"""A rank's DP buffer service for dispatcher tests and benchmarks, sized from a DispatcherConfig.
+The all-gather dispatcher lays it out from the plan of each dispatch (``FixedPlan.is_max_len``
+picks MAX_LEN or SUM_LEN)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -22,13 +21,3 @@ def gather_buffers(cfg: DispatcherConfig, ep: EPGroup, device: torch.device | st
     return DPBufferService(rt, BufferPool(), ep.rank, group=ep.group if ep.distributed else None,
                            device=device, routing_top_k=cfg.top_k)
 
-
-def lay_out(buffers: Any, plan: Any, *, sum_len: bool = False) -> None:
-    """``set_dp_buffer_len`` for a dispatcher plan: MAX_LEN slots of
-    ``plan.runtime_max_tokens_per_rank`` rows, or SUM_LEN live rows."""
-    counts = tuple(plan.global_num_tokens_cpu)
-    if sum_len:
-        buffers.set_dp_buffer_len(sum(counts), counts[buffers.rank], False, counts)
-    else:
-        p = int(plan.runtime_max_tokens_per_rank)
-        buffers.set_dp_buffer_len(p * len(counts), p, True, counts)

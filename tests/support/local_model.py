@@ -3,7 +3,6 @@ without a rank worker: the local dispatcher (no communication) and ``iter_random
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ from dp_runtime.model.model_config import ModelConfig
 from dp_runtime.model.qwen3_moe import Qwen3MoeModel
 from dp_runtime.model.weights import iter_random
 
-__all__ = ["local_model", "with_attention"]
+__all__ = ["local_model"]
 
 
 def local_model(
@@ -34,10 +33,3 @@ def local_model(
     weights = iter_random(config, 0, 1, dtype, device, seed)
     return Qwen3MoeModel(config, weights, attention=attention, dispatcher=dispatcher, dtype=dtype, device=device)
 
-
-def with_attention(model: Qwen3MoeModel, attention: Any) -> Qwen3MoeModel:
-    """The same model (weights and dispatcher shared, not copied) calling another attention
-    backend: ``forward`` of the copy reads ``attention``, the original's is unchanged."""
-    other = copy.copy(model)
-    other.attention = attention
-    return other
