@@ -56,12 +56,11 @@ def test_a_piece_keeps_what_the_estimate_counts(worker):
     for tokens in worker.extend_graphs.sizes:
         calls = []
 
-        def record(q, k, v, layer_id, batch, kv_stored, calls=calls):
+        def record(q, k, v, layer_id, batch, calls=calls):
             calls.append((q, k, v))
-            return split.backend.forward(q, k, v, layer_id, batch, kv_stored=kv_stored)
+            return split.backend.forward(q, k, v, layer_id, batch)
 
         plan = capture_plan(rt, tokens, extend=True)
-        worker.dp_buffers.set_from_plan(plan)
         requests = worker.extend_graphs.slots(tokens)
         batch = capture_batch(requests, tokens, plan, device=worker.device, forward_mode=ForwardMode.EXTEND)
         with split.hooked(record):
