@@ -63,8 +63,9 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None,
     runtime_env = {"worker_process_setup_hook": _logging_hook(log_level)} if log_level else None
     joins = joins_existing_cluster(address)
     where = address or os.environ.get("RAY_ADDRESS", "")
+    interrupts: list[int] = []
     try:
-        with held_sigint():
+        with held_sigint() as interrupts:
             if not joins:
                 with _loopback_node():
                     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
@@ -78,6 +79,10 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None,
         raise
     except Exception as e:
         stop_ray()
+        if interrupts:
+            # A terminal's Ctrl-C reaches the whole process group, Ray's starting servers too;
+            # ray.init then fails on their loss. The user's interrupt is the cause, not Ray.
+            raise KeyboardInterrupt from e
         if not joins:
             raise
         # Ray's AuthenticationError says which token is missing and where it is looked for.

@@ -8,6 +8,7 @@ they depend only on the environment torchrun gives every rank alike and on the G
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +24,39 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+# Under torchrun only dist/gpu2 tests run, and every rank imports every module it collects (all
+# of tests/: transformers, fastapi, ray, ...), N ranks at once, in each of the three dist tiers.
+# So under torchrun a test module is collected only if its text marks tests dist or gpu2; the
+# unit run checks that every dist/gpu2 test is in such a module (a marker applied some other way
+# would be skipped silently by the dist tiers).
+_MULTI_RANK_MARKS = ("mark.dist", "mark.gpu2")
+
+
+def _marks_multi_rank_tests(path: Path) -> bool:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return any(mark in text for mark in _MULTI_RANK_MARKS)
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    if (under_torchrun() and collection_path.is_file() and collection_path.name.startswith("test_")
+            and collection_path.suffix == ".py" and not _marks_multi_rank_tests(collection_path)):
+        return True
+    return None
+
+
+def _check_multi_rank_marks_are_visible(items) -> None:
+    unseen = sorted({str(item.path) for item in items
+                     if (item.get_closest_marker("dist") or item.get_closest_marker("gpu2"))
+                     and not _marks_multi_rank_tests(item.path)})
+    if unseen:
+        raise pytest.UsageError(f"dist/gpu2 tests in modules without a literal {' or '.join(_MULTI_RANK_MARKS)}, "
+                                f"which torchrun would not collect (tests/conftest.py): {unseen}")
+
+
 def pytest_collection_modifyitems(config, items):
     launched = under_torchrun()
+    if not launched:
+        _check_multi_rank_marks_are_visible(items)
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
     skip_dist = pytest.mark.skip(reason="dist test: run under torchrun (see README)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from itertools import pairwise
 
@@ -48,36 +49,71 @@ def test_scheduler_admits_in_arrival_order_and_not_before():
 
 def test_a_request_arriving_after_the_schedulers_look_counts_as_due():
     # The race of a request arriving between next_step and the end of an empty step: the loop
-    # must step again at once, not conclude that nothing is left.
+    # must step again at once, not conclude that nothing is left. An hour away, the request has
+    # surely not arrived when next_step looks; next_arrival_in asked for a moment past its arrival
+    # stands for the loop asking after it arrived.
     with _worker() as w:
-        w.submit([Request("soon", [1, 2], arrival_s=0.05)])
+        w.submit([Request("soon", [1, 2], arrival_s=3600.0)])
         assert w.scheduler.next_step() is None and w.scheduler.next_arrival_in() > 0
-        time.sleep(0.06)
-        assert w.scheduler.next_arrival_in() == 0.0 and w.scheduler.num_waiting == 1
+        assert w.scheduler.next_arrival_in(now=time.perf_counter() + 3600.0) == 0.0
+        assert w.scheduler.num_waiting == 1
     with _worker() as w:
         assert w.scheduler.next_arrival_in() is None
 
 
-def test_step_loop_waits_for_late_arrivals_and_times_count_from_arrival():
-    reqs = [Request("a", [1, 2, 3], SamplingParams(max_new_tokens=4)),
-            Request("c", [7, 8], SamplingParams(max_new_tokens=3), arrival_s=0.3),
-            Request("b", [4, 5, 6], SamplingParams(max_new_tokens=5), arrival_s=0.15)]
+class _FirstSleepStops(threading.Event):
+    """A ``stop`` for run_until_idle that records the loop's first sleep, and ends the loop
+    there instead of sleeping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeps: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.sleeps.append(timeout)
+        self.set()
+        return True
+
+
+def test_step_loop_idle_before_an_arrival_sleeps_until_it_instead_of_ending():
+    # Before arrivals existed, the loop ended at the first idle step. "late" arrives in an hour,
+    # long after "a" is done however slow the machine: the loop runs "a", goes idle, and then
+    # sleeps until the arrival (the stop ends that sleep at once here).
+    stop = _FirstSleepStops()
     with _worker() as w:
         t0 = time.perf_counter()
-        results = w.generate(reqs)  # before arrivals existed, the loop ended at the first idle step
+        w.submit([Request("a", [1, 2, 3], SamplingParams(max_new_tokens=4)),
+                  Request("late", [4, 5], SamplingParams(max_new_tokens=2), arrival_s=3600.0)])
+        w.run_until_idle(stop)
+        elapsed = time.perf_counter() - t0
+        done, m = w.pop_finished(), w.metrics()
+    assert [(r.rid, len(r.output_ids)) for r in done] == [("a", 4)]
+    assert m["skipped_steps"] == 1 and m["waiting"] == 1  # one idle step, then the sleep
+    assert len(stop.sleeps) == 1 and 3600.0 - elapsed <= stop.sleeps[0] <= 3600.0, stop.sleeps
+
+
+def test_step_loop_serves_late_arrivals_and_times_count_from_arrival():
+    arrivals = {"a": 0.0, "c": 0.3, "b": 0.15}
+    reqs = [Request("a", [1, 2, 3], SamplingParams(max_new_tokens=4)),
+            Request("c", [7, 8], SamplingParams(max_new_tokens=3), arrival_s=arrivals["c"]),
+            Request("b", [4, 5, 6], SamplingParams(max_new_tokens=5), arrival_s=arrivals["b"])]
+    with _worker() as w:
+        t0 = time.perf_counter()
+        results = w.generate(reqs)
         wall = time.perf_counter() - t0
         m = w.metrics()
-    assert wall >= 0.3
+    assert wall >= 0.3  # "c" is admitted no earlier than its arrival
     assert [len(r.output_ids) for r in results] == [4, 3, 5]
-    assert m["skipped_steps"] >= 3  # idle between arrivals, and the final one
+    assert m["skipped_steps"] >= 1 and m["waiting"] == 0  # the final idle step, nothing left
     for r in results:
         times = r.token_times_s
         assert len(times) == len(r.output_ids)
         assert times[0] == r.ttft_s and times[-1] == r.latency_s
         assert all(a < b for a, b in pairwise(times))
         assert 0 <= r.queued_s <= r.ttft_s
-        # Counted from arrival, not from submit (0.15 s and 0.3 s earlier for "b" and "c").
-        assert r.latency_s < 0.14, r
+        # Counted from arrival, not from submit: the last token came inside generate, and the
+        # request arrived arrival_s after generate began, so at most wall - arrival_s later.
+        assert r.latency_s <= wall - arrivals[r.rid], (r, wall)
 
 
 def test_serve_load_report_holds_its_invariants(capsys):
