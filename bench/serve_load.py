@@ -75,6 +75,7 @@ from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request, RequestResult
 from launch import process_group
 from launch.cli_errors import UsageError, bench_main
+from launch.run_config import parse_mixed_step_tokens
 from launch.workload import split_round_robin
 
 
@@ -219,11 +220,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     args = p.parse_args(argv)
     args.lengths = Lengths.parse(args.lengths)
-    if args.mixed_step_tokens != "auto":
-        try:
-            args.mixed_step_tokens = int(args.mixed_step_tokens)
-        except ValueError:
-            raise UsageError(f"--mixed-step-tokens must be 'auto' or an int, got {args.mixed_step_tokens!r}") from None
+    args.mixed_step_tokens = parse_mixed_step_tokens(args.mixed_step_tokens, args.chunked_prefill_size)
     try:
         args.rates = [float(x) for x in args.rates.split(",")]
     except ValueError:
