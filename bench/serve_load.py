@@ -49,6 +49,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -268,8 +269,9 @@ def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, l
         after = step_kinds(ranks.all_metrics)
         row = summarize_rate(rate, reqs, results, world)
         steps = {k: after[k] - before[k] for k in STEP_KINDS}
+        # The ideal rank ignores arrival times: a ceiling only where every request waits from the start.
         ideal = ideal_occupancy(reqs, args.max_running_requests, rt.chunked_prefill_size, rt.mixed_step_tokens,
-                                policy, mixed)
+                                policy, mixed) if math.isinf(rate) else None
         n_steps, most = sum(steps.values()), max(row["max_running"])
         occ = row["output_tokens"] / (n_steps * most) if n_steps and most else None
         rows.append(dict(row, mixed=mixed, policy=policy, steps=steps, occupancy=occ, ideal_occupancy=ideal))
