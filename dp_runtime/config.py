@@ -82,7 +82,7 @@ from dp_runtime.env import read_env
 from dp_runtime.sync.padding_mode import PaddingMode
 from graph.capture_sizes import capture_sizes
 
-__all__ = ["RuntimeConfig", "align_up"]
+__all__ = ["SCHEDULE_POLICIES", "RuntimeConfig", "align_up"]
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -95,7 +95,8 @@ _DTYPES = {
     "float": torch.float32,
 }
 _EXCHANGES = ("auto", "shm", "gloo")
-_POLICIES = ("fcfs", "lof")
+# The scheduler's admission orders (dp_runtime/serving/scheduler.py, module docstring).
+SCHEDULE_POLICIES = ("fcfs", "lof")
 _AUTO_GRAPH_MAX_BS = 256
 # Token buckets of extend graphs: eager extend steps of the 48-layer model are bound by host
 # time (about 46-50 ms on an H100) up to about 1024 tokens, and mixed steps (the running decode
@@ -262,8 +263,8 @@ class RuntimeConfig:
         if isinstance(mixed, bool) or not isinstance(mixed, int) or not 1 <= mixed <= self.chunked_prefill_size:
             raise _fail("mixed_step_tokens must be an int in [1, chunked_prefill_size] or \"auto\"",
                         mixed_step_tokens=mixed, chunked_prefill_size=self.chunked_prefill_size)
-        if self.schedule_policy not in _POLICIES:
-            raise _fail(f"schedule_policy must be one of {_POLICIES}", schedule_policy=self.schedule_policy)
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise _fail(f"schedule_policy must be one of {SCHEDULE_POLICIES}", schedule_policy=self.schedule_policy)
         if self.dp_sync_exchange not in _EXCHANGES:
             raise _fail(
                 f"dp_sync_exchange must be one of {_EXCHANGES}",

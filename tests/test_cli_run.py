@@ -118,7 +118,8 @@ def test_log_level_shows_the_runtime_logs(capsys):
 
 def test_option_names_match_the_runtime():
     from dp_runtime.choices import DISPATCHERS as RUNTIME_DISPATCHERS
-    from dp_runtime.config import _DTYPES, _POLICIES
+    from dp_runtime.config import _DTYPES
+    from dp_runtime.config import SCHEDULE_POLICIES as _POLICIES
 
     assert DISPATCHERS == RUNTIME_DISPATCHERS and SCHEDULE_POLICIES == _POLICIES
     assert set(DTYPES) - {"auto"} <= set(_DTYPES)

@@ -57,7 +57,7 @@ def test_longest_output_first_waits_for_arrivals_and_names_a_bad_policy():
     s = Scheduler(KVAllocator(_cache()), max_running_requests=4, chunked_prefill_size=64, policy="lof")
     s.submit([_req("now", 2, 3), Request("later", [1, 2], SamplingParams(max_new_tokens=50), arrival_s=60.0)])
     assert _rids(s.next_step()) == ["now"]  # "later" has the longest output but has not arrived
-    with pytest.raises(ValueError, match="policy must be 'fcfs' or 'lof', got 'sjf'"):
+    with pytest.raises(ValueError, match=r"policy must be one of \('fcfs', 'lof'\), got 'sjf'"):
         Scheduler(KVAllocator(_cache()), max_running_requests=4, chunked_prefill_size=64, policy="sjf")
 
 

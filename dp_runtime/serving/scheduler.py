@@ -58,10 +58,10 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from dp_runtime.config import SCHEDULE_POLICIES, RuntimeConfig
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.serving.admission import check_request, kv_refusal, refused_result
 from dp_runtime.serving.forward_batch import ForwardBatch
@@ -150,8 +150,8 @@ class Scheduler:
                  rank: int = 0, vocab_size: int | None = None, eos_token_ids: Iterable[int] = (),
                  mixed_steps: bool = True, mixed_step_tokens: int | None = None, policy: str = "fcfs") -> None:
         cache = allocator.cache
-        if policy not in ("fcfs", "lof"):
-            raise ValueError(f"Scheduler: policy must be 'fcfs' or 'lof', got {policy!r}")
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"Scheduler: policy must be one of {SCHEDULE_POLICIES}, got {policy!r}")
         if max_running_requests > cache.max_reqs:
             raise ValueError(
                 f"Scheduler: max_running_requests={max_running_requests} exceeds the KV cache's max_reqs={cache.max_reqs}"
@@ -173,7 +173,7 @@ class Scheduler:
         self.last_tokens = torch.zeros(cache.req_to_token.shape[0], dtype=torch.int64, device=cache.device)
 
     @classmethod
-    def for_runtime(cls, allocator: KVAllocator, cfg: Any, *, rank: int, vocab_size: int | None,
+    def for_runtime(cls, allocator: KVAllocator, cfg: RuntimeConfig, *, rank: int, vocab_size: int | None,
                     eos_token_ids: Iterable[int]) -> Scheduler:
         """The scheduler of a rank whose RuntimeConfig is ``cfg`` (its serving fields)."""
         return cls(allocator, max_running_requests=cfg.max_running_requests,
