@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from bench.prefill import parse_shapes
+from bench.serve_load import _commit
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.request import Request, SamplingParams
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
             if args.profile and profile is None and args.device == "cuda":
                 profile = dict(shape=f"{b}x{n}", mode=rows[-1]["mode"], **profiled(worker, b, n))
         m = worker.metrics()
-    header = dict(date=str(datetime.date.today()), commit=os.environ.get("BENCH_COMMIT", "unknown"),
+    header = dict(date=str(datetime.date.today()), commit=_commit(),
                   command=" ".join(sys.argv), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                   model=args.model, layers=args.layers, decode_rows=args.decode_rows,
                   decode_context=args.decode_context, iters=args.iters, attention=m["attention"],
