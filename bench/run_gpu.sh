@@ -60,6 +60,10 @@
 #   bash bench/run_gpu.sh final13   # one GPU: the GPU tests of session 13's changes (memory, graphs, DP buffers, attention)
 #   bash bench/run_gpu.sh mst13     # one GPU: serve_load (lof) at 64 and 128 running, mixed budget auto against 2048
 #   bash bench/run_gpu.sh plan13    # one GPU: plan --measure (qwen3-30b-a3b) at 64 and 256 running, ~4 min
+#   bash bench/run_gpu.sh pad14     # one GPU: routing/extend/mixed GPU tests; mixed steps at 64 and 128 rows in
+#                                   #   .bases/b3 and here (here at 128 profiled)
+#   bash bench/run_gpu.sh load14    # one GPU: serve_load (lof) at 64 and 128 running in .bases/b3 and here
+#   bash bench/run_gpu.sh http14    # one GPU: HTTP against in-process at 64 running here; .bases/b3's HTTP at rate 16
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -334,6 +338,31 @@ case "${1:-one}" in
       --num-requests 1024 --max-running-requests 256 --policy ${POLICY:-lof} --mixed-step-tokens ${MST:-auto} --json
     step serve_load_rate8 timeout ${T8:-150} python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates 8 \
       --num-requests 256 --max-running-requests 64 --json
+    ;;
+  pad14)  # one GPU: routing/extend/mixed GPU tests; mixed steps in .bases/b3 and here, here at 128 rows profiled
+    step gpu_tests timeout ${TESTS_TIMEOUT:-240} python -m pytest -m gpu -p no:cacheprovider -q -rs \
+      tests/test_routing_triton.py tests/test_extend_graphs.py tests/test_mixed_steps_gpu.py
+    bases > /dev/null; b=/tmp/bases/b3
+    for t in $b .; do for d in 64 128; do
+      step mixed${d}_$(basename $(realpath $t)) timeout 200 env PYTHONPATH=$(realpath $t):$PYTHONPATH python \
+        $t/bench/mixed_step.py --decode-rows $d --prompts ${PROMPTS:-1x256,1x512,1x896} --modes graph \
+        $([ $t = . ] && [ $d = 128 ] && echo --profile)
+    done; done
+    ;;
+  load14)  # one GPU: serve_load (lof, rate inf) at 64 and 128 running in .bases/b3 and here
+    bases > /dev/null; b=/tmp/bases/b3
+    for n in ${RUNNING:-64 128}; do for t in $b .; do
+      step load${n}_$(basename $(realpath $t)) timeout 200 env PYTHONPATH=$(realpath $t):$PYTHONPATH python \
+        $t/bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf --num-requests $([ $n = 64 ] && echo 384 || echo $((n * 4))) \
+        --max-running-requests $n --policy lof --json
+    done; done
+    ;;
+  http14)  # one GPU: HTTP against in-process at 64 running here (rates 16, inf); .bases/b3's HTTP path at rate 16
+    step serve_http timeout ${THTTP:-330} python bench/serve_http.py --model qwen3-30b-a3b --device cuda --rates 16,inf \
+      --num-requests 128 --max-running-requests 64
+    bases > /dev/null; b=/tmp/bases/b3
+    step serve_http_b3 timeout 200 env PYTHONPATH=$b:$PYTHONPATH python $b/bench/serve_http.py --model qwen3-30b-a3b \
+      --device cuda --rates 16 --num-requests 128 --max-running-requests 64 --paths http
     ;;
   mixed13)  # one GPU: mixed steps against decode steps at 64 and 128 rows (one profiled), extends' host time
     step mixed_64 timeout ${TM:-300} python bench/mixed_step.py --decode-rows 64 --prompts ${PROMPTS:-1x256,1x512,1x960,4x240} \

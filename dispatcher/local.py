@@ -54,7 +54,8 @@ class LocalDispatcher:
 
     def dispatch(self, hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                  plan: StepPlanLike) -> DispatchResult:
-        check_step(hidden_TD, topk_ids_TK, topk_weights_TK, plan, config=self.config, ep=self.ep, backend=self.kind)
+        check_step(hidden_TD, topk_ids_TK, topk_weights_TK, plan, config=self.config, ep=self.ep, backend=self.kind,
+                   padding_ids=True)
         # Every id is local: the conversion the other backends need is the identity here.
         inputs = ExpertInputs(hidden_ND=hidden_TD, expert_ids_NK=topk_ids_TK, weights_NK=topk_weights_TK,
                               num_local_experts=self.config.num_experts, first_expert=0,

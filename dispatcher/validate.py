@@ -14,6 +14,7 @@ import torch
 
 from dispatcher.config import DispatcherConfig
 from dispatcher.groups import EPGroup
+from dispatcher.partition import INVALID_EXPERT_ID
 from dispatcher.plan import StepPlanLike
 
 __all__ = ["check_combine_input", "check_step"]
@@ -24,11 +25,13 @@ def _capturing() -> bool:
 
 
 def check_step(hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-               plan: StepPlanLike, *, config: DispatcherConfig, ep: EPGroup, backend: str) -> None:
+               plan: StepPlanLike, *, config: DispatcherConfig, ep: EPGroup, backend: str,
+               padding_ids: bool = False) -> None:
     """Raise ``ValueError`` (naming the values and what to change) if the step cannot be dispatched.
 
     Takes the dispatch inputs, the plan, the dispatcher's config and EP group, and the backend name
-    for messages; returns nothing.
+    for messages; returns nothing. ``padding_ids``: the backend takes ``INVALID_EXPERT_ID`` for
+    the picks of padding rows (the local dispatcher hands them to the experts, which skip them).
     """
     counts = tuple(plan.global_num_tokens_cpu)
     runtime_max = int(plan.runtime_max_tokens_per_rank)
@@ -85,10 +88,12 @@ def check_step(hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
             raise ValueError(f"{name} is on {t.device} but hidden_TD is on {hidden_TD.device}")
     if config.check_expert_ids and num_tokens > 0 and not _capturing():
         lo, hi = (int(v) for v in torch.aminmax(topk_ids_TK))
-        if lo < 0 or hi >= config.num_experts:
+        low = INVALID_EXPERT_ID if padding_ids else 0
+        if lo < low or hi >= config.num_experts:
+            padding = f", or {INVALID_EXPERT_ID} for a padding row" if padding_ids else ""
             raise ValueError(
                 f"expert ids out of range: topk_ids_TK spans [{lo}, {hi}] but valid ids are "
-                f"[0, {config.num_experts}) (num_experts={config.num_experts})"
+                f"[0, {config.num_experts}) (num_experts={config.num_experts}){padding}"
             )
 
 

@@ -134,3 +134,31 @@ def test_worker_tokens_through_extend_graphs_equal_eager_chunked_or_not():
     mixed, m2 = _tokens(True, (8, 16, 24), chunk=128)
     assert mixed == eager
     assert 0 < m2["extend_graph_steps"] < m2["extend_steps"]
+
+
+def test_padding_rows_of_a_bucket_route_to_no_expert():
+    """A replayed bucket's padding rows (past ``num_token_non_padded``) get the padding id and
+    weight 0, so the expert kernels give them no rows; the live rows route as in eager steps
+    and the tokens stay eager's."""
+    from dp_runtime.model.expert_path import recording_routes
+    from dp_runtime.model.routing import PADDING_ID
+
+    spec = RankSpec.create("tiny", use_cuda_graph=True, device="cpu", dtype="float32", max_running_requests=4,
+                           chunked_prefill_size=24, cuda_graph_extend_tokens=(8, 16, 24), max_context_len=128)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (7, 30, 61, 3, 16)]
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with RankWorker(spec) as w:
+        w.model.experts = recording_routes(w.model.experts, lambda wt, ids: seen.append((wt.clone(), ids.clone())))
+        results = w.generate([Request(f"r{i}", p, SamplingParams(max_new_tokens=5)) for i, p in enumerate(prompts)])
+    eager, _ = _tokens(False, (), chunk=128)
+    assert {r.rid: r.output_ids for r in results} == eager
+    padded = 0
+    for weights, ids in seen:
+        pad_T = (ids == PADDING_ID).all(1)
+        assert torch.equal(pad_T, (ids == PADDING_ID).any(1))  # a row is padding or not, never half
+        live = int((~pad_T).sum())
+        assert not pad_T[:live].any()  # padding is the tail
+        assert (weights[live:] == 0).all() and (ids[:live] >= 0).all()
+        padded += live < ids.shape[0]
+    assert padded > 0  # some steps ran padded buckets (7 of 8 tokens, 3 of 8, ...)

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dp_runtime.model.routing import softmax_topk
+from dp_runtime.model.routing import PADDING_ID, softmax_topk
 from dp_runtime.model.routing_triton import softmax_topk_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -76,6 +76,21 @@ def test_no_tokens_and_strided_logits():
     ref_w, ref_ids = softmax_topk(logits, 4, renormalize=True)
     torch.testing.assert_close(weights, ref_w, rtol=RTOL, atol=ATOL)
     assert torch.equal(ids, ref_ids)
+
+
+@pytest.mark.parametrize("live", [0, 3, 9])
+def test_rows_past_live_rows_are_padding_in_both_paths(live):
+    """``live_rows`` (a device count, as a graph's ``num_token_non_padded``): rows from it on get
+    the padding id and weight 0 in the kernel and in torch; the rows before it are unchanged."""
+    g = torch.Generator(device=DEVICE).manual_seed(live)
+    logits = torch.randn(9, 16, generator=g, device=DEVICE) * 3
+    count = torch.tensor([live], dtype=torch.int32, device=DEVICE)
+    full_w, full_ids = softmax_topk(logits, 4, renormalize=True)
+    for fn in (softmax_topk_triton, softmax_topk):
+        weights, ids = fn(logits, 4, renormalize=True, live_rows=count)
+        torch.testing.assert_close(weights[:live], full_w[:live], rtol=RTOL, atol=ATOL)
+        assert torch.equal(ids[:live], full_ids[:live]) and ids.dtype == torch.int32
+        assert (ids[live:] == PADDING_ID).all() and (weights[live:] == 0).all()
 
 
 def test_bad_top_k_and_shape_are_refused():

@@ -29,7 +29,8 @@ __all__ = ["ExpertPath", "expert_path", "recording_routes"]
 
 @dataclass(frozen=True)
 class ExpertPath:
-    """The chosen kernels: ``route(logits_TE) -> (weights_TK fp32, ids_TK int32)`` and
+    """The chosen kernels: ``route(logits_TE, live_rows=None) -> (weights_TK fp32, ids_TK int32)``
+    (``live_rows``: rows from it on are padding, see ``routing.softmax_topk``) and
     ``experts(x_ND, local_ids_NK, weights_NK, w13, w2, out_ND, extend, add_norm) -> out_ND``
     (``extend``: the rows are prompt tokens, a hint for the kernel's tiles). ``fuses_add_norm``:
     ``experts`` takes ``add_norm=(residual_NH, weight_H, eps)`` and leaves the next layer's
@@ -55,16 +56,17 @@ def expert_path(device: torch.device, dtype: torch.dtype, top_k: int, renormaliz
         from dp_runtime.model.fused_moe_triton import fused_local_expert_sum
         from dp_runtime.model.routing_triton import softmax_topk_triton
 
-        def route_triton(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return softmax_topk_triton(logits_TE, top_k, renormalize=renormalize, round_bf16=True)
+        def route_triton(logits_TE: torch.Tensor, live_rows: torch.Tensor | None = None):
+            return softmax_topk_triton(logits_TE, top_k, renormalize=renormalize, round_bf16=True,
+                                       live_rows=live_rows)
 
         def fused(x, ids, w, w13, w2, out_ND=None, extend=False, add_norm=None):
             return fused_local_expert_sum(x, ids, w, w13, w2, out_ND=out_ND, extend=extend, add_norm=add_norm)
 
         return ExpertPath("triton", why, route_triton, fused, fuses_add_norm=True)
 
-    def route_torch(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        weights_TK, ids_TK = softmax_topk(logits_TE, top_k, renormalize=renormalize)
+    def route_torch(logits_TE: torch.Tensor, live_rows: torch.Tensor | None = None):
+        weights_TK, ids_TK = softmax_topk(logits_TE, top_k, renormalize=renormalize, live_rows=live_rows)
         # Hugging Face rounds the routing weights to the model dtype before weighting.
         return weights_TK.to(dtype).float(), ids_TK
 
@@ -86,8 +88,8 @@ def recording_routes(path: ExpertPath, record: Callable[[torch.Tensor, torch.Ten
     how a benchmark or a test reads the routing a model chose (set it as ``model.experts``).
     Eager steps only: a graph replay runs no Python."""
 
-    def route(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        weights_TK, ids_TK = path.route(logits_TE)
+    def route(logits_TE: torch.Tensor, live_rows: torch.Tensor | None = None):
+        weights_TK, ids_TK = path.route(logits_TE, live_rows)
         record(weights_TK, ids_TK)
         return weights_TK, ids_TK
 

@@ -215,10 +215,11 @@ class Qwen3MoeModel:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- forward ---------------------------------------------------------------------------------
-    def _moe(self, layer: _Layer, x_TH: torch.Tensor, plan, extend: bool, add_norm=None) -> torch.Tensor:
+    def _moe(self, layer: _Layer, x_TH: torch.Tensor, plan, extend: bool, live_rows, add_norm=None) -> torch.Tensor:
         """The sparse block's output; with ``add_norm=(h_TH, weight, eps)`` (``_fuses_add_norm``)
-        the next norm's input instead, ``h_TH`` updated in place: ``ops.add_rms_norm`` done."""
-        weights_TK, ids_TK = self.experts.route(self.ops.linear(x_TH, layer.w_router))
+        the next norm's input instead, ``h_TH`` updated in place: ``ops.add_rms_norm`` done.
+        ``live_rows`` (``_live_rows``): rows from it on are padding, routed to no expert."""
+        weights_TK, ids_TK = self.experts.route(self.ops.linear(x_TH, layer.w_router), live_rows)
         d = self.dispatcher
         handle, inputs = d.dispatch(x_TH, ids_TK, weights_TK, plan)
         out_ND = self.experts.experts(inputs.hidden_ND, inputs.shifted_expert_ids_NK, inputs.weights_NK, layer.w13,
@@ -231,6 +232,15 @@ class Qwen3MoeModel:
         combine must be the identity (one rank) for the sum's rows to be the residual's, and the
         expert path must offer it."""
         return self.dispatcher.combine_is_identity and self.experts.fuses_add_norm
+
+    def _live_rows(self, batch) -> torch.Tensor | None:
+        """The batch's live row count on the device (a graph replay's ``num_token_non_padded``)
+        when the experts see exactly this rank's rows (the local dispatch); else None. A padded
+        bucket's rows then cost no expert GEMM: they all share one hidden state, so they would
+        fill whole blocks of the same top-k experts (a 320-token mixed step in the 512 bucket:
+        24 extra 64-row blocks a layer). A gathering dispatch marks other ranks' padding itself."""
+        live = getattr(batch, "num_token_non_padded", None)
+        return live if live is not None and self.dispatcher.combine_is_identity else None
 
     def _mlp(self, layer: _Layer, x_TH: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_and_mul(x_TH @ layer.w13.T) @ layer.w2.T
@@ -250,6 +260,7 @@ class Qwen3MoeModel:
         ops, eps = self.ops, c.rms_norm_eps
         extend = batch.forward_mode is ForwardMode.EXTEND
         fuse_norm = self._fuses_add_norm
+        live = self._live_rows(batch)
         # The residual stream ``h`` is added into the next norm (one fused kernel on CUDA):
         # ``x, h = add_rms_norm(out, h, w)`` is ``h = h + out; x = norm(h)``.
         h_TH = self.embed[batch.input_ids]
@@ -264,9 +275,9 @@ class Qwen3MoeModel:
             x_TH, h_TH = ops.add_rms_norm(a_TH, h_TH, layer.mlp_norm, eps)
             if layer.sparse and fuse_norm and i + 1 < len(self.layers):
                 # the sum's launch adds into h and writes the next layer's normed input
-                x_TH = self._moe(layer, x_TH, plan, extend, add_norm=(h_TH, self.layers[i + 1].attn_norm, eps))
+                x_TH = self._moe(layer, x_TH, plan, extend, live, add_norm=(h_TH, self.layers[i + 1].attn_norm, eps))
                 continue
-            m_TH = self._moe(layer, x_TH, plan, extend) if layer.sparse else self._mlp(layer, x_TH)
+            m_TH = self._moe(layer, x_TH, plan, extend, live) if layer.sparse else self._mlp(layer, x_TH)
             if i + 1 < len(self.layers):
                 x_TH, h_TH = ops.add_rms_norm(m_TH, h_TH, self.layers[i + 1].attn_norm, eps)
         # Only the sampling rows need the last add, the final norm and the LM head.

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_top_k", "softmax_topk"]
+from dispatcher.partition import INVALID_EXPERT_ID
+
+__all__ = ["PADDING_ID", "check_top_k", "softmax_topk"]
+
+# The id a padding row's picks get when the caller says how many rows are live: the dispatchers'
+# invalid id, outside every rank's [0, L), so the expert paths give the row no slot and no GEMM
+# rows (a graph bucket's padding rows share one hidden state: they would all land on the same
+# top-k experts and fill whole blocks of them).
+PADDING_ID = INVALID_EXPERT_ID
 
 
 def check_top_k(logits_TE: torch.Tensor, top_k: int) -> None:
@@ -19,12 +27,20 @@ def check_top_k(logits_TE: torch.Tensor, top_k: int) -> None:
         raise ValueError(f"top_k={top_k}: must be in [1, E={logits_TE.shape[1]}]")
 
 
-def softmax_topk(logits_TE: torch.Tensor, top_k: int, *, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk(logits_TE: torch.Tensor, top_k: int, *, renormalize: bool,
+                 live_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over E in fp32, the ``top_k`` largest probabilities, divided by their sum when
-    ``renormalize``. Returns ``(weights_TK fp32, ids_TK int32)``, largest weight first."""
+    ``renormalize``. Returns ``(weights_TK fp32, ids_TK int32)``, largest weight first.
+    ``live_rows``: a one-element integer tensor on the logits' device; rows from it on are
+    padding, their ids ``PADDING_ID`` and weights 0 (read on the device: capturable)."""
     check_top_k(logits_TE, top_k)
     probs_TE = torch.softmax(logits_TE.float(), dim=-1)
     weights_TK, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
     if renormalize:
         weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
-    return weights_TK, ids_TK.to(torch.int32)
+    ids_TK = ids_TK.to(torch.int32)
+    if live_rows is not None:
+        live_T1 = (torch.arange(logits_TE.shape[0], device=logits_TE.device) < live_rows.reshape(1))[:, None]
+        ids_TK = torch.where(live_T1, ids_TK, PADDING_ID)
+        weights_TK = torch.where(live_T1, weights_TK, 0.0)
+    return weights_TK, ids_TK
