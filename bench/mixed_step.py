@@ -72,7 +72,10 @@ def build_spec(args: argparse.Namespace) -> RankSpec:
     steps = (args.warmup + args.iters) * 2 * len(args.shapes) * len(args.modes) + 64
     context = args.decode_context + steps + 1
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device == "cuda" else "float32")
-    budget = max(d + most, d * args.decode_context)
+    # The decoders' prompts go in over a few steps of at most 8192 tokens: a chunk of all of them
+    # at once (65536 tokens at 128 rows) would size the profiled peak, and with it shrink the KV
+    # cache until the decoders' reserved growth leaves no room to admit a new prompt.
+    budget = max(d + most, min(d * args.decode_context, 8192))
     return RankSpec.create(
         args.model, model_overrides={"num_layers": args.layers} if args.layers else None, device=args.device,
         dtype=dtype, max_running_requests=d + 2 * max(b for b, _ in args.shapes), chunked_prefill_size=budget,

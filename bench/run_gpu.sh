@@ -342,8 +342,8 @@ case "${1:-one}" in
   pad14)  # one GPU: routing/extend/mixed GPU tests; mixed steps in .bases/b3 and here, here at 128 rows profiled
     step gpu_tests timeout ${TESTS_TIMEOUT:-240} python -m pytest -m gpu -p no:cacheprovider -q -rs \
       tests/test_routing_triton.py tests/test_extend_graphs.py tests/test_mixed_steps_gpu.py
-    bases > /dev/null; b=/tmp/bases/b3
-    for t in $b .; do for d in 64 128; do
+    bases > /dev/null; b=/tmp/bases/b3; cp bench/mixed_step.py $b/bench/  # this tree's script (its budget fix)
+    for t in $b .; do for d in ${ROWS:-64 128}; do
       step mixed${d}_$(basename $(realpath $t)) timeout 200 env PYTHONPATH=$(realpath $t):$PYTHONPATH python \
         $t/bench/mixed_step.py --decode-rows $d --prompts ${PROMPTS:-1x256,1x512,1x896} --modes graph \
         $([ $t = . ] && [ $d = 128 ] && echo --profile)
