@@ -9,9 +9,8 @@ Variants: FlashInfer's decode wrapper on ``tc`` (tensor-core kernels, its prefil
 the backend picks for GQA >= 4) and ``cc`` (CUDA-core decode kernel), each with its KV split
 (``split``) and without (``nosplit``, what ``NO_SPLIT_KV_BS`` asks for at bs >= 64); its paged
 prefill wrapper on FA3 with one query row per request (``fa3``); our Triton kernel
-(``triton NxSxG``, dp_runtime/attention/triton_decode.py: KV blocks of N tokens, S KV splits,
-G pipeline stages; ``--triton`` picks them; the ratio is their best over FlashInfer's best, or
-with ``--no-flashinfer`` over the first variant). Each call reads its own
+(``triton N``, dp_runtime/attention/triton_decode.py, KV blocks of N tokens; the ratio is its
+best over FlashInfer's best). Each call reads its own
 copy of the cache rows: nothing is served from L2 between calls. Random page order, like a
 cache that has served many requests.
 """
@@ -37,13 +36,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--copies", type=int, default=8, help="layers of cache cycled through inside one graph")
-    p.add_argument("--triton", default="32x1x2,64x1x2,128x1x2",
-                   help="Triton variants BLOCK_NxSPLITSxSTAGES, comma-separated (the first is the baseline of "
-                        "the last column with --no-flashinfer)")
-    p.add_argument("--no-flashinfer", action="store_true", help="only the Triton variants")
-    args = p.parse_args()
-    args.variants = [tuple(int(x) for x in v.split("x")) for v in args.triton.split(",")]
-    return args
+    return p.parse_args()
 
 
 def case_us(flashinfer, args, bs: int, ctx: int, dev: torch.device) -> list[float]:
@@ -64,7 +57,7 @@ def case_us(flashinfer, args, bs: int, ctx: int, dev: torch.device) -> list[floa
         return graph_us(lambda: [w.run(q, c) for c in caches], args.copies, 5, 20)
 
     cells = []
-    for tc in (True, False) if args.flashinfer else ():
+    for tc in (True, False):
         for split in (True, False):
             ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -73,8 +66,6 @@ def case_us(flashinfer, args, bs: int, ctx: int, dev: torch.device) -> list[floa
             w.plan(indptr, indices, last, hq, hk, d, 1, **kw, **({} if split else {"disable_split_kv": True}))
             cells.append(timed(w))
     try:
-        if not args.flashinfer:
-            raise LookupError("skipped")
         ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
         qo = torch.arange(bs + 1, dtype=torch.int32)
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -82,16 +73,13 @@ def case_us(flashinfer, args, bs: int, ctx: int, dev: torch.device) -> list[floa
             paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last.to(dev), backend="fa3")
         w.plan(qo, indptr, indices, last, hq, hk, d, 1, causal=False, **kw)
         cells.append(timed(w))
-    except LookupError:
-        pass
     except Exception as e:  # a variant this FlashInfer lacks is an empty cell, not a failed run
         print(f"fa3 at bs {bs} ctx {ctx}: {type(e).__name__}: {str(e)[:120]}")
         cells.append(float("nan"))
     indptr_d, scale = indptr.to(dev), d**-0.5
-    for bn, splits, stages in args.variants:
-        cells.append(graph_us(lambda bn=bn, sp=splits, st=stages: [
-            triton_decode_attention(q, k, v, indptr_d, indices, scale, block_n=bn, splits=sp, num_stages=st)
-            for k, v in caches], args.copies, 5, 20))
+    for bn in (32, 64, 128):
+        cells.append(graph_us(lambda bn=bn: [triton_decode_attention(q, k, v, indptr_d, indices, scale, block_n=bn)
+                                             for k, v in caches], args.copies, 5, 20))
     return cells
 
 
@@ -105,19 +93,16 @@ def main() -> None:
     bw = measure_copy_bandwidth(dev)
     hk, d = args.kv_heads, args.head_dim
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, heads {args.q_heads}/{hk}x{d}")
-    args.flashinfer = not args.no_flashinfer
-    fi = ("tc split", "tc nosplit", "cc split", "cc nosplit", "fa3") if args.flashinfer else ()
-    names = fi + tuple(f"triton {bn}x{sp}x{st}" for bn, sp, st in args.variants)
-    last = "triton/best FlashInfer" if fi else f"best/triton {'x'.join(map(str, args.variants[0]))}"
-    print("| bs | ctx | floor us | " + " | ".join(f"{v} us" for v in names) + f" | {last} |")
+    names = ("tc split", "tc nosplit", "cc split", "cc nosplit", "fa3", "triton 32", "triton 64", "triton 128")
+    print("| bs | ctx | floor us | " + " | ".join(f"{v} us" for v in names) + " | triton/best FlashInfer |")
     print("|---:|---:|---:|" + "---:|" * (len(names) + 1))
     for bs in args.bs:
         for ctx in args.ctx:
             floor = 2 * bs * ctx * hk * d * 2 / bw * 1e6
             cells = case_us(flashinfer, args, bs, ctx, dev)
-            ref = min(c for c in cells[:5] if c == c) if fi else cells[0]
+            best_fi = min(c for c in cells[:5] if c == c)
             print(f"| {bs} | {ctx} | {floor:.1f} | " + " | ".join(f"{c:.1f}" for c in cells)
-                  + f" | {min(cells[len(fi):]) / ref:.2f} |", flush=True)
+                  + f" | {min(cells[5:]) / best_fi:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

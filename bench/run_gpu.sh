@@ -64,7 +64,6 @@
 #                                   #   .bases/b3 and here (here at 128 profiled)
 #   bash bench/run_gpu.sh load14    # one GPU: serve_load (lof) at 64 and 128 running in .bases/b3 and here
 #   bash bench/run_gpu.sh http14    # one GPU: HTTP against in-process at 64 running here; .bases/b3's HTTP at rate 16
-#   bash bench/run_gpu.sh attn14    # one GPU: decode-kernel GPU tests; Triton decode variants (KV splits, stages)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -339,11 +338,6 @@ case "${1:-one}" in
       --num-requests 1024 --max-running-requests 256 --policy ${POLICY:-lof} --mixed-step-tokens ${MST:-auto} --json
     step serve_load_rate8 timeout ${T8:-150} python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates 8 \
       --num-requests 256 --max-running-requests 64 --json
-    ;;
-  attn14)  # one GPU: the decode kernel's GPU tests; its variants (block x KV splits x stages) side by side
-    step gpu_tests timeout 200 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_triton_decode.py
-    step decode_attention timeout 300 python bench/decode_attention.py --no-flashinfer --bs ${ABS:-64 128 256} \
-      --ctx ${ACTX:-128 512 1024} --triton ${AVARIANTS:-128x1x2,64x1x2,64x1x3,128x1x3,128x2x2,128x4x2,64x2x3,64x4x3,64x8x3}
     ;;
   pad14)  # one GPU: routing/extend/mixed GPU tests; mixed steps in .bases/b3 and here, here at 128 rows profiled
     step gpu_tests timeout ${TESTS_TIMEOUT:-240} python -m pytest -m gpu -p no:cacheprovider -q -rs \

@@ -76,19 +76,6 @@ def test_matches_float64_reference_interpreter(lens):
 
 
 @interpreter
-@pytest.mark.parametrize("splits", [2, 4])
-def test_kv_splits_merge_to_the_reference_interpreter(splits):
-    # Shares of whole 16-token blocks: a one-token request leaves every split but the first
-    # empty, 40 tokens fill 3 of 4 (16 + 16 + 8), 130 tokens reach every split.
-    q, k, v, indptr, indices = _case([1, 40, 130, 17])
-    scale = 1 / math.sqrt(q.shape[-1])
-    o = triton_decode_attention(q, k, v, indptr, indices, scale, block_n=16, splits=splits)
-    _check(o, q, k, v, indptr, indices, scale, truncating=True)
-    with pytest.raises(ValueError, match="splits=3"):
-        triton_decode_attention(q, k, v, indptr, indices, scale, splits=3)
-
-
-@interpreter
 def test_paged_view_out_buffer_and_empty_batch_interpreter():
     q, k, v, indptr, indices = _case([3, 40], hq=4, hk=4)  # GQA group 1
     out = torch.full_like(q, float("nan"))
@@ -115,16 +102,6 @@ def test_matches_float64_reference_gpu(lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [2, 4])
-@pytest.mark.parametrize("lens", [[1, 129, 700, 3], [600] * 64])
-def test_kv_splits_match_float64_reference_gpu(lens, splits):
-    q, k, v, indptr, indices = _case(lens, hq=32, hk=4, d=128, device="cuda")
-    scale = 1 / math.sqrt(128)
-    _check(triton_decode_attention(q, k, v, indptr, indices, scale, splits=splits), q, k, v, indptr, indices,
-           scale, truncating=False)
-
-
-@pytest.mark.gpu
 def test_matches_flashinfer_decode_gpu():
     flashinfer = pytest.importorskip("flashinfer")
     lens = [(i * 37) % 300 + 1 for i in range(64)]
@@ -140,17 +117,16 @@ def test_matches_flashinfer_decode_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [1, 4])
-def test_cuda_graph_replay_reads_new_lengths(splits):
+def test_cuda_graph_replay_reads_new_lengths():
     q, k, v, indptr, indices = _case([10, 20, 30], hq=32, hk=4, d=128, slots=4096, device="cuda")
     scale = 1 / math.sqrt(128)
     big = torch.zeros(4096, dtype=torch.int32, device="cuda")
     big[: indices.numel()] = indices
-    triton_decode_attention(q, k, v, indptr, big, scale, splits=splits)  # compile outside the capture
+    triton_decode_attention(q, k, v, indptr, big, scale)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_decode_attention(q, k, v, indptr, big, scale, splits=splits)
+        out = triton_decode_attention(q, k, v, indptr, big, scale)
     indptr.copy_(torch.tensor([0, 300, 301, 1000], dtype=torch.int32))
     big.copy_(torch.randperm(4096, dtype=torch.int32).cuda())
     graph.replay()
