@@ -35,13 +35,6 @@ from launch.cli_errors import (
 
 __all__ = ["serve"]
 
-# How long a thread may hold the GIL while another waits for it (Python's default is 5 ms). The
-# event loop, the engine's pollers and, under the local launcher, the rank's step loop share
-# this interpreter: at 5 ms a request's arrival or a sampled token could wait most of an
-# interval while a step's host work held the GIL, about the TTFT p50 that HTTP added over the
-# in-process run (+5.2 ms at rate 16, 64 running on an H100; docs/BENCHMARKS.md).
-GIL_SWITCH_INTERVAL_S = 0.001
-
 
 def serve(
     model: str = typer.Option(
@@ -237,7 +230,6 @@ def _serve(p: dict[str, Any], o: dict[str, Any], debug: bool) -> None:
     def phase(text: str) -> None:
         print(f"[dp-runtime serve] {text}", file=sys.stderr, flush=True)
 
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process serves and exits: its setting to own
     try:
         engine.start(on_phase=phase)
     except BaseException as e:
