@@ -11,7 +11,8 @@ the largest step's peak. ``dp_runtime/memory_estimates.py`` holds their document
 (``dp-runtime plan --measure`` prints them beside the rank's measured values). The rules a rank
 sizes its KV cache by are here (``largest_step_tokens``, ``kv_budget_bytes``), so the planner
 applies the same ones. CUDA context and NCCL overheads are constants with their provenance
-(``CUDA_CONTEXT_BYTES``, ``NCCL_COMMUNICATOR_BYTES``).
+(``CUDA_CONTEXT_BYTES``, ``NCCL_COMMUNICATOR_BYTES``); what torch's allocator keeps cached from
+loading the weights is sized by its segment rule (``allocator_cache_bytes``).
 
 Legend: ``T`` tokens of a forward, ``R`` logit rows, ``H`` hidden, ``E`` experts, ``K`` top-k,
 ``I`` expert intermediate size, ``V`` vocab, ``Hq``/``Hkv`` heads, ``D`` head dim, ``e`` bytes
@@ -20,6 +21,7 @@ per element of the model dtype.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +42,8 @@ __all__ = [
     "CUDA_CONTEXT_BYTES",
     "NCCL_COMMUNICATOR_BYTES",
     "TRANSIENT_WORKSPACE_DISPATCHERS",
+    "allocator_cache_bytes",
+    "allocator_segment_bytes",
     "cuda_context_bytes",
     "dispatcher_gathers",
     "dispatcher_step_bytes",
@@ -57,24 +61,29 @@ __all__ = [
     "largest_step_tokens",
     "nccl_communicators",
     "nccl_overhead_bytes",
+    "pool_device_bytes",
     "weight_bytes_per_rank",
 ]
 
 _MIB = 1 << 20
-# Estimated device memory one process holds outside torch's allocator: the CUDA context and
-# the kernel modules loaded lazily (CUDA_MODULE_LOADING=LAZY, the default since CUDA 11.7):
-# torch's, cuBLAS's, FlashInfer's and Triton's. About 1.1 GiB for a qwen3-30b-a3b rank on an
-# H100 when it sizes its KV cache (session 12, docs/BENCHMARKS.md: its KV sizes at 64 and at 256
-# running both imply 21.05 GiB free of 79.1, with 56.9 GiB in torch's hands); the rank measures it
-# then (``memory_report()["cuda_context"]``: total - free - torch's reserved), and
-# ``dp-runtime plan --measure`` prints the two side by side.
-CUDA_CONTEXT_BYTES = round(1.1 * (1 << 30))
+# Device memory one process holds outside torch's allocator: the CUDA context and the kernel
+# modules loaded lazily (CUDA_MODULE_LOADING=LAZY, the default since CUDA 11.7): torch's,
+# cuBLAS's, FlashInfer's and Triton's. Measured: 0.671 GiB on a qwen3-30b-a3b rank (DP 1, one
+# H100 80GB, session 13, `dp-runtime plan --measure` at 64 and 256 running, docs/BENCHMARKS.md),
+# ``memory_report()["cuda_context"]``: total - free - torch's reserved when it sizes its KV cache.
+# (It was 1.1 GiB, inferred from KV sizes; that also carried ``allocator_cache_bytes``.)
+CUDA_CONTEXT_BYTES = round(0.67 * (1 << 30))
 # Estimated device memory of one NCCL communicator on one rank, NVLS (multicast) off as on our
 # GPU machines (NCCL_NVLS_ENABLE=0; NVLS adds buffers of its own, ~1 GiB+). NCCL's default
 # NCCL_BUFFSIZE is 4 MiB per channel and direction; with up to 32 channels on NVLink nodes that
 # is 4 MiB x 32 x 2 = 256 MiB, plus small work FIFOs. P2P (all-to-all) buffers are allocated
 # per peer on first use and are included in this round figure only roughly.
 NCCL_COMMUNICATOR_BYTES = 256 * _MIB
+# torch's CUDA caching allocator (default settings, no expandable segments): a request of at
+# most 1 MiB takes a 2 MiB segment, one under 10 MiB a 20 MiB segment, a larger one a segment of
+# its own size rounded up to 2 MiB.
+_SMALL_REQUEST, _SMALL_SEGMENT = 1 * _MIB, 2 * _MIB
+_MEDIUM_REQUEST, _MEDIUM_SEGMENT = 10 * _MIB, 20 * _MIB
 # Dispatchers whose ``workspace_bytes_per_rank()`` is the peak of buffers allocated per step
 # (live only during a step's MoE section), not memory held between steps as FlashInfer's is.
 TRANSIENT_WORKSPACE_DISPATCHERS = ("all_to_all",)
@@ -160,6 +169,12 @@ def _device_bytes_by_name(pool: BufferPool) -> dict[str, int]:
     return {e.name: e.nbytes for e in pool.report() if e.device.type != "cpu"}
 
 
+def pool_device_bytes(pool: BufferPool) -> int:
+    """Device bytes ``pool`` holds (its host-side slots left out): what the planner counts for a
+    pool built on the meta device, and what a rank's real pool holds through torch's allocator."""
+    return sum(_device_bytes_by_name(pool).values())
+
+
 def dp_buffer_bytes(config: RuntimeConfig, dispatcher: str, top_k: int) -> int:
     """Device bytes the rank's ``DPBufferService`` requests from its pool with ``dispatcher``
     (a resolved kind): for the gather-style ``all_gather``, the gathered hidden buffer
@@ -171,7 +186,7 @@ def dp_buffer_bytes(config: RuntimeConfig, dispatcher: str, top_k: int) -> int:
         return 0  # no service at all: the rank builds one only for a gathering dispatcher
     pool = BufferPool()
     DPBufferService(config, pool, rank=0, device="meta", routing_top_k=top_k)
-    return sum(_device_bytes_by_name(pool).values())
+    return pool_device_bytes(pool)
 
 
 def dispatcher_gathers(kind: str) -> bool:
@@ -284,6 +299,32 @@ def dispatcher_step_bytes(kind: str, ep_size: int, num_tokens: int, hidden_size:
 def cuda_context_bytes(device_type: str = "cuda") -> int:
     """``CUDA_CONTEXT_BYTES`` for one process on a CUDA device (0 elsewhere). An estimate."""
     return CUDA_CONTEXT_BYTES if device_type == "cuda" else 0
+
+
+def allocator_segment_bytes(nbytes: int) -> int:
+    """The segment torch's CUDA caching allocator reserves for a request of ``nbytes`` that no
+    cached block holds (the rule in the comment at ``_SMALL_REQUEST``)."""
+    if nbytes <= _SMALL_REQUEST:
+        return _SMALL_SEGMENT
+    if nbytes < _MEDIUM_REQUEST:
+        return _MEDIUM_SEGMENT
+    return -(-nbytes // _SMALL_SEGMENT) * _SMALL_SEGMENT
+
+
+def allocator_cache_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """ESTIMATE of torch's reserved memory, beyond the weights and the rank's pool, when a rank
+    sizes its KV cache: the segment of the largest weight tensor (``allocator_segment_bytes``;
+    qwen3-30b-a3b's 151936 x 2048 embedding in bf16: 594 MiB). Session 13 (H100) implies 0.581
+    and 0.582 GiB (about 595 MiB) from the rank's KV sizes at 64 and 256 running.
+
+    Why, inferred from that arithmetic (docs/planner.md): loading reads every tensor into a
+    device temporary (``model/weights.py``); the later, smaller ones are cut from the largest
+    one's cached segment, and the RoPE table that the model builds next (then the profile step's
+    cuBLAS workspace) lands in it too, so ``empty_cache`` cannot return it. It is mostly free
+    inside torch, and the rank's sizing (``mem_get_info``) counts it as taken: memory the rank
+    does not need, named here so that the plan predicts the KV cache the rank sizes."""
+    largest = max(math.prod(shape) for shape in expected_shapes(cfg).values())
+    return allocator_segment_bytes(largest * dtype_bytes(dtype))
 
 
 def nccl_communicators(dp_size: int, ep_size: int) -> int:

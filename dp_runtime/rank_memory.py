@@ -12,8 +12,10 @@ cache after a profiling forward for the same reason). On CUDA, with no ``kv_cach
 2. **Size** (``memory_sizing.kv_budget_bytes``): ``kv_mem_fraction`` of what is free after the
    profile, less the peak and less the graphs' reserve (``graph_reserve_bytes``: the graphs are
    captured after the cache, whose addresses they bake in, so they are reserved from an estimate
-   with a margin, ``memory_estimates``, and their measured size is reported beside it). The
-   memory held outside torch then (CUDA context and kernel modules) is recorded too.
+   with a margin, ``memory_estimates``, and their measured size is reported beside it). What
+   else is held then is recorded too: torch's reserved memory beyond the weights and the pool
+   (``allocator_cache``: mostly what loading left cached, ``memory_sizing.allocator_cache_bytes``)
+   and the memory outside torch (``cuda_context``: the CUDA context and kernel modules).
 3. **Check** (``check_largest_step``): once the graphs are captured, the largest step runs once
    more, eagerly, against the real cache. A configuration that cannot run it is refused at start
    with the numbers, never out of memory mid-serving.
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from buffers.pool import BufferPool
 from dp_runtime import memory_estimates as me
 from dp_runtime import memory_sizing as ms
 from dp_runtime.attention import make_attention_backend
@@ -111,13 +114,15 @@ def make_kv_cache(spec: Any, num_slots: int, device: torch.device, max_reqs: int
 
 
 def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
-                      eager_runner: Callable[[Any, Any], Any], memory: dict[str, int],
+                      eager_runner: Callable[[Any, Any], Any], pool: BufferPool, memory: dict[str, int],
                       on_phase: Callable[[str], None]) -> int:
     """The KV slots of a rank: ``memory_sizing.kv_slots_for_rank`` when they are given or the
     device is not CUDA; else measured (module docstring, steps 1-2), with ``activation_peak``,
-    ``graph_reserve`` and ``cuda_context`` (device memory outside torch's allocator: total -
-    free - reserved) recorded in ``memory``. ``eager_runner(model, backend)`` makes the rank's
-    eager runner of a model over an attention backend; the profile runs a copy of ``model``
+    ``graph_reserve``, ``allocator_cache`` (torch's reserved memory less ``memory["weights"]``
+    and the device bytes of ``pool``, the rank's buffer pool) and ``cuda_context`` (device memory
+    outside torch's allocator: total - free - reserved) recorded in ``memory``: total - free at
+    sizing is those two, the weights and the pool. ``eager_runner(model, backend)`` makes the
+    rank's eager runner of a model over an attention backend; the profile runs a copy of ``model``
     bound to a probe backend and cache, so ``model`` itself stays unbound (it is bound once, to
     the real cache). RuntimeError with the numbers when one request of the full context does not
     fit."""
@@ -135,10 +140,11 @@ def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
     peak = profile_largest_step(run_with_kv, lambda: make_kv_cache(spec, 1, device), device)
     reserve = graph_reserve_bytes(spec, choices.graphs, choices.attention)
     free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
     budget = ms.kv_budget_bytes(free, peak, reserve, spec.kv_mem_fraction)
     slots = ms.kv_slots_for_budget(mc, cfg.dtype, budget, cfg.max_running_requests, spec.context_len)
-    memory.update(activation_peak=int(peak), graph_reserve=reserve,
-                  cuda_context=int(total - free - torch.cuda.memory_reserved(device)))
+    memory.update(activation_peak=int(peak), graph_reserve=reserve, cuda_context=int(total - free - reserved),
+                  allocator_cache=int(reserved - memory["weights"] - ms.pool_device_bytes(pool)))
     if slots < spec.context_len:
         raise RuntimeError(
             f"RankWorker: {free / _GIB:.2f} GiB free after the weights, less the largest step's {peak / _GIB:.2f} "

@@ -175,7 +175,7 @@ class RankWorker:
             return EagerRunner(model.forward, attention, eager_registry, no_copy=cfg.eager_input_no_copy,
                                max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
 
-        slots = measured_kv_slots(spec, self.model, dev, choices, eager_runner, self._memory, self._on_phase)
+        slots = measured_kv_slots(spec, self.model, dev, choices, eager_runner, pool, self._memory, self._on_phase)
         self.kv_cache = make_kv_cache(spec, slots, dev)
         self._memory["kv_cache"] = self.kv_cache.nbytes()
         self.attention = make_attention_backend(choices.attention, self.kv_cache, mc,
@@ -235,8 +235,9 @@ class RankWorker:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes per component as allocated (weights, kv_cache, dp_buffers, dispatcher_workspace,
-        graph_inputs, graph_pool, activation_peak: the largest allocation growth over one eager
-        step so far, CUDA only)."""
+        graph_inputs, graph_pool, activation_peak: the largest step's allocation growth, 0 unless
+        profiled; when the rank profiled and sized its KV cache on CUDA also graph_reserve,
+        allocator_cache and cuda_context, ``rank_memory.measured_kv_slots``)."""
         return dict(self._memory)
 
     # -- the step loop ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MEASURE_SCHEMA", "measure_workload", "parse_graph_sizes", "plan"]
 
-MEASURE_SCHEMA = "dp-runtime.plan-measure/2"
+MEASURE_SCHEMA = "dp-runtime.plan-measure/3"
 
 
 def parse_graph_sizes(text: str) -> tuple[int, ...] | str:
@@ -66,7 +66,7 @@ def plan(
         None, "--kv-tokens-per-request", help="KV tokens guaranteed per running request (default: --context-len)."),
     kv_mem_fraction: float = typer.Option(
         0.85, "--kv-mem-fraction", help="The rank's share for its KV cache of what is left after the rest."),
-    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema dp-runtime.plan/2)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema dp-runtime.plan/3)."),
     measure: bool = typer.Option(False, "--measure", help="Build the rank on this CUDA GPU; print predicted vs measured."),
 ) -> None:
     """Plan one rank's memory: every component, the KV cache that fits, and the verdict."""
@@ -171,7 +171,7 @@ def _gib(nbytes: int) -> str:
 
 
 def _sources(p: CapacityPlan) -> dict[str, str]:
-    from dp_runtime.memory_sizing import CUDA_CONTEXT_BYTES, largest_step_tokens
+    from dp_runtime.memory_sizing import largest_step_tokens
 
     rt = p.runtime
     tokens, requests = largest_step_tokens(rt, p.context_len)
@@ -187,8 +187,9 @@ def _sources(p: CapacityPlan) -> dict[str, str]:
         "graph_inputs": "decode + eager registries, pooled by name",
         "graph_pool": graph_note,
         "activation_peak": f"estimate: profile step of {tokens} tokens in {requests} requests",
+        "allocator_cache": "estimate: the largest weight's segment, left cached by loading",
         "nccl": "estimate: communicators x 256 MiB",
-        "cuda_context": f"estimate: ~{CUDA_CONTEXT_BYTES / GIB:.1f} GiB per process",
+        "cuda_context": "measured once per process: qwen3-30b-a3b on an H100",
     }
 
 

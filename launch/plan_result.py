@@ -1,5 +1,5 @@
 """What the capacity planner returns: per-rank components, KV capacity, the verdict, the JSON
-schema ``dp-runtime.plan/2`` (keys: docs/planner.md), and the predicted-vs-measured rows of
+schema ``dp-runtime.plan/3`` (keys: docs/planner.md), and the predicted-vs-measured rows of
 ``--measure``."""
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ __all__ = [
     "compare_measured",
 ]
 
-SCHEMA = "dp-runtime.plan/2"
+SCHEMA = "dp-runtime.plan/3"
 # Every component, in the order of the table and of the JSON.
 COMPONENTS = (
     "weights", "kv_cache", "dp_buffers", "dispatcher_workspace", "graph_inputs", "graph_pool",
-    "activation_peak", "nccl", "cuda_context",
+    "activation_peak", "allocator_cache", "nccl", "cuda_context",
 )
 # The components RankWorker.memory_report() measures, under the same names (activation_peak:
-# its profile step; cuda_context: the memory outside torch when it sizes the KV cache).
+# its profile step; allocator_cache: torch's reserved memory beyond the weights and its pool, and
+# cuda_context: the memory outside torch, both when it sizes the KV cache).
 MEASURED_COMPONENTS = tuple(c for c in COMPONENTS if c != "nccl")
 
 
@@ -47,6 +48,7 @@ class Components:
     graph_inputs_bytes: int
     graph_pool_bytes: int
     activation_peak_bytes: int
+    allocator_cache_bytes: int
     nccl_bytes: int
     cuda_context_bytes: int
     # all_gather / all_to_all: the workspace is the peak of per-step buffers, live only inside a

@@ -11,7 +11,8 @@ The rank planned is EP rank 0, which holds the most experts when they do not div
 (``ExpertPartition`` gives the remainder to the first ranks). Its KV cache is sized by the
 rank's own rule (``dp_runtime/rank_memory.py``, with the same functions): of what is free when
 it sizes the cache (the GPU less the CUDA context, NCCL, the weights, the DP buffers, a
-persistent dispatcher workspace and the graph inputs), ``memory_sizing.kv_budget_bytes`` takes
+persistent dispatcher workspace, the graph inputs and what torch keeps cached from loading the
+weights, ``memory_sizing.allocator_cache_bytes``), ``memory_sizing.kv_budget_bytes`` takes
 ``kv_mem_fraction`` after the largest step's peak and the graphs' reserve
 (``memory_estimates.graph_reserve_bytes``), and ``kv_slots_for_budget`` turns it into slots.
 
@@ -22,7 +23,7 @@ running request can reach its full context at once, with no preemption) and one 
 largest value for which that holds with every other input unchanged, found by bisection (the
 rule is monotone: a larger max_running_requests needs more KV and never less of anything else).
 
-JSON: ``CapacityPlan.to_dict()`` / ``to_json()``, schema ``dp-runtime.plan/1`` (keys:
+JSON: ``CapacityPlan.to_dict()`` / ``to_json()``, schema ``dp-runtime.plan/3`` (keys:
 docs/planner.md). The input lives in ``plan_input.py``, the result types in ``plan_result.py``,
 the GPU table in ``gpu_specs.py``; all are re-exported here.
 """
@@ -134,6 +135,7 @@ def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> Capac
         graph_pool_bytes=graph_pool,
         activation_peak_bytes=me.largest_step_bytes_estimate(cfg, rt, ctx, attention=choices.attention,
                                                              dispatcher=dispatcher),
+        allocator_cache_bytes=ms.allocator_cache_bytes(cfg, rt.dtype),
         nccl_bytes=ms.nccl_overhead_bytes(rt.dp_size, rt.ep_size),
         cuda_context_bytes=ms.cuda_context_bytes("cuda"),
     )

@@ -42,7 +42,7 @@ def test_json_is_the_plan_of_the_same_input():
     doc = json.loads(result.output)
     want = plan_capacity(PlanInput(dp_size=2, max_running_requests=64, context_len=2048)).to_dict()
     assert doc == want
-    assert doc["schema"] == "dp-runtime.plan/2" and doc["resolved"]["dispatcher"] == "flashinfer"
+    assert doc["schema"] == "dp-runtime.plan/3" and doc["resolved"]["dispatcher"] == "flashinfer"
 
 
 def test_gpu_options():
@@ -116,7 +116,7 @@ class _FakeWorker:
     def memory_report(self):
         return {"weights": 1000, "kv_cache": 2000, "dp_buffers": 10, "dispatcher_workspace": 0,
                 "graph_inputs": 5, "graph_pool": 40, "activation_peak": 7, "graph_reserve": 50,
-                "cuda_context": 3}
+                "allocator_cache": 4, "cuda_context": 3}
 
     def close(self):
         type(self).closed += 1
@@ -130,12 +130,13 @@ def test_measure_builds_one_rank_and_compares(monkeypatch):
                     "--gpu-mem-gib", "10")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
-    assert doc["schema"] == "dp-runtime.plan-measure/2"
+    assert doc["schema"] == "dp-runtime.plan-measure/3"
     rows = {r["component"]: r for r in doc["comparison"]}
     assert list(rows) == list(MEASURED_COMPONENTS)
     assert rows["weights"]["measured_bytes"] == 1000
     assert rows["weights"]["predicted_bytes"] == doc["plan"]["components_bytes"]["weights"]
     assert rows["cuda_context"]["measured_bytes"] == 3 and doc["measured"]["graph_reserve"] == 50
+    assert rows["allocator_cache"]["measured_bytes"] == 4
     spec, rank, world = _FakeWorker.built[0]
     assert (rank, world, _FakeWorker.closed) == (0, 1, 1)
     # the rank sizes its own KV cache, by the rule and fraction the plan used
