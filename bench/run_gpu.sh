@@ -64,6 +64,8 @@
 #                                   #   .bases/b3 and here (here at 128 profiled)
 #   bash bench/run_gpu.sh load14    # one GPU: serve_load (lof) at 64 and 128 running in .bases/b3 and here
 #   bash bench/run_gpu.sh http14    # one GPU: HTTP against in-process at 64 running here; .bases/b3's HTTP at rate 16
+#   bash bench/run_gpu.sh mem14     # one GPU: rank-memory GPU tests; plan --measure at 64 running in .bases/b4 and
+#                                   #   here; HTTP against in-process at rate 16, 512 requests
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -338,6 +340,16 @@ case "${1:-one}" in
       --num-requests 1024 --max-running-requests 256 --policy ${POLICY:-lof} --mixed-step-tokens ${MST:-auto} --json
     step serve_load_rate8 timeout ${T8:-150} python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates 8 \
       --num-requests 256 --max-running-requests 64 --json
+    ;;
+  mem14)  # one GPU: rank-memory GPU tests; plan --measure (64 running) in .bases/b4 and here; HTTP at rate 16
+    step gpu_tests timeout 200 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py
+    bases > /dev/null; b=/tmp/bases/b4
+    for t in $b .; do
+      TAIL=16 step plan64_$(basename $(realpath $t)) timeout 115 env PYTHONPATH=$(realpath $t):$PYTHONPATH python -m \
+        launch.cli plan --model qwen3-30b-a3b --dp 1 --ep 1 --max-running-requests 64 --context-len 4096 --measure
+    done
+    step serve_http timeout ${THTTP:-330} python bench/serve_http.py --model qwen3-30b-a3b --device cuda --rates 16 \
+      --num-requests ${HTTP_REQUESTS:-512} --max-running-requests 64
     ;;
   pad14)  # one GPU: routing/extend/mixed GPU tests; mixed steps in .bases/b3 and here, here at 128 rows profiled
     step gpu_tests timeout ${TESTS_TIMEOUT:-240} python -m pytest -m gpu -p no:cacheprovider -q -rs \
