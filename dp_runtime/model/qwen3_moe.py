@@ -123,11 +123,6 @@ class Qwen3MoeModel:
         missing = sorted(set(want) - seen)
         if missing:
             raise KeyError(f"weights are missing {len(missing)} tensors, first {missing[0]!r}")
-        if device.type == "cuda":
-            # Loading's temporaries are freed but stay cached in torch's allocator: hand their
-            # segments back before anything lasting lands in one (the RoPE table next), or the
-            # rank's KV sizing counts the largest (the embedding's, 594 MiB) as taken.
-            torch.cuda.empty_cache()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope_theta, device, yarn=cfg.rope_yarn)
         self.ops = elementwise_ops(device, dtype)
         if attention is not None:
