@@ -36,6 +36,7 @@ __all__ = [
     "FLASHINFER_FLOAT_WORKSPACE_BYTES",
     "FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES",
     "GRAPH_RESERVE_MARGIN",
+    "allocator_cache_bytes",
     "attention_backend_bytes",
     "attention_graph_state_bytes",
     "expert_rows",
@@ -144,6 +145,18 @@ def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens
         moe += max(n * k * (h + 2 * i) * e, n * k * h * (2 * e + _FP32))
     head = 2 * t * h * e + 2 * r * h * e + r * cfg.vocab_size * (e + _FP32)
     return max(attention, moe, head)
+
+
+def allocator_cache_bytes(cfg: ModelConfig) -> int:
+    """ESTIMATE of torch's reserved memory beyond the weights and the rank's pool when the rank
+    sizes its KV cache (``memory_report()["allocator_cache"]``): the RoPE table (fp32 cos/sin,
+    ``max_positions x head_dim``, built after loading), the cuBLAS workspace of the profile step's
+    first GEMM, and one small-pool segment's slack. qwen3-30b-a3b: 20 + 32 + 2 MiB = 0.053 GiB;
+    measured 0.053 on an H100 (session 14, ``plan --measure`` at 64 running). Before the model
+    handed loading's cached segments back (``Qwen3MoeModel.__init__``) it was 0.582: the RoPE
+    table and that workspace pinned the embedding's 594 MiB temporary segment."""
+    rope = ms.allocator_segment_bytes(cfg.max_positions * cfg.head_dim * _FP32)
+    return rope + CUBLAS_WORKSPACE_BYTES + ms.allocator_segment_bytes(1)
 
 
 def largest_step_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len: int, *, attention: str,

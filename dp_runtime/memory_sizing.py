@@ -11,8 +11,8 @@ the largest step's peak. ``dp_runtime/memory_estimates.py`` holds their document
 (``dp-runtime plan --measure`` prints them beside the rank's measured values). The rules a rank
 sizes its KV cache by are here (``largest_step_tokens``, ``kv_budget_bytes``), so the planner
 applies the same ones. CUDA context and NCCL overheads are constants with their provenance
-(``CUDA_CONTEXT_BYTES``, ``NCCL_COMMUNICATOR_BYTES``); what torch's allocator keeps cached from
-loading the weights is sized by its segment rule (``allocator_cache_bytes``).
+(``CUDA_CONTEXT_BYTES``, ``NCCL_COMMUNICATOR_BYTES``); ``allocator_segment_bytes`` is torch's
+caching allocator's segment rule.
 
 Legend: ``T`` tokens of a forward, ``R`` logit rows, ``H`` hidden, ``E`` experts, ``K`` top-k,
 ``I`` expert intermediate size, ``V`` vocab, ``Hq``/``Hkv`` heads, ``D`` head dim, ``e`` bytes
@@ -42,7 +42,6 @@ __all__ = [
     "CUDA_CONTEXT_BYTES",
     "NCCL_COMMUNICATOR_BYTES",
     "TRANSIENT_WORKSPACE_DISPATCHERS",
-    "allocator_cache_bytes",
     "allocator_segment_bytes",
     "cuda_context_bytes",
     "dispatcher_gathers",
@@ -71,7 +70,7 @@ _MIB = 1 << 20
 # cuBLAS's, FlashInfer's and Triton's. Measured: 0.671 GiB on a qwen3-30b-a3b rank (DP 1, one
 # H100 80GB, session 13, `dp-runtime plan --measure` at 64 and 256 running, docs/BENCHMARKS.md),
 # ``memory_report()["cuda_context"]``: total - free - torch's reserved when it sizes its KV cache.
-# (It was 1.1 GiB, inferred from KV sizes; that also carried ``allocator_cache_bytes``.)
+# (It was 1.1 GiB, inferred from KV sizes; that also carried loading's cached 0.58 GiB segment.)
 CUDA_CONTEXT_BYTES = round(0.67 * (1 << 30))
 # Estimated device memory of one NCCL communicator on one rank, NVLS (multicast) off as on our
 # GPU machines (NCCL_NVLS_ENABLE=0; NVLS adds buffers of its own, ~1 GiB+). NCCL's default
@@ -309,22 +308,6 @@ def allocator_segment_bytes(nbytes: int) -> int:
     if nbytes < _MEDIUM_REQUEST:
         return _MEDIUM_SEGMENT
     return -(-nbytes // _SMALL_SEGMENT) * _SMALL_SEGMENT
-
-
-def allocator_cache_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """ESTIMATE of torch's reserved memory, beyond the weights and the rank's pool, when a rank
-    sizes its KV cache: the segment of the largest weight tensor (``allocator_segment_bytes``;
-    qwen3-30b-a3b's 151936 x 2048 embedding in bf16: 594 MiB). Session 13 (H100) implies 0.581
-    and 0.582 GiB (about 595 MiB) from the rank's KV sizes at 64 and 256 running.
-
-    Why, inferred from that arithmetic (docs/planner.md): loading reads every tensor into a
-    device temporary (``model/weights.py``); the later, smaller ones are cut from the largest
-    one's cached segment, and the RoPE table that the model builds next (then the profile step's
-    cuBLAS workspace) lands in it too, so ``empty_cache`` cannot return it. It is mostly free
-    inside torch, and the rank's sizing (``mem_get_info``) counts it as taken: memory the rank
-    does not need, named here so that the plan predicts the KV cache the rank sizes."""
-    largest = max(math.prod(shape) for shape in expected_shapes(cfg).values())
-    return allocator_segment_bytes(largest * dtype_bytes(dtype))
 
 
 def nccl_communicators(dp_size: int, ep_size: int) -> int:

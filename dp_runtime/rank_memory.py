@@ -14,8 +14,8 @@ cache after a profiling forward for the same reason). On CUDA, with no ``kv_cach
    captured after the cache, whose addresses they bake in, so they are reserved from an estimate
    with a margin, ``memory_estimates``, and their measured size is reported beside it). What
    else is held then is recorded too: torch's reserved memory beyond the weights and the pool
-   (``allocator_cache``: mostly what loading left cached, ``memory_sizing.allocator_cache_bytes``)
-   and the memory outside torch (``cuda_context``: the CUDA context and kernel modules).
+   (``allocator_cache``, ``memory_estimates.allocator_cache_bytes``) and the memory outside torch
+   (``cuda_context``: the CUDA context and kernel modules).
 3. **Check** (``check_largest_step``): once the graphs are captured, the largest step runs once
    more, eagerly, against the real cache. A configuration that cannot run it is refused at start
    with the numbers, never out of memory mid-serving.

@@ -11,8 +11,8 @@ The rank planned is EP rank 0, which holds the most experts when they do not div
 (``ExpertPartition`` gives the remainder to the first ranks). Its KV cache is sized by the
 rank's own rule (``dp_runtime/rank_memory.py``, with the same functions): of what is free when
 it sizes the cache (the GPU less the CUDA context, NCCL, the weights, the DP buffers, a
-persistent dispatcher workspace, the graph inputs and what torch keeps cached from loading the
-weights, ``memory_sizing.allocator_cache_bytes``), ``memory_sizing.kv_budget_bytes`` takes
+persistent dispatcher workspace, the graph inputs and what else torch holds then, the RoPE table
+and a cuBLAS workspace, ``memory_estimates.allocator_cache_bytes``), ``memory_sizing.kv_budget_bytes`` takes
 ``kv_mem_fraction`` after the largest step's peak and the graphs' reserve
 (``memory_estimates.graph_reserve_bytes``), and ``kv_slots_for_budget`` turns it into slots.
 
@@ -135,7 +135,7 @@ def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> Capac
         graph_pool_bytes=graph_pool,
         activation_peak_bytes=me.largest_step_bytes_estimate(cfg, rt, ctx, attention=choices.attention,
                                                              dispatcher=dispatcher),
-        allocator_cache_bytes=ms.allocator_cache_bytes(cfg, rt.dtype),
+        allocator_cache_bytes=me.allocator_cache_bytes(cfg),
         nccl_bytes=ms.nccl_overhead_bytes(rt.dp_size, rt.ep_size),
         cuda_context_bytes=ms.cuda_context_bytes("cuda"),
     )
