@@ -4,6 +4,8 @@
     python bench/mixed_step.py --decode-rows 64 --prompts 1x512,1x960,4x240 --modes graph,eager
     python bench/mixed_step.py --device cpu --model tiny --decode-rows 8 --prompts 1x32,2x16
     python bench/mixed_step.py --decode-rows 64 --prompts 1x960 --profile   # where the time goes
+    python bench/mixed_step.py --decode-rows 128 --prompts 1x896 --save-routing m.pt --modes graph
+    python bench/moe_layer.py --routing m.pt --extend --tune --ep 1   # the expert tiles on it
 
 ``--decode-rows`` D requests of ``--decode-context`` random prompt tokens are prefilled first;
 they then decode for the whole run (``max_new_tokens`` large), so every step carries D decode
@@ -15,7 +17,10 @@ is the time until its tokens were read, i.e. its own GPU time when the GPU bound
 the time inside a mixed step's ``step()`` (its scheduling and launches; the step before's tokens
 are read at its end). Columns: decode ms (the decode steps' median), mixed ms, their ratio, and
 the mixed step's extra ms per prompt token. ``--profile``: the top GPU kernels of a few mixed
-steps and of as many decode steps (torch profiler), per step.
+steps and of as many decode steps (torch profiler), per step. ``--save-routing PATH``: each MoE
+layer's routing of one eager mixed step of the first shape, ``[(ids_TK, weights_TK)]`` on the
+CPU, decode rows first: what ``bench/moe_layer.py --routing`` replays (a mixed step's routing,
+decode rows spread over every expert beside a prompt's concentrated rows, for its tile sweep).
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--modes", default="graph,eager", help="graph and/or eager, comma-separated")
     p.add_argument("--profile", action="store_true", help="top GPU kernels of the first shape's steps")
+    p.add_argument("--save-routing", default=None, metavar="PATH",
+                   help="save each layer's routing of one eager mixed step of the first shape (moe_layer.py --routing)")
     p.add_argument("--json", action="store_true", help="one JSON line on stdout instead of the table")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     args = p.parse_args(argv)
@@ -149,6 +156,32 @@ def profiled(worker: RankWorker, b: int, n: int) -> dict:
     return out
 
 
+def save_routing(worker: RankWorker, b: int, n: int, path: str) -> int:
+    """One eager mixed step of ``b`` new prompts of ``n`` tokens beside the decode rows, its
+    routing saved to ``path`` (module docstring; the route function is wrapped for that step
+    only: hooks do not run inside graphs); then its decode step. Returns the layers saved."""
+    from dp_runtime.model.expert_path import recording_routes
+
+    vocab = worker.model_config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    worker.submit([Request(f"routing-{j}", torch.randint(0, vocab, (n,), generator=g).tolist(),
+                           SamplingParams(max_new_tokens=1)) for j in range(b)])
+    model, graphed = worker.model, worker.graph_enabled
+    experts, routed = model.experts, []
+    model.experts = recording_routes(experts, lambda w_TK, ids_TK: routed.append((ids_TK.cpu(), w_TK.cpu())))
+    worker.graph_enabled = False
+    try:
+        plan = worker.step()
+    finally:
+        model.experts, worker.graph_enabled = experts, graphed
+    worker.step()
+    worker.pop_finished()
+    if not plan.is_extend:
+        raise RuntimeError(f"shape {b}x{n}: the step with the new prompts was not a mixed step")
+    torch.save(routed, path)
+    return len(routed)
+
+
 def run(args: argparse.Namespace) -> dict:
     process_group.resolve_device(args.device)
     if args.device == "cuda":
@@ -170,6 +203,8 @@ def run(args: argparse.Namespace) -> dict:
                              us_per_prompt_token=1e3 * (mixed_ms - decode_ms) / (b * n)))
             if args.profile and profile is None and args.device == "cuda":
                 profile = dict(shape=f"{b}x{n}", mode=rows[-1]["mode"], **profiled(worker, b, n))
+        if args.save_routing:
+            save_routing(worker, *args.shapes[0], args.save_routing)
         m = worker.metrics()
     header = dict(date=str(datetime.date.today()), commit=_commit(),
                   command=" ".join(sys.argv), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
