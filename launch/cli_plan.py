@@ -187,7 +187,7 @@ def _sources(p: CapacityPlan) -> dict[str, str]:
         "graph_inputs": "decode + eager registries, pooled by name",
         "graph_pool": graph_note,
         "activation_peak": f"estimate: profile step of {tokens} tokens in {requests} requests",
-        "allocator_cache": "estimate: the largest weight's segment, left cached by loading",
+        "allocator_cache": "estimate: RoPE table + cuBLAS workspace + a small segment",
         "nccl": "estimate: communicators x 256 MiB",
         "cuda_context": "measured once per process: qwen3-30b-a3b on an H100",
     }
