@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from bench.prefill import parse_shapes
+from bench.prefill import parse_shapes, recorded_routing
 from bench.serve_load import _commit
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
@@ -158,22 +158,14 @@ def profiled(worker: RankWorker, b: int, n: int) -> dict:
 
 def save_routing(worker: RankWorker, b: int, n: int, path: str) -> int:
     """One eager mixed step of ``b`` new prompts of ``n`` tokens beside the decode rows, its
-    routing saved to ``path`` (module docstring; the route function is wrapped for that step
-    only: hooks do not run inside graphs); then its decode step. Returns the layers saved."""
-    from dp_runtime.model.expert_path import recording_routes
-
+    routing saved to ``path`` (module docstring; recorded for that step only,
+    ``prefill.recorded_routing``); then its decode step. Returns the layers saved."""
     vocab = worker.model_config.vocab_size
     g = torch.Generator().manual_seed(7)
     worker.submit([Request(f"routing-{j}", torch.randint(0, vocab, (n,), generator=g).tolist(),
                            SamplingParams(max_new_tokens=1)) for j in range(b)])
-    model, graphed = worker.model, worker.graph_enabled
-    experts, routed = model.experts, []
-    model.experts = recording_routes(experts, lambda w_TK, ids_TK: routed.append((ids_TK.cpu(), w_TK.cpu())))
-    worker.graph_enabled = False
-    try:
+    with recorded_routing(worker) as routed:
         plan = worker.step()
-    finally:
-        model.experts, worker.graph_enabled = experts, graphed
     worker.step()
     worker.pop_finished()
     if not plan.is_extend:

@@ -27,6 +27,7 @@ the routed work is spread evenly, which uniform random routing gives on average.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import os
@@ -34,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -177,13 +179,11 @@ def streamed_prefill(worker: RankWorker, b: int, n: int, iters: int, rank: int, 
     return times
 
 
-def experts_touched(worker: RankWorker, b: int, n: int, rank: int, save: str | None = None) -> tuple[float, float]:
-    """Mean distinct local experts per MoE layer in one eager step of ``b`` x ``n`` (random
-    prompts, as the timed steps): the expert bytes that step must read, in units of one expert;
-    and the mean 64-row blocks those experts' picks fill (what the extend GEMMs launch on).
-    ``save``: a file for each layer's routing, ``[(ids_TK, weights_TK)]`` on the CPU, which
-    ``moe_layer.py --routing`` replays. The route function is wrapped for that one step only
-    (hooks do not run inside graphs)."""
+@contextlib.contextmanager
+def recorded_routing(worker: RankWorker) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Inside: the worker's steps run eager with each MoE layer's routing appended to the list
+    yielded, ``(ids_TK, weights_TK)`` on the CPU (the form ``moe_layer.py --routing`` replays);
+    graphs and the route function are restored on exit (hooks do not run inside graphs)."""
     from dp_runtime.model.expert_path import recording_routes
 
     model, graphed = worker.model, worker.graph_enabled
@@ -191,9 +191,19 @@ def experts_touched(worker: RankWorker, b: int, n: int, rank: int, save: str | N
     model.experts = recording_routes(path, lambda weights_TK, ids_TK: routed.append((ids_TK.cpu(), weights_TK.cpu())))
     worker.graph_enabled = False
     try:
-        timed_prefill(worker, b, n, 1, rank, "experts")
+        yield routed
     finally:
         model.experts, worker.graph_enabled = path, graphed
+
+
+def experts_touched(worker: RankWorker, b: int, n: int, rank: int, save: str | None = None) -> tuple[float, float]:
+    """Mean distinct local experts per MoE layer in one eager step of ``b`` x ``n`` (random
+    prompts, as the timed steps): the expert bytes that step must read, in units of one expert;
+    and the mean 64-row blocks those experts' picks fill (what the extend GEMMs launch on).
+    ``save``: a file for each layer's routing, ``[(ids_TK, weights_TK)]`` on the CPU, which
+    ``moe_layer.py --routing`` replays (``recorded_routing``, for that one step only)."""
+    with recorded_routing(worker) as routed:
+        timed_prefill(worker, b, n, 1, rank, "experts")
     if not routed:
         return 0.0, 0.0
     if save:
