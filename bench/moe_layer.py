@@ -355,6 +355,8 @@ def _tune(args, layers: list[Layer], baseline_us: float) -> str:
         us = timed(cfg, dataclasses.replace(cfg, block_n=64, block_k=64, num_warps=4, num_stages=3))
         if us is not None and (best is None or us < best[0]):
             best = (us, cfg)
+        # as it goes, so that a sweep cut short by a time limit still reports what it measured
+        print(f"# tried {name(cfg)}: {'failed' if us is None else f'{us:.1f} us'}", file=sys.stderr, flush=True)
     if best is None:
         return f"no config ran ({failed} failed)"
     us, cfg = best

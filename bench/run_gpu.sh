@@ -66,8 +66,8 @@
 #   bash bench/run_gpu.sh http14    # one GPU: HTTP against in-process at 64 running here; .bases/b3's HTTP at rate 16
 #   bash bench/run_gpu.sh mem14     # one GPU: rank-memory GPU tests; plan --measure at 64 running in .bases/b4 and
 #                                   #   here; HTTP against in-process at rate 16, 512 requests
-#   bash bench/run_gpu.sh mixtile   # one GPU: a mixed step's routing (128 decode rows + 1x896), the expert tiles
-#                                   #   swept on it (not yet run)
+#   bash bench/run_gpu.sh mixtile   # one GPU: a mixed step's routing (128 decode rows + 1x896), the expert kernels
+#                                   #   split on it (TUNE=1: + the tile sweep; ROUTING=file: reuse a routing)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -344,9 +344,13 @@ case "${1:-one}" in
       --num-requests 256 --max-running-requests 64 --json
     ;;
   mixtile)  # one GPU: the routing of a mixed step at 128 rows (a prompt beside them), the expert tiles swept on it
-    step routing timeout 200 python bench/mixed_step.py --decode-rows 128 --prompts ${PROMPTS:-1x896} --modes graph \
-      --iters 3 --save-routing /tmp/mixed_routing.pt
-    step tune timeout 300 python bench/moe_layer.py --routing /tmp/mixed_routing.pt --extend --tune --ep 1 --layers 8
+    r=${ROUTING:-$log/mixed_routing.pt}
+    [ -e "$r" ] || step routing timeout 200 python bench/mixed_step.py --decode-rows 128 --prompts ${PROMPTS:-1x896} \
+      --modes graph --iters 3 --save-routing "$r"
+    step split timeout 200 python bench/moe_layer.py --routing "$r" --extend --split --persistent 0,0 0,4 4,4 --ep 1 \
+      --layers 8
+    [ -n "${TUNE:-}" ] && step tune timeout ${TUNE_TIMEOUT:-450} python bench/moe_layer.py --routing "$r" --extend \
+      --tune --ep 1 --layers 8
     ;;
   mem14)  # one GPU: rank-memory GPU tests; plan --measure (64 running) in .bases/b4 and here; HTTP at rate 16
     step gpu_tests timeout 200 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py
