@@ -68,6 +68,8 @@
 #                                   #   here; HTTP against in-process at rate 16, 512 requests
 #   bash bench/run_gpu.sh mixtile   # one GPU: a mixed step's routing (128 decode rows + 1x896), the expert kernels
 #                                   #   split on it (TUNE=1: + the tile sweep; ROUTING=file: reuse a routing)
+#   bash bench/run_gpu.sh gaps15    # one GPU: span GPU test; plan --measure at 256; serve_load (lof) at 64 and 128
+#                                   #   running with each step's GPU span and the GPU's idle gaps (--gpu-spans)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -379,6 +381,15 @@ case "${1:-one}" in
         $t/bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf --num-requests $([ $n = 64 ] && echo 384 || echo $((n * 4))) \
         --max-running-requests $n --policy lof --json
     done; done
+    ;;
+  gaps15)  # one GPU: the span GPU test; plan --measure at 256 running; serve_load (lof) at 64 and 128 with GPU spans
+    step gpu_tests timeout 150 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_overlap_gpu.py
+    TAIL=16 step plan_measure_256 timeout ${PLAN_TIMEOUT:-200} python -m launch.cli plan --model qwen3-30b-a3b \
+      --dp 1 --ep 1 --max-running-requests 256 --context-len 4096 --measure
+    for n in ${RUNNING:-64 128}; do
+      TAIL=3 step load$n timeout 200 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
+        --num-requests $([ $n = 64 ] && echo 384 || echo $((n * 4))) --max-running-requests $n --policy lof --json --gpu-spans
+    done
     ;;
   http14)  # one GPU: HTTP against in-process at 64 running here (rates 16, inf); .bases/b3's HTTP path at rate 16
     step serve_http timeout ${THTTP:-330} python bench/serve_http.py --model qwen3-30b-a3b --device cuda --rates 16,inf \

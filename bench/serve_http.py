@@ -166,7 +166,7 @@ def run_engine(args, batches, warm, context_len: int) -> list[list[RequestResult
 def run_ranks(args, batches, warm, context_len: int) -> list[list[RequestResult]]:
     """serve_load's in-process run: the requests go to the ranks with their arrival times and
     are timed by the step loop itself (no client, no asyncio beside the ranks)."""
-    from bench.serve_load import InProcessRank, RayRanks
+    from bench.load_ranks import InProcessRank, RayRanks
 
     spec = _spec(args, context_len)
     ranks = RayRanks(spec, False) if args.launcher == "ray" else InProcessRank(spec, 0, 1, False)

@@ -61,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
+from bench.load_ranks import InProcessRank, RayRanks
 from bench.load_summary import (
     STEP_KINDS,
     decode_step_s,
@@ -73,112 +74,10 @@ from bench.load_workload import Lengths, decode_probe_requests, make_requests, w
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.rank_spec import RankSpec
-from dp_runtime.serving.request import Request, RequestResult
+from dp_runtime.serving.request import Request
 from launch import process_group
 from launch.cli_errors import UsageError, bench_main
 from launch.run_config import parse_mixed_step_tokens
-from launch.workload import split_round_robin
-
-
-# -- the ranks ---------------------------------------------------------------------------------------
-class InProcessRank:
-    """This process's rank (one rank alone, or one of a torchrun job): a RankSession whose
-    ``run`` submits this rank's round-robin share and steps until every rank is done.
-    Collective under torchrun; the results come back on rank 0 only (None elsewhere)."""
-
-    def __init__(self, spec: RankSpec, rank: int, world: int, show_progress: bool) -> None:
-        from launch.rank_session import RankSession
-
-        self.rank, self.world = rank, world
-        self.session = RankSession(spec, rank, world, show_progress=show_progress)
-        self.metrics: dict[str, Any] = {}
-        self.all_metrics: list[dict[str, Any]] = []  # every rank's, on rank 0
-
-    def run(self, requests: list[Request]) -> list[RequestResult] | None:
-        self.session.submit(split_round_robin(requests, self.world)[self.rank])
-        st = self.session.run()
-        if st.state != "done":
-            message = f"rank {self.rank}: the step loop raised:\n{st.error}"
-            # Shown now: the teardown on the way out may block on a peer, and then the raised
-            # error would never be printed.
-            print(f"error: {message}", file=sys.stderr, flush=True)
-            raise RuntimeError(message)
-        self.metrics = dict(st.metrics)
-        mine = (list(st.results), self.metrics)
-        parts = [mine]
-        if self.world > 1:
-            parts = [None] * self.world if self.rank == 0 else None
-            dist.gather_object(mine, parts, dst=0)
-        if self.rank != 0:
-            return None
-        self.all_metrics = [m for _, m in parts]
-        return [r for p, _ in parts for r in p]
-
-    def agree(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank (collective under torchrun)."""
-        if self.world == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def close(self) -> None:
-        self.session.close()
-
-
-class RayRanks:
-    """The rank actors of one Ray gang, launched once and given every rate's requests in turn."""
-
-    def __init__(self, spec: RankSpec, show_progress: bool) -> None:
-        from launch.gang import Gang, GangOptions
-
-        self.world = spec.runtime.world_size
-        self.gang = Gang(spec, GangOptions(device=spec.runtime.device.type, show_progress=show_progress))
-        self.metrics: dict[str, Any] = {}
-        self.all_metrics: list[dict[str, Any]] = []
-        try:
-            self.gang.launch()
-        except BaseException:
-            self.gang.kill()
-            raise
-
-    def run(self, requests: list[Request]) -> list[RequestResult]:
-        from launch.rank_session import RankStatus
-
-        self._check("submit", self.gang.submit(split_round_robin(requests, self.world)))
-        self._check("start", self.gang.start())
-        results: list[RequestResult] = []
-        while True:
-            statuses = self._check("collect", self.gang.collect())
-            for st in statuses:
-                assert isinstance(st, RankStatus)
-                results += st.results
-                if st.state == "error":
-                    raise RuntimeError(f"rank {st.rank}: the step loop raised:\n{st.error}")
-            if all(st.state == "done" for st in statuses):
-                # A loop that ended between our reading its state and its results leaves them for
-                # one more collect (RankSession.collect).
-                results += [r for st in self._check("collect", self.gang.collect()) for r in st.results]
-                self.metrics = dict(statuses[0].metrics)
-                self.all_metrics = [dict(st.metrics) for st in statuses]
-                return results
-            time.sleep(0.05)
-
-    @staticmethod
-    def _check(what: str, outcomes: list[Any]) -> list[Any]:
-        from launch.gang import UNANSWERED
-
-        bad = [(rank, o) for rank, o in enumerate(outcomes) if isinstance(o, BaseException) or o is UNANSWERED]
-        if bad:
-            raise RuntimeError(f"{what}: " + "; ".join(f"rank {rank}: {o!r}" for rank, o in bad))
-        return outcomes
-
-    @staticmethod
-    def agree(value: Any) -> Any:
-        return value  # one driver: nothing to agree on
-
-    def close(self) -> None:
-        self.gang.stop()
 
 
 # -- the command -------------------------------------------------------------------------------------
@@ -218,6 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON line on stdout instead of the table")
     p.add_argument("--per-request", action="store_true", help="with --json: every request's timings too")
+    p.add_argument("--gpu-spans", action="store_true",
+                   help="CUDA, in-process: each rate's steps on the GPU and its idle gaps (bench/gpu_spans.py)")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     args = p.parse_args(argv)
     args.lengths = Lengths.parse(args.lengths)
@@ -236,6 +137,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.probe_prompt_len < 1:
         raise UsageError(f"--probe-prompt-len must be >= 1, got {args.probe_prompt_len}")
+    if args.gpu_spans and (args.launcher != "local" or args.device == "cpu"):
+        raise UsageError("--gpu-spans times CUDA steps in this process: it needs --launcher local and a GPU")
     return args
 
 
@@ -274,7 +177,8 @@ def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, l
                                 policy, mixed) if math.isinf(rate) else None
         n_steps, most = sum(steps.values()), max(row["max_running"])
         occ = row["output_tokens"] / (n_steps * most) if n_steps and most else None
-        rows.append(dict(row, mixed=mixed, policy=policy, steps=steps, occupancy=occ, ideal_occupancy=ideal))
+        rows.append(dict(row, mixed=mixed, policy=policy, steps=steps, occupancy=occ, ideal_occupancy=ideal)
+                    | ({"gpu": ranks.gpu} if getattr(ranks, "gpu", None) else {}))
         arrival = {r.rid: r.arrival_s for r in reqs}
         per_request += [dict(rid=r.rid, rank=r.rank, arrival_s=arrival[r.rid], prompt_len=r.prompt_len,
                              output_len=len(r.output_ids), queued_s=r.queued_s, ttft_s=r.ttft_s,
@@ -342,7 +246,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         for mixed, policy in modes:
             spec = build_spec(args, world, device, everything, mixed, policy)
             t0 = time.perf_counter()
-            ranks = RayRanks(spec, not args.json) if args.launcher == "ray" else InProcessRank(spec, rank, world, rank == 0 and not args.json)
+            ranks = (RayRanks(spec, not args.json) if args.launcher == "ray"
+                     else InProcessRank(spec, rank, world, rank == 0 and not args.json, args.gpu_spans))
             build_s += time.perf_counter() - t0
             try:
                 if warm:

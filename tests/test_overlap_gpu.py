@@ -65,3 +65,23 @@ def test_overlap_gives_the_tokens_of_step_by_step_serving(ckpt, attention):
             assert w.metrics()["graph_steps"] > 0
             assert w.scheduler.allocator.num_free_slots == w.kv_cache.num_slots
     assert outs[0] == outs[1]
+
+
+def test_step_spans_time_every_launched_step_and_give_the_methods_back(ckpt):
+    # bench/gpu_spans.py: serve_load's GPU timeline of a run (each step's span, the idle gaps)
+    from bench.gpu_spans import StepSpans
+
+    with RankWorker(_spec(ckpt, "sdpa", True)) as w:
+        spans = StepSpans(w)
+        w.submit(_requests(new=20))
+        w.run_until_idle()
+        got, m = spans.take(), w.metrics()
+        launched = m["graph_steps"] + m["eager_steps"]
+        assert sum(k["n"] for k in got["steps"].values()) == launched > 0
+        assert got["steps"]["decode"]["n"] == m["graph_steps"] - m["extend_graph_steps"]
+        assert all(k["mean_ms"] > 0 for k in got["steps"].values())
+        assert 0 < got["busy"] <= 1.001 and got["idle_s"] >= 0 and got["gap_max_ms"] >= got["gap_p50_ms"]
+        assert spans.take() == {}  # taken: the next run starts afresh
+        spans.close()
+        assert "replay" not in vars(w.graphs) and "_eager" not in vars(w)
+        assert all(len(r.output_ids) == 20 for r in w.pop_finished())
