@@ -24,7 +24,8 @@ per rank)                             ``attn_tp_size``; the last equals         
                                       ``cuda_graph_max_bs``; empty iff that is 0          policy
 cuda_graph_extend_tokens (token        strictly increasing, each > 0, a multiple of        16, 32, 64,
 buckets of extend graphs)             ``attn_tp_size`` and <= max_tokens_per_rank;        128, 256,
-                                      empty: extend steps run eager                       512, 1024,
+                                      empty: extend steps run eager                       384, 512,
+                                                                                          768, 1024,
                                                                                           capped
 dp_padding                            None / "auto" (the rule) / "max_len" / "sum_len"     None
 dp_sync_exchange                      "auto" (same node: shm, else gloo) / "shm" / "gloo"  env or auto
@@ -101,8 +102,10 @@ _AUTO_GRAPH_MAX_BS = 256
 # Token buckets of extend graphs: eager extend steps of the 48-layer model are bound by host
 # time (about 46-50 ms on an H100) up to about 1024 tokens, and mixed steps (the running decode
 # rows plus a few prompts) land there all the time under load. Past 1024 the GPU work hides the
-# host, and a bucket's per-layer q/k/v kept in graph memory would cost more than it saves.
-_AUTO_EXTEND_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
+# host. 384 and 768 halve the padding of the mixed steps that land between 256 and 1024 tokens (the
+# running decode rows and a prompt or two); a bucket costs its logits rows in graph memory, its
+# pieces' q/k/v go back to the pool (graph/piecewise_runner.py).
+_AUTO_EXTEND_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
 
 
 def align_up(value: int, alignment: int) -> int:

@@ -30,7 +30,7 @@ __all__ = ["RankGraphs", "capture_plan", "capture_rank_graphs", "extend_capture_
 class RankGraphs:
     decode: GraphRunner | None
     extend: PiecewiseRunner | None
-    # Device memory the captures left allocated, the backend's graph state (init_capture)
+    # Device memory the captures left reserved, the backend's graph state (init_capture)
     # included; the registries are the pool's (graph inputs), not counted here.
     memory_bytes: int
 
@@ -58,8 +58,15 @@ def extend_capture_tokens(cfg: RuntimeConfig, max_context_len: int) -> tuple[int
     return tuple(t for t in cfg.cuda_graph_extend_tokens if -(-t // min(t, mrr)) <= max_context_len)
 
 
-def _allocated(device: torch.device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+def _reserved(device: torch.device) -> int:
+    """torch's reserved memory with its free cached blocks handed back: what the graphs' pool
+    holds counts (its free blocks included: a replay writes there), the default pool's cache
+    does not. Reserved, not allocated: the extend pieces give their q/k/v back to the pool
+    (graph/piecewise_runner.py), so the pool holds more than its live tensors."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
 
 
 def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], split: AttentionSplit, attention: Any,
@@ -67,7 +74,7 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
                         on_phase: Callable[[str], None]) -> RankGraphs:
     """Capture the decode buckets (``cfg.cuda_graph_bs``) and the extend token buckets
     (``extend_capture_tokens``; none: extend steps stay eager). ``memory_bytes``: the device
-    memory this left allocated beyond the registries' pool storage."""
+    memory this left reserved beyond the registries' pool storage (``_reserved``)."""
     use_cuda = device.type == "cuda"
     on_phase("capturing graphs")
     # No graph path reads device-side counts (a graph always gathers MAX_LEN), so no registry
@@ -82,7 +89,7 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
         show_progress=show_progress,
     )
     graphs = RankGraphs(decode, None, 0)
-    before, pool_before = _allocated(device), pool.total_bytes()
+    before, pool_before = _reserved(device), pool.total_bytes()
     try:
         decode.capture()  # the runner's own count starts after the backend's init_capture: not used
         mrr = cfg.max_running_requests
@@ -103,5 +110,5 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
         graphs.destroy()
         raise
     if use_cuda:
-        graphs.memory_bytes = _allocated(device) - before - (pool.total_bytes() - pool_before)
+        graphs.memory_bytes = _reserved(device) - before - (pool.total_bytes() - pool_before)
     return graphs

@@ -40,7 +40,6 @@ __all__ = [
     "attention_backend_bytes",
     "attention_graph_state_bytes",
     "expert_rows",
-    "extend_piece_bytes_per_token",
     "forward_peak_bytes_estimate",
     "graph_pool_bytes_estimate",
     "graph_reserve_bytes",
@@ -180,20 +179,14 @@ def largest_step_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len
 
 
 # -- the graphs ------------------------------------------------------------------------------------
-def extend_piece_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """What a captured extend piece keeps per token of its bucket, for each attention layer:
-    the fused projection (its v is a view of it) and the normed, rotated q and k, which the
-    attention between two pieces reads: ``(Hq + 2Hkv)D + HqD + HkvD`` elements."""
-    return (2 * cfg.num_heads + 3 * cfg.num_kv_heads) * cfg.head_dim * ms.dtype_bytes(dtype)
-
-
 def graph_pool_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, *, capture_sizes: Sequence[int],
                               extend_tokens: Sequence[int], max_running_requests: int, context_len: int,
                               attention: str) -> int:
-    """ESTIMATE of the memory that capturing the graphs leaves allocated (what
+    """ESTIMATE of the memory that capturing the graphs leaves reserved (what
     ``graph_setup.capture_rank_graphs`` measures). Graphs are captured largest first into one
-    private pool, where what a capture frees is reused by the next, so what stays is what the
-    graphs keep. Decode buckets (``capture_sizes``, largest ``B``; none: 0)::
+    private pool, where what a capture frees is reused by the next; the pool keeps what the
+    graphs keep plus the free blocks their replays write to: the largest capture's working set.
+    Decode buckets (``capture_sizes``, largest ``B``; none: 0)::
 
         attention_graph_state_bytes(attention, B, C)     init_capture
         + B*V*4                                          the largest bucket's fp32 logits, where
@@ -201,13 +194,17 @@ def graph_pool_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, *, capture_s
         + 8 MiB per bucket below TRITON_DECODE_MIN_BS    FlashInfer's wrapper (none for SDPA)
         + CUBLAS_WORKSPACE_BYTES                         the capture stream's
 
-    and extend token buckets (``extend_tokens``, largest ``T_max``; pieces around attention)::
+    and extend token buckets (``extend_tokens``, largest ``T_max``)::
 
-        sum(T)*L*extend_piece_bytes_per_token            each bucket's q/k/v, per layer
-        + L*T_max*Hq*D*e                                 the attention outputs, one buffer per
+        L*T_max*Hq*D*e                                   the attention outputs, one buffer per
                                                          layer shared by every bucket
         + sum(min(T, max_running_requests))*V*4          each bucket's fp32 logits
         + CUBLAS_WORKSPACE_BYTES                         the capture stream's
+
+    and the working set: ``forward_peak_bytes_estimate`` of the largest capture (``T_max``
+    tokens and ``min(T_max, max_running_requests)`` logit rows; without extend buckets, ``B``
+    and ``B``). The pieces' q/k/v are part of it, not kept per bucket and layer: a piece gives
+    them back to the pool once captured (graph/piecewise_runner.py).
     """
     sizes, tokens = tuple(capture_sizes), tuple(extend_tokens)
     if not sizes:
@@ -217,12 +214,12 @@ def graph_pool_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, *, capture_s
     total = attention_graph_state_bytes(attention, b, context_len) + b * v * _FP32 + CUBLAS_WORKSPACE_BYTES
     if attention == "flashinfer":
         total += sum(s < TRITON_DECODE_MIN_BS for s in sizes) * FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES
-    if tokens:
-        layers, e = cfg.num_layers, ms.dtype_bytes(dtype)
-        total += sum(tokens) * layers * extend_piece_bytes_per_token(cfg, dtype)
-        total += layers * max(tokens) * cfg.num_heads * cfg.head_dim * e
-        total += sum(min(t, max_running_requests) for t in tokens) * v * _FP32 + CUBLAS_WORKSPACE_BYTES
-    return total
+    if not tokens:
+        return total + forward_peak_bytes_estimate(cfg, dtype, b, b)
+    t_max, e = max(tokens), ms.dtype_bytes(dtype)
+    total += cfg.num_layers * t_max * cfg.num_heads * cfg.head_dim * e
+    total += sum(min(t, max_running_requests) for t in tokens) * v * _FP32 + CUBLAS_WORKSPACE_BYTES
+    return total + forward_peak_bytes_estimate(cfg, dtype, t_max, min(t_max, max_running_requests))
 
 
 def rank_graph_pool_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len: int, *, attention: str,

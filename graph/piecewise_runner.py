@@ -11,8 +11,9 @@ planned for the live batch as an eager step would be (``backend.init_forward_met
 
 The seam is ``AttentionSplit``: the model's attention object, transparent by default (every
 call and attribute goes to the backend). While a bucket is captured it ends the current graph
-at each ``forward(q, k, v, ...)``, keeps q/k/v (graph memory, rewritten by every replay) and
-returns a fixed per-layer output buffer that the next graph reads; while one replays without
+at each ``forward(q, k, v, ...)``, keeps the addresses of q/k/v (graph memory, rewritten by every
+replay) without keeping that memory allocated, and returns a fixed per-layer output buffer that
+the next graph reads; while one replays without
 CUDA it runs the backend on the live rows and pads the result to ``T`` rows. The model stores
 each layer's K/V before it calls attention, so the store lies inside a piece (every row of the
 bucket, padding rows into the reserved slot 0) and attention between pieces only reads.
@@ -23,6 +24,13 @@ request has at least one token; a rank runs at most ``max_requests`` at once). `
 logit rows repeat the last live token's and are sliced off. The bucket comes from the step
 plan (``plan.graph_bucket``, the same on every rank): an IDLE rank replays it with no live row
 and runs no attention, but joins every collective the graphs hold.
+
+Why the pieces do not own their q/k/v: a layer's q/k/v are read only by the attention that runs
+right after the graph that writes them, and nothing else runs on the stream in between. So once
+a piece is captured, its q/k/v memory may go back to the shared pool, where the next piece's
+capture, and every other bucket's, reuse it: the graphs' memory is one bucket's working set, not
+every layer's q/k/v of every bucket (1.8 GiB for the 48-layer model's default buckets; vLLM's
+piecewise graphs hold their pieces' outputs by weak reference for the same reason).
 
 Without CUDA the pieces are not captured: replay runs the forward eagerly on the padded
 registry views with the same split, so fill, padding, live-row attention and slicing are
@@ -82,9 +90,22 @@ class AttentionSplit:
             self._hook = None
 
 
+def _unowned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory (same address, shape and strides) in a tensor that does not keep it
+    allocated: through ``__cuda_array_interface__``, of a same-width integer view (the interface
+    knows no bfloat16), held by an object that owns no storage."""
+    as_int = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+    class _Address:
+        __cuda_array_interface__ = as_int.__cuda_array_interface__
+
+    return torch.as_tensor(_Address(), device=t.device).view(t.dtype)
+
+
 @dataclass
 class _Piece:
-    """One attention call between two graphs: its inputs (graph memory) and output buffer."""
+    """One attention call between two graphs: its inputs (graph memory the piece does not own:
+    module docstring) and output buffer."""
 
     layer_id: int
     q: torch.Tensor
@@ -217,7 +238,7 @@ class PiecewiseRunner:
         def cut(q, k, v, layer_id, _batch) -> torch.Tensor:
             graphs[-1].capture_end()
             out = self._out_buffer(layer_id, q)[:tokens]
-            pieces.append(_Piece(layer_id, q, k, v, out))
+            pieces.append(_Piece(layer_id, _unowned(q), _unowned(k), _unowned(v), out))
             begin()
             return out
 

@@ -31,7 +31,7 @@ def test_defaults_resolve_every_auto():
 
 
 def test_auto_extend_tokens_are_capped_by_the_largest_step():
-    assert RuntimeConfig().cuda_graph_extend_tokens == (16, 32, 64, 128, 256, 512, 1024)
+    assert RuntimeConfig().cuda_graph_extend_tokens == (16, 32, 64, 128, 256, 384, 512, 768, 1024)
     # max_tokens_per_rank = max(chunked_prefill_size, max_running_requests) = 100
     assert RuntimeConfig(chunked_prefill_size=100, max_running_requests=8).cuda_graph_extend_tokens == (16, 32, 64)
     assert RuntimeConfig(chunked_prefill_size=8, max_running_requests=8).cuda_graph_extend_tokens == ()

@@ -354,3 +354,23 @@ def test_grouped_mm_experts_match_dense_on_gpu():
     want = local_expert_sum(x, ids, weights, w13, w2, use_grouped_mm=False)
     assert got.shape == (t, h) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_pieces_unowned_view_reads_its_memory_without_keeping_it(dtype):
+    # graph/piecewise_runner.py: a piece keeps its q/k/v this way, so the pool may reuse them
+    from graph.piecewise_runner import _unowned
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    fused = torch.randn(256, 3, 1024, device="cuda").to(dtype)  # >= 1.5 MiB: a segment of its own
+    v = fused[:, 2]  # strided, as a piece's v is a view of the fused projection
+    u = _unowned(v)
+    assert (u.data_ptr(), u.shape, u.stride(), u.dtype) == (v.data_ptr(), v.shape, v.stride(), v.dtype)
+    assert torch.equal(u, v)
+    fused.add_(1)  # the same memory: a write through the owner shows in the view
+    assert torch.equal(u, v)
+    del fused, v
+    assert torch.cuda.memory_allocated() == base  # the view keeps nothing allocated
+    assert u.shape == (256, 1024)

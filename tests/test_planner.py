@@ -195,21 +195,26 @@ def test_graph_pool_estimate_by_hand():
     # decode: the graph workspace and fixed indptr / last-page / indices, the largest bucket's
     # fp32 logits, a wrapper per bucket (all below the Triton threshold of 64), the stream's cuBLAS
     decode = fi + (2 * 8 + 1 + 8 * 64) * 4 + 8 * 256 * 4 + 3 * wrapper + cublas
-    assert me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(1, 4, 8), extend_tokens=(), **kw) == decode
-    # extend: per bucket and layer the fused qkv and the rotated q and k; one attention output
-    # per layer at the largest bucket; each bucket's logits (min(T, 8) rows); the stream's cuBLAS
-    piece = (2 * 4 + 3 * 2) * 16 * 2
-    assert me.extend_piece_bytes_per_token(tiny, BF16) == piece
-    extend = (16 + 32) * 2 * piece + 2 * 32 * 4 * 16 * 2 + (8 + 8) * 256 * 4 + cublas
+    # no extend buckets: the working set is the largest decode bucket's forward
+    assert me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(1, 4, 8), extend_tokens=(), **kw) == (
+        decode + me.forward_peak_bytes_estimate(tiny, BF16, 8, 8))
+    # extend: one attention output per layer at the largest bucket; each bucket's logits
+    # (min(T, 8) rows); the stream's cuBLAS; the working set of the largest bucket's forward
+    # (its q/k/v among it: the pieces keep none)
+    extend = 2 * 32 * 4 * 16 * 2 + (8 + 8) * 256 * 4 + cublas + me.forward_peak_bytes_estimate(tiny, BF16, 32, 8)
     assert me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(1, 4, 8), extend_tokens=(16, 32), **kw) == (
         decode + extend)
+    # a bucket more costs its logits rows only, not its tokens' q/k/v in every layer
+    more = me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(1, 4, 8), extend_tokens=(16, 24, 32), **kw)
+    assert more - (decode + extend) == 8 * 256 * 4
     sdpa = dict(kw, attention="sdpa")  # indices and a mask, no workspace, no wrappers
     assert me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(1, 4, 8), extend_tokens=(), **sdpa) == (
-        8 * 64 * 5 + 8 * 256 * 4 + cublas)
+        8 * 64 * 5 + 8 * 256 * 4 + cublas + me.forward_peak_bytes_estimate(tiny, BF16, 8, 8))
     # buckets from 64 up decode with the Triton kernel: no wrapper
     big = me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(32, 64, 128), extend_tokens=(), **dict(
         kw, max_running_requests=128))
-    assert big == fi + (2 * 128 + 1 + 128 * 64) * 4 + 128 * 256 * 4 + 1 * wrapper + cublas
+    assert big == (fi + (2 * 128 + 1 + 128 * 64) * 4 + 128 * 256 * 4 + 1 * wrapper + cublas
+                   + me.forward_peak_bytes_estimate(tiny, BF16, 128, 128))
     assert me.graph_reserve_bytes(1000) == 1250
 
 
