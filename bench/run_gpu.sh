@@ -72,6 +72,8 @@
 #                                   #   running with each step's GPU span and the GPU's idle gaps (--gpu-spans)
 #   bash bench/run_gpu.sh weak15    # one GPU: graph/extend/mixed/rank-memory GPU tests; plan --measure at 64 and 256
 #   bash bench/run_gpu.sh load15    # one GPU: serve_load (lof) at 64 and 128 running in .bases/b5 and here, GPU spans
+#   bash bench/run_gpu.sh out15     # one GPU: plan --measure at 64 and 256; load15 at 64 running; graph/mixed/model/
+#                                   #   rank-memory GPU tests
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -408,6 +410,15 @@ case "${1:-one}" in
         $t/bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf --num-requests $([ $n = 64 ] && echo 384 \
         || echo $((n * 4))) --max-running-requests $n --policy lof --json --gpu-spans
     done; done
+    ;;
+  out15)  # one GPU: plan --measure at 64 and 256; serve_load 64 running in .bases/b5 and here; graph/mixed/model/memory GPU tests
+    for n in 64 256; do
+      TAIL=16 step plan_measure_$n timeout ${PLAN_TIMEOUT:-140} python -m launch.cli plan --model qwen3-30b-a3b \
+        --dp 1 --ep 1 --max-running-requests $n --context-len 4096 --measure
+    done
+    RUNNING=${RUNNING:-64} bash "$0" load15
+    step gpu_tests timeout ${TTESTS:-250} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_mixed_steps_gpu.py \
+      tests/test_rank_memory_gpu.py tests/test_model_gpu.py tests/test_graph_gpu.py
     ;;
   http14)  # one GPU: HTTP against in-process at 64 running here (rates 16, inf); .bases/b3's HTTP path at rate 16
     step serve_http timeout ${THTTP:-330} python bench/serve_http.py --model qwen3-30b-a3b --device cuda --rates 16,inf \

@@ -41,6 +41,7 @@ __all__ = [
     "attention_graph_state_bytes",
     "expert_rows",
     "forward_peak_bytes_estimate",
+    "forward_phase_bytes",
     "graph_pool_bytes_estimate",
     "graph_reserve_bytes",
     "largest_step_bytes_estimate",
@@ -110,8 +111,16 @@ def expert_rows(dispatcher: str, dp_size: int, ep_size: int, num_tokens: int) ->
 
 def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, num_logit_rows: int, *,
                                 dispatcher: str = "local", dp_size: int = 1, ep_size: int = 1) -> int:
-    """ESTIMATE of the intermediates of one forward live at once, at its peak: ``max(attention,
-    moe, head)`` bytes, where (module legend; ``N = expert_rows(...)``)::
+    """ESTIMATE of the intermediates of one forward live at once, at its peak: the largest of
+    its phases (``forward_phase_bytes``)."""
+    return max(forward_phase_bytes(cfg, dtype, num_tokens, num_logit_rows, dispatcher=dispatcher, dp_size=dp_size,
+                                   ep_size=ep_size))
+
+
+def forward_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, num_logit_rows: int, *,
+                        dispatcher: str = "local", dp_size: int = 1, ep_size: int = 1) -> tuple[int, int, int]:
+    """ESTIMATE of the intermediates live at once in each phase of a forward, ``(attention, moe,
+    head)`` bytes, where (module legend; ``N = expert_rows(...)``)::
 
         attention = T*(3H + 3(Hq + Hkv)D)*e       residual, normed input, fused qkv (v is a view),
                                                   normed+rotated q and k, attention output, o_proj
@@ -143,7 +152,7 @@ def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens
     else:
         moe += max(n * k * (h + 2 * i) * e, n * k * h * (2 * e + _FP32))
     head = 2 * t * h * e + 2 * r * h * e + r * cfg.vocab_size * (e + _FP32)
-    return max(attention, moe, head)
+    return attention, moe, head
 
 
 def allocator_cache_bytes(cfg: ModelConfig) -> int:
@@ -196,15 +205,19 @@ def graph_pool_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, *, capture_s
 
     and extend token buckets (``extend_tokens``, largest ``T_max``)::
 
-        L*T_max*Hq*D*e                                   the attention outputs, one buffer per
-                                                         layer shared by every bucket
+        T_max*Hq*D*e, in its allocator segment          the attention output, one buffer for
+                                                         every layer and bucket
         + sum(min(T, max_running_requests))*V*4          each bucket's fp32 logits
         + CUBLAS_WORKSPACE_BYTES                         the capture stream's
 
-    and the working set: ``forward_peak_bytes_estimate`` of the largest capture (``T_max``
-    tokens and ``min(T_max, max_running_requests)`` logit rows; without extend buckets, ``B``
-    and ``B``). The pieces' q/k/v are part of it, not kept per bucket and layer: a piece gives
-    them back to the pool once captured (graph/piecewise_runner.py).
+    and the working set of the largest capture (``T_max`` tokens and ``min(T_max,
+    max_running_requests)`` logit rows; without extend buckets, ``B`` and ``B``): the sum of the
+    forward's phases (``forward_phase_bytes``), not the largest, since a piece spans the end of
+    one layer (o_proj, the MoE) and the start of the next (norm, q/k/v), and the last piece the
+    head. The pieces' q/k/v are part of it, not kept per bucket and layer: a piece gives them back
+    to the pool once captured (graph/piecewise_runner.py). qwen3-30b-a3b on an H100 (session 15,
+    before the attention outputs were one buffer): the estimate of this form was 4% low at 64
+    and 256 running with the max of the phases and the outputs' 20 MiB segments uncounted.
     """
     sizes, tokens = tuple(capture_sizes), tuple(extend_tokens)
     if not sizes:
@@ -215,11 +228,11 @@ def graph_pool_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, *, capture_s
     if attention == "flashinfer":
         total += sum(s < TRITON_DECODE_MIN_BS for s in sizes) * FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES
     if not tokens:
-        return total + forward_peak_bytes_estimate(cfg, dtype, b, b)
+        return total + sum(forward_phase_bytes(cfg, dtype, b, b))
     t_max, e = max(tokens), ms.dtype_bytes(dtype)
-    total += cfg.num_layers * t_max * cfg.num_heads * cfg.head_dim * e
+    total += ms.allocator_segment_bytes(t_max * cfg.num_heads * cfg.head_dim * e)
     total += sum(min(t, max_running_requests) for t in tokens) * v * _FP32 + CUBLAS_WORKSPACE_BYTES
-    return total + forward_peak_bytes_estimate(cfg, dtype, t_max, min(t_max, max_running_requests))
+    return total + sum(forward_phase_bytes(cfg, dtype, t_max, min(t_max, max_running_requests)))
 
 
 def rank_graph_pool_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len: int, *, attention: str,

@@ -12,8 +12,9 @@ planned for the live batch as an eager step would be (``backend.init_forward_met
 The seam is ``AttentionSplit``: the model's attention object, transparent by default (every
 call and attribute goes to the backend). While a bucket is captured it ends the current graph
 at each ``forward(q, k, v, ...)``, keeps the addresses of q/k/v (graph memory, rewritten by every
-replay) without keeping that memory allocated, and returns a fixed per-layer output buffer that
-the next graph reads; while one replays without
+replay) without keeping that memory allocated, and returns a fixed output buffer that the next
+graph reads (one for every layer and bucket: a layer's attention output is read only by the
+next graph, its o_proj, before the next attention writes the buffer again); while one replays without
 CUDA it runs the backend on the live rows and pads the result to ``T`` rows. The model stores
 each layer's K/V before it calls attention, so the store lies inside a piece (every row of the
 bucket, padding rows into the reserved slot 0) and attention between pieces only reads.
@@ -179,7 +180,7 @@ class PiecewiseRunner:
         self._capture_batch, self._capture_plan = capture_batch, capture_plan
         self._pool = pool
         self._buckets: dict[int, _Bucket] = {}
-        self._out_buffers: dict[int, torch.Tensor] = {}  # per layer, shared by every bucket
+        self._out_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # by width: every layer's
         self.capture_memory_bytes = 0
 
     @property
@@ -203,12 +204,12 @@ class PiecewiseRunner:
             use_cuda_graph=self.use_cuda_graph, label="extend graphs", show_progress=self.show_progress,
             on_error=self.destroy)
 
-    def _out_buffer(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+    def _out_buffer(self, q: torch.Tensor) -> torch.Tensor:
         width = q.shape[1] * q.shape[2] if q.dim() == 3 else q.shape[1]
-        buf = self._out_buffers.get(layer_id)
+        buf = self._out_buffers.get((width, q.dtype))
         if buf is None:  # allocated between two captures: ordinary memory, kept for every bucket
             buf = torch.zeros(self.sizes[-1], width, dtype=q.dtype, device=q.device)
-            self._out_buffers[layer_id] = buf
+            self._out_buffers[(width, q.dtype)] = buf
         return buf
 
     def _capture_one(self, tokens: int, stream: torch.cuda.Stream | None) -> _Bucket:
@@ -237,7 +238,7 @@ class PiecewiseRunner:
 
         def cut(q, k, v, layer_id, _batch) -> torch.Tensor:
             graphs[-1].capture_end()
-            out = self._out_buffer(layer_id, q)[:tokens]
+            out = self._out_buffer(q)[:tokens]
             pieces.append(_Piece(layer_id, _unowned(q), _unowned(k), _unowned(v), out))
             begin()
             return out

@@ -195,13 +195,15 @@ def test_graph_pool_estimate_by_hand():
     # decode: the graph workspace and fixed indptr / last-page / indices, the largest bucket's
     # fp32 logits, a wrapper per bucket (all below the Triton threshold of 64), the stream's cuBLAS
     decode = fi + (2 * 8 + 1 + 8 * 64) * 4 + 8 * 256 * 4 + 3 * wrapper + cublas
-    # no extend buckets: the working set is the largest decode bucket's forward
+    # no extend buckets: the working set is the largest decode bucket's forward, its phases summed
+    phases = me.forward_phase_bytes(tiny, BF16, 8, 8)
+    assert max(phases) == me.forward_peak_bytes_estimate(tiny, BF16, 8, 8)
     assert me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(1, 4, 8), extend_tokens=(), **kw) == (
-        decode + me.forward_peak_bytes_estimate(tiny, BF16, 8, 8))
-    # extend: one attention output per layer at the largest bucket; each bucket's logits
-    # (min(T, 8) rows); the stream's cuBLAS; the working set of the largest bucket's forward
-    # (its q/k/v among it: the pieces keep none)
-    extend = 2 * 32 * 4 * 16 * 2 + (8 + 8) * 256 * 4 + cublas + me.forward_peak_bytes_estimate(tiny, BF16, 32, 8)
+        decode + sum(phases))
+    # extend: one attention output for every layer (32 x 4 x 16 bf16, in a 2 MiB segment); each
+    # bucket's logits (min(T, 8) rows); the stream's cuBLAS; the working set of the largest
+    # bucket's forward (its q/k/v among it: the pieces keep none)
+    extend = (2 << 20) + (8 + 8) * 256 * 4 + cublas + sum(me.forward_phase_bytes(tiny, BF16, 32, 8))
     assert me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(1, 4, 8), extend_tokens=(16, 32), **kw) == (
         decode + extend)
     # a bucket more costs its logits rows only, not its tokens' q/k/v in every layer
@@ -209,12 +211,12 @@ def test_graph_pool_estimate_by_hand():
     assert more - (decode + extend) == 8 * 256 * 4
     sdpa = dict(kw, attention="sdpa")  # indices and a mask, no workspace, no wrappers
     assert me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(1, 4, 8), extend_tokens=(), **sdpa) == (
-        8 * 64 * 5 + 8 * 256 * 4 + cublas + me.forward_peak_bytes_estimate(tiny, BF16, 8, 8))
+        8 * 64 * 5 + 8 * 256 * 4 + cublas + sum(phases))
     # buckets from 64 up decode with the Triton kernel: no wrapper
     big = me.graph_pool_bytes_estimate(tiny, BF16, capture_sizes=(32, 64, 128), extend_tokens=(), **dict(
         kw, max_running_requests=128))
     assert big == (fi + (2 * 128 + 1 + 128 * 64) * 4 + 128 * 256 * 4 + 1 * wrapper + cublas
-                   + me.forward_peak_bytes_estimate(tiny, BF16, 128, 128))
+                   + sum(me.forward_phase_bytes(tiny, BF16, 128, 128)))
     assert me.graph_reserve_bytes(1000) == 1250
 
 
