@@ -74,6 +74,7 @@
 #   bash bench/run_gpu.sh load15    # one GPU: serve_load (lof) at 64 and 128 running in .bases/b5 and here, GPU spans
 #   bash bench/run_gpu.sh out15     # one GPU: plan --measure at 64 and 256; load15 at 64 running; graph/mixed/model/
 #                                   #   rank-memory GPU tests
+#   bash bench/run_gpu.sh fin15     # one GPU: load15 at 128; plan --measure 64/256; GPU tests; load15 at 256
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -419,6 +420,16 @@ case "${1:-one}" in
     RUNNING=${RUNNING:-64} bash "$0" load15
     step gpu_tests timeout ${TTESTS:-250} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_mixed_steps_gpu.py \
       tests/test_rank_memory_gpu.py tests/test_model_gpu.py tests/test_graph_gpu.py
+    ;;
+  fin15)  # one GPU: serve_load 128 running in .bases/b5 and here; plan --measure 64/256; GPU tests; serve_load 256
+    RUNNING=128 bash "$0" load15
+    for n in 64 256; do
+      TAIL=16 step plan_measure_$n timeout ${PLAN_TIMEOUT:-140} python -m launch.cli plan --model qwen3-30b-a3b \
+        --dp 1 --ep 1 --max-running-requests $n --context-len 4096 --measure
+    done
+    step gpu_tests timeout ${TTESTS:-200} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py \
+      tests/test_mixed_steps_gpu.py tests/test_model_gpu.py tests/test_graph_gpu.py tests/test_overlap_gpu.py
+    RUNNING=256 bash "$0" load15
     ;;
   http14)  # one GPU: HTTP against in-process at 64 running here (rates 16, inf); .bases/b3's HTTP path at rate 16
     step serve_http timeout ${THTTP:-330} python bench/serve_http.py --model qwen3-30b-a3b --device cuda --rates 16,inf \

@@ -4,8 +4,8 @@ The KV cache takes what is left, so every other consumer must be known first (vL
 cache after a profiling forward for the same reason). On CUDA, with no ``kv_cache_tokens`` given:
 
 1. **Profile** (``profile_largest_step``): after the weights, the dispatcher and its warm-up,
-   one eager forward of the largest step the rank accepts (``largest_step_tokens``: the token
-   budget, spread over ``max_running_requests`` requests, each within the context) against a
+   eager forwards of the largest steps the rank accepts (``run_largest_step``: the token budget
+   spread over ``max_running_requests`` requests, and as one request within the context) against a
    one-request KV cache with its own attention backend; the peak allocation growth over it,
    that cache and that backend's workspaces included, is what the real step will need on top
    of the real cache (whose backend takes the same workspaces).
@@ -50,14 +50,17 @@ _GIB = 2**30
 
 
 def run_largest_step(eager: Any, cfg: Any, device: torch.device, context_len: int) -> None:
-    """One eager forward of the largest step and its greedy pick, on every rank alike (a
-    collective when the dispatcher exchanges; the batch carries the plan it lays out from). Its
-    requests all read request row 0 and KV slot 0, the padding targets, as a graph capture's do:
-    nothing live is touched."""
+    """One eager forward of each largest step and its greedy pick, on every rank alike (a
+    collective when the dispatcher exchanges; the batch carries the plan it lays out from): the
+    token budget over the most requests (``memory_sizing.largest_step_tokens``: the most logit
+    rows), then as one request as long as the context allows (an attention backend that forms a
+    request's scores, SDPA's, needs most for the longest request). Its requests all read request
+    row 0 and KV slot 0, the padding targets, as a graph capture's do: nothing live is touched."""
     tokens, requests = ms.largest_step_tokens(cfg, context_len)
-    plan = plan_step(StepTable.from_counts([tokens] * cfg.dp_size, can_run_graph=False, is_extend=True), cfg)
-    batch = capture_batch(requests, tokens, plan, device=device, forward_mode=ForwardMode.EXTEND)
-    eager.run(batch).argmax(dim=-1)
+    for n, reqs in ((tokens, requests), (min(tokens, context_len), 1)):
+        plan = plan_step(StepTable.from_counts([n] * cfg.dp_size, can_run_graph=False, is_extend=True), cfg)
+        batch = capture_batch(reqs, n, plan, device=device, forward_mode=ForwardMode.EXTEND)
+        eager.run(batch).argmax(dim=-1)
 
 
 def profile_largest_step(run_with_kv: Callable[[Any], None], make_kv: Callable[[], Any],
