@@ -9,6 +9,10 @@ between a step's own two events is what the step took on the GPU (gaps between i
 included). Overlapped steps launch ahead of the GPU, so the gaps should be near zero; what they
 add up to is what host work costs the run.
 
+``serve_load.py`` adds the decode-only bound from the run's own decode steps (``running / mean
+decode span``, at the run's contexts, where the decode probe's prompts are short) and the
+efficiency against it.
+
 Bench-only: it wraps the worker's launch methods on the instance and restores them on ``close``.
 """
 

@@ -200,6 +200,11 @@ def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, l
         bound = n * world / step if step else None
         row.update(decode_step_s=step, decode_bound_tok_s=bound,
                    efficiency=row["output_tok_s"] / bound if bound and row["output_tok_s"] else None)
+        # --gpu-spans: the same bound from the run's own decode steps (at the run's contexts)
+        run_step = row.get("gpu", {}).get("steps", {}).get("decode", {}).get("mean_ms")
+        if run_step and row["output_tok_s"]:
+            row["gpu"].update(decode_bound_tok_s=n * world / (run_step / 1e3),
+                              efficiency=row["output_tok_s"] * run_step / 1e3 / (n * world))
     return rows, per_request
 
 

@@ -46,3 +46,11 @@ def test_the_decode_step_is_timed_once_every_probe_request_has_its_first_token()
     gaps = sorted([0.1, 0.1, 0.1, 0.1] + [0.3] * 4)
     assert abs(step - (gaps[3] + gaps[4]) / 2) < 1e-9
     assert bench.decode_step_s([_result("a", 0, (1.0,))], 1) is None
+
+
+def test_gpu_spans_on_a_cpu_rank_is_a_one_line_usage_error(capsys):
+    # --gpu-spans times CUDA steps in this process (bench/gpu_spans.py): refused before any rank
+    bench = load_bench("serve_load")
+    code = bench.main(["--device", "cpu", "--model", "tiny", "--num-requests", "2", "--gpu-spans"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--gpu-spans" in err and "--launcher local and a GPU" in err and "\n" not in err
