@@ -40,3 +40,13 @@ def print_table(report: dict[str, Any]) -> None:
     print("times in ms; max run: the most requests running at once on one rank; steps: decode/extend/mixed "
           "(all ranks); bound: decode-only out tok/s at max run (decode probe); eff: out tok/s / bound; "
           "occ: output tokens / (steps x max run); ideal: the occupancy of an ideal rank (load_summary)")
+    for r in report["rows"]:
+        g = r.get("gpu")
+        if not g:
+            continue
+        rate = "inf" if r["rate"] is None else f"{r['rate']:g}"
+        spans = ", ".join(f"{k} {v['n']} x {v['mean_ms']:.2f} ms" for k, v in g["steps"].items())
+        eff = f"; the run's decode steps' bound {g['decode_bound_tok_s']:.1f} tok/s, eff {100 * g['efficiency']:.1f}%" \
+            if g.get("efficiency") else ""
+        print(f"gpu (mixed {'on' if r['mixed'] else 'off'}, {r['policy']}, rate {rate}): busy {100 * g['busy']:.2f}%, "
+              f"idle {g['idle_s']:.3f} s (gaps p50 {g['gap_p50_ms']:.3f} ms, max {g['gap_max_ms']:.2f}); {spans}{eff}")
