@@ -31,7 +31,10 @@ right after the graph that writes them, and nothing else runs on the stream in b
 a piece is captured, its q/k/v memory may go back to the shared pool, where the next piece's
 capture, and every other bucket's, reuse it: the graphs' memory is one bucket's working set, not
 every layer's q/k/v of every bucket (1.8 GiB for the 48-layer model's default buckets; vLLM's
-piecewise graphs hold their pieces' outputs by weak reference for the same reason).
+piecewise graphs hold their pieces' outputs by weak reference for the same reason). A bucket's
+logits likewise: the step's sampling is enqueued right after the replay, before any other graph
+runs, so every bucket's logits may share the pool's memory instead of each keeping its own
+(``replay``'s result is valid until the next replay of any graph in the pool).
 
 Without CUDA the pieces are not captured: replay runs the forward eagerly on the padded
 registry views with the same split, so fill, padding, live-row attention and slicing are
@@ -250,7 +253,7 @@ class PiecewiseRunner:
             finally:
                 graphs[-1].capture_end()
         torch.cuda.synchronize(self.registry.device)
-        return _Bucket(tokens, plan, graphs, pieces, output)
+        return _Bucket(tokens, plan, graphs, pieces, _unowned(output))
 
     # -- replay --------------------------------------------------------------------------------
     def why_not(self, batch: Any, plan: StepPlanView) -> str | None:
@@ -272,7 +275,9 @@ class PiecewiseRunner:
 
     def replay(self, batch: Any, plan: StepPlanView) -> Any:
         """Run ``batch`` through the plan's bucket; return the logits of its live requests
-        (graph memory: overwritten by the next replay). Raises ValueError naming a mismatch."""
+        (graph memory the runner does not own: valid until the next replay of any graph in the
+        pool, so read it, or enqueue what reads it, first). Raises ValueError naming a
+        mismatch."""
         reason = self.why_not(batch, plan)
         if reason:
             raise ValueError(f"PiecewiseRunner.replay: {reason}")

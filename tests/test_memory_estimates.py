@@ -72,9 +72,11 @@ def test_a_pieces_reads_fit_the_working_set_the_estimate_counts(worker):
             assert _unique_storage_bytes(q, k, v) <= working_set
             # the per-layer output buffer a piece writes: q's heads (graph/piecewise_runner.py)
             assert q.shape[1] * q.shape[2] * e == mc.num_heads * mc.head_dim * e
-        # the bucket's logits, kept by its last graph: min(T, max_running_requests) fp32 rows
+        # the bucket's logits, min(T, max_running_requests) fp32 rows: the head's phase counts them
         assert logits.dtype == torch.float32
-        assert logits.nbytes == min(tokens, rt.max_running_requests) * mc.vocab_size * 4
+        assert logits.nbytes == min(tokens, rt.max_running_requests) * mc.vocab_size * 4 == requests * mc.vocab_size * 4
+        head = me.forward_phase_bytes(mc, rt.dtype, tokens, requests)[2]
+        assert head >= logits.nbytes
 
 
 def test_the_flashinfer_workspace_counted_is_the_backends():
