@@ -102,9 +102,9 @@ _AUTO_GRAPH_MAX_BS = 256
 # Token buckets of extend graphs: eager extend steps of the 48-layer model are bound by host
 # time (about 46-50 ms on an H100) up to about 1024 tokens, and mixed steps (the running decode
 # rows plus a few prompts) land there all the time under load. Past 1024 the GPU work hides the
-# host. 384 and 768 halve the padding of the mixed steps that land between 256 and 1024 tokens (the
-# running decode rows and a prompt or two); a bucket costs its logits rows in graph memory, its
-# pieces' q/k/v go back to the pool (graph/piecewise_runner.py).
+# host. 384 and 768 halve the padding of the mixed steps between 256 and 1024 tokens (the running
+# decode rows and a prompt or two). A bucket costs little graph memory: its pieces' q/k/v and its
+# logits go back to the pool (graph/piecewise_runner.py).
 _AUTO_EXTEND_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
 
 

@@ -11,18 +11,19 @@ planned for the live batch as an eager step would be (``backend.init_forward_met
 
 The seam is ``AttentionSplit``: the model's attention object, transparent by default (every
 call and attribute goes to the backend). While a bucket is captured it ends the current graph
-at each ``forward(q, k, v, ...)``, keeps the addresses of q/k/v (graph memory, rewritten by every
-replay) without keeping that memory allocated, and returns a fixed output buffer that the next
-graph reads (one for every layer and bucket: a layer's attention output is read only by the
-next graph, its o_proj, before the next attention writes the buffer again); while one replays without
-CUDA it runs the backend on the live rows and pads the result to ``T`` rows. The model stores
-each layer's K/V before it calls attention, so the store lies inside a piece (every row of the
-bucket, padding rows into the reserved slot 0) and attention between pieces only reads.
+at each ``forward(q, k, v, ...)``, keeps the addresses of q/k/v (graph memory, rewritten by
+every replay) without keeping that memory allocated, and returns a fixed output buffer that the
+next graph reads (one for every layer and bucket: a layer's attention output is read only by the
+next graph, its o_proj, before the next attention writes the buffer again); while one replays
+without CUDA it runs the backend on the live rows and pads the result to ``T`` rows. The model
+stores each layer's K/V before it calls attention, so the store lies inside a piece (every row
+of the bucket, padding rows into the reserved slot 0) and attention between pieces only reads.
 
 Geometry: bucket ``T`` holds ``T`` tokens and ``min(T, max_requests)`` request slots (a
-request has at least one token; a rank runs at most ``max_requests`` at once). ``registry.fill`` copies the live rows and pads the tail: padding tokens carry position
-0 and KV slot 0 (the reserved padding slot), padding requests ``extend_seq_lens`` 0, so their
-logit rows repeat the last live token's and are sliced off. The bucket comes from the step
+request has at least one token; a rank runs at most ``max_requests`` at once).
+``registry.fill`` copies the live rows and pads the tail: padding tokens carry position 0 and
+KV slot 0 (the reserved padding slot), padding requests ``extend_seq_lens`` 0, so their logit
+rows repeat the last live token's and are sliced off. The bucket comes from the step
 plan (``plan.graph_bucket``, the same on every rank): an IDLE rank replays it with no live row
 and runs no attention, but joins every collective the graphs hold.
 
