@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from buffers import BufferPool, build_decode_registry, build_prefill_registry
+from dp_runtime import memory_sizing as ms
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.serving.forward_batch import capture_batch
@@ -74,7 +75,7 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
                         on_phase: Callable[[str], None]) -> RankGraphs:
     """Capture the decode buckets (``cfg.cuda_graph_bs``) and the extend token buckets
     (``extend_capture_tokens``; none: extend steps stay eager). ``memory_bytes``: the device
-    memory this left reserved beyond the registries' pool storage (``_reserved``)."""
+    memory this left reserved beyond the registries' device storage in the pool (``_reserved``)."""
     use_cuda = device.type == "cuda"
     on_phase("capturing graphs")
     # No graph path reads device-side counts (a graph always gathers MAX_LEN), so no registry
@@ -89,7 +90,7 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
         show_progress=show_progress,
     )
     graphs = RankGraphs(decode, None, 0)
-    before, pool_before = _reserved(device), pool.total_bytes()
+    before, pool_before = _reserved(device), ms.pool_device_bytes(pool)
     try:
         decode.capture()  # the runner's own count starts after the backend's init_capture: not used
         mrr = cfg.max_running_requests
@@ -110,5 +111,5 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
         graphs.destroy()
         raise
     if use_cuda:
-        graphs.memory_bytes = _reserved(device) - before - (pool.total_bytes() - pool_before)
+        graphs.memory_bytes = _reserved(device) - before - (ms.pool_device_bytes(pool) - pool_before)
     return graphs
