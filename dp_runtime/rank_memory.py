@@ -57,7 +57,8 @@ def run_largest_step(eager: Any, cfg: Any, device: torch.device, context_len: in
     request's scores, SDPA's, needs most for the longest request). Its requests all read request
     row 0 and KV slot 0, the padding targets, as a graph capture's do: nothing live is touched."""
     tokens, requests = ms.largest_step_tokens(cfg, context_len)
-    for n, reqs in ((tokens, requests), (min(tokens, context_len), 1)):
+    # dict.fromkeys: one forward where the two shapes are one (a single request of the budget)
+    for n, reqs in dict.fromkeys(((tokens, requests), (min(tokens, context_len), 1))):
         plan = plan_step(StepTable.from_counts([n] * cfg.dp_size, can_run_graph=False, is_extend=True), cfg)
         batch = capture_batch(reqs, n, plan, device=device, forward_mode=ForwardMode.EXTEND)
         eager.run(batch).argmax(dim=-1)
