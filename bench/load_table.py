@@ -29,7 +29,7 @@ def print_table(report: dict[str, Any]) -> None:
         def pct(v: float | None) -> str:
             return f"{100 * v:>4.0f}%" if v else f"{'-':>5}"
 
-        rate = "inf" if r["rate"] is None else f"{r['rate']:g}"
+        rate = _rate(r)
         steps = "/".join(str(r["steps"][k]) for k in STEP_KINDS)
         bound = f"{r['decode_bound_tok_s']:>8.1f}" if r["decode_bound_tok_s"] else f"{'-':>8}"
         print(f"{'on' if r['mixed'] else 'off':>5} {r['policy']:>6} {rate:>6} {r['completed']:>5} "
@@ -44,9 +44,13 @@ def print_table(report: dict[str, Any]) -> None:
         g = r.get("gpu")
         if not g:
             continue
-        rate = "inf" if r["rate"] is None else f"{r['rate']:g}"
+        rate = _rate(r)
         spans = ", ".join(f"{k} {v['n']} x {v['mean_ms']:.2f} ms" for k, v in g["steps"].items())
         eff = f"; the run's decode steps' bound {g['decode_bound_tok_s']:.1f} tok/s, eff {100 * g['efficiency']:.1f}%" \
             if g.get("efficiency") else ""
         print(f"gpu (mixed {'on' if r['mixed'] else 'off'}, {r['policy']}, rate {rate}): busy {100 * g['busy']:.2f}%, "
               f"idle {g['idle_s']:.3f} s (gaps p50 {g['gap_p50_ms']:.3f} ms, max {g['gap_max_ms']:.2f}); {spans}{eff}")
+
+
+def _rate(row: dict[str, Any]) -> str:
+    return "inf" if row["rate"] is None else f"{row['rate']:g}"
