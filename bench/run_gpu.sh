@@ -75,6 +75,8 @@
 #   bash bench/run_gpu.sh out15     # one GPU: plan --measure at 64 and 256; load15 at 64 running; graph/mixed/model/
 #                                   #   rank-memory GPU tests
 #   bash bench/run_gpu.sh fin15     # one GPU: load15 at 128; plan --measure 64/256; GPU tests; load15 at 256
+#   bash bench/run_gpu.sh census16  # one GPU: rank-memory/mixed/graph GPU tests; a bs-64 decode step at CTX (600)
+#                                   #   context profiled; mixed steps of 64 decode rows and 64-960 prompt tokens
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -430,6 +432,14 @@ case "${1:-one}" in
     step gpu_tests timeout ${TTESTS:-200} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py \
       tests/test_mixed_steps_gpu.py tests/test_model_gpu.py tests/test_graph_gpu.py tests/test_overlap_gpu.py
     RUNNING=256 bash "$0" load15
+    ;;
+  census16)  # one GPU: GPU tests of session 15's review mends; a bs-64 decode step at run contexts profiled; mixed-step cost curve
+    step gpu_tests timeout ${TTESTS:-230} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py \
+      tests/test_mixed_steps_gpu.py tests/test_graph_gpu.py
+    TAIL=60 step census64 timeout 150 python bench/serve_step.py --batch-sizes 64 --prompt-len ${CTX:-600} --modes graph \
+      --iters 10 --profile
+    TAIL=14 step mixed64 timeout 200 python bench/mixed_step.py --decode-rows 64 --decode-context ${CTX:-600} --modes graph \
+      --prompts ${PROMPTS:-1x64,1x128,1x192,1x320,1x448,1x704,1x960}
     ;;
   http14)  # one GPU: HTTP against in-process at 64 running here (rates 16, inf); .bases/b3's HTTP path at rate 16
     step serve_http timeout ${THTTP:-330} python bench/serve_http.py --model qwen3-30b-a3b --device cuda --rates 16,inf \
