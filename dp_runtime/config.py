@@ -48,6 +48,12 @@ schedule_policy                       "fcfs" (arrival order) / "lof" (longest ou
                                       max_new_tokens is admitted first)
 dtype                                 a torch.dtype or a name: bfloat16, bf16, float16,   (bfloat16)
                                       fp16, float32, fp32
+kv_cache_dtype                        ``dtype`` or float8_e4m3fn (names: fp8, fp8_e4m3):  dtype
+                                      what the KV cache stores; fp8 halves its bytes per
+                                      token (twice the slots, half the bytes a decode
+                                      step's attention reads), K/V rounded to e4m3 at
+                                      scale 1 (saturating at +-448), read back in
+                                      ``dtype``
 device                                anything ``torch.device`` takes                     cuda if
                                                                                           available
 ====================================  ==================================================  ==========
@@ -95,6 +101,8 @@ _DTYPES = {
     "fp32": torch.float32,
     "float": torch.float32,
 }
+# KV cache storage other than the model's dtype: FP8 e4m3 (vLLM's and SGLang's "fp8" KV cache).
+_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
 _EXCHANGES = ("auto", "shm", "gloo")
 # The scheduler's admission orders (dp_runtime/serving/scheduler.py, module docstring).
 SCHEDULE_POLICIES = ("fcfs", "lof")
@@ -132,6 +140,7 @@ class RuntimeConfig:
     cuda_graph_extend_tokens: tuple[int, ...] | str = "auto"
     hidden_size: int = 4096
     dtype: torch.dtype | str = torch.bfloat16
+    kv_cache_dtype: torch.dtype | str = "auto"
     device: torch.device | str = "auto"
     dp_padding: PaddingMode | str | None = None
     dp_sync_exchange: str = "auto"
@@ -195,6 +204,14 @@ class RuntimeConfig:
                 raise _fail(f"dtype must be a torch.dtype or one of {sorted(_DTYPES)}", dtype=dtype)
             dtype = _DTYPES[dtype.lower()]
         out["dtype"] = dtype
+        kv = self.kv_cache_dtype
+        if isinstance(kv, str):
+            names = {**_DTYPES, **_KV_DTYPES, "auto": dtype}
+            if kv.lower() not in names:
+                raise _fail(f'kv_cache_dtype must be "auto", a torch.dtype or one of {sorted(_KV_DTYPES)}',
+                            kv_cache_dtype=kv)
+            kv = names[kv.lower()]
+        out["kv_cache_dtype"] = kv
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -278,6 +295,9 @@ class RuntimeConfig:
             raise _fail("dp_sync_timeout_s must be a number > 0", dp_sync_timeout_s=timeout)
         if self.dtype not in set(_DTYPES.values()):
             raise _fail("dtype must be bfloat16, float16 or float32", dtype=self.dtype)
+        if self.kv_cache_dtype not in (self.dtype, torch.float8_e4m3fn):
+            raise _fail("kv_cache_dtype must be the model's dtype or float8_e4m3fn (fp8)",
+                        kv_cache_dtype=self.kv_cache_dtype, dtype=self.dtype)
 
     def _check_sizes(self, name: str) -> tuple[int, ...]:
         """A list of graph sizes: ints, strictly increasing, > 0, multiples of attn_tp_size."""

@@ -183,7 +183,7 @@ def largest_step_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len
                                        ep_size=rt.ep_size)
     peak += ms.dispatcher_step_bytes(dispatcher, rt.ep_size, tokens, *moe)
     peak += attention_backend_bytes(attention) + CUBLAS_WORKSPACE_BYTES
-    peak += ms.kv_cache_bytes(cfg, rt.dtype, 1, rt.max_running_requests, context_len)
+    peak += ms.kv_cache_bytes(cfg, rt.kv_cache_dtype, 1, rt.max_running_requests, context_len)
     return peak + ms.graph_input_bytes(rt, decode_graphs=False)
 
 

@@ -151,7 +151,7 @@ def kv_slots_for_rank(spec, device: torch.device) -> int:
     if device.type != "cuda":
         return min(cfg.max_running_requests * spec.context_len, CPU_MAX_KV_TOKENS)
     free, _ = torch.cuda.mem_get_info(device)
-    slots = kv_slots_for_budget(mc, cfg.dtype, int(free * spec.kv_mem_fraction), cfg.max_running_requests,
+    slots = kv_slots_for_budget(mc, cfg.kv_cache_dtype, int(free * spec.kv_mem_fraction), cfg.max_running_requests,
                                 spec.context_len)
     if slots < spec.context_len:
         raise RuntimeError(

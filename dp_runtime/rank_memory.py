@@ -114,7 +114,7 @@ def make_kv_cache(spec: Any, num_slots: int, device: torch.device, max_reqs: int
     mc = spec.model_config()
     return KVCache(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                    num_slots=num_slots, max_reqs=max_reqs or spec.runtime.max_running_requests,
-                   max_context_len=spec.context_len, dtype=spec.runtime.dtype, device=device)
+                   max_context_len=spec.context_len, dtype=spec.runtime.kv_cache_dtype, device=device)
 
 
 def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
@@ -137,7 +137,7 @@ def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
     on_phase("profiling memory")
 
     def run_with_kv(kv: KVCache) -> None:
-        backend = make_attention_backend(choices.attention, kv, mc)
+        backend = make_attention_backend(choices.attention, kv, mc, q_dtype=cfg.dtype)
         probe = model.with_attention(AttentionSplit(backend))
         run_largest_step(eager_runner(probe, backend), cfg, device, spec.context_len)
 
@@ -146,7 +146,7 @@ def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
     budget = ms.kv_budget_bytes(free, peak, reserve, spec.kv_mem_fraction)
-    slots = ms.kv_slots_for_budget(mc, cfg.dtype, budget, cfg.max_running_requests, spec.context_len)
+    slots = ms.kv_slots_for_budget(mc, cfg.kv_cache_dtype, budget, cfg.max_running_requests, spec.context_len)
     memory.update(activation_peak=int(peak), graph_reserve=reserve, cuda_context=int(total - free - reserved),
                   allocator_cache=int(reserved - memory["weights"] - ms.pool_device_bytes(pool)))
     if slots < spec.context_len:

@@ -178,7 +178,7 @@ class RankWorker:
         slots = measured_kv_slots(spec, self.model, dev, choices, eager_runner, pool, self._memory, self._on_phase)
         self.kv_cache = make_kv_cache(spec, slots, dev)
         self._memory["kv_cache"] = self.kv_cache.nbytes()
-        self.attention = make_attention_backend(choices.attention, self.kv_cache, mc,
+        self.attention = make_attention_backend(choices.attention, self.kv_cache, mc, q_dtype=cfg.dtype,
                                                 check_indices=cfg.flashinfer_checks)
         # The model's one binding: it attends through a seam that extend graphs cut their pieces
         # at, and stores K/V into the cache that attention reads.

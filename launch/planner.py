@@ -115,7 +115,7 @@ def _fixed(inp: PlanInput) -> _Fixed:
     tpr = ctx if inp.kv_tokens_per_request is None else inp.kv_tokens_per_request
     if tpr > ctx:
         raise ValueError(f"kv_tokens_per_request={tpr} exceeds context_len={ctx}")
-    return _Fixed(cfg, ms.kv_bytes_per_token(cfg, rt.dtype), ep_rank, part.num_local(ep_rank),
+    return _Fixed(cfg, ms.kv_bytes_per_token(cfg, rt.kv_cache_dtype), ep_rank, part.num_local(ep_rank),
                   ms.weight_bytes_per_rank(cfg, rt.dtype, ep_rank, rt.ep_size), ctx, tpr)
 
 
@@ -149,8 +149,8 @@ def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> Capac
     reserve = me.graph_reserve_bytes(graph_pool)
     peak = fixed_parts["activation_peak_bytes"]
     budget = ms.kv_budget_bytes(gpu - held, peak, reserve, inp.kv_mem_fraction)
-    slots = ms.kv_slots_for_budget(cfg, rt.dtype, budget, mrr, ctx) if budget > 0 else 0
-    kv_bytes = ms.kv_cache_bytes(cfg, rt.dtype, slots, mrr, ctx) if slots > 0 else 0
+    slots = ms.kv_slots_for_budget(cfg, rt.kv_cache_dtype, budget, mrr, ctx) if budget > 0 else 0
+    kv_bytes = ms.kv_cache_bytes(cfg, rt.kv_cache_dtype, slots, mrr, ctx) if slots > 0 else 0
     kv = KVCapacity(fixed.kv_bytes_per_token, slots, slots // ctx, mrr * fixed.kv_tokens_per_request)
     components = Components(kv_cache_bytes=kv_bytes, dispatcher_workspace_transient=transient, **fixed_parts)
     fits, reason = _verdict(components, kv, gpu, reserve, fixed, mrr, inp.kv_mem_fraction)

@@ -116,7 +116,15 @@ class _Base:
         sm_scale = kw.get("sm_scale")
         self._scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
         self._q_dtype = kw.get("q_data_type", torch.float16)
+        self._kv_dtype = kw.get("kv_data_type", self._q_dtype)
         self._planned = True
+
+    def _check_kv(self, paged_kv_cache) -> None:
+        """The real kernels reinterpret the cache's bytes as the planned KV type: a wrong plan
+        reads garbage (an FP8 cache planned as bf16), so the emulator refuses it."""
+        k_cache = paged_kv_cache[0] if isinstance(paged_kv_cache, (tuple, list)) else paged_kv_cache
+        if k_cache.dtype != self._kv_dtype:
+            raise ValueError(f"emulated flashinfer: the KV cache is {k_cache.dtype}, the plan said {self._kv_dtype}")
 
     def _check_q(self, q: torch.Tensor, rows: int) -> None:
         if not self._planned:
@@ -186,6 +194,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
     def run(self, q: torch.Tensor, paged_kv_cache, **kw) -> torch.Tensor:
         bs = len(self._last_page_len_buf)
         self._check_q(q, bs)
+        self._check_kv(paged_kv_cache)
         indptr = self._indptr_buf.detach().to("cpu", torch.int64)
         lpl = self._last_page_len_buf.detach().to("cpu", torch.int64)
         kv_lens = _kv_lens(indptr, lpl, self._page_size)
@@ -221,6 +230,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
 
     def run(self, q: torch.Tensor, paged_kv_cache, *, return_lse: bool = False, **kw):
         self._check_q(q, int(self._qo[-1]))
+        self._check_kv(paged_kv_cache)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
         for b in range(self._qo.shape[0] - 1):

@@ -28,11 +28,12 @@ __all__ = [
 ]
 
 
-def make_attention_backend(kind: str, kv_cache, model_config, *, check_indices: bool = False):
+def make_attention_backend(kind: str, kv_cache, model_config, *, q_dtype=None, check_indices: bool = False):
     """The backend ``kind`` names (``flashinfer`` or ``sdpa``, as ``dp_runtime.choices``
-    resolved it) over ``kv_cache``, with the model's head geometry."""
+    resolved it) over ``kv_cache``, with the model's head geometry; ``q_dtype``: the model's
+    dtype, which FlashInfer plans for (the cache's when None; SDPA reads it off the query)."""
     heads = dict(num_q_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
                  head_dim=model_config.head_dim)
     if kind == "flashinfer":
-        return FlashInferBackend(kv_cache, check_indices=check_indices, **heads)
+        return FlashInferBackend(kv_cache, q_dtype=q_dtype, check_indices=check_indices, **heads)
     return TorchSDPABackend(kv_cache, **heads)

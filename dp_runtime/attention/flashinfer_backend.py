@@ -62,7 +62,9 @@ class FlashInferBackend(FlashInferGraphPlans):
     (graph mode, ``init_capture`` and the capture and replay plans: ``FlashInferGraphPlans``).
 
     Args:
-        kv_cache: the rank's KV cache (on CUDA).
+        kv_cache: the rank's KV cache (on CUDA), in the model's dtype or FP8 e4m3 (scale 1).
+        q_dtype: the model's dtype, which queries come in and outputs go out in; None: the
+            cache's (which then must not be FP8).
         num_q_heads, num_kv_heads, head_dim: the attention geometry.
         deterministic: extend takes the PAGED layout (see ``choose_kv_layout``).
         use_tensor_cores: decode on the tensor-core (prefill) kernels; None for "when the GQA
@@ -92,7 +94,12 @@ class FlashInferBackend(FlashInferGraphPlans):
         check_indices: bool = False,
         flashinfer_module: Any = None,
         triton_decode_min_bs: int | None = None,
+        q_dtype: torch.dtype | None = None,
     ) -> None:
+        q_dtype = q_dtype or kv_cache.dtype
+        if q_dtype.itemsize == 1:
+            raise ValueError(f"FlashInferBackend: queries in {q_dtype}: pass q_dtype, the model's dtype, with an "
+                             f"FP8 KV cache")
         if flashinfer_module is None and kv_cache.device.type != "cuda":
             raise ValueError(f"FlashInferBackend needs a CUDA KV cache, got {kv_cache.device}")
         if num_q_heads % num_kv_heads:
@@ -104,6 +111,7 @@ class FlashInferBackend(FlashInferGraphPlans):
             )
         self._fi = flashinfer_module if flashinfer_module is not None else import_flashinfer()
         self.kv_cache, self.num_q_heads, self.num_kv_heads, self.head_dim = kv_cache, num_q_heads, num_kv_heads, head_dim
+        self.q_dtype = q_dtype
         self.deterministic = deterministic
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         self.check_indices = bool(check_indices)
@@ -147,8 +155,9 @@ class FlashInferBackend(FlashInferGraphPlans):
         return choose_kv_layout(forward_mode, deterministic=self.deterministic)
 
     def _plan_kw(self) -> dict[str, Any]:
-        dtype = self.kv_cache.dtype
-        return {"q_data_type": dtype, "kv_data_type": dtype, "sm_scale": self.scale, "non_blocking": True}
+        # An FP8 cache is read at scale 1 (the runs pass no k_scale / v_scale): kv_cache.py.
+        return {"q_data_type": self.q_dtype, "kv_data_type": self.kv_cache.dtype, "sm_scale": self.scale,
+                "non_blocking": True}
 
     def _heads(self) -> tuple[int, int, int]:
         return self.num_q_heads, self.num_kv_heads, self.head_dim
@@ -294,7 +303,7 @@ class FlashInferBackend(FlashInferGraphPlans):
         meta = self.metadata
         if meta is None:
             raise RuntimeError(f"FlashInferBackend: no metadata for a forward of {t} tokens")
-        q = q.to(self.kv_cache.dtype).contiguous()
+        q = q.to(self.q_dtype).contiguous()
         paged_kv = self.kv_cache.paged(layer_id)
         if meta.layout is KVLayout.RAGGED:
             # k/v may be strided views of the fused projection (v always is): FlashInfer's

@@ -196,10 +196,11 @@ class TorchSDPABackend:
             raise ValueError(
                 f"TorchSDPABackend: decode of {q_TQD.shape[0]} tokens with metadata for {b} requests"
             )
-        k = self.kv_cache.k[layer][meta.kv_indices_BW].permute(0, 2, 1, 3)  # (B, Hkv, W, D)
-        v = self.kv_cache.v[layer][meta.kv_indices_BW].permute(0, 2, 1, 3)
+        # An FP8 cache is upcast to the query's dtype (scale 1: kv_cache.py).
+        k = self.kv_cache.k[layer][meta.kv_indices_BW].permute(0, 2, 1, 3).to(q_TQD.dtype)  # (B, Hkv, W, D)
+        v = self.kv_cache.v[layer][meta.kv_indices_BW].permute(0, 2, 1, 3).to(q_TQD.dtype)
         # The G query heads of one KV head act as G query rows: plain SDPA, no KV repeat.
-        q = q_TQD.reshape(b, hkv, -1, d).to(k.dtype)
+        q = q_TQD.reshape(b, hkv, -1, d)
         mask = meta.valid_BW[:, None, None, :]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.reshape(b, -1).to(q_TQD.dtype)
@@ -211,10 +212,10 @@ class TorchSDPABackend:
         for i, (seq_len, ext) in enumerate(zip(meta.seq_lens, meta.extend_lens, strict=True)):
             idx = meta.rows_BW[i, :seq_len]
             k = (
-                self.kv_cache.k[layer][idx].repeat_interleave(g, dim=1).transpose(0, 1)
+                self.kv_cache.k[layer][idx].to(q_TQD.dtype).repeat_interleave(g, dim=1).transpose(0, 1)
             )  # (Hq, L, D)
-            v = self.kv_cache.v[layer][idx].repeat_interleave(g, dim=1).transpose(0, 1)
-            q = q_TQD[start : start + ext].transpose(0, 1).to(k.dtype)  # (Hq, E, D)
+            v = self.kv_cache.v[layer][idx].to(q_TQD.dtype).repeat_interleave(g, dim=1).transpose(0, 1)
+            q = q_TQD[start : start + ext].transpose(0, 1)  # (Hq, E, D)
             prefix = seq_len - ext
             q_pos = torch.arange(prefix, seq_len, device=q.device)
             mask = self._window[:seq_len][None, :] <= q_pos[:, None]  # causal, after the prefix

@@ -10,8 +10,10 @@ online softmax, so each K/V row is read once for the whole
 group. No split of a request's KV: the batch gives the parallelism, which is why the backend
 takes this path only for buckets of ``TRITON_DECODE_MIN_BS`` requests and more.
 
-Shapes: q (B, Hq, D); k, v caches (slots, Hk, D); indptr (B + 1,) int32; indices int32 slots;
-out (B, Hq, D) in q's dtype. Lengths must be >= 1 (a decode row always has its own token).
+Shapes: q (B, Hq, D); k, v caches (slots, Hk, D), in q's dtype or FP8 e4m3 (scale 1: each block
+is upcast to q's dtype as it is loaded, so an FP8 cache reads half the bytes); indptr (B + 1,)
+int32; indices int32 slots; out (B, Hq, D) in q's dtype. Lengths must be >= 1 (a decode row
+always has its own token).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def _decode_kernel(
         slot = tl.load(indices_ptr + offs, mask=ok, other=0).to(tl.int64)
         k = tl.load(k_ptr + slot[:, None] * stride_kt + h * stride_kh + d[None, :], mask=ok[:, None], other=0.0)
         v = tl.load(v_ptr + slot[:, None] * stride_vt + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)
+        k = k.to(q_ptr.dtype.element_ty)  # an FP8 cache's block in q's dtype (a no-op otherwise)
+        v = v.to(q_ptr.dtype.element_ty)
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -98,6 +102,9 @@ def triton_decode_attention(
         k_cache, v_cache = k_cache.squeeze(1), v_cache.squeeze(1)
     bs, hq, d = q.shape
     hk = k_cache.shape[1]
+    if k_cache.dtype not in (q.dtype, torch.float8_e4m3fn) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"triton_decode_attention: caches {k_cache.dtype} / {v_cache.dtype} for q {q.dtype}: need "
+                         f"q's dtype or float8_e4m3fn, both alike")
     if hq % hk or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
         raise ValueError(f"triton_decode_attention: q {tuple(q.shape)} against caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)}: need Hq a multiple of Hk and one head dim")

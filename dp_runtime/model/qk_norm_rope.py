@@ -16,6 +16,10 @@ and rounds to the model dtype, the rotary reads those rounded values, computes i
 again. RoPE is the neox layout (rotate halves) with a ``[positions, D]`` fp32 table of
 ``cos | sin``, the table ``layers.RotaryEmbedding`` builds (YaRN included).
 
+An FP8 cache (``RuntimeConfig.kv_cache_dtype``) gets the rounded K and V clamped to +-448 and
+rounded to e4m3, as ``kv_cache.to_kv_dtype`` does; ``q`` and ``k`` returned stay in the model's
+dtype.
+
 Capturable: static shapes, no host sync; padded graph rows carry position 0 and cache slot 0,
 the slot reserved for padding.
 """
@@ -23,6 +27,8 @@ the slot reserved for padding.
 from __future__ import annotations
 
 import torch
+
+from dp_runtime.serving.kv_cache import FP8_KV_MAX, store_rows
 
 __all__ = ["qk_norm_rope_store", "qk_norm_rope_store_reference"]
 
@@ -44,7 +50,7 @@ if triton is not None:
         q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,
         eps, num_tokens,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-        BLOCK_T: tl.constexpr,
+        BLOCK_T: tl.constexpr, FP8_MAX: tl.constexpr,  # > 0: the cache is FP8, saturate at it
     ):
         ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # this program's tokens
         h = tl.program_id(1)  # [0, HQ): q heads; [HQ, HQ + HKV): k heads (and their v)
@@ -83,11 +89,16 @@ if triton is not None:
             tl.store(dst + half + offs, y2, mask=m)
             slot = tl.load(loc_ptr + ts, mask=t_ok, other=0).to(tl.int64)[:, None]
             kc = k_cache_ptr + (slot * HKV + j) * D
-            tl.store(kc + offs, y1, mask=m)
-            tl.store(kc + half + offs, y2, mask=m)
             full = tl.arange(0, D)[None, :]
             v = tl.load(rows + (HQ + HKV + j) * D + full, mask=m, other=0.0)
-            tl.store(v_cache_ptr + (slot * HKV + j) * D + full, v, mask=m)
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            if FP8_MAX > 0:
+                y1 = tl.minimum(tl.maximum(y1.to(tl.float32), -FP8_MAX), FP8_MAX)
+                y2 = tl.minimum(tl.maximum(y2.to(tl.float32), -FP8_MAX), FP8_MAX)
+                v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
+            tl.store(kc + offs, y1.to(cache_dtype), mask=m)
+            tl.store(kc + half + offs, y2.to(cache_dtype), mask=m)
+            tl.store(v_cache_ptr + (slot * HKV + j) * D + full, v.to(cache_dtype), mask=m)
 
 
 # Tokens per program: one at decode sizes (every (token, head) pair a program of one warp, the
@@ -136,6 +147,7 @@ def qk_norm_rope_store(
         q, k, k_cache_SHD, v_cache_SHD,
         eps, t,
         HQ=num_heads, HKV=num_kv_heads, D=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm, BLOCK_T=block_t,
+        FP8_MAX=FP8_KV_MAX if k_cache_SHD.dtype == torch.float8_e4m3fn else 0.0,
         num_warps=(1 if head_dim <= 128 else 2) if block_t == 1 else 4,
     )
     return q, k
@@ -166,6 +178,6 @@ def qk_norm_rope_store_reference(
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = rotary.apply(q, k, positions_T)
-    k_cache_SHD.index_copy_(0, out_cache_loc_T, k)
-    v_cache_SHD.index_copy_(0, out_cache_loc_T, v.reshape(t, num_kv_heads, head_dim))
+    store_rows(k_cache_SHD, out_cache_loc_T, k)
+    store_rows(v_cache_SHD, out_cache_loc_T, v.reshape(t, num_kv_heads, head_dim))
     return q.contiguous(), k.contiguous()

@@ -7,13 +7,36 @@
 Row 0 and slot 0 are reserved as padding targets: padded rows of a graph bucket point at row
 0 (whose entries are all slot 0) and write their K/V to slot 0, so they never touch a live
 request. The allocator (kv_allocator.py) hands out rows and slots from 1.
+
+The pools hold the model's dtype or FP8 e4m3 (``RuntimeConfig.kv_cache_dtype``). FP8 stores K/V
+at scale 1, saturated to the format's largest finite value (+-448): no calibrated scales, as
+vLLM and SGLang do for a checkpoint that has none. Readers upcast to the query's dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["KVCache"]
+__all__ = ["FP8_KV_MAX", "KVCache", "store_rows", "to_kv_dtype"]
+
+FP8_KV_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+
+def to_kv_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the cache stores it: cast to ``dtype``; to FP8, clamped to +-448 first, so an
+    outlier saturates (torch's cast would make it NaN on some devices) instead of poisoning
+    every later query that reads it."""
+    if dtype == torch.float8_e4m3fn:
+        return x.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def store_rows(pool: torch.Tensor, loc: torch.Tensor, x: torch.Tensor) -> None:
+    """``pool[loc] = x`` in the pool's dtype (``to_kv_dtype``); ``loc`` int64 slots."""
+    x = to_kv_dtype(x, pool.dtype)
+    if x.element_size() == 1:  # index_copy_ has no FP8 kernel on CPU: copy the bytes
+        pool, x = pool.view(torch.uint8), x.view(torch.uint8)
+    pool.index_copy_(0, loc, x)
 
 
 class KVCache:
@@ -60,9 +83,10 @@ class KVCache:
             ]
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k``/``v`` (T, kv_heads, head_dim) of ``layer`` at slots ``loc`` (T,) int64."""
-        self.k[layer].index_copy_(0, loc, k.to(self.dtype))
-        self.v[layer].index_copy_(0, loc, v.to(self.dtype))
+        """Write ``k``/``v`` (T, kv_heads, head_dim) of ``layer`` at slots ``loc`` (T,) int64,
+        in the cache's dtype (``to_kv_dtype``)."""
+        store_rows(self.k[layer], loc, k)
+        store_rows(self.v[layer], loc, v)
 
     def paged(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)`` of ``layer`` as (num_pages, page_size=1, kv_heads, head_dim) views (NHD)."""
