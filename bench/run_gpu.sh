@@ -77,6 +77,9 @@
 #   bash bench/run_gpu.sh fin15     # one GPU: load15 at 128; plan --measure 64/256; GPU tests; load15 at 256
 #   bash bench/run_gpu.sh census16  # one GPU: rank-memory/mixed/graph GPU tests; a bs-64 decode step at CTX (600)
 #                                   #   context profiled; mixed steps of 64 decode rows and 64-960 prompt tokens
+#   bash bench/run_gpu.sh kv16      # one GPU: FP8 KV GPU tests (SAVE_FI=1: FlashInfer's cache back in fi3.tar.xz);
+#                                   #   mixed steps auto/fp8; serve_load (lof) at RUNNING in .bases/b7 (eb898bf), here
+#                                   #   auto and here fp8 (KVS, NO_BASE=1 to skip b7)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -440,6 +443,25 @@ case "${1:-one}" in
       --iters 10 --profile
     TAIL=14 step mixed64 timeout 200 python bench/mixed_step.py --decode-rows 64 --decode-context ${CTX:-600} --modes graph \
       --prompts ${PROMPTS:-1x64,1x128,1x192,1x320,1x448,1x704,1x960}
+    ;;
+  kv16)  # one GPU: FP8 KV GPU tests; mixed steps at ROWS (64) rows, auto against fp8; serve_load (lof) in .bases/b7, here auto, here fp8
+    step gpu_tests timeout ${TTESTS:-360} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_kv_fp8_gpu.py \
+      tests/test_triton_decode.py tests/test_qk_norm_rope.py tests/test_flashinfer_backend.py
+    [ -n "${SAVE_FI:-}" ] && tar cJf "$log/fi3.tar.xz" -C /tmp fi
+    for kv in auto fp8_e4m3; do
+      TAIL=9 step mixed_$kv timeout 150 python bench/mixed_step.py --decode-rows ${ROWS:-64} --decode-context ${CTX:-600} \
+        --modes graph --prompts 1x64,1x512 --kv-cache-dtype $kv
+    done
+    bases > /dev/null; b=/tmp/bases/b7
+    for n in ${RUNNING:-64}; do
+      req=$([ $n = 64 ] && echo 384 || echo $((n * 4)))
+      [ -n "${NO_BASE:-}" ] || TAIL=2 step load${n}_b7 timeout 220 env PYTHONPATH=$b:$PYTHONPATH python $b/bench/serve_load.py \
+        --model qwen3-30b-a3b --device cuda --rates inf --num-requests $req --max-running-requests $n --policy lof --json --gpu-spans
+      for kv in ${KVS:-auto fp8_e4m3}; do
+        TAIL=2 step load${n}_$kv timeout 220 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
+          --num-requests $req --max-running-requests $n --policy lof --json --gpu-spans --kv-cache-dtype $kv
+      done
+    done
     ;;
   http14)  # one GPU: HTTP against in-process at 64 running here (rates 16, inf); .bases/b3's HTTP path at rate 16
     step serve_http timeout ${THTTP:-330} python bench/serve_http.py --model qwen3-30b-a3b --device cuda --rates 16,inf \
