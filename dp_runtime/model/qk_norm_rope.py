@@ -41,6 +41,10 @@ except ImportError:  # CPU installs: the torch reference below serves
 
 if triton is not None:
 
+    @triton.jit
+    def _clamp(x, bound: tl.constexpr):
+        return tl.minimum(tl.maximum(x.to(tl.float32), -bound), bound)
+
     # num_tokens not specialized: Triton would otherwise build a variant per token-count class
     # (== 1, a multiple of 16, other), and a prompt of an unseen class compiled in its TTFT.
     @triton.jit(do_not_specialize=["num_tokens"])
@@ -92,13 +96,14 @@ if triton is not None:
             full = tl.arange(0, D)[None, :]
             v = tl.load(rows + (HQ + HKV + j) * D + full, mask=m, other=0.0)
             cache_dtype = k_cache_ptr.dtype.element_ty
-            if FP8_MAX > 0:
-                y1 = tl.minimum(tl.maximum(y1.to(tl.float32), -FP8_MAX), FP8_MAX)
-                y2 = tl.minimum(tl.maximum(y2.to(tl.float32), -FP8_MAX), FP8_MAX)
-                v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
-            tl.store(kc + offs, y1.to(cache_dtype), mask=m)
-            tl.store(kc + half + offs, y2.to(cache_dtype), mask=m)
-            tl.store(v_cache_ptr + (slot * HKV + j) * D + full, v.to(cache_dtype), mask=m)
+            if FP8_MAX > 0:  # saturate, then round to e4m3 (kv_cache.to_kv_dtype)
+                tl.store(kc + offs, _clamp(y1, FP8_MAX).to(cache_dtype), mask=m)
+                tl.store(kc + half + offs, _clamp(y2, FP8_MAX).to(cache_dtype), mask=m)
+                tl.store(v_cache_ptr + (slot * HKV + j) * D + full, _clamp(v, FP8_MAX).to(cache_dtype), mask=m)
+            else:
+                tl.store(kc + offs, y1, mask=m)
+                tl.store(kc + half + offs, y2, mask=m)
+                tl.store(v_cache_ptr + (slot * HKV + j) * D + full, v, mask=m)
 
 
 # Tokens per program: one at decode sizes (every (token, head) pair a program of one warp, the
