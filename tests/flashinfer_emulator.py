@@ -259,6 +259,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Base):
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.Tensor | None = None,
             return_lse: bool = False, **kw):
         self._check_q(q, int(self._qo[-1]))
+        self._check_kv((k, v))
         if k.shape[0] != int(self._kv[-1]) or v.shape[0] != int(self._kv[-1]):
             raise ValueError(f"emulated flashinfer: k/v have {k.shape[0]}/{v.shape[0]} rows, kv_indptr ends at {int(self._kv[-1])}")
         # The kernels take row and head strides but read each head's D values densely.

@@ -154,9 +154,11 @@ class FlashInferBackend(FlashInferGraphPlans):
         # The one call site of the choice: capture, replay and eager all come through here.
         return choose_kv_layout(forward_mode, deterministic=self.deterministic)
 
-    def _plan_kw(self) -> dict[str, Any]:
-        # An FP8 cache is read at scale 1 (the runs pass no k_scale / v_scale): kv_cache.py.
-        return {"q_data_type": self.q_dtype, "kv_data_type": self.kv_cache.dtype, "sm_scale": self.scale,
+    def _plan_kw(self, kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """Plan options; the KV type is the cache's unless ``kv_dtype`` (the ragged pass, whose
+        K/V are the step's own, in the model's dtype). An FP8 cache is read at scale 1 (the runs
+        pass no k_scale / v_scale): kv_cache.py."""
+        return {"q_data_type": self.q_dtype, "kv_data_type": kv_dtype or self.kv_cache.dtype, "sm_scale": self.scale,
                 "non_blocking": True}
 
     def _heads(self) -> tuple[int, int, int]:
@@ -261,7 +263,7 @@ class FlashInferBackend(FlashInferGraphPlans):
         # The new tokens among themselves (this step's k/v, causal), then the cached prefix
         # (non-causal: every new token sees all of it), merged by log-sum-exp.
         ragged = self._ragged_long if int(ext_cpu[d:].max()) >= LONG_EXTEND_TOKENS else self._ragged
-        ragged.plan(p.qo_indptr, p.qo_indptr, *self._heads(), causal=True, **self._plan_kw())
+        ragged.plan(p.qo_indptr, p.qo_indptr, *self._heads(), causal=True, **self._plan_kw(self.q_dtype))
         if p.has_prefix:
             prefix = batch.extend_prefix_lens
             prefix = prefix[d:bs] if prefix is not None else seq_lens - batch.extend_seq_lens[d:bs]
