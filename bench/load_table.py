@@ -13,8 +13,10 @@ __all__ = ["print_table"]
 def print_table(report: dict[str, Any]) -> None:
     h = report["header"]
     layers = f" ({h['layers']} layers)" if h["layers"] else ""
+    kv = h.get("kv_cache_dtype")
+    dtype = h["dtype"] + (f", KV {kv}" if kv and kv != h["dtype"] else "")
     print(f"date {h['date']}  {h['device']} x{h['world_size']} ({h['launcher']})  commit {h['commit']}\n"
-          f"command: {h['command']}\nmodel {h['model']}{layers} {h['dtype']}, "
+          f"command: {h['command']}\nmodel {h['model']}{layers} {dtype}, "
           f"dispatcher {h['dispatcher']}, attention {h['attention']}, graphs {h['graphs']}; lengths {h['lengths']}; "
           f"{h['arrival']} arrivals, {h['num_requests']} requests per rate; max running {h['max_running_requests']}, "
           f"prefill chunk {h['chunked_prefill_size']}; build {h['build_s']:.0f} s")

@@ -44,6 +44,7 @@ from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.request import Request, SamplingParams
 from launch import process_group
 from launch.cli_errors import UsageError, bench_main
+from launch.run_config import KV_CACHE_DTYPES
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="override a preset's layer count")
     p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1)")
     p.add_argument("--decode-rows", type=int, default=64)
     p.add_argument("--decode-context", type=int, default=512, help="prompt tokens of each decoding request")
     p.add_argument("--prompts", default="1x512,1x960", help="BxN: B new prompts of N tokens per mixed step")
@@ -87,6 +90,7 @@ def build_spec(args: argparse.Namespace) -> RankSpec:
         args.model, model_overrides={"num_layers": args.layers} if args.layers else None, device=args.device,
         dtype=dtype, max_running_requests=d + 2 * max(b for b, _ in args.shapes), chunked_prefill_size=budget,
         mixed_step_tokens=d + most, max_context_len=max(context, max(n for _, n in args.shapes) + 1),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -202,7 +206,7 @@ def run(args: argparse.Namespace) -> dict:
                   command=" ".join(sys.argv), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                   model=args.model, layers=args.layers, decode_rows=args.decode_rows,
                   decode_context=args.decode_context, iters=args.iters, attention=m["attention"],
-                  mixed_step_tokens=spec.runtime.mixed_step_tokens)
+                  mixed_step_tokens=spec.runtime.mixed_step_tokens, kv_cache_dtype=m["kv_cache_dtype"])
     return dict(header=header, rows=rows, profile=profile)
 
 
@@ -210,6 +214,7 @@ def print_table(report: dict) -> None:
     h = report["header"]
     print(f"date {h['date']}  {h['device']}  commit {h['commit']}\ncommand: {h['command']}\nmodel {h['model']}, "
           f"{h['decode_rows']} decode rows of {h['decode_context']}+ tokens, attention {h['attention']}, "
+          f"KV {h['kv_cache_dtype']}, "
           f"median of {h['iters']}")
     print(f"{'prompts':>8} {'mode':>6} {'decode ms':>10} {'mixed ms':>9} {'ratio':>6} {'host ms':>8} {'us/prompt tok':>14}")
     for r in report["rows"]:

@@ -77,7 +77,7 @@ from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request
 from launch import process_group
 from launch.cli_errors import UsageError, bench_main
-from launch.run_config import parse_mixed_step_tokens
+from launch.run_config import KV_CACHE_DTYPES, parse_mixed_step_tokens
 
 
 # -- the command -------------------------------------------------------------------------------------
@@ -92,6 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="override a preset's layer count")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="auto (the model's) | fp8_e4m3")
     p.add_argument("--launcher", default="local", choices=("local", "ray"),
                    help="local: ranks in this process (one, or one per torchrun process); ray: rank actors")
     p.add_argument("--dp", type=int, default=1, help="DP ranks with --launcher ray (torchrun: --nproc-per-node)")
@@ -154,7 +155,7 @@ def build_spec(args: argparse.Namespace, world: int, device: str, requests: list
         device=device, dtype=dtype, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=args.dispatcher, attention=args.attention,
         max_context_len=max(r.max_total_tokens for r in requests), seed=args.seed, mixed_steps=mixed,
-        schedule_policy=policy, mixed_step_tokens=args.mixed_step_tokens,
+        schedule_policy=policy, mixed_step_tokens=args.mixed_step_tokens, kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -163,7 +164,7 @@ def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, l
     """Every rate through ``ranks``, then the decode probes (module docstring); the rows and
     the per-request entries on rank 0 (empty elsewhere). Collective under torchrun."""
     rows, per_request = [], []
-    mixed, policy = rt.mixed_steps, rt.schedule_policy
+    mixed, policy, kv = rt.mixed_steps, rt.schedule_policy, _kv_name(rt)
     for rate, reqs in batches:
         before = step_kinds(ranks.all_metrics)
         results = ranks.run(reqs)
@@ -177,7 +178,8 @@ def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, l
                                 policy, mixed) if math.isinf(rate) else None
         n_steps, most = sum(steps.values()), max(row["max_running"])
         occ = row["output_tokens"] / (n_steps * most) if n_steps and most else None
-        rows.append(dict(row, mixed=mixed, policy=policy, steps=steps, occupancy=occ, ideal_occupancy=ideal)
+        rows.append(dict(row, mixed=mixed, policy=policy, kv_cache_dtype=kv, steps=steps, occupancy=occ,
+                         ideal_occupancy=ideal)
                     | ({"gpu": ranks.gpu} if getattr(ranks, "gpu", None) else {}))
         arrival = {r.rid: r.arrival_s for r in reqs}
         per_request += [dict(rid=r.rid, rank=r.rank, arrival_s=arrival[r.rid], prompt_len=r.prompt_len,
@@ -280,7 +282,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         date=str(datetime.date.today()), commit=_commit(), command=" ".join(sys.argv),
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu", world_size=world,
         launcher="torchrun" if torchrun else args.launcher, model=args.model, layers=args.layers,
-        dtype=str(spec.runtime.dtype).replace("torch.", ""), lengths=dataclasses.asdict(args.lengths), arrival=args.arrival,
+        dtype=str(spec.runtime.dtype).replace("torch.", ""), kv_cache_dtype=_kv_name(spec.runtime),
+        lengths=dataclasses.asdict(args.lengths), arrival=args.arrival,
         num_requests=args.num_requests, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=m.get("dispatcher"), attention=m.get("attention"),
         graphs=m.get("graphs"), build_s=build_s, mixed_steps=[m for m, _ in modes], policies=[p for _, p in modes], kv_slots=m.get("kv_slots"),
@@ -290,6 +293,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.per_request:
         out["requests"] = per_request
     return out
+
+
+def _kv_name(rt: RuntimeConfig) -> str:
+    return str(rt.kv_cache_dtype).replace("torch.", "")
 
 
 def _commit() -> str:

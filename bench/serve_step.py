@@ -51,6 +51,7 @@ from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.request import Request, SamplingParams
 from launch.gpu_specs import measure_copy_bandwidth
+from launch.run_config import KV_CACHE_DTYPES
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,6 +63,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dispatcher", default="auto")
     p.add_argument("--attention", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto (bfloat16, the model's) | fp8_e4m3 (FP8, scale 1)")
     p.add_argument("--modes", default="graph,eager", help="graph, eager or both")
     p.add_argument("--extend-tokens", default="auto",
                    help="token buckets of extend graphs: auto (RuntimeConfig's), none, or e.g. 16,64,256")
@@ -177,6 +180,7 @@ def main() -> None:
         chunked_prefill_size=8192, cuda_graph_bs=tuple(args.batch_sizes), dtype="bfloat16", device="cuda",
         dispatcher=args.dispatcher, attention=args.attention, max_context_len=args.prompt_len + 64,
         kv_cache_tokens=mrr * (args.prompt_len + 64), cuda_graph_extend_tokens=args.extend_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     t0 = time.perf_counter()
     worker = RankWorker(spec, rank=rank, world_size=world, show_progress=rank == 0)
@@ -217,7 +221,8 @@ def main() -> None:
     head = (f"date {datetime.date.today()}  GPU {torch.cuda.get_device_name()} x{world}  torch {torch.__version__}  "
             f"commit {commit}\ncommand: {' '.join(sys.argv)} (world {world})\n"
             f"model qwen3-30b-a3b{f' ({args.layers} layers)' if args.layers else ''}, random bf16 weights; "
-            f"dispatcher {m['dispatcher']}, attention {m['attention']}; prompt {args.prompt_len}; "
+            f"dispatcher {m['dispatcher']}, attention {m['attention']}, KV {m['kv_cache_dtype']}; "
+            f"prompt {args.prompt_len}; "
             f"build {build_s:.0f} s; copy bandwidth {bw / 1e12:.2f} TB/s; iters {args.iters}")
     if args.json:
         print(json.dumps(dict(header=head, rows=merged, census=census)))

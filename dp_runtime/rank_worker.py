@@ -230,6 +230,7 @@ class RankWorker:
                    experts=self.model.experts.name, choices=dataclasses.asdict(self.choices),
                    decode_attention=getattr(self.attention, "decode_kernels", self.attention_kind),
                    graphs=self.graphs is not None, kv_slots=self.kv_cache.num_slots,
+                   kv_cache_dtype=str(self.kv_cache.dtype).removeprefix("torch."),
                    free_kv_slots=self.scheduler.allocator.num_free_slots, memory=dict(self._memory))
         return out
 

@@ -2,9 +2,9 @@
 anything slow starts: no Ray, no model, no process group until they all hold.
 
 ``check_gang_options`` is the one entry: the model, launcher, device, dtype, dp, dispatcher,
-ray-address, max-running-requests, chunked-prefill-size, context-len, schedule-policy and
-mixed-step-tokens options (plus the Ray launcher's num-cpus, max-restarts and hang-timeout), each
-checked by itself and then together.
+ray-address, max-running-requests, chunked-prefill-size, context-len, schedule-policy,
+mixed-step-tokens and kv-cache-dtype options (plus the Ray launcher's num-cpus, max-restarts and
+hang-timeout), each checked by itself and then together.
 It returns a ``CheckedOptions`` holding the RunConfig, the keywords of ``cli_run.execute`` and the
 RankSpec checked against the device the ranks will most likely get. Every refusal is a
 UsageError (exit 2, one line) naming the option as typed, the rule and the value.
@@ -64,6 +64,7 @@ def check_gang_options(*, model: str = "tiny", launcher: str = "ray", device: st
                        ray_address: str | None = None, max_running_requests: int = 64,
                        chunked_prefill_size: int = 2048, context_len: int | None = None,
                        schedule_policy: str = "fcfs", mixed_step_tokens: int | str = "auto",
+                       kv_cache_dtype: str = "auto",
                        num_cpus: int | None = None, max_restarts: int | None = None,
                        hang_timeout: float | None = None, log_level: str = "warning",
                        ray_address_env: str | None = None, **run_fields: Any) -> CheckedOptions:
@@ -87,7 +88,7 @@ def check_gang_options(*, model: str = "tiny", launcher: str = "ray", device: st
     cfg = RunConfig(dp=dp, model=model, dispatcher=dispatcher, dtype=dtype,
                     max_running_requests=max_running_requests,
                     chunked_prefill_size=chunked_prefill_size, context_len=context_len,
-                    schedule_policy=schedule_policy,
+                    schedule_policy=schedule_policy, kv_cache_dtype=kv_cache_dtype,
                     mixed_step_tokens=parse_mixed_step_tokens(mixed_step_tokens, chunked_prefill_size),
                     **run_fields)
     here = ranks_run_here(launcher, ray_address, ray_address_env)

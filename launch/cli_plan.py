@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from launch.cli_errors import EXIT_USAGE
+from launch.cli_errors import EXIT_USAGE, UsageError, check_choice
 from launch.gpu_specs import GIB, GPUS, gpu_spec
+from launch.run_config import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from launch.planner import CapacityPlan, ComparisonRow, PlanInput
@@ -51,6 +52,9 @@ def _fail(message: str) -> typer.Exit:
 def plan(
     model: str = typer.Option("qwen3-30b-a3b", "--model", help="Preset (tiny, qwen3-30b-a3b), checkpoint dir or its config.json."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=(
+        "KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes per token, "
+        "twice the slots; K/V rounded to e4m3).")),
     dp: int = typer.Option(1, "--dp", help="DP size (ranks = GPUs)."),
     ep: int | None = typer.Option(None, "--ep", help="EP size; must divide the world size (default: the world size)."),
     gpu: str | None = typer.Option(None, "--gpu", help=f"GPU name: {', '.join(GPUS)}."),
@@ -70,6 +74,10 @@ def plan(
     measure: bool = typer.Option(False, "--measure", help="Build the rank on this CUDA GPU; print predicted vs measured."),
 ) -> None:
     """Plan one rank's memory: every component, the KV cache that fits, and the verdict."""
+    try:
+        check_choice("--kv-cache-dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    except UsageError as exc:
+        raise _fail(str(exc)) from None
     if measure:
         import torch
 
@@ -81,7 +89,7 @@ def plan(
     from launch.planner import compare_measured, plan_capacity
 
     try:
-        inp = _plan_input(model, dtype, dp, ep, gpu, gpu_mem_gib, nvlink, max_running_requests,
+        inp = _plan_input(model, dtype, kv_cache_dtype, dp, ep, gpu, gpu_mem_gib, nvlink, max_running_requests,
                           chunked_prefill_size, parse_graph_sizes(cuda_graph_bs), context_len, dispatcher,
                           no_graphs, kv_tokens_per_request, kv_mem_fraction, measure)
         result = plan_capacity(inp)
@@ -103,7 +111,7 @@ def plan(
         _print_comparison(result, rows, measured)
 
 
-def _plan_input(model, dtype, dp, ep, gpu, gpu_mem_gib, nvlink, mrr, chunk, graph_bs, context_len,
+def _plan_input(model, dtype, kv_cache_dtype, dp, ep, gpu, gpu_mem_gib, nvlink, mrr, chunk, graph_bs, context_len,
                 dispatcher, no_graphs, kv_tokens_per_request, kv_mem_fraction, measure) -> PlanInput:
     from launch.planner import PlanInput
 
@@ -124,7 +132,7 @@ def _plan_input(model, dtype, dp, ep, gpu, gpu_mem_gib, nvlink, mrr, chunk, grap
         default = GPUS["h100"]
         name, mem, link = default.name, default.mem_bytes, default.nvlink
     return PlanInput(
-        model=model, dtype=dtype, dp_size=dp, ep_size=ep, gpu_mem_bytes=mem, gpu_name=name,
+        model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, dp_size=dp, ep_size=ep, gpu_mem_bytes=mem, gpu_name=name,
         nvlink=link if nvlink is None else nvlink, max_running_requests=mrr, chunked_prefill_size=chunk,
         cuda_graph_bs=graph_bs, context_len=context_len, dispatcher=dispatcher,
         use_cuda_graph=False if no_graphs else None, kv_tokens_per_request=kv_tokens_per_request,
@@ -205,8 +213,11 @@ def _print_plan(p: CapacityPlan) -> None:
     from rich.table import Table
 
     console, rt = _console(), p.runtime
+    dtype = str(rt.dtype).removeprefix("torch.")
+    if rt.kv_cache_dtype != rt.dtype:
+        dtype += f", KV {str(rt.kv_cache_dtype).removeprefix('torch.')}"
     console.print(
-        f"[bold]{escape(p.input.model)}[/] {str(rt.dtype).removeprefix('torch.')}, dp={rt.dp_size} ep={rt.ep_size}, "
+        f"[bold]{escape(p.input.model)}[/] {dtype}, dp={rt.dp_size} ep={rt.ep_size}, "
         f"GPU {escape(p.input.gpu_name)} ({_gib(p.gpu_mem_bytes)} GiB), max_running_requests={rt.max_running_requests}, "
         f"chunked_prefill_size={rt.chunked_prefill_size}, context_len={p.context_len}, "
         f"dispatcher={p.dispatcher}, graphs={'on' if p.cuda_graphs else 'off'}"

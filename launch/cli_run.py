@@ -153,6 +153,9 @@ def run(
         "Admission order: fcfs (arrival) | lof (longest output first: the most --max-new-tokens).")),
     mixed_step_tokens: str = typer.Option("auto", "--mixed-step-tokens", show_default="auto: the largest extend graph", help=(
         "Most tokens of a mixed prefill+decode step, its decode rows included: 1..--chunked-prefill-size.")),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=(
+        "KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes per token, "
+        "twice the slots; K/V rounded to e4m3).")),
     context_len: int = typer.Option(None, "--context-len", show_default="min(model limit, 4096)",
                                     help="Longest prompt + output; a request over it is refused alone."),
     hang_timeout: float = typer.Option(None, "--hang-timeout", show_default="120",
@@ -177,7 +180,7 @@ def run(
                              ray_address=ray_address, max_restarts=max_restarts, device=device, dtype=dtype,
                              max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
                              schedule_policy=schedule_policy, mixed_step_tokens=mixed_step_tokens,
-                             context_len=context_len, hang_timeout=hang_timeout, num_cpus=num_cpus, seed=seed,
+                             kv_cache_dtype=kv_cache_dtype, context_len=context_len, hang_timeout=hang_timeout, num_cpus=num_cpus, seed=seed,
                              as_json=as_json, with_results=with_results, log_level=log_level), debug)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
@@ -193,7 +196,7 @@ def check_run_options(o: dict[str, Any]) -> CheckedOptions:
     if o["with_results"] and not o["as_json"]:
         raise UsageError("--results adds every request's output ids to the --json object; add --json")
     gang_keys = ("model", "launcher", "device", "dtype", "dp", "dispatcher", "ray_address", "max_running_requests",
-                 "chunked_prefill_size", "schedule_policy", "mixed_step_tokens", "context_len", "num_cpus",
+                 "chunked_prefill_size", "schedule_policy", "mixed_step_tokens", "kv_cache_dtype", "context_len", "num_cpus",
                  "max_restarts", "hang_timeout", "log_level")
     run_keys = ("requests", "prompt_len", "max_new_tokens", "workload", "seed")
     opts = check_gang_options(**{k: o[k] for k in gang_keys}, **{k: o[k] for k in run_keys})

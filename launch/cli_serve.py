@@ -90,6 +90,12 @@ def serve(
         show_default="auto: the largest extend graph",
         help="Most tokens of a mixed prefill+decode step: 1..--chunked-prefill-size.",
     ),
+    kv_cache_dtype: str = typer.Option(
+        "auto",
+        "--kv-cache-dtype",
+        help="KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes "
+        "per token, twice the slots; K/V rounded to e4m3).",
+    ),
     max_queued: int = typer.Option(
         1024, "--max-queued", help="Requests waiting beyond the running ones; more get 429."
     ),
@@ -122,6 +128,7 @@ def serve(
         chunked_prefill_size=chunked_prefill_size,
         schedule_policy=schedule_policy,
         mixed_step_tokens=mixed_step_tokens,
+        kv_cache_dtype=kv_cache_dtype,
         max_queued=max_queued,
         context_len=context_len,
         drain_timeout=drain_timeout,
@@ -156,6 +163,7 @@ def _prepare(o: dict[str, Any]) -> dict[str, Any]:
         chunked_prefill_size=o["chunked_prefill_size"],
         schedule_policy=o["schedule_policy"],
         mixed_step_tokens=o["mixed_step_tokens"],
+        kv_cache_dtype=o["kv_cache_dtype"],
         context_len=o["context_len"],
         max_restarts=o["max_restarts"],
         log_level=o["log_level"],

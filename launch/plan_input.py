@@ -20,7 +20,9 @@ class PlanInput:
 
     - ``model``: a preset (``tiny``, ``qwen3-30b-a3b``), a checkpoint directory, or its
       ``config.json``.
-    - ``dtype``: of weights, KV and hidden states (a RuntimeConfig dtype name).
+    - ``dtype``: of weights and hidden states (a RuntimeConfig dtype name);
+      ``kv_cache_dtype``: the KV cache's (``"auto"``: ``dtype``; ``"fp8"``/``"fp8_e4m3"``: FP8,
+      a byte per element, RuntimeConfig.kv_cache_dtype).
     - ``dp_size``; ``ep_size`` (None: the world size).
     - ``gpu_mem_bytes``: usable memory of one GPU; ``gpu_name`` for display; ``nvlink``: whether
       the GPUs are NVLink-connected (``dispatcher="auto"`` picks FlashInfer only then).
@@ -36,6 +38,7 @@ class PlanInput:
 
     model: str = "qwen3-30b-a3b"
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
     dp_size: int = 1
     ep_size: int | None = None
     gpu_mem_bytes: int = GPUS["h100"].mem_bytes
@@ -72,7 +75,8 @@ class PlanInput:
             kv_mem_fraction=self.kv_mem_fraction, max_context_len=self.context_len,
             dp_size=self.dp_size, ep_size="auto" if self.ep_size is None else self.ep_size,
             max_running_requests=self.max_running_requests if max_running_requests is None else max_running_requests,
-            chunked_prefill_size=self.chunked_prefill_size, dtype=self.dtype, device=device,
+            chunked_prefill_size=self.chunked_prefill_size, dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype, device=device,
             **graph_kwargs,
         )
 

@@ -140,7 +140,8 @@ class CapacityPlan:
         return {
             "schema": SCHEMA,
             "input": {
-                "model": inp.model, "dtype": inp.dtype, "dp_size": inp.dp_size, "ep_size": inp.ep_size,
+                "model": inp.model, "dtype": inp.dtype, "kv_cache_dtype": inp.kv_cache_dtype,
+                "dp_size": inp.dp_size, "ep_size": inp.ep_size,
                 "gpu": inp.gpu_name, "gpu_mem_bytes": inp.gpu_mem_bytes, "nvlink": inp.nvlink,
                 "max_running_requests": inp.max_running_requests,
                 "chunked_prefill_size": inp.chunked_prefill_size, "cuda_graph_bs": graph_bs,
@@ -151,6 +152,7 @@ class CapacityPlan:
             "resolved": {
                 "world_size": self.world_size, "ep_size": rt.ep_size, "ep_rank": self.ep_rank,
                 "local_experts": self.local_experts, "dtype": str(rt.dtype).removeprefix("torch."),
+                "kv_cache_dtype": str(rt.kv_cache_dtype).removeprefix("torch."),
                 "dispatcher": self.dispatcher, "dispatcher_reason": self.dispatcher_reason,
                 "dispatcher_workspace_transient": self.components.dispatcher_workspace_transient,
                 "cuda_graphs": self.cuda_graphs, "cuda_graphs_reason": self.cuda_graphs_reason,

@@ -55,6 +55,7 @@ def summary_table(summary: RunSummary) -> Table:
         ("requests per rank", per_rank),
         *([("rank nodes", escape(_nodes(summary.nodes)))] if summary.nodes else []),
         ("dispatcher / attention / graphs", f"{summary.dispatcher or '-'} / {summary.attention or '-'} / {graphs or '-'}"),
+        ("KV cache dtype", summary.kv_cache_dtype or "-"),
         ("restarts", str(summary.restarts)),
     ]
     for name, value in rows:

@@ -27,13 +27,16 @@ if TYPE_CHECKING:
     from dp_runtime.rank_spec import RankSpec
     from dp_runtime.serving.request import Request
 
-__all__ = ["DISPATCHERS", "DTYPES", "SCHEDULE_POLICIES", "RunConfig", "parse_mixed_step_tokens"]
+__all__ = ["DISPATCHERS", "DTYPES", "KV_CACHE_DTYPES", "SCHEDULE_POLICIES", "RunConfig",
+           "parse_mixed_step_tokens"]
 
 # The same names as dp_runtime.choices.DISPATCHERS and RuntimeConfig's dtypes (a test
 # holds them equal); spelled out here so that checking an option imports no torch.
 DISPATCHERS = ("auto", "local", "all_gather", "all_to_all", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lof")  # RuntimeConfig.schedule_policy's, held equal by a test
+# RuntimeConfig.kv_cache_dtype's names (auto: the model's dtype; fp8 is fp8_e4m3), held by a test.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _COUNTS = ("dp", "requests", "prompt_len", "max_new_tokens", "max_running_requests", "chunked_prefill_size")
 
 
@@ -54,6 +57,7 @@ class RunConfig:
     context_len: int | None = None  # longest prompt + output; None: the model's limit, capped at 4096
     schedule_policy: str = "fcfs"  # admission order: fcfs (arrival) | lof (longest output first)
     mixed_step_tokens: int | str = "auto"  # a mixed step's token budget; auto: the largest extend graph
+    kv_cache_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | fp8_e4m3 (alias fp8)
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -68,6 +72,7 @@ class RunConfig:
         check_choice("--dispatcher", self.dispatcher, DISPATCHERS)
         check_choice("--dtype", self.dtype, DTYPES)
         check_choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
+        check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         mixed = self.mixed_step_tokens
         if mixed != "auto" and (isinstance(mixed, bool) or not isinstance(mixed, int)
                                 or not 1 <= mixed <= self.chunked_prefill_size):
@@ -98,6 +103,7 @@ class RunConfig:
             max_running_requests=self.max_running_requests, chunked_prefill_size=self.chunked_prefill_size,
             dp_sync_timeout_s=self.dp_sync_timeout_s, seed=self.seed, max_context_len=self.context_len,
             schedule_policy=self.schedule_policy, mixed_step_tokens=self.mixed_step_tokens,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def model_config(self) -> ModelConfig:

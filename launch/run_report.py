@@ -19,7 +19,7 @@ group or the worker failed). ``secondary`` marks failures that followed another 
 Times: ``wall_s`` is the whole run as the user waited for it (with ``ray_start_s``, starting or
 joining Ray, when the CLI did that); ``setup_s`` is building the ranks (placement, process
 groups, weights, graphs), ``run_s`` the step loops. The summary also names what ran:
-``dispatcher``, ``attention`` and ``graphs``, from the ranks' metrics.
+``dispatcher``, ``attention``, ``graphs`` and ``kv_cache_dtype``, from the ranks' metrics.
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class RunSummary:
     dispatcher: str | None = None
     attention: str | None = None
     graphs: bool | str | None = None
+    kv_cache_dtype: str | None = None
     served: int = 0
     errors: tuple[RequestError, ...] = ()
     nodes: dict[int, str] = field(default_factory=dict)
@@ -195,6 +196,7 @@ def summarize(report: RunReport) -> RunSummary:
         failures=tuple(f.describe() for f in report.failures), finish_reasons=reasons,
         ray_start_s=report.ray_start_s, dispatcher=_chosen(report, "dispatcher"),
         attention=_chosen(report, "attention"), graphs=_chosen(report, "graphs"),
+        kv_cache_dtype=_chosen(report, "kv_cache_dtype"),
         served=len(served), errors=errors, nodes=dict(enumerate(report.nodes)),
     )
 

@@ -130,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule-policy", default=d.schedule_policy, help="fcfs | lof (longest output first)")
     p.add_argument("--mixed-step-tokens", default=d.mixed_step_tokens,
                    help="most tokens of a mixed step: auto (the largest extend graph) or 1..chunk")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   help="KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the "
+                   "bytes per token, twice the slots; K/V rounded to e4m3)")
     p.add_argument("--context-len", type=int, default=None, help="longest prompt + output (default: "
                    "min(model limit, 4096)); a request over it is refused alone")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -202,6 +205,7 @@ def _main(argv: list[str], rank: int) -> int:
                         dtype=args.dtype, max_running_requests=args.max_running_requests,
                         chunked_prefill_size=args.chunked_prefill_size, seed=args.seed,
                         context_len=args.context_len, schedule_policy=args.schedule_policy,
+                        kv_cache_dtype=args.kv_cache_dtype,
                         mixed_step_tokens=parse_mixed_step_tokens(args.mixed_step_tokens,
                                                                   args.chunked_prefill_size))
         device = process_group.resolve_device(args.device)

@@ -82,12 +82,38 @@ def test_graph_sizes_option():
         (("--dispatcher", "all_to_all"), "cannot be captured in a CUDA graph"),
         (("--dtype", "int8"), "dtype must be"),
         (("--kv-mem-fraction", "0"), "kv_mem_fraction must be in (0, 1]"),
+        (("--kv-cache-dtype", "fp16"), "--kv-cache-dtype must be one of auto, fp8, fp8_e4m3; got 'fp16'"),
     ],
 )
 def test_bad_input_exits_2_with_the_rule(args, words):
     result = invoke("plan", *args)
     assert result.exit_code == 2
     assert words in result.output
+
+
+def test_fp8_kv_cache_halves_the_bytes_per_token_and_doubles_the_slots():
+    base, fp8 = (json.loads(invoke("plan", "--json", "--max-running-requests", "32", *kv).output)
+                 for kv in ((), ("--kv-cache-dtype", "fp8_e4m3")))
+    assert (base["input"]["kv_cache_dtype"], base["resolved"]["kv_cache_dtype"]) == ("auto", "bfloat16")
+    assert (fp8["input"]["kv_cache_dtype"], fp8["resolved"]["kv_cache_dtype"]) == ("fp8_e4m3", "float8_e4m3fn")
+    assert (base["kv"]["bytes_per_token"], fp8["kv"]["bytes_per_token"]) == (98_304, 49_152)
+    # The rest is the same but the activation peak, which holds the profile step's one-slot
+    # cache (memory_estimates): a few KiB less in FP8.
+    same = ("weights", "dp_buffers", "dispatcher_workspace", "graph_inputs", "graph_pool", "nccl")
+    assert all(base["components_bytes"][k] == fp8["components_bytes"][k] for k in same)
+    assert 0 < base["components_bytes"]["activation_peak"] - fp8["components_bytes"]["activation_peak"] < 2**20
+    cfg, ctx = PlanInput().rank_spec().model_config(), base["resolved"]["context_len"]
+    for doc, dtype in ((base, torch.bfloat16), (fp8, torch.float8_e4m3fn)):
+        # What the cache may take: the fraction of headroom + cache (the planner's rule).
+        left = doc["headroom_bytes"] + doc["components_bytes"]["kv_cache"]
+        budget = ms.kv_budget_bytes(left, 0, 0, doc["input"]["kv_mem_fraction"])
+        assert doc["kv"]["slots"] == ms.kv_slots_for_budget(cfg, dtype, budget, 32, ctx)
+        assert doc["components_bytes"]["kv_cache"] == ms.kv_cache_bytes(cfg, dtype, doc["kv"]["slots"], 32, ctx)
+    # The req_to_token table is the same either way and the budget no smaller: twice the slots.
+    assert fp8["kv"]["slots"] >= 2 * base["kv"]["slots"]
+    table = invoke("plan", "--max-running-requests", "32", "--kv-cache-dtype", "fp8").output
+    assert "qwen3-30b-a3b bfloat16, KV float8_e4m3fn, dp=1" in table and "49,152 bytes/token" in table
+    assert "KV float8" not in invoke("plan", "--max-running-requests", "32").output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")

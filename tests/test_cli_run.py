@@ -21,7 +21,7 @@ from launch.cli import app, main
 from launch.local_launcher import launch_local
 from launch.rank_phases import summarize_phases
 from launch.report_view import RunProgress
-from launch.run_config import DISPATCHERS, DTYPES, SCHEDULE_POLICIES, RunConfig
+from launch.run_config import DISPATCHERS, DTYPES, KV_CACHE_DTYPES, SCHEDULE_POLICIES, RunConfig
 from launch.run_report import PollEvent
 from tests.support.cli_probe import ENV, REPO, probe_cli
 
@@ -44,6 +44,7 @@ BAD_OPTIONS = [
     (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
     (["--model", "qwen3-7b"], "--model 'qwen3-7b' is neither a preset"),
     (["--schedule-policy", "sjf"], "--schedule-policy must be one of fcfs, lof; got 'sjf'"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype must be one of auto, fp8, fp8_e4m3; got 'fp8_e5m2'"),
     (["--mixed-step-tokens", "0"], "--mixed-step-tokens must be auto or an integer in [1, 2048] "
                                    "(at most --chunked-prefill-size), got 0"),
     (["--chunked-prefill-size", "64", "--mixed-step-tokens", "65"],
@@ -118,11 +119,15 @@ def test_log_level_shows_the_runtime_logs(capsys):
 
 def test_option_names_match_the_runtime():
     from dp_runtime.choices import DISPATCHERS as RUNTIME_DISPATCHERS
-    from dp_runtime.config import _DTYPES
+    from dp_runtime.config import _DTYPES, _KV_DTYPES, RuntimeConfig
     from dp_runtime.config import SCHEDULE_POLICIES as _POLICIES
 
     assert DISPATCHERS == RUNTIME_DISPATCHERS and SCHEDULE_POLICIES == _POLICIES
     assert set(DTYPES) - {"auto"} <= set(_DTYPES)
+    # The runtime's FP8 names but its torch spelling (float8_e4m3fn), each taken by RuntimeConfig.
+    assert set(KV_CACHE_DTYPES) == (set(_KV_DTYPES) - {"float8_e4m3fn"}) | {"auto"}
+    for name in KV_CACHE_DTYPES:
+        RuntimeConfig(device="cpu", dtype="bfloat16", kv_cache_dtype=name)
 
 
 # -- progress and report ----------------------------------------------------------------------------

@@ -271,12 +271,13 @@ def test_json_schema_keys_are_stable():
         "largest_max_running_requests",
     }
     assert set(doc["input"]) == {
-        "model", "dtype", "dp_size", "ep_size", "gpu", "gpu_mem_bytes", "nvlink", "max_running_requests",
-        "chunked_prefill_size", "cuda_graph_bs", "context_len", "dispatcher", "use_cuda_graph",
-        "kv_tokens_per_request", "kv_mem_fraction",
+        "model", "dtype", "kv_cache_dtype", "dp_size", "ep_size", "gpu", "gpu_mem_bytes", "nvlink",
+        "max_running_requests", "chunked_prefill_size", "cuda_graph_bs", "context_len", "dispatcher",
+        "use_cuda_graph", "kv_tokens_per_request", "kv_mem_fraction",
     }
     assert set(doc["resolved"]) == {
-        "world_size", "ep_size", "ep_rank", "local_experts", "dtype", "dispatcher", "dispatcher_reason",
+        "world_size", "ep_size", "ep_rank", "local_experts", "dtype", "kv_cache_dtype", "dispatcher",
+        "dispatcher_reason",
         "dispatcher_workspace_transient", "cuda_graphs", "cuda_graphs_reason", "cuda_graph_bs",
         "max_tokens_per_rank", "max_global_tokens", "context_len", "kv_tokens_per_request",
     }

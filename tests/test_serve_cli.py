@@ -39,6 +39,10 @@ def _serve(*args, env=None):
         (["--max-running-requests", "0"], "--max-running-requests must be an integer >= 1, got 0"),
         (["--schedule-policy", "LOF"], "--schedule-policy must be one of fcfs, lof; got 'LOF'"),
         (
+            ["--kv-cache-dtype", "FP8"],
+            "--kv-cache-dtype must be one of auto, fp8, fp8_e4m3; got 'FP8'",
+        ),
+        (
             ["--chunked-prefill-size", "32", "--mixed-step-tokens", "64"],
             "--mixed-step-tokens must be auto or an integer in [1, 32] (at most "
             "--chunked-prefill-size), got 64",
