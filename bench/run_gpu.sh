@@ -445,10 +445,10 @@ case "${1:-one}" in
       --prompts ${PROMPTS:-1x64,1x128,1x192,1x320,1x448,1x704,1x960}
     ;;
   kv16)  # one GPU: FP8 KV GPU tests; mixed steps at ROWS (64) rows, auto against fp8; serve_load (lof) in .bases/b7, here auto, here fp8
-    step gpu_tests timeout ${TTESTS:-360} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_kv_fp8_gpu.py \
-      tests/test_triton_decode.py tests/test_qk_norm_rope.py tests/test_flashinfer_backend.py
+    [ -n "${SKIP_TESTS:-}" ] || step gpu_tests timeout ${TTESTS:-360} python -m pytest -m gpu -p no:cacheprovider -q -rs \
+      tests/test_kv_fp8_gpu.py tests/test_triton_decode.py tests/test_qk_norm_rope.py tests/test_flashinfer_backend.py
     [ -n "${SAVE_FI:-}" ] && tar cJf "$log/fi3.tar.xz" -C /tmp fi
-    for kv in auto fp8_e4m3; do
+    [ -n "${SKIP_MIXED:-}" ] || for kv in auto fp8_e4m3; do
       TAIL=9 step mixed_$kv timeout 150 python bench/mixed_step.py --decode-rows ${ROWS:-64} --decode-context ${CTX:-600} \
         --modes graph --prompts 1x64,1x512 --kv-cache-dtype $kv
     done
