@@ -42,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--copies", type=int, default=8, help="layers of cache cycled through inside one graph")
     p.add_argument("--kv-dtypes", action="store_true", help="bf16 against FP8 caches, random and consecutive slots")
+    p.add_argument("--spread", type=int, default=1,
+                   help="--kv-dtypes: a pool this many times the live tokens, random slots drawn from all of it")
     return p.parse_args()
 
 
@@ -51,16 +53,16 @@ def kv_dtype_us(flashinfer, args, bs: int, ctx: int, dev: torch.device) -> list[
     from dp_runtime.attention.triton_decode import triton_decode_attention
 
     hq, hk, d = args.q_heads, args.kv_heads, args.head_dim
-    tokens = bs * ctx
+    tokens, pool = bs * ctx, bs * ctx * args.spread
     q = torch.randn(bs, hq, d, device=dev, dtype=torch.bfloat16)
     indptr = torch.arange(bs + 1, dtype=torch.int32) * ctx
     indptr_d, last = indptr.to(dev), torch.ones(bs, dtype=torch.int32)
     cells = []
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        caches = [tuple(torch.randn(tokens, 1, hk, d, device=dev).to(dtype) for _ in range(2))
+        caches = [tuple(torch.randn(pool, 1, hk, d, device=dev).to(dtype) for _ in range(2))
                   for _ in range(args.copies)]
-        for indices in (torch.randperm(tokens, dtype=torch.int32).to(dev), torch.arange(tokens, dtype=torch.int32,
-                                                                                        device=dev)):
+        for indices in (torch.randperm(pool, dtype=torch.int32)[:tokens].to(dev),
+                        torch.arange(tokens, dtype=torch.int32, device=dev)):
             cells.append(graph_us(lambda ix=indices: [triton_decode_attention(q, k, v, indptr_d, ix, d**-0.5)
                                                       for k, v in caches], args.copies, 5, 20))
             ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
