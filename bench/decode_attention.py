@@ -63,15 +63,15 @@ def kv_dtype_us(flashinfer, args, bs: int, ctx: int, dev: torch.device) -> list[
                   for _ in range(args.copies)]
         for indices in (torch.randperm(pool, dtype=torch.int32)[:tokens].to(dev),
                         torch.arange(tokens, dtype=torch.int32, device=dev)):
-            cells.append(graph_us(lambda ix=indices: [triton_decode_attention(q, k, v, indptr_d, ix, d**-0.5)
-                                                      for k, v in caches], args.copies, 5, 20))
+            cells.append(graph_us(lambda ix=indices, cs=caches: [
+                triton_decode_attention(q, k, v, indptr_d, ix, d**-0.5) for k, v in cs], args.copies, 5, 20))
             ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr_d,
                 paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last.to(dev))
             w.plan(indptr, indices, last, hq, hk, d, 1, q_data_type=torch.bfloat16, kv_data_type=dtype,
                    disable_split_kv=True)
-            cells.append(graph_us(lambda w=w: [w.run(q, c) for c in caches], args.copies, 5, 20))
+            cells.append(graph_us(lambda w=w, cs=caches: [w.run(q, c) for c in cs], args.copies, 5, 20))
     return cells
 
 

@@ -105,6 +105,9 @@ def test_the_fused_prologue_stores_what_the_torch_store_stores(t):
     q, k = qk_norm_rope_store(qkv, qn, kn, rot.cos_sin_PD, pos, loc, kc, vc, **geo)
     q_ref, k_ref = qk_norm_rope_store_reference(qkv, qn, kn, rot, pos, loc, kc_ref, vc_ref, **geo)
     assert q.dtype == k.dtype == torch.bfloat16  # the step's own q/k stay in the model's dtype
+    for got, want in ((q, q_ref), (k, k_ref)):  # within a bf16 ulp of the head's largest (test_qk_norm_rope.py)
+        ulp = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3) * 2.0**-7
+        assert bool(((got.float() - want.float()).abs() <= ulp).all())
     assert torch.equal(vc.view(torch.uint8), vc_ref.view(torch.uint8))  # V: one rounding, the same
     assert vc[loc].float().abs().max().item() == FP8_KV_MAX and not torch.isnan(vc.float()).any()
     # K: the norm's sum order may move the bf16 value by an ulp (tests/test_qk_norm_rope.py),
