@@ -326,10 +326,11 @@ class RankWorker:
         scheduled, tokens = pending.scheduled, pending.wait()
         c = self._counters
         # A request that stopped at the step before ran this one for nothing: its token is dropped.
-        kept = [(r.request.rid, t) for r, s, t in zip(scheduled.reqs, scheduled.samples, tokens, strict=True)
+        lps = pending.logprobs or [None] * len(tokens)
+        kept = [(r.request.rid, t, lp) for r, s, t, lp in zip(scheduled.reqs, scheduled.samples, tokens, lps, strict=True)
                 if s and not r.done and isinstance(t, int)]
         with self._lock:
-            finished = self.scheduler.advance(scheduled, tokens)
+            finished = self.scheduler.advance(scheduled, tokens, pending.logprobs)
             c["finished_requests"] += len(finished)
             c["generated_tokens"] += len(kept)
             count_step(c, scheduled)

@@ -283,15 +283,18 @@ class Engine:
         finished = {res.rid for res in st.results}
         with self._lock:
             self._views[rank].metrics = dict(st.metrics)
+            logprobs = dict(st.logprobs)
             for rid, toks in st.tokens:
                 live = self._live.get(rid)
                 if live is not None and rid not in finished:
                     live.emitted += len(toks)
-                    outs.append((live, RequestOutput(rid, toks)))
+                    outs.append((live, RequestOutput(rid, toks, new_logprobs=logprobs.get(rid))))
             for res in st.results:
                 live = self._live.pop(res.rid, None)
                 if live is not None:
-                    outs.append((live, RequestOutput(res.rid, res.output_ids[live.emitted:], True, res)))
+                    lps = None if res.logprobs is None else res.logprobs[live.emitted:]
+                    outs.append((live, RequestOutput(res.rid, res.output_ids[live.emitted:], True, res,
+                                                     new_logprobs=lps)))
         for live, out in outs:
             _call(live.on_output, out)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dp_runtime.serving.request import RequestResult
+from dp_runtime.serving.request import RequestResult, TokenLogprob
 
 __all__ = ["LAUNCHERS", "EngineHealth", "EngineOptions", "EngineStats", "RequestOutput"]
 
@@ -17,13 +17,15 @@ LAUNCHERS = ("local", "ray")
 class RequestOutput:
     """New tokens of one request since its previous output; the last has ``finished`` set and
     the ``result`` (finish_reason, error, timings). ``retryable``: it ended because its rank
-    failed, not because of the request (HTTP 503, not 500)."""
+    failed, not because of the request (HTTP 503, not 500). ``new_logprobs``: one entry per new
+    token when the request asked for logprobs (``SamplingParams.logprobs``), else None."""
 
     rid: str
     new_token_ids: tuple[int, ...]
     finished: bool = False
     result: RequestResult | None = None
     retryable: bool = False
+    new_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Any
 
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serve_loop import Wake, serve_until_stopped
-from dp_runtime.serving.request import Request, RequestResult
+from dp_runtime.serving.request import Request, RequestResult, TokenLogprob
 
 __all__ = ["RankSession", "RankStatus"]
 
@@ -46,7 +46,8 @@ class RankStatus:
     previous collect, the traceback when the loop raised, the worker's metrics, and ``loop_s``:
     seconds the latest step loop has run (to its end once done), timed on the rank so the
     launcher's poll interval does not blur throughput; ``tokens``: new tokens by rid since the
-    previous collect (serving only: ``(rid, ids)`` pairs)."""
+    previous collect (serving only: ``(rid, ids)`` pairs); ``logprobs``: those tokens'
+    logprobs, for requests that asked (``(rid, logprobs)`` pairs, one per new token)."""
 
     rank: int
     state: str
@@ -56,6 +57,7 @@ class RankStatus:
     metrics: Mapping[str, Any] = field(default_factory=dict)
     loop_s: float = 0.0
     tokens: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    logprobs: tuple[tuple[str, tuple[TokenLogprob, ...]], ...] = ()
 
 
 def _default_worker(spec: RankSpec, rank: int, world_size: int, show_progress: bool,
@@ -168,14 +170,14 @@ class RankSession:
         # its last results for the next collect, which the launcher makes once "done" is seen.
         outputs = getattr(self._worker, "outputs", None)
         if outputs is None:  # a test's stand-in worker
-            tokens, results = {}, self._worker.pop_finished()
+            tokens, results, logprobs = {}, self._worker.pop_finished(), {}
         else:
-            tokens, results = outputs.pop()
+            tokens, results, logprobs = outputs.pop()
         metrics = dict(self._worker.metrics())
         # Every step counts as progress, skipped ones too (a skip ends the loop on every rank).
         progress = int(metrics.get("steps", 0)) + int(metrics.get("skipped_steps", 0))
         return RankStatus(self.rank, state, progress, tuple(results), error, metrics, loop_s,
-                          tuple(tokens.items()))
+                          tuple(tokens.items()), tuple(logprobs.items()))
 
     def poll(self, timeout_s: float) -> RankStatus:
         """``collect``, after waiting up to ``timeout_s`` for a step's outputs (serving)."""

@@ -1,6 +1,7 @@
 """The engine on a 2-rank Ray gang (a private local cluster on loopback, gloo): concurrent
 requests spread over both ranks give transformers' tokens, idle ranks wake for a late request,
-and a killed rank fails its in-flight requests as retryable, then the gang comes back."""
+logprobs come back with their tokens (streamed and whole), and a killed rank fails its in-flight
+requests as retryable, then the gang comes back."""
 
 from __future__ import annotations
 
@@ -43,6 +44,17 @@ def test_two_ranks_serve_concurrent_requests_and_survive_a_killed_rank(setup):
         time.sleep(0.5)  # every rank asleep; one request wakes them all
         late = eng.generate([Request("late", prompts[2], SamplingParams(max_new_tokens=NEW))], timeout_s=60)
         assert list(late[0].output_ids) == reference[2]
+
+        # Logprobs cross the actor boundary with their tokens: streamed per step, whole at the end.
+        streamed = []
+        eng.submit(Request("lp", prompts[1], SamplingParams(max_new_tokens=NEW, logprobs=2)), streamed.append)
+        deadline = time.monotonic() + 60
+        while not (streamed and streamed[-1].finished) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        res = streamed[-1].result
+        assert list(res.output_ids) == reference[1] and len(res.logprobs) == NEW
+        assert tuple(lp for out in streamed for lp in out.new_logprobs) == res.logprobs
+        assert all(top[0] == (t, lp) and len(top) == 2 for t, (lp, top) in zip(res.output_ids, res.logprobs, strict=True))
 
         outs = []
         eng.submit(Request("doomed", prompts[0], SamplingParams(max_new_tokens=50)), outs.append)

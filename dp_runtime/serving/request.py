@@ -15,10 +15,16 @@ from typing import Any
 
 from dp_runtime.checks import is_int
 
-__all__ = ["FINISH_REASONS", "Request", "RequestResult", "SamplingParams", "check_request_fields", "check_sampling",
-           "token_ids"]
+__all__ = ["FINISH_REASONS", "LOGPROBS_LIMIT", "Request", "RequestResult", "SamplingParams", "TokenLogprob",
+           "check_request_fields", "check_sampling", "token_ids"]
 
 FINISH_REASONS = ("length", "stop", "error", "abort")
+
+LOGPROBS_LIMIT = 20  # most top alternatives a token may report (vLLM's default max_logprobs)
+# One sampled token's logprobs (``SamplingParams.logprobs``): its own logprob, and the top N
+# (token id, logprob) pairs of the same distribution, most likely first. Plain data: it crosses
+# Ray calls and object gathers as it is.
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64)
@@ -49,6 +55,9 @@ def check_sampling(sp: SamplingParams) -> str | None:
     stops = sp.stop_token_ids
     if not isinstance(stops, tuple) or not all(is_int(x) and x >= 0 for x in stops):
         return f"SamplingParams.stop_token_ids must be a tuple of ints >= 0, got {stops!r}"
+    lp = sp.logprobs
+    if lp is not None and (not is_int(lp) or not 0 <= lp <= LOGPROBS_LIMIT):
+        return f"SamplingParams.logprobs must be None or an int in [0, {LOGPROBS_LIMIT}], got {lp!r}"
     return None
 
 
@@ -108,6 +117,11 @@ class SamplingParams:
     after ``max_new_tokens`` tokens (reason "length") or at one of ``stop_token_ids`` (reason
     "stop"; the stop token is part of the output). The checkpoint's EOS ids
     (``RankSpec.eos_token_ids``) stop a request the same way unless ``ignore_eos``.
+
+    ``logprobs``: None, none reported; N (0..LOGPROBS_LIMIT): each sampled token comes with its
+    logprob and the N most likely tokens' (``TokenLogprob``). They are the log-softmax, in
+    float32, of the model's logits for that step before temperature, top-k and top-p (vLLM's
+    default "raw" logprobs), so they do not depend on how the token was drawn.
     """
 
     max_new_tokens: int = 16
@@ -117,6 +131,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     top_k: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
@@ -169,7 +184,8 @@ class RequestResult:
     from arrival to its first new token; ``latency_s``: from arrival to its last token;
     ``token_times_s``: from arrival to each output token (so ``ttft_s`` is the first and
     ``latency_s`` the last; empty for a request refused before running). ``decode_steps``
-    counts the decode forwards it took part in.
+    counts the decode forwards it took part in. ``logprobs``: one ``TokenLogprob`` per output
+    token when the request asked (``SamplingParams.logprobs``), else None.
     """
 
     rid: str
@@ -186,6 +202,7 @@ class RequestResult:
     # never retries it.
     error: str | None = None
     token_times_s: tuple[float, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def ok(self) -> bool:

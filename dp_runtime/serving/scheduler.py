@@ -67,7 +67,7 @@ from dp_runtime.serving.admission import check_request, kv_refusal, refused_resu
 from dp_runtime.serving.forward_batch import ForwardBatch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.paged_batches import decode_forward_batch, extend_forward_batch
-from dp_runtime.serving.request import Request, RequestResult
+from dp_runtime.serving.request import Request, RequestResult, TokenLogprob
 from dp_runtime.serving.sampling import RowFailure
 
 __all__ = ["ScheduledStep", "Scheduler"]
@@ -82,6 +82,7 @@ class _Req:
     row: int = -1  # req_to_token row once admitted
     kv_len: int = 0  # tokens whose K/V are in the cache
     output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
     t_first_forward: float | None = None
     t_first_token: float | None = None
     token_times: list[float] = field(default_factory=list)  # seconds after arrival
@@ -310,14 +311,17 @@ class Scheduler:
         return ScheduledStep(batch, reqs, (1,) * len(reqs), (True,) * len(reqs))
 
     # -- results ---------------------------------------------------------------------------------
-    def advance(self, step: ScheduledStep, tokens: list[int | RowFailure | None]) -> list[RequestResult]:
+    def advance(self, step: ScheduledStep, tokens: list[int | RowFailure | None],
+                logprobs: list[TokenLogprob | None] | None = None) -> list[RequestResult]:
         """Record the step's tokens (its K/V lengths grew when it was scheduled): ``tokens[i]``
         for the i-th request of the step; None where it did not sample; a RowFailure where its
         draw failed: that request alone finishes with finish_reason "error" and the error.
-        Returns the requests that finished, whose rows and slots are freed."""
+        ``logprobs[i]``: its token's logprobs where it asked (None: none). Returns the requests
+        that finished, whose rows and slots are freed."""
         now = time.perf_counter()
         finished = []
-        for r, samples, tok in zip(step.reqs, step.samples, tokens, strict=True):
+        lps = logprobs or [None] * len(tokens)
+        for r, samples, tok, lp in zip(step.reqs, step.samples, tokens, lps, strict=True):
             if not samples:
                 continue
             r.inflight -= 1
@@ -327,6 +331,8 @@ class Scheduler:
                 finished.append(self._finish(r, "error", now, error=f"request {r.request.rid!r}: {tok.error}"))
                 continue
             r.output.append(int(tok))
+            if lp is not None:
+                r.logprobs.append(lp)
             r.token_times.append(now - r.t_arrival)
             if r.t_first_token is None:
                 r.t_first_token = now
@@ -364,15 +370,10 @@ class Scheduler:
             self._reserved -= r.request.max_total_tokens
         self._rids.discard(r.request.rid)
         return RequestResult(
-            rid=r.request.rid,
-            prompt_len=r.prompt_len,
-            output_ids=tuple(r.output),
-            finish_reason=reason,
-            rank=self.rank,
+            rid=r.request.rid, prompt_len=r.prompt_len, output_ids=tuple(r.output),
+            finish_reason=reason, rank=self.rank,
             queued_s=(r.t_first_forward or now) - r.t_arrival,
-            ttft_s=(r.t_first_token or now) - r.t_arrival,
-            latency_s=now - r.t_arrival,
-            decode_steps=r.decode_steps,
-            token_times_s=tuple(r.token_times),
-            error=error,
+            ttft_s=(r.t_first_token or now) - r.t_arrival, latency_s=now - r.t_arrival,
+            decode_steps=r.decode_steps, token_times_s=tuple(r.token_times), error=error,
+            logprobs=tuple(r.logprobs) if r.request.sampling.logprobs is not None else None,
         )

@@ -1,0 +1,78 @@
+"""Logprobs of sampled tokens on a rank (``SamplingParams.logprobs``), tiny preset on CPU: each
+reported logprob is the float32 log-softmax of the step's logits row (the row the worker keeps
+with ``keep_logits``) at the sampled token, before temperature and top-p; the top N are that
+row's N largest, in order; and asking for logprobs never changes a token (greedy, whose rows
+then leave the device-side argmax path, and seeded sampling)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.rank_worker import RankWorker
+from dp_runtime.serving.request import LOGPROBS_LIMIT, Request, SamplingParams
+
+# (temperature, top_p, logprobs asked) per request; the None rows share steps with the others.
+_ROWS = ((0.0, 1.0, 3), (0.9, 0.8, 0), (0.0, 1.0, None), (1.3, 1.0, LOGPROBS_LIMIT), (0.7, 1.0, None))
+_LENS = (9, 30, 17, 4, 22)
+
+
+def _requests(logprobs: bool) -> list[Request]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i, ((t, p, n), length) in enumerate(zip(_ROWS, _LENS, strict=True)):
+        sp = SamplingParams(max_new_tokens=7, temperature=t, top_p=p, seed=100 + i,
+                            logprobs=n if logprobs else None)
+        out.append(Request(f"r{i}", torch.randint(0, 256, (length,), generator=g).tolist(), sp))
+    return out
+
+
+def _serve(logprobs: bool, keep_logits: bool):
+    spec = RankSpec.create("tiny", dp_size=1, device="cpu", dtype="float32", max_running_requests=4,
+                           chunked_prefill_size=32, max_context_len=96)
+    with RankWorker(spec, keep_logits=keep_logits) as w:
+        return {r.rid: r for r in w.generate(_requests(logprobs))}, w.sampled_logits
+
+
+@pytest.fixture(scope="module")
+def runs():
+    plain, _ = _serve(logprobs=False, keep_logits=False)  # greedy rows on the device path
+    kept, logits = _serve(logprobs=True, keep_logits=True)
+    asked, _ = _serve(logprobs=True, keep_logits=False)  # the rows that asked alone go to the host
+    return plain, kept, logits, asked
+
+
+def test_logprobs_never_change_the_tokens(runs):
+    plain, kept, _, asked = runs
+    for rid, res in plain.items():
+        assert res.output_ids == kept[rid].output_ids == asked[rid].output_ids, rid
+        assert res.logprobs is None and len(res.output_ids) == 7
+    assert {rid: r.logprobs for rid, r in kept.items()} == {rid: r.logprobs for rid, r in asked.items()}
+
+
+def test_logprobs_are_the_log_softmax_of_the_sampled_row(runs):
+    _, kept, logits, _ = runs
+    for (_, _, n), (rid, res) in zip(_ROWS, kept.items(), strict=True):
+        if n is None:
+            assert res.logprobs is None
+            continue
+        assert len(res.logprobs) == len(res.output_ids) == len(logits[rid])
+        for tok, (lp, top), row in zip(res.output_ids, res.logprobs, logits[rid], strict=True):
+            want = torch.log_softmax(row.float(), dim=-1)
+            assert isinstance(lp, float) and lp <= 0
+            assert lp == pytest.approx(want[tok].item(), abs=1e-6)
+            assert len(top) == n
+            if n:
+                vals, ids = want.topk(n)
+                assert [i for i, _ in top] == ids.tolist()
+                assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=1e-6)
+                assert all(isinstance(i, int) for i, _ in top)
+                if res.rid == "r0":  # greedy: the sampled token is the first of the top
+                    assert top[0] == (tok, lp)
+
+
+@pytest.mark.parametrize("bad", [-1, LOGPROBS_LIMIT + 1, True, 2.0, "3"])
+def test_a_bad_logprobs_names_the_field_the_limit_and_the_value(bad):
+    with pytest.raises(ValueError, match=rf"SamplingParams.logprobs .*\[0, {LOGPROBS_LIMIT}\], got {bad!r}"):
+        SamplingParams(logprobs=bad)
