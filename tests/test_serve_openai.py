@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.hf_reference import greedy_reference, load_reference
+from tests.served_logprobs import TestLogprobsServed  # noqa: F401  (runs here, on this server)
 from tests.support.serve_model import write_serve_checkpoint
 from tests.support.serve_process import ServeProcess, get
 

@@ -76,6 +76,7 @@ def test_fields_resolve():
         seed=7,
         stop_token_ids=(3,),
         ignore_eos=True,
+        logprobs=None,  # set from logprobs.logprobs_of by the app
     )
     assert s.stop == ("ab",) and s.stream and s.include_usage
 
@@ -108,7 +109,6 @@ def test_fields_resolve():
             r"stop_token_ids\[1\] must be a token id in \[0, 384\), got 384",
         ),
         (dict(stream_options={"include_usage": True}), "stream_options", "only with stream"),
-        (dict(logprobs=2), "logprobs", "not supported"),
         (dict(presence_penalty=0.5), "presence_penalty", "got 0.5"),
         (dict(echo=True), "echo", "not supported"),
         (dict(best_of=3), "best_of", "got 3"),

@@ -18,13 +18,14 @@ import json
 import secrets
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from launch.server.logprobs import ChoiceLogprobs, logprobs_of
 from launch.server.metrics import CONTENT_TYPE, ServerMetrics
 from launch.server.protocol import (
     ApiError,
@@ -214,11 +215,13 @@ async def _serve(
         vocab_size=engine.vocab_size,
         default_max_tokens=default_max_tokens,
     )
+    sampling = replace(sampling, logprobs=logprobs_of(body))
+    lp = None if sampling.logprobs is None else ChoiceLogprobs(kind, state.tokenizer)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     flow = submit(state, rid, ids, sampling)
     created = now()
     if sampling.stream:
-        return await _stream(flow, request, kind, body.model, created, sampling.include_usage)
+        return await _stream(flow, request, kind, body.model, created, sampling.include_usage, lp)
     try:
         parts, token_ids, last = await _until_done(flow, request)
     finally:
@@ -237,6 +240,8 @@ async def _serve(
     )
     # The ids too: a model without a tokenizer has no text.
     out["choices"][0]["token_ids"] = token_ids
+    if lp is not None:
+        out["choices"][0]["logprobs"] = lp.next(token_ids, flow.logprobs)
     return JSONResponse(out)
 
 
@@ -292,7 +297,13 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _stream(
-    flow: Flow, request: Request, kind: Kind, model: str, created: int, include_usage: bool
+    flow: Flow,
+    request: Request,
+    kind: Kind,
+    model: str,
+    created: int,
+    include_usage: bool,
+    lp: ChoiceLogprobs | None = None,
 ) -> Response:
     """Server-sent events. The first event is awaited before the response starts, so a request
     that fails at once still gets its HTTP status (500/503) instead of a broken stream; a client
@@ -338,6 +349,8 @@ async def _stream(
                 if ev.text or ev.token_ids or ev.finish_reason is not None:
                     body = chunk(kind, flow.rid, model, created, ev.text, ev.finish_reason)
                     body["choices"][0]["token_ids"] = list(ev.token_ids)
+                    if lp is not None:  # the entries of the ids this chunk carries
+                        body["choices"][0]["logprobs"] = lp.next(ev.token_ids, ev.logprobs)
                     yield _sse(body)
                 if ev.finish_reason is not None:
                     break

@@ -174,6 +174,7 @@ class Sampling:
     stream: bool = False
     include_usage: bool = False
     extra: dict = field(default_factory=dict)
+    logprobs: int | None = None  # top alternatives per token (None: no logprobs; logprobs.py)
 
     def params(self) -> dict[str, Any]:
         """The keywords of ``SamplingParams``."""
@@ -185,6 +186,7 @@ class Sampling:
             seed=self.seed,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
         )
 
 
@@ -276,9 +278,8 @@ def sampling_of(
 
 
 def _refuse_unsupported(req: _Common) -> None:
-    """Fields a client may set that this server does not implement: refused, never ignored."""
-    if req.logprobs not in (None, False):
-        raise bad("logprobs", f"logprobs are not supported, got {req.logprobs!r}")
+    """Fields a client may set that this server does not implement: refused, never ignored
+    (``logprobs`` and ``top_logprobs`` are checked in logprobs.py)."""
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         if value not in (None, 0, 0.0):
@@ -287,7 +288,7 @@ def _refuse_unsupported(req: _Common) -> None:
         raise bad("logit_bias", "logit_bias is not supported")
     if isinstance(req, CompletionRequest):
         if req.echo:
-            raise bad("echo", "echo is not supported, got true")
+            raise bad("echo", "echo is not supported (nor prompt logprobs), got true")
         if req.best_of not in (None, 1):
             raise bad("best_of", f"best_of must be 1, got {req.best_of}")
         if req.suffix:

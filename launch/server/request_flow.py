@@ -51,6 +51,7 @@ class Event:
     finish_reason: str | None = None
     result: Any = None
     retryable: bool = False  # it ended because its rank failed (HTTP 503), not because of itself
+    logprobs: tuple | None = None  # one TokenLogprob per id when the request asked, else None
 
 
 def engine_errors():
@@ -116,6 +117,7 @@ class Flow:
         self._state, self.rid, self.prompt_len = state, rid, prompt_len
         self._queue, self._text = queue, text
         self.completion_tokens = 0
+        self.logprobs: list = []  # every event's logprobs, in order (when the request asked)
         self.done = False  # the client has its finish reason
         self._engine_done = False  # the engine's last output arrived
 
@@ -128,6 +130,8 @@ class Flow:
     def _event(self, out: Any) -> Event:
         ids = tuple(out.new_token_ids)
         self.completion_tokens += len(ids)
+        lps = getattr(out, "new_logprobs", None)
+        self.logprobs.extend(lps or ())
         if out.finished:
             self._engine_done = True
             result = out.result
@@ -141,13 +145,14 @@ class Flow:
                 "stop" if delta.stopped else reason,
                 result,
                 bool(getattr(out, "retryable", False)),
+                lps,
             )
         delta = self._text.add(ids)
         if delta.stopped:
             self.done = True
             self._abort(reason="stop")
-            return Event(delta.text, ids, "stop")
-        return Event(delta.text, ids)
+            return Event(delta.text, ids, "stop", logprobs=lps)
+        return Event(delta.text, ids, logprobs=lps)
 
     @property
     def text(self) -> str:
