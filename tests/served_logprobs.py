@@ -103,3 +103,15 @@ class TestLogprobsServed:
             else:
                 client.completions.create(model=name, prompt=PROMPT, max_tokens=2, **kw)
         assert info.value.status_code == 400 and info.value.body["param"] == param, info.value.body
+
+    def test_each_of_n_choices_has_its_own_logprobs(self, client, name):
+        kw = dict(model=name, prompt=PROMPT, max_tokens=6, n=2, logprobs=1, **SEEDED)
+        whole = client.completions.create(**kw).choices
+        assert [c.index for c in whole] == [0, 1]
+        for c in whole:
+            _legacy_ok(c.logprobs, c.model_extra["token_ids"], 1, greedy=False)
+        got: dict[int, list[float]] = {0: [], 1: []}
+        for ch in client.completions.create(**kw, stream=True):
+            for c in ch.choices:
+                got[c.index] += c.logprobs.token_logprobs
+        assert got == {c.index: c.logprobs.token_logprobs for c in whole}

@@ -227,7 +227,8 @@ def test_stop_string_cuts_text_streamed_or_not(client, name):
 @pytest.mark.parametrize(
     "kw,param,text",
     [
-        (dict(n=2), "n", "got 2"),
+        (dict(n=17), "n", "n must be in [1, 16] (choices per request), got 17"),
+        (dict(n=0), "n", "got 0"),
         (dict(max_tokens=0), "max_tokens", "got 0"),
         (dict(max_tokens=CONTEXT), "max_tokens", f"must be <= {CONTEXT - 3}"),
         (dict(temperature=-1), "temperature", "got -1"),
@@ -388,3 +389,128 @@ def test_a_request_failing_in_its_step_is_500_and_fails_alone(server, client, na
     assert info.value.status_code == 500 and "sampling failed" in info.value.body["message"]
     reasons = [c.choices[0].finish_reason for c in other if c.choices]
     assert reasons[-1] == "length"
+
+
+# -- n choices: n engine requests per HTTP request (launch/server/choices.py) ----------------
+
+
+def _ask(client, name, route, **kw):
+    kw = {"model": name, "max_tokens": 8, "temperature": 1.0, "extra_body": {"ignore_eos": True},
+          **kw}
+    if route == "chat":
+        return client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
+    return client.completions.create(prompt="The quick brown fox", **kw)
+
+
+def _texts(r):
+    return [c.message.content if hasattr(c, "message") else c.text for c in r.choices]
+
+
+@pytest.mark.parametrize("route", ["completion", "chat"])
+def test_n_choices_sample_apart_reproducibly_and_sum_usage(client, name, route):
+    r = _ask(client, name, route, n=3, seed=11)
+    ids = [c.model_extra["token_ids"] for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(len(i) == 8 for i in ids)
+    assert [c.finish_reason for c in r.choices] == ["length"] * 3
+    assert len({tuple(i) for i in ids}) == 3  # seeds 11, 12, 13: 8 tokens drawn from 384 each
+    one = _ask(client, name, route, n=1, seed=13)  # choice i samples with seed + i
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # counted once
+    assert r.usage.completion_tokens == 24 == r.usage.total_tokens - r.usage.prompt_tokens
+    assert one.choices[0].model_extra["token_ids"] == ids[2] and _texts(one) == _texts(r)[2:]
+    again = _ask(client, name, route, n=3, seed=11)
+    assert [c.model_extra["token_ids"] for c in again.choices] == ids
+    assert _texts(again) == _texts(r)
+    greedy = _ask(client, name, route, n=2, temperature=0)  # not special-cased: all the same
+    assert greedy.choices[0].model_extra["token_ids"] == greedy.choices[1].model_extra["token_ids"]
+
+
+def _sse_events(server, path, body):
+    import urllib.request
+
+    req = urllib.request.Request(
+        server.url + path,
+        json.dumps(body).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return [ln[6:] for ln in r.read().decode().splitlines() if ln.startswith("data: ")]
+
+
+def test_n_choices_stream_by_index_then_usage_then_one_done(server, client, name):
+    body = {"model": name, "prompt": "The quick brown fox", "n": 2, "seed": 5, "max_tokens": 8,
+            "ignore_eos": True, "stop": ["never-there"]}
+    whole = client.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
+                                      extra_body={"ignore_eos": True})
+    events = _sse_events(server, "/v1/completions",
+                         {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole.usage.model_dump(exclude_none=True)
+    texts, ids, reasons = ["", ""], [[], []], [[], []]
+    for ch in chunks[:-1]:
+        (c,) = ch["choices"]
+        texts[c["index"]] += c["text"]
+        ids[c["index"]] += c["token_ids"]
+        reasons[c["index"]] += [c["finish_reason"]] if c["finish_reason"] else []
+    assert texts == _texts(whole) and reasons == [["length"], ["length"]]
+    assert ids == [c.model_extra["token_ids"] for c in whole.choices]
+    # The chat stream through the openai client: each index reassembles to its whole choice.
+    kw = dict(n=2, seed=5, max_tokens=8)
+    whole = _ask(client, name, "chat", **kw)
+    texts, reasons, usage = ["", ""], [[], []], None
+    for ch in _ask(client, name, "chat", **kw, stream=True, stream_options={"include_usage": True}):
+        usage = ch.usage or usage
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] += [c.finish_reason] if c.finish_reason else []
+    assert texts == _texts(whole) and reasons == [["length"], ["length"]]
+    assert usage.completion_tokens == whole.usage.completion_tokens == 16
+
+
+def _aborted(m):
+    key = ("dp_runtime_requests_finished_total", (("finish_reason", "abort"), ("rank", "0")))
+    return m.get(key, 0)
+
+
+def _wait_aborted(server, at_least):
+    for _ in range(100):  # counted when each aborted request's last output is drained
+        m = server.metrics(KEY)
+        if _aborted(m) >= at_least:
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {at_least} aborted requests: {m}")
+
+
+def test_n_choices_closing_the_stream_aborts_every_choice(server, client, name):
+    before = _aborted(server.wait_kv_free(KEY))
+    stream = client.completions.create(model=name, prompt=[1, 2, 3], max_tokens=CONTEXT - 3,
+                                       n=2, stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    while {c.index for c in next(it).choices} != {1}:  # until choice 1 has sent a token
+        pass
+    assert server.metrics(KEY)[("dp_runtime_running_requests", (("rank", "0"),))] == 2
+    stream.close()
+    m = server.wait_kv_free(KEY)
+    assert m[("dp_runtime_in_flight_requests", (("rank", "0"),))] == 0
+    _wait_aborted(server, before + 2)
+
+
+def test_n_choices_past_the_queue_are_429_and_the_submitted_ones_aborted(server, client, name):
+    before = _aborted(server.wait_kv_free(KEY))
+    with pytest.raises(openai.RateLimitError) as info:  # room for MAX_RUNNING + MAX_QUEUED
+        client.completions.create(model=name, prompt=[1, 2], max_tokens=2, n=4)
+    assert info.value.body["code"] == "queue_full"
+    m = _wait_aborted(server, before + MAX_RUNNING + MAX_QUEUED)
+    assert m[("dp_runtime_in_flight_requests", (("rank", "0"),))] == 0
+    r = client.completions.create(model=name, prompt=[1, 2], max_tokens=2, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+
+
+def test_n_choices_failing_in_their_step_are_one_500(server, client, name):
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=name, prompt=[4, 5, 6], max_tokens=5, temperature=1e-300,
+                                  n=2)
+    assert info.value.status_code == 500 and "sampling failed" in info.value.body["message"]
+    m = server.wait_kv_free(KEY)
+    assert m[("dp_runtime_in_flight_requests", (("rank", "0"),))] == 0
