@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.hf_reference import greedy_reference, load_reference
+from tests.served_choices import TestChoicesServed  # noqa: F401  (runs here, on this server)
 from tests.support.serve_model import write_serve_checkpoint
 from tests.support.serve_process import ServeProcess, get
 
@@ -226,7 +227,8 @@ def test_stop_string_cuts_text_streamed_or_not(client, name):
 @pytest.mark.parametrize(
     "kw,param,text",
     [
-        (dict(n=2), "n", "got 2"),
+        (dict(n=17), "n", "n must be in [1, 16] (choices per request), got 17"),
+        (dict(n=0), "n", "got 0"),
         (dict(max_tokens=0), "max_tokens", "got 0"),
         (dict(max_tokens=CONTEXT), "max_tokens", f"must be <= {CONTEXT - 3}"),
         (dict(temperature=-1), "temperature", "got -1"),

@@ -83,7 +83,8 @@ def test_fields_resolve():
 @pytest.mark.parametrize(
     "fields,param,match",
     [
-        (dict(n=2), "n", "n must be 1.*got 2"),
+        (dict(n=0), "n", r"n must be in \[1, 16\].*got 0"),
+        (dict(n=17), "n", "got 17"),
         (dict(max_tokens=0), "max_tokens", "max_tokens must be >= 1, got 0"),
         (dict(max_tokens=-3), "max_tokens", "got -3"),
         (
@@ -186,3 +187,12 @@ def test_chat_messages():
     img = ChatRequest(model="m", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
     _refused("messages[0].content", "only text parts.*image_url", messages_of, img)
     _refused("messages", "at least one", messages_of, ChatRequest(model="m", messages=[]))
+
+
+def test_choice_seeds_follow_the_request_seed_or_draw_their_own():
+    from launch.server.choices import choice_seeds
+
+    assert choice_seeds(7, 3, seeded=True) == [7, 8, 9]
+    assert choice_seeds(2**64 - 1, 2, seeded=True) == [2**64 - 1, 0]  # stays a valid seed
+    drawn = choice_seeds(7, 4, seeded=False)
+    assert drawn[0] == 7 and len(drawn) == 4 and all(0 <= s < 2**64 for s in drawn)

@@ -12,19 +12,16 @@ that does not parse, or a field of the wrong type, is 400 naming the field.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import secrets
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from launch.server.choices import submit_choices
 from launch.server.metrics import CONTENT_TYPE, ServerMetrics
 from launch.server.protocol import (
     ApiError,
@@ -32,16 +29,13 @@ from launch.server.protocol import (
     CompletionRequest,
     Kind,
     check_prompt_ids,
-    chunk,
     error_body,
     messages_of,
     now,
     prompt_of,
-    response,
     sampling_of,
-    usage,
 )
-from launch.server.request_flow import Event, Flow, submit
+from launch.server.respond import stream_response, whole_response
 from launch.server.text import TokenizerMissing, encode_chat, encode_text
 
 __all__ = ["ServerState", "create_app"]
@@ -215,158 +209,11 @@ async def _serve(
         default_max_tokens=default_max_tokens,
     )
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    flow = submit(state, rid, ids, sampling)
+    n = body.n or 1  # sampling_of checked it
+    choices = submit_choices(state, rid, ids, sampling, n, seeded=body.seed is not None)
     created = now()
     if sampling.stream:
-        return await _stream(flow, request, kind, body.model, created, sampling.include_usage)
-    try:
-        parts, token_ids, last = await _until_done(flow, request)
-    finally:
-        flow.close()
-    if last is None:  # the client went away; nobody reads this response
-        return Response(status_code=499)
-    _raise_for_failure(last)
-    out = response(
-        kind,
-        rid,
-        body.model,
-        created,
-        "".join(parts),
-        last.finish_reason,
-        usage(flow.prompt_len, flow.completion_tokens),
-    )
-    # The ids too: a model without a tokenizer has no text.
-    out["choices"][0]["token_ids"] = token_ids
-    return JSONResponse(out)
-
-
-def _raise_for_failure(last: Event) -> None:
-    # Its rank failed under it: the gang restarts or is gone; the client may retry.
-    if last.retryable:
-        reason = getattr(last.result, "error", None) or "a rank failed"
-        raise ApiError(
-            503,
-            f"the engine lost the request's rank ({reason}); retry",
-            kind="service_unavailable",
-            code="engine_unavailable",
+        return await stream_response(
+            choices, request, kind, rid, body.model, created, sampling.include_usage
         )
-    if last.finish_reason == "error":
-        reason = getattr(last.result, "error", None) or "the request failed on its rank"
-        raise ApiError(500, f"request failed: {reason}", kind="server_error", code="request_failed")
-    if last.finish_reason == "abort":  # aborted by the engine itself (shutdown or restart)
-        raise ApiError(
-            503,
-            "the request was aborted by the engine (shutting down or restarting)",
-            kind="service_unavailable",
-            code="engine_unavailable",
-        )
-
-
-async def _until_done(flow: Flow, request: Request) -> tuple[list[str], list[int], Event | None]:
-    """Every event of a non-streamed request, or (…, None) when the client disconnects first."""
-    parts: list[str] = []
-    token_ids: list[int] = []
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        events = flow.events()
-        while True:
-            step = asyncio.ensure_future(anext(events))
-            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                step.cancel()
-                return parts, token_ids, None
-            ev = step.result()
-            parts.append(ev.text)
-            token_ids.extend(ev.token_ids)
-            if ev.finish_reason is not None:
-                return parts, token_ids, ev
-    finally:
-        gone.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body is already read, so the next
-    ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _stream(
-    flow: Flow, request: Request, kind: Kind, model: str, created: int, include_usage: bool
-) -> Response:
-    """Server-sent events. The first event is awaited before the response starts, so a request
-    that fails at once still gets its HTTP status (500/503) instead of a broken stream; a client
-    that leaves while its request is still queued aborts it."""
-    events = flow.events()
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        step = asyncio.ensure_future(anext(events))
-        await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not step.done():
-            step.cancel()
-            flow.close()
-            return Response(status_code=499)
-        first = step.result()
-    except BaseException:
-        flow.close()
-        raise
-    finally:
-        gone.cancel()
-    if first.finish_reason in ("error", "abort") or first.retryable:
-        flow.close()
-        _raise_for_failure(first)
-
-    async def sse() -> AsyncIterator[str]:
-        try:
-            if kind == "chat":  # OpenAI's first chat chunk carries the role alone
-                yield _sse(chunk(kind, flow.rid, model, created, "", None, first=True))
-            ev: Event | None = first
-            while ev is not None:
-                if ev.finish_reason in ("error", "abort"):
-                    yield _sse(
-                        error_body(
-                            f"request {ev.finish_reason}: "
-                            f"{getattr(ev.result, 'error', None) or ev.finish_reason}",
-                            "server_error",
-                            None,
-                            "request_failed",
-                        )
-                    )
-                    break
-                # A step with ids but no text yet (held back, or no tokenizer) is still sent:
-                # token-id clients read the ids as they are sampled.
-                if ev.text or ev.token_ids or ev.finish_reason is not None:
-                    body = chunk(kind, flow.rid, model, created, ev.text, ev.finish_reason)
-                    body["choices"][0]["token_ids"] = list(ev.token_ids)
-                    yield _sse(body)
-                if ev.finish_reason is not None:
-                    break
-                ev = await anext(events, None)
-            if include_usage:
-                yield _sse(
-                    chunk(
-                        kind,
-                        flow.rid,
-                        model,
-                        created,
-                        None,
-                        None,
-                        use=usage(flow.prompt_len, flow.completion_tokens),
-                    )
-                )
-            yield "data: [DONE]\n\n"
-        finally:
-            # Runs on completion and when the client closes the stream (the task is cancelled).
-            flow.close()
-            with contextlib.suppress(Exception):
-                await events.aclose()
-
-    return StreamingResponse(
-        sse(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return await whole_response(choices, request, kind, rid, body.model, created)

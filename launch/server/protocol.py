@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 SEED_LIMIT = 2**64
+MAX_N = 16  # choices per request; each is one engine request (launch/server/choices.py)
 
 
 class ApiError(Exception):
@@ -218,8 +219,8 @@ def sampling_of(
     (400) naming the first bad field, its limit and its value. ``default_max_tokens`` None means
     the rest of the context (chat)."""
     _refuse_unsupported(req)
-    if req.n not in (None, 1):
-        raise bad("n", f"n must be 1 (one choice per request), got {req.n}")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise bad("n", f"n must be in [1, {MAX_N}] (choices per request), got {req.n}")
     room = context_len - prompt_len
     max_tokens = req.max_tokens
     name = "max_tokens"

@@ -1,0 +1,193 @@
+"""The HTTP response to a request's choices: one JSON body, or server-sent events.
+
+Both read ``Choices`` (one or more engine requests) and close it when they end, which aborts
+every choice the engine has not finished. The first choice to fail fails the whole request as a
+single request would (500 when it failed in its step, 503 when its rank failed or the engine
+aborted it) and its siblings are aborted; a client that leaves aborts them all.
+
+Bodies: ``choices`` indexed 0..n-1 (each with its text or message, finish_reason and
+``token_ids``); ``usage.prompt_tokens`` counts the prompt once, ``completion_tokens`` sums the
+choices. A stream interleaves the choices' chunks as their tokens arrive, each chunk naming its
+choice's ``index``; each choice ends with its own finish_reason chunk, then comes the usage
+chunk (with ``include_usage``) and one ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from launch.server.choices import Choices
+from launch.server.protocol import ApiError, Kind, chunk, error_body, response, usage
+from launch.server.request_flow import Event
+
+__all__ = ["raise_for_failure", "stream_response", "whole_response"]
+
+
+async def whole_response(
+    choices: Choices, request: Request, kind: Kind, rid: str, model: str, created: int
+) -> Response:
+    """The non-streamed response, once every choice finished; 499 when the client left."""
+    n = len(choices.flows)
+    parts: list[list[str]] = [[] for _ in range(n)]
+    token_ids: list[list[int]] = [[] for _ in range(n)]
+    last: list[Event | None] = [None] * n
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while not choices.finished:
+            got = await _next_or_gone(choices, gone)
+            if got is None:  # the client went away; nobody reads this response
+                return Response(status_code=499)
+            i, ev = got
+            parts[i].append(ev.text)
+            token_ids[i].extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                raise_for_failure(ev)  # the finally below aborts the siblings
+                last[i] = ev
+    finally:
+        gone.cancel()
+        choices.close()
+    use = usage(choices.prompt_len, choices.completion_tokens)
+    bodies = [
+        response(kind, rid, model, created, "".join(parts[i]), ev.finish_reason, use)
+        for i, ev in enumerate(last)
+    ]
+    out = bodies[0]
+    out["choices"] = [_choice(b["choices"][0], i, token_ids[i]) for i, b in enumerate(bodies)]
+    return JSONResponse(out)
+
+
+def _choice(body: dict, index: int, token_ids: list[int]) -> dict:
+    body["index"] = index
+    body["token_ids"] = token_ids  # the ids too: a model without a tokenizer has no text
+    return body
+
+
+def _failed(ev: Event) -> bool:
+    return ev.finish_reason in ("error", "abort") or ev.retryable
+
+
+def raise_for_failure(last: Event) -> None:
+    """The HTTP error of a choice's last event, if it failed: 503 (its rank failed; the engine
+    aborted it), 500 (it failed in its step)."""
+    # Its rank failed under it: the gang restarts or is gone; the client may retry.
+    if last.retryable:
+        reason = getattr(last.result, "error", None) or "a rank failed"
+        raise ApiError(
+            503,
+            f"the engine lost the request's rank ({reason}); retry",
+            kind="service_unavailable",
+            code="engine_unavailable",
+        )
+    if last.finish_reason == "error":
+        reason = getattr(last.result, "error", None) or "the request failed on its rank"
+        raise ApiError(500, f"request failed: {reason}", kind="server_error", code="request_failed")
+    if last.finish_reason == "abort":  # aborted by the engine itself (shutdown or restart)
+        raise ApiError(
+            503,
+            "the request was aborted by the engine (shutting down or restarting)",
+            kind="service_unavailable",
+            code="engine_unavailable",
+        )
+
+
+async def _next_or_gone(choices: Choices, gone: asyncio.Future) -> tuple[int, Event] | None:
+    """The next event of any choice, or None when the client disconnects first."""
+    step = asyncio.ensure_future(choices.next())
+    await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not step.done():
+        step.cancel()
+        return None
+    return step.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body is already read, so the next
+    ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def stream_response(
+    choices: Choices,
+    request: Request,
+    kind: Kind,
+    rid: str,
+    model: str,
+    created: int,
+    include_usage: bool,
+) -> Response:
+    """Server-sent events. The first event (of any choice) is awaited before the response
+    starts, so a request that fails at once still gets its HTTP status (500/503) instead of a
+    broken stream; a client that leaves while its request is still queued aborts it. A choice
+    failing later is one error event, its siblings aborted, then the stream ends."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        first = await _next_or_gone(choices, gone)
+    except BaseException:
+        choices.close()
+        raise
+    finally:
+        gone.cancel()
+    if first is None:
+        choices.close()
+        return Response(status_code=499)
+    if _failed(first[1]):
+        choices.close()
+        raise_for_failure(first[1])
+
+    async def sse() -> AsyncIterator[str]:
+        try:
+            if kind == "chat":  # OpenAI's first chat chunk of a choice carries the role alone
+                for i in range(len(choices.flows)):
+                    yield _sse(_indexed(chunk(kind, rid, model, created, "", None, first=True), i))
+            got: tuple[int, Event] | None = first
+            while got is not None:
+                i, ev = got
+                if _failed(ev):
+                    choices.close()  # its siblings give their KV back now
+                    reason = getattr(ev.result, "error", None) or ev.finish_reason
+                    yield _sse(
+                        error_body(
+                            f"request {ev.finish_reason}: {reason}",
+                            "server_error",
+                            None,
+                            "request_failed",
+                        )
+                    )
+                    break
+                # A step with ids but no text yet (held back, or no tokenizer) is still sent:
+                # token-id clients read the ids as they are sampled.
+                if ev.text or ev.token_ids or ev.finish_reason is not None:
+                    body = _indexed(chunk(kind, rid, model, created, ev.text, ev.finish_reason), i)
+                    body["choices"][0]["token_ids"] = list(ev.token_ids)
+                    yield _sse(body)
+                got = None if choices.finished else await choices.next()
+            if include_usage:
+                use = usage(choices.prompt_len, choices.completion_tokens)
+                yield _sse(chunk(kind, rid, model, created, None, None, use=use))
+            yield "data: [DONE]\n\n"
+        finally:
+            # Runs on completion and when the client closes the stream (the task is cancelled).
+            with contextlib.suppress(Exception):
+                choices.close()
+
+    return StreamingResponse(
+        sse(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def _indexed(body: dict, index: int) -> dict:
+    body["choices"][0]["index"] = index
+    return body
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
