@@ -80,6 +80,7 @@
 #   bash bench/run_gpu.sh kv16      # one GPU: FP8 KV GPU tests (SAVE_FI=1: FlashInfer's cache back in fi3.tar.xz);
 #                                   #   mixed steps auto/fp8; serve_load (lof) at RUNNING in .bases/b7 (eb898bf), here
 #                                   #   auto and here fp8 (KVS, NO_BASE=1 to skip b7)
+#   bash bench/run_gpu.sh gpu16     # one GPU: the logprobs GPU test and the FP8 KV GPU tests
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -462,6 +463,10 @@ case "${1:-one}" in
           --num-requests $req --max-running-requests $n --policy lof --json --gpu-spans --kv-cache-dtype $kv
       done
     done
+    ;;
+  gpu16)  # one GPU: session 16's GPU tests not yet run on a GPU (logprobs on the device, the FP8 prologue's q/k checks)
+    step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_logprobs.py \
+      tests/test_kv_fp8_gpu.py
     ;;
   http14)  # one GPU: HTTP against in-process at 64 running here (rates 16, inf); .bases/b3's HTTP path at rate 16
     step serve_http timeout ${THTTP:-330} python bench/serve_http.py --model qwen3-30b-a3b --device cuda --rates 16,inf \
