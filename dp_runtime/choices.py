@@ -27,7 +27,8 @@ import torch
 
 from dp_runtime.attention.backend import flashinfer_unsupported
 
-__all__ = ["CAPTURABLE_DISPATCHERS", "DISPATCHERS", "Choices", "rank_choices", "resolve_choices"]
+__all__ = ["CAPTURABLE_DISPATCHERS", "DISPATCHERS", "Choices", "check_kv_cache_dtype", "rank_choices",
+           "resolve_choices"]
 
 DISPATCHERS = ("auto", "local", "all_gather", "all_to_all", "flashinfer")
 # all_to_all reads its split sizes on the host: no CUDA graph can hold it.
@@ -105,10 +106,26 @@ def resolve_choices(
     return Choices(kind, why, graphs, graphs_why, attn, attn_why)
 
 
+def check_kv_cache_dtype(kv_dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None,
+                         gpu: str = "") -> None:
+    """An FP8 KV cache on CUDA needs compute capability 8.9 or newer (Ada, Hopper): the Triton
+    kernels that store and read it have no e4m3 type below. ValueError naming the field, the
+    GPU and its capability; CPU (SDPA upcasts in torch) and other dtypes pass."""
+    if kv_dtype == torch.float8_e4m3fn and device_type == "cuda" and capability is not None and capability < (8, 9):
+        raise ValueError(f"kv_cache_dtype float8_e4m3fn needs a GPU of compute capability 8.9 or newer (Ada, "
+                         f"Hopper); {gpu or 'this GPU'} is {capability[0]}.{capability[1]}: use kv_cache_dtype auto")
+
+
 def rank_choices(spec: Any, head_dim: int, world_size: int, device: torch.device, ep: Any) -> Choices:
-    """``resolve_choices`` for a rank built from ``spec`` (a RankSpec). A collective when the
-    dispatcher is "auto" over several ranks: every rank asks FlashInfer's dispatcher together."""
+    """``resolve_choices`` for a rank built from ``spec`` (a RankSpec), after
+    ``check_kv_cache_dtype`` on its device. A collective when the dispatcher is "auto" over
+    several ranks: every rank asks FlashInfer's dispatcher together."""
     from dispatcher import flashinfer_dispatch_verdict
+
+    cuda = device.type == "cuda"
+    check_kv_cache_dtype(spec.runtime.kv_cache_dtype, device.type,
+                         torch.cuda.get_device_capability(device) if cuda else None,
+                         torch.cuda.get_device_name(device) if cuda else "")
 
     verdict = (False, "not asked")
     if spec.dispatcher == "auto" and world_size > 1:

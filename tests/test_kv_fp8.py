@@ -108,6 +108,16 @@ def test_both_backends_read_the_fp8_cache_in_the_query_dtype():
         assert not torch.allclose(want_fresh, want_rounded, atol=1e-3)  # the rounding shows
 
 
+def test_an_fp8_cache_is_refused_below_compute_capability_8_9_naming_the_gpu():
+    from dp_runtime.choices import check_kv_cache_dtype
+
+    with pytest.raises(ValueError, match=r"kv_cache_dtype float8_e4m3fn .* 8\.9 .* A100 is 8\.0"):
+        check_kv_cache_dtype(FP8, "cuda", (8, 0), "A100")
+    check_kv_cache_dtype(FP8, "cuda", (9, 0), "H100")
+    check_kv_cache_dtype(FP8, "cpu", None)
+    check_kv_cache_dtype(torch.bfloat16, "cuda", (8, 0), "A100")
+
+
 def test_fp8_queries_are_refused_by_the_flashinfer_backend():
     with pytest.raises(ValueError, match="q_dtype"):
         FlashInferBackend(_cache(FP8), num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
