@@ -79,19 +79,23 @@ def arrival_times(n: int, rate: float, process: str, rng: random.Random) -> list
 
 
 def make_requests(n: int, rate: float, lengths: Lengths, process: str, vocab: int, seed: int,
-                  tag: str) -> list[Request]:
-    """The requests of one rate, in arrival order (rids ``{tag}-00000``, ...)."""
+                  tag: str, sampling: SamplingParams | None = None) -> list[Request]:
+    """The requests of one rate, in arrival order (rids ``{tag}-00000``, ...). ``sampling``:
+    every request's fields but its output length and seed (request i draws with seed i);
+    default greedy."""
     rng = random.Random(f"{seed}-{tag}")
+    base = sampling or SamplingParams()
     out = []
     for i, t in enumerate(arrival_times(n, rate, process, rng)):
         n_in, n_out = lengths.draw(rng)
         prompt = [rng.randrange(vocab) for _ in range(n_in)]
-        out.append(Request(f"{tag}-{i:05d}", prompt, SamplingParams(max_new_tokens=n_out), arrival_s=t))
+        out.append(Request(f"{tag}-{i:05d}", prompt, dataclasses.replace(base, max_new_tokens=n_out, seed=i),
+                           arrival_s=t))
     return out
 
 
 def warmup_requests(n: int, lengths: Lengths, process: str, vocab: int, seed: int, *, chunk: int,
-                    max_prompt: int, world: int) -> list[Request]:
+                    max_prompt: int, world: int, sampling: SamplingParams | None = None) -> list[Request]:
     """What runs, unreported, before the first rate: ``n`` requests all at once, then (if
     ``n``) one prompt per rank (round-robin gives each rank one) of a whole prefill chunk plus
     WARM_PAST_CHUNK tokens, ``max_prompt`` at most, generating one token.
@@ -101,7 +105,7 @@ def warmup_requests(n: int, lengths: Lengths, process: str, vocab: int, seed: in
     rank: a step of a whole chunk (Triton's expert GEMM tiles), then its rest, whose request
     has a cached prefix (FlashInfer's ``cascade`` module: the merge of the prefix and ragged
     passes). A model whose context is not longer than the chunk never splits a lone prompt."""
-    warm = make_requests(n, math.inf, lengths, process, vocab, seed, "warm")
+    warm = make_requests(n, math.inf, lengths, process, vocab, seed, "warm", sampling)
     if not warm:
         return warm
     size = min(chunk + WARM_PAST_CHUNK, max_prompt)
@@ -113,11 +117,13 @@ def warmup_requests(n: int, lengths: Lengths, process: str, vocab: int, seed: in
 
 
 def decode_probe_requests(running: int, world: int, vocab: int, seed: int, *, prompt_len: int,
-                          new_tokens: int, tag: str) -> list[Request]:
+                          new_tokens: int, tag: str, sampling: SamplingParams | None = None) -> list[Request]:
     """``running`` requests per rank (round-robin gives each rank as many), all at once, of
     ``prompt_len`` random tokens generating ``new_tokens``: once their prompts are in, every step
     decodes ``running`` rows on every rank, so their token gaps time the decode step at that
-    batch (serve_load's decode-only bound)."""
+    batch (serve_load's decode-only bound). ``sampling`` as for ``make_requests``."""
     rng = random.Random(f"{seed}-{tag}")
+    base = sampling or SamplingParams()
     return [Request(f"{tag}-{i:05d}", [rng.randrange(vocab) for _ in range(prompt_len)],
-                    SamplingParams(max_new_tokens=new_tokens), arrival_s=0.0) for i in range(running * world)]
+                    dataclasses.replace(base, max_new_tokens=new_tokens, seed=i), arrival_s=0.0)
+            for i in range(running * world)]

@@ -77,6 +77,7 @@
 #   bash bench/run_gpu.sh fin15     # one GPU: load15 at 128; plan --measure 64/256; GPU tests; load15 at 256
 #   bash bench/run_gpu.sh census16  # one GPU: rank-memory/mixed/graph GPU tests; a bs-64 decode step at CTX (600)
 #                                   #   context profiled; mixed steps of 64 decode rows and 64-960 prompt tokens
+#   bash bench/run_gpu.sh samp17    # one GPU: gpu16's tests; serve_load (lof) at 64 running, greedy against sampled
 #   bash bench/run_gpu.sh kv16      # one GPU: FP8 KV GPU tests (SAVE_FI=1: FlashInfer's cache back in fi3.tar.xz);
 #                                   #   mixed steps auto/fp8; serve_load (lof) at RUNNING in .bases/b7 (eb898bf), here
 #                                   #   auto and here fp8 (KVS, NO_BASE=1 to skip b7)
@@ -462,6 +463,16 @@ case "${1:-one}" in
         TAIL=2 step load${n}_$kv timeout 220 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
           --num-requests $req --max-running-requests $n --policy lof --json --gpu-spans --kv-cache-dtype $kv
       done
+    done
+    ;;
+  samp17)  # one GPU: gpu16's tests (TESTS=0: none); serve_load (lof) at RUNNING (64) greedy and sampled, here
+    [ "${TESTS:-1}" = 0 ] || step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs \
+      tests/test_logprobs.py tests/test_kv_fp8_gpu.py ${MORE_TESTS:-}
+    n=${RUNNING:-64}
+    for s in ${SAMPLINGS:-0:1 1:1 0.7:0.9}; do  # temperature:top_p
+      TAIL=2 step load${n}_t${s%%:*}_p${s##*:} timeout ${TLOAD:-240} python bench/serve_load.py --model qwen3-30b-a3b \
+        --device cuda --rates inf --num-requests ${REQ:-128} --max-running-requests $n --policy lof --json --gpu-spans \
+        --temperature ${s%%:*} --top-p ${s##*:} ${BASE_ARGS:-}
     done
     ;;
   gpu16)  # one GPU: session 16's GPU tests not yet run on a GPU (logprobs on the device, the FP8 prologue's q/k checks)

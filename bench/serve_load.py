@@ -14,7 +14,8 @@ ids. Lengths (``--lengths``): ``sharegpt`` (default) draws from SHAREGPT_LIKE be
 histogram shaped like ShareGPT conversations (uniform within a bin; means about 300 prompt and
 170 output tokens; a stated table, not the data set); ``random:IN:OUT[:RATIO]`` is vLLM's random
 data set (uniform in ``[X*(1-RATIO), X*(1+RATIO)]``; exactly IN and OUT for RATIO 0, the
-default). Every request generates exactly its output length (greedy, no stop token). Arrivals:
+default). Every request generates exactly its output length (no stop token), greedy unless
+``--temperature`` (with ``--top-p``, ``--top-k``; request i draws with seed i). Arrivals:
 a Poisson process at each of ``--rates`` requests/s (``--arrival fixed``: evenly spaced;
 ``inf``: all at once), the first at 0.
 
@@ -74,7 +75,7 @@ from bench.load_workload import Lengths, decode_probe_requests, make_requests, w
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.rank_spec import RankSpec
-from dp_runtime.serving.request import Request
+from dp_runtime.serving.request import Request, SamplingParams
 from launch import process_group
 from launch.cli_errors import UsageError, bench_main
 from launch.run_config import KV_CACHE_DTYPES, parse_mixed_step_tokens
@@ -116,6 +117,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="tokens per decode-probe request (the decode-only bound); 0: no probe")
     p.add_argument("--probe-prompt-len", type=int, default=64, help="prompt tokens of a decode-probe request")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's (and the probe's) sampling temperature; 0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus mass (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: the k most likely tokens (0: off)")
     p.add_argument("--json", action="store_true", help="one JSON line on stdout instead of the table")
     p.add_argument("--per-request", action="store_true", help="with --json: every request's timings too")
     p.add_argument("--gpu-spans", action="store_true",
@@ -138,6 +143,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.probe_prompt_len < 1:
         raise UsageError(f"--probe-prompt-len must be >= 1, got {args.probe_prompt_len}")
+    try:  # SamplingParams names the field and its rule
+        args.sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    except ValueError as e:
+        raise UsageError(f"--temperature/--top-p/--top-k: {e}") from None
     if args.gpu_spans and (args.launcher != "local" or args.device == "cpu"):
         raise UsageError("--gpu-spans times CUDA steps in this process: it needs --launcher local and a GPU")
     return args
@@ -192,7 +201,7 @@ def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, l
         if n < 1:
             continue
         probe = decode_probe_requests(n, world, vocab, args.seed, prompt_len=args.probe_prompt_len,
-                                      new_tokens=args.probe_tokens, tag=f"probe{n}")
+                                      new_tokens=args.probe_tokens, tag=f"probe{n}", sampling=args.sampling)
         results = ranks.run(probe)
         if results is not None:
             step_s[n] = decode_step_s(results, world)
@@ -217,8 +226,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         raise UsageError("--launcher ray starts its own ranks; do not run it under torchrun")
     mc = _model_config(args.model)
     vocab = mc.vocab_size
-    batches = [(rate, make_requests(args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}"))
-               for i, rate in enumerate(args.rates)]
+    batches = [(rate, make_requests(args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}",
+                                    args.sampling)) for i, rate in enumerate(args.rates)]
     ray_started = own_group = False
     if args.launcher == "ray":
         import ray
@@ -246,7 +255,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         # Unreported: on every rank a whole-chunk step and an extend with a cached prefix build
         # their kernels here, not in the first rate's TTFT (warmup_requests).
         warm = warmup_requests(args.warmup, args.lengths, args.arrival, vocab, args.seed,
-                               chunk=args.chunked_prefill_size, max_prompt=mc.max_positions - 1, world=world)
+                               chunk=args.chunked_prefill_size, max_prompt=mc.max_positions - 1, world=world,
+                               sampling=args.sampling)
         probe = decode_probe_requests(1, 1, vocab, args.seed, prompt_len=args.probe_prompt_len,
                                       new_tokens=max(args.probe_tokens, 1), tag="size")
         everything = [r for _, b in batches for r in b] + warm + (probe if args.probe_tokens else [])
@@ -284,6 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         launcher="torchrun" if torchrun else args.launcher, model=args.model, layers=args.layers,
         dtype=str(spec.runtime.dtype).replace("torch.", ""), kv_cache_dtype=_kv_name(spec.runtime),
         lengths=dataclasses.asdict(args.lengths), arrival=args.arrival,
+        sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
         num_requests=args.num_requests, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=m.get("dispatcher"), attention=m.get("attention"),
         graphs=m.get("graphs"), build_s=build_s, mixed_steps=[m for m, _ in modes], policies=[p for _, p in modes], kv_slots=m.get("kv_slots"),
