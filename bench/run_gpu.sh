@@ -465,10 +465,19 @@ case "${1:-one}" in
       done
     done
     ;;
-  samp17)  # one GPU: gpu16's tests (TESTS=0: none); serve_load (lof) at RUNNING (64) greedy and sampled, here
+  samp17)  # one GPU: GPU tests (TEST_FILES; TESTS=0: none); serve_load (lof) at RUNNING (64) per SAMPLINGS (temperature:top_p),
+           # in .bases/$BASE first when BASE is set (BASE_SAMPLINGS, BASE_REQ), then here
     [ "${TESTS:-1}" = 0 ] || step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs \
-      tests/test_logprobs.py tests/test_kv_fp8_gpu.py ${MORE_TESTS:-}
+      ${TEST_FILES:-tests/test_logprobs.py tests/test_kv_fp8_gpu.py}
     n=${RUNNING:-64}
+    if [ -n "${BASE:-}" ]; then
+      bases > /dev/null; b=/tmp/bases/$BASE
+      for s in ${BASE_SAMPLINGS:-0:1 1:1}; do
+        TAIL=2 step load${n}_${BASE}_t${s%%:*}_p${s##*:} timeout ${TLOAD:-240} env PYTHONPATH=$b:$PYTHONPATH \
+          python $b/bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf --num-requests ${BASE_REQ:-${REQ:-128}} \
+          --max-running-requests $n --policy lof --json --gpu-spans --temperature ${s%%:*} --top-p ${s##*:}
+      done
+    fi
     for s in ${SAMPLINGS:-0:1 1:1 0.7:0.9}; do  # temperature:top_p
       TAIL=2 step load${n}_t${s%%:*}_p${s##*:} timeout ${TLOAD:-240} python bench/serve_load.py --model qwen3-30b-a3b \
         --device cuda --rates inf --num-requests ${REQ:-128} --max-running-requests $n --policy lof --json --gpu-spans \

@@ -37,6 +37,7 @@ from dp_runtime.attention import make_attention_backend
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.serving.forward_batch import capture_batch
 from dp_runtime.serving.kv_cache import KVCache
+from dp_runtime.serving.step_tokens import worst_case_draw
 from dp_runtime.sync.step_plan import plan_step
 from dp_runtime.sync.step_table import StepTable
 from graph import AttentionSplit
@@ -50,7 +51,7 @@ _GIB = 2**30
 
 
 def run_largest_step(eager: Any, cfg: Any, device: torch.device, context_len: int) -> None:
-    """One eager forward of each largest step and its greedy pick, on every rank alike (a
+    """One eager forward of each largest step and its costliest draw, on every rank alike (a
     collective when the dispatcher exchanges; the batch carries the plan it lays out from): the
     token budget over the most requests (``memory_sizing.largest_step_tokens``: the most logit
     rows), then as one request as long as the context allows (an attention backend that forms a
@@ -61,7 +62,7 @@ def run_largest_step(eager: Any, cfg: Any, device: torch.device, context_len: in
     for n, reqs in dict.fromkeys(((tokens, requests), (min(tokens, context_len), 1))):
         plan = plan_step(StepTable.from_counts([n] * cfg.dp_size, can_run_graph=False, is_extend=True), cfg)
         batch = capture_batch(reqs, n, plan, device=device, forward_mode=ForwardMode.EXTEND)
-        eager.run(batch).argmax(dim=-1)
+        worst_case_draw(eager.run(batch))
 
 
 def profile_largest_step(run_with_kv: Callable[[Any], None], make_kv: Callable[[], Any],

@@ -1,6 +1,6 @@
 """Overlapped steps on one GPU: a replayed decode step never makes the host wait for the GPU
-(torch's sync debug mode raises on any synchronising call), and overlap gives the tokens of
-step-by-step serving with graphs and FlashInfer."""
+(torch's sync debug mode raises on any synchronising call), greedy or sampled with logprobs, and
+overlap gives the tokens of step-by-step serving with graphs and FlashInfer."""
 
 from __future__ import annotations
 
@@ -32,14 +32,20 @@ def _spec(ckpt, attention: str, overlap: bool) -> RankSpec:
                            attention=attention, dispatcher="local", overlap_schedule=overlap)
 
 
-def _requests(new: int = 12) -> list[Request]:
-    return [Request(f"p{i}", p, SamplingParams(max_new_tokens=new)) for i, p in prompts_for(0, 1)]
+# Sampled rows (temperature, top-k, top-p) and logprobs are drawn on the device too.
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, logprobs=3)
 
 
+def _requests(new: int = 12, **sampling) -> list[Request]:
+    return [Request(f"p{i}", p, SamplingParams(max_new_tokens=new, seed=i, **sampling))
+            for i, p in prompts_for(0, 1)]
+
+
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("attention", ATTENTION)
-def test_replayed_decode_steps_never_wait_for_the_gpu(ckpt, attention):
+def test_replayed_decode_steps_never_wait_for_the_gpu(ckpt, attention, sampling):
     with RankWorker(_spec(ckpt, attention, True)) as w:
-        w.submit(_requests(new=40))
+        w.submit(_requests(new=40, **sampling))
         for _ in range(4):  # the prompts, then decode steps until the step is steady
             w.step()
         graph_steps = w.metrics()["graph_steps"]
@@ -56,12 +62,13 @@ def test_replayed_decode_steps_never_wait_for_the_gpu(ckpt, attention):
         assert all(len(r.output_ids) == 40 for r in w.pop_finished())
 
 
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("attention", ATTENTION)
-def test_overlap_gives_the_tokens_of_step_by_step_serving(ckpt, attention):
+def test_overlap_gives_the_tokens_of_step_by_step_serving(ckpt, attention, sampling):
     outs = []
     for overlap in (False, True):
         with RankWorker(_spec(ckpt, attention, overlap)) as w:
-            outs.append({r.rid: r.output_ids for r in w.generate(_requests())})
+            outs.append({r.rid: (r.output_ids, r.logprobs) for r in w.generate(_requests(**sampling))})
             assert w.metrics()["graph_steps"] > 0
             assert w.scheduler.allocator.num_free_slots == w.kv_cache.num_slots
     assert outs[0] == outs[1]

@@ -2,37 +2,65 @@
 rows in float32, before temperature, top-k and top-p (vLLM's default "raw" logprobs), so they
 describe the model, not the draw.
 
-Only rows that asked are computed, on the logits' device (one log-softmax and one top-k over
-those rows), and cross to the host together: a few floats per row, never the vocabulary.
+Only rows that asked are computed, on the logits' device, ``ROW_CHUNK`` rows at a time (one
+log-softmax, a gather and a top-k each), and their few floats per row cross to the host with the
+step's tokens, asynchronously (``step_tokens``): never the vocabulary, and never a wait.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from dp_runtime.serving.request import TokenLogprob
+from dp_runtime.serving.sampling import ROW_CHUNK, host_to_device
 
-__all__ = ["token_logprobs"]
+__all__ = ["LogprobRows", "logprob_rows"]
 
 
-def token_logprobs(logits_RV: torch.Tensor, tokens: Sequence[object], tops: Sequence[int]
-                   ) -> list[TokenLogprob | None]:
-    """For row ``r`` of ``logits_RV``: ``(logprob of tokens[r], ((id, logprob), ...))`` with the
-    ``tops[r]`` most likely ids, most likely first (ties in torch.topk's order); None where
-    ``tokens[r]`` is not an int (its draw failed)."""
-    lp_RV = torch.log_softmax(logits_RV.float(), dim=-1)
-    ok = [isinstance(t, int) for t in tokens]
-    picked_R = torch.tensor([t if o else 0 for t, o in zip(tokens, ok, strict=True)],
-                            device=lp_RV.device)
-    chosen = lp_RV.gather(1, picked_R[:, None])[:, 0].tolist()
-    k = min(max(tops, default=0), lp_RV.shape[-1])
-    if k:
-        top_vals, top_ids = lp_RV.topk(k, dim=-1)
-        vals, ids = top_vals.tolist(), top_ids.tolist()
-    out: list[TokenLogprob | None] = []
-    for r, (o, n) in enumerate(zip(ok, tops, strict=True)):
-        top = tuple(zip(ids[r][:n], vals[r][:n], strict=True)) if k and n else ()
-        out.append((chosen[r], top) if o else None)
-    return out
+@dataclass(frozen=True)
+class LogprobRows:
+    """The logprobs of the step's rows ``rows`` (ascending), ``tops[a]`` top alternatives each:
+    ``chosen_A`` the logprob of each row's token, ``top_vals_AK`` / ``top_ids_AK`` the K = max
+    ``tops`` most likely (ties in torch.topk's order), on whichever device they were made."""
+
+    rows: tuple[int, ...]
+    tops: tuple[int, ...]
+    chosen_A: torch.Tensor
+    top_vals_AK: torch.Tensor
+    top_ids_AK: torch.Tensor
+
+    def to_host(self, pin: bool) -> LogprobRows:
+        """The same rows with the tensors in (pinned) host memory, copied without waiting: read
+        them after the copy's event."""
+        def host(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            return out.copy_(t, non_blocking=pin)
+        return LogprobRows(self.rows, self.tops, host(self.chosen_A), host(self.top_vals_AK), host(self.top_ids_AK))
+
+    def per_row(self) -> dict[int, TokenLogprob]:
+        """Row -> ``(logprob, ((id, logprob), ...))`` (host tensors)."""
+        chosen, vals, ids = self.chosen_A.tolist(), self.top_vals_AK.tolist(), self.top_ids_AK.tolist()
+        return {row: (chosen[a], tuple(zip(ids[a][:n], vals[a][:n], strict=True)))
+                for a, (row, n) in enumerate(zip(self.rows, self.tops, strict=True))}
+
+
+def logprob_rows(logits_BV: torch.Tensor, ids_B: torch.Tensor, rows: Sequence[int],
+                 tops: Sequence[int]) -> LogprobRows:
+    """Logprobs of rows ``rows`` of ``logits_BV`` for their tokens ``ids_B[rows]`` (both on the
+    device), with ``tops[a]`` alternatives for row ``rows[a]``."""
+    k = min(max(tops, default=0), logits_BV.shape[-1])
+    dev = logits_BV.device
+    chosen_A = torch.empty(len(rows), dtype=torch.float32, device=dev)
+    vals_AK = torch.empty((len(rows), k), dtype=torch.float32, device=dev)
+    top_ids_AK = torch.empty((len(rows), k), dtype=torch.int64, device=dev)
+    at_A = host_to_device(rows, torch.int64, dev)
+    for lo in range(0, len(rows), ROW_CHUNK):
+        c = slice(lo, lo + ROW_CHUNK)
+        lp = torch.log_softmax(logits_BV.index_select(0, at_A[c]).float(), dim=-1)
+        chosen_A[c] = lp.gather(1, ids_B.index_select(0, at_A[c])[:, None])[:, 0]
+        if k:
+            vals_AK[c], top_ids_AK[c] = lp.topk(k, dim=-1)
+    return LogprobRows(tuple(rows), tuple(tops), chosen_A, vals_AK, top_ids_AK)

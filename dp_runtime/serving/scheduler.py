@@ -205,7 +205,8 @@ class Scheduler:
             if r.max_total_tokens > self.cache.num_slots:
                 refused.append(refused_result(r, kv_refusal(r, self.cache.num_slots), rank=self.rank))
                 continue
-            gen = None if r.sampling.greedy else torch.Generator().manual_seed(r.sampling.seed)
+            # On the logits' device: its draws stay there (sampling.draw_tokens).
+            gen = None if r.sampling.greedy else torch.Generator(self.last_tokens.device).manual_seed(r.sampling.seed)
             # insort_right: arrival order, and submission order among equal arrivals (FCFS).
             bisect.insort_right(self.waiting, _Req(r, now + r.arrival_s, generator=gen), key=lambda q: q.t_arrival)
             self._rids.add(r.rid)

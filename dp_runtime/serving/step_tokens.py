@@ -1,17 +1,16 @@
 """A step's sampled tokens on their way to the host, so the host can schedule and launch the
 next step before it reads them (``RuntimeConfig.overlap_schedule``).
 
-``launch_tokens`` runs right after a step's forward was launched:
+``launch_tokens`` runs right after a step's forward was launched. On the logits' device it
+draws every row's token (``sampling.draw_tokens``: the argmax, or a draw where the request
+samples with a temperature), writes the ids into the scheduler's ``last_tokens`` table (the
+next decode batch gathers its input ids there, in stream order) and, for rows that asked,
+computes their logprobs (``logprobs.logprob_rows``). One asynchronous copy per result brings
+them to pinned host buffers, with an event; ``StepTokens.wait`` later waits for that event
+alone. So greedy, sampled and logprobs rows all keep the overlap.
 
-- every sampling row greedy (the common case): the argmax runs on the device, its ids go into
-  the scheduler's ``last_tokens`` table (the next decode batch gathers its input ids there, in
-  stream order), and an asynchronous copy brings them to a pinned host buffer, with an event;
-  ``StepTokens.wait`` later waits for that event alone;
-- otherwise (a temperature/top-p row, a row that asked for logprobs, or a worker that keeps
-  logits for comparisons): the rows cross to the host now and are drawn there with each
-  request's generator (``sampling.sample_tokens``), and the drawn ids are written into
-  ``last_tokens``. Rows that asked for logprobs get them here too (``logprobs.token_logprobs``:
-  computed on the device, a few floats per row cross), after the draw, which they never change.
+A worker that keeps logits for comparisons (``kept_logits``) reads the step's rows on the host
+at once: a test path.
 
 Rows that do not sample (a prompt chunk that does not end its prompt) get the argmax written
 too: harmless, a row is read only after a step of its own sampled into it. A mixed step (decode
@@ -26,35 +25,46 @@ from dataclasses import dataclass
 
 import torch
 
-from dp_runtime.serving.logprobs import token_logprobs
-from dp_runtime.serving.request import TokenLogprob
-from dp_runtime.serving.sampling import RowFailure, sample_tokens
+from dp_runtime.serving.logprobs import LogprobRows, logprob_rows
+from dp_runtime.serving.request import LOGPROBS_LIMIT, SamplingParams, TokenLogprob
+from dp_runtime.serving.sampling import DrawnTokens, RowFailure, draw_failure, draw_tokens
 from dp_runtime.serving.scheduler import ScheduledStep
 
-__all__ = ["StepTokens", "launch_tokens"]
+__all__ = ["StepTokens", "launch_tokens", "worst_case_draw"]
 
 
 @dataclass
 class StepTokens:
-    """One step's tokens: ``tokens`` once known on the host (one entry per request of the
-    step: a token id, None where it did not sample, or a RowFailure), else the pinned ``host``
-    buffer that an asynchronous copy fills and the ``ready`` event that marks it done.
-    ``logprobs``: per request of the step, its token's logprobs where it asked (None: no row
-    of the step asked)."""
+    """One step's tokens: ``tokens`` once read on the host (one entry per request of the step:
+    a token id, None where it did not sample, or a RowFailure) and ``logprobs`` (per request,
+    its token's logprobs where it asked; None: no row of the step asked). Until ``wait``,
+    ``drawn`` holds the host copies (possibly still in flight) and ``ready`` the event that
+    marks them done (None: already done, e.g. on CPU)."""
 
     scheduled: ScheduledStep
     tokens: list[int | RowFailure | None] | None = None
-    host: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None
     logprobs: list[TokenLogprob | None] | None = None
+    drawn: DrawnTokens | None = None
+    lp_rows: LogprobRows | None = None
+    ready: torch.cuda.Event | None = None
 
     def wait(self) -> list[int | RowFailure | None]:
-        """The step's tokens; waits for this step's copy alone (later steps keep running)."""
+        """The step's tokens; waits for this step's copies alone (later steps keep running)."""
         if self.tokens is None:
-            assert self.host is not None and self.ready is not None
-            self.ready.synchronize()
-            ids = self.host.tolist()
-            self.tokens = [t if s else None for t, s in zip(ids, self.scheduled.samples, strict=True)]
+            assert self.drawn is not None
+            if self.ready is not None:
+                self.ready.synchronize()
+            reqs, samples = self.scheduled.reqs, self.scheduled.samples
+            tokens: list[int | RowFailure | None] = [t if s else None for t, s in
+                                                     zip(self.drawn.ids_B.tolist(), samples, strict=True)]
+            if self.drawn.failed_R is not None:
+                for i, bad in zip(self.drawn.drawn, self.drawn.failed_R.tolist(), strict=True):
+                    if bad:
+                        tokens[i] = draw_failure(reqs[i].request.sampling)
+            if self.lp_rows is not None:
+                got = self.lp_rows.per_row()
+                self.logprobs = [None if isinstance(t, RowFailure) else got.get(i) for i, t in enumerate(tokens)]
+            self.tokens = tokens
         return self.tokens
 
 
@@ -62,41 +72,39 @@ def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens
                   kept_logits: dict[str, list[torch.Tensor]] | None = None) -> StepTokens:
     """Start the step's sampling (module docstring). ``logits_BV``: one row per request of the
     step, in batch order; ``kept_logits``: when given, each sampled row's logits (CPU, float32)
-    are appended under its request id (this takes the host path)."""
+    are appended under its request id."""
     reqs, samples = scheduled.reqs, scheduled.samples
-    picked = [i for i, s in enumerate(samples) if s]
-    if not picked:
+    if not any(samples):
         return StepTokens(scheduled, tokens=[None] * len(reqs))
     rows_B = scheduled.batch.req_pool_indices[: len(reqs)]
-    params = [reqs[i].request.sampling for i in picked]
-    if kept_logits is None and all(p.greedy and p.logprobs is None for p in params):
-        ids_B = logits_BV.argmax(dim=-1)
-        last_tokens.index_copy_(0, rows_B, ids_B)
-        if not ids_B.is_cuda:
-            return StepTokens(scheduled, tokens=[t if s else None for t, s in zip(ids_B.tolist(), samples, strict=True)])
-        host = torch.empty(ids_B.shape, dtype=ids_B.dtype, pin_memory=True)
-        host.copy_(ids_B, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(ids_B.device))  # the logits' device, whatever is current
-        return StepTokens(scheduled, host=host, ready=ready)
-    rows = logits_BV if len(picked) == len(reqs) else logits_BV[picked]
-    drawn = sample_tokens(rows, params, [reqs[i].generator for i in picked])
-    tokens: list[int | RowFailure | None] = [None] * len(reqs)
-    for i, tok in zip(picked, drawn, strict=True):
-        tokens[i] = tok
-    logprobs = None
-    asked = [j for j, p in enumerate(params) if p.logprobs is not None]
-    if asked:
-        logprobs = [None] * len(reqs)
-        lp_rows = rows if len(asked) == len(picked) else rows[asked]
-        got = token_logprobs(lp_rows, [drawn[j] for j in asked], [params[j].logprobs for j in asked])
-        for j, lp in zip(asked, got, strict=True):
-            logprobs[picked[j]] = lp
+    params = [r.request.sampling if s else None for r, s in zip(reqs, samples, strict=True)]
+    drawn = draw_tokens(logits_BV, params, [r.generator for r in reqs])
+    last_tokens.index_copy_(0, rows_B, drawn.ids_B)
+    asked = [i for i, p in enumerate(params) if p is not None and p.logprobs is not None]
+    lp_rows = logprob_rows(logits_BV, drawn.ids_B, asked, [params[i].logprobs for i in asked]) if asked else None
     if kept_logits is not None:
-        for i, row in zip(picked, rows.float().cpu(), strict=True):
-            kept_logits.setdefault(reqs[i].request.rid, []).append(row)
-    good = [(i, t) for i, t in zip(picked, drawn, strict=True) if not isinstance(t, RowFailure)]
-    if good:
-        at = torch.tensor([i for i, _ in good], device=rows_B.device)
-        last_tokens.index_copy_(0, rows_B[at], torch.tensor([t for _, t in good], device=last_tokens.device))
-    return StepTokens(scheduled, tokens=tokens, logprobs=logprobs)
+        for i in (i for i, s in enumerate(samples) if s):
+            kept_logits.setdefault(reqs[i].request.rid, []).append(logits_BV[i].float().cpu())
+    if not logits_BV.is_cuda:
+        return StepTokens(scheduled, drawn=drawn, lp_rows=lp_rows)
+    host = DrawnTokens(_host_copy(drawn.ids_B), drawn.drawn,
+                       None if drawn.failed_R is None else _host_copy(drawn.failed_R))
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(logits_BV.device))  # the logits' device, whatever is current
+    return StepTokens(scheduled, drawn=host, lp_rows=None if lp_rows is None else lp_rows.to_host(pin=True), ready=ready)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+def worst_case_draw(logits_BV: torch.Tensor) -> torch.Tensor:
+    """Every row drawn the costliest way (a full-vocabulary top-p, every logprob alternative):
+    what the memory profile runs after its largest step, so the draw's temporaries are in the
+    peak the KV cache is sized from. Returns the ids."""
+    rows = logits_BV.shape[0]
+    worst = SamplingParams(temperature=1.0, top_p=0.5, logprobs=LOGPROBS_LIMIT)
+    gens = [torch.Generator(logits_BV.device).manual_seed(0)] * rows
+    drawn = draw_tokens(logits_BV, [worst] * rows, gens)
+    logprob_rows(logits_BV, drawn.ids_B, range(rows), [LOGPROBS_LIMIT] * rows)
+    return drawn.ids_B

@@ -1,0 +1,78 @@
+"""The device-side draw on a GPU: the distribution it draws from, a seeded row's tokens whatever
+its batch (CUDA generators), and no host synchronisation anywhere in a step's draw, logprobs
+and their copies to the host (torch's sync debug mode raises on any synchronising call)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dp_runtime.serving.logprobs import logprob_rows
+from dp_runtime.serving.request import SamplingParams
+from dp_runtime.serving.sampling import ROW_CHUNK, draw_tokens
+from tests.test_sampling import LOGITS, _reference
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_p=0.8),
+                                    SamplingParams(temperature=1.2, top_k=4, top_p=0.9)], ids=["p", "k-p"])
+def test_draws_follow_the_reference_distribution_on_the_gpu(params):
+    n = 6000
+    logits = LOGITS.cuda().expand(n, -1).contiguous()
+    gens = [torch.Generator("cuda").manual_seed(i) for i in range(n)]
+    ids = draw_tokens(logits, [params] * n, gens).ids_B.cpu()
+    want = _reference(LOGITS, params)
+    got = torch.bincount(ids, minlength=LOGITS.numel()).double() / n
+    assert torch.all(got[want == 0] == 0)
+    assert torch.all((got - want).abs() <= 4.5 * (want * (1 - want) / n).sqrt() + 1e-12), f"{got} against {want}"
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_its_batch_on_the_gpu():
+    vocab, size = 151_936, ROW_CHUNK + 9  # a real vocabulary; the row in the second chunk
+    torch.manual_seed(0)
+    steps = [torch.randn(vocab, device="cuda") * 3 for _ in range(3)]
+    mine = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    g = torch.Generator("cuda").manual_seed(mine.seed)
+    alone = [draw_tokens(s[None], [mine], [g]).ids_B.item() for s in steps]
+    g = torch.Generator("cuda").manual_seed(mine.seed)
+    batched = []
+    for s in steps:
+        rows = torch.randn(size, vocab, device="cuda")
+        rows[size - 1] = s
+        params = [SamplingParams(temperature=1.0, top_k=50)] * (size - 1) + [mine]
+        gens = [torch.Generator("cuda").manual_seed(100 + j) for j in range(size - 1)] + [g]
+        batched.append(draw_tokens(rows, params, gens).ids_B[size - 1].item())
+    assert batched == alone
+
+
+def test_a_draw_with_logprobs_never_waits_for_the_gpu():
+    rows, vocab = 2 * ROW_CHUNK + 1, 151_936
+    logits = torch.randn(rows, vocab, device="cuda")
+    params = [SamplingParams(temperature=0.8, top_k=(i % 3) * 20, top_p=(0.9 if i % 2 else 1.0), logprobs=5)
+              for i in range(rows)]
+    gens = [torch.Generator("cuda").manual_seed(i) for i in range(rows)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        drawn = draw_tokens(logits, params, gens)
+        lp = logprob_rows(logits, drawn.ids_B, range(rows), [5] * rows).to_host(pin=True)
+        host = torch.empty(rows, dtype=torch.int64, pin_memory=True).copy_(drawn.ids_B, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    done.synchronize()
+    assert not drawn.failed_R.any()
+    got = lp.per_row()
+    want = torch.log_softmax(logits, dim=-1)
+    for r in (0, ROW_CHUNK, rows - 1):
+        tok = host[r].item()
+        assert got[r][0] == pytest.approx(want[r, tok].item(), abs=1e-5)
+        assert [i for i, _ in got[r][1]] == want[r].topk(5).indices.tolist()
