@@ -6,7 +6,7 @@ official `openai` client and, where the SSE framing itself is checked, raw HTTP.
 module's fixtures (``server``, ``client``, ``name``): one server process for both. This module's
 name does not start with ``test_``: it is not collected on its own.
 
-The seeded tests are deterministic (the rank samples on CPU with a generator per seed): 8 tokens
+The seeded tests are deterministic (a draw's noise is keyed by the seed and token index): 8 tokens
 drawn at temperature 1 from the random model's 384 ids differ between seeds 11, 12 and 13.
 """
 

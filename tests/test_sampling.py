@@ -1,10 +1,12 @@
-"""The device-side draw (dp_runtime/serving/sampling.py) on CPU tensors: the distribution it
+"""The device-side draw (dp_runtime/serving/sampling.py) on CPU tensors, with both races (torch's,
+and the Triton kernel in Triton's interpreter, which tests/conftest.py sets): the distribution it
 draws from (against a float64 reference of temperature, top-k and top-p), tokens never outside
 the kept set, a seeded row's tokens independent of its batch (positions, neighbours, chunks),
 rows flagged where the draw is undefined, and the logprobs that ride along."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -35,10 +37,16 @@ def _reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def _draw_many(logits: torch.Tensor, p: SamplingParams, n: int, first_seed: int = 0) -> torch.Tensor:
-    """n draws from ``logits``, each by its own seeded generator (n rows of one batch)."""
-    gens = [torch.Generator().manual_seed(first_seed + i) for i in range(n)]
-    return draw_tokens(logits.expand(n, -1).contiguous(), [p] * n, gens).ids_B
+RACES = {"torch": False, "triton": True}
+
+
+def _draw_many(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool = False, *,
+               by_index: bool = False) -> torch.Tensor:
+    """n draws from ``logits`` as n rows of one batch: n requests seeded 0..n-1 drawing their
+    first token, or (``by_index``) one request's tokens 0..n-1."""
+    params = [p if by_index else dataclasses.replace(p, seed=i) for i in range(n)]
+    indices = list(range(n)) if by_index else [0] * n
+    return draw_tokens(logits.expand(n, -1).contiguous(), params, indices, use_triton=triton).ids_B
 
 
 @pytest.mark.parametrize("params", [
@@ -49,76 +57,101 @@ def _draw_many(logits: torch.Tensor, p: SamplingParams, n: int, first_seed: int 
     SamplingParams(temperature=0.8, top_k=100),  # k past the vocabulary: no restriction
 ], ids=["t1", "t0.5-k3", "t1-p0.7", "t1.5-k5-p0.6", "k-past-vocab"])
 def test_draws_follow_the_reference_distribution(params):
+    # torch's race; the kernel's is checked the same way on a GPU (test_sampling_gpu.py: the
+    # interpreter takes seconds per thousand rows)
     n = 6000
     want = _reference(LOGITS, params)
-    got = torch.bincount(_draw_many(LOGITS, params, n), minlength=LOGITS.numel()).double() / n
+    got = torch.bincount(_draw_many(LOGITS, params, n, by_index=params.top_k == 3),
+                         minlength=LOGITS.numel()).double() / n
     assert torch.all(got[want == 0] == 0), f"drew a dropped token: {got} against {want}"
     # Each frequency within 4.5 standard deviations of its probability (seeded: a fixed outcome).
     sigma = (want * (1 - want) / n).sqrt()
     assert torch.all((got - want).abs() <= 4.5 * sigma + 1e-12), f"{got} against {want}"
 
 
-def test_top_p_keeps_the_most_likely_token_even_below_its_mass():
+@pytest.mark.parametrize("race", RACES)
+def test_top_p_keeps_the_most_likely_token_even_below_its_mass(race):
     logits = torch.tensor([5.0, 0.0, 0.0, 0.0])
-    ids = _draw_many(logits, SamplingParams(temperature=1.0, top_p=1e-6), 50)
+    ids = _draw_many(logits, SamplingParams(temperature=1.0, top_p=1e-6), 50, RACES[race])
     assert ids.tolist() == [0] * 50
 
 
-def test_a_seeded_row_draws_the_same_tokens_whatever_its_batch():
-    gen_v = 50
+@pytest.mark.parametrize("race", RACES)
+def test_top_k_keeps_exactly_the_k_tokens_at_the_limits_of_float32(race):
+    # Logits an ulp apart: the k-th token must stay whatever rounding a recomputed z takes.
+    base = torch.tensor(1.0)
+    logits = torch.stack([base, base.nextafter(torch.tensor(2.0)), base.nextafter(torch.tensor(0.0)),
+                          torch.tensor(-3.0)])
+    ids = _draw_many(logits, SamplingParams(temperature=0.3, top_k=3), 100, RACES[race])
+    assert set(ids.tolist()) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("race", RACES)
+def test_each_token_of_a_request_and_each_seed_draw_their_own_noise(race):
+    flat = torch.zeros(1, 64)
+    by_index = [draw_tokens(flat, [SamplingParams(temperature=1.0, seed=5)], [i], use_triton=RACES[race]).ids_B.item()
+                for i in range(12)]
+    by_seed = [draw_tokens(flat, [SamplingParams(temperature=1.0, seed=s)], [3], use_triton=RACES[race]).ids_B.item()
+               for s in range(12)]
+    assert len(set(by_index)) >= 6 and len(set(by_seed)) >= 6, (by_index, by_seed)
+
+
+@pytest.mark.parametrize("race", RACES)
+def test_a_seeded_row_draws_the_same_tokens_whatever_its_batch(race):
+    vocab = 50
     torch.manual_seed(0)
-    steps = [torch.randn(gen_v) * 2 for _ in range(4)]
-    mine = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7)
+    steps = [torch.randn(vocab) * 2 for _ in range(4)]
+    mine = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=2**64 - 7)  # the seed's top bit set
 
     def alone():
-        g = torch.Generator().manual_seed(mine.seed)
-        return [draw_tokens(s[None], [mine], [g]).ids_B.item() for s in steps]
+        return [draw_tokens(s[None], [mine], [i], use_triton=RACES[race]).ids_B.item() for i, s in enumerate(steps)]
 
     def in_batch(position: int, size: int):
-        others = [SamplingParams(), SamplingParams(temperature=1.3), SamplingParams(temperature=0.7, top_p=0.5), None]
-        g = torch.Generator().manual_seed(mine.seed)
+        others = [SamplingParams(), SamplingParams(temperature=1.3, seed=3), None,
+                  SamplingParams(temperature=0.7, top_p=0.5, seed=2**63)]
         out = []
-        for s in steps:
+        for i, s in enumerate(steps):
             params = [others[j % len(others)] for j in range(size)]
             params[position] = mine
-            gens = [torch.Generator().manual_seed(100 + j) for j in range(size)]
-            gens[position] = g
-            rows = torch.randn(size, gen_v)
+            indices = [(j * 7 + i) % 11 for j in range(size)]
+            indices[position] = i
+            rows = torch.randn(size, vocab)
             rows[position] = s
-            out.append(draw_tokens(rows, params, gens).ids_B[position].item())
+            out.append(draw_tokens(rows, params, indices, use_triton=RACES[race]).ids_B[position].item())
         return out
 
     want = alone()
+    assert len(set(want)) > 1  # each token index draws its own noise
     assert in_batch(0, 3) == want
     assert in_batch(2, 5) == want
-    assert in_batch(ROW_CHUNK + 5, ROW_CHUNK + 9) == want  # in the second chunk of draws
+    if race == "torch":  # thresholds of a later chunk (the interpreter: slow at this size)
+        assert in_batch(ROW_CHUNK + 5, ROW_CHUNK + 9) == want
 
 
 def test_greedy_and_non_sampling_rows_take_the_argmax():
     logits = torch.randn(6, 30)
     params = [SamplingParams(), None, SamplingParams(temperature=1.0), None, SamplingParams(), SamplingParams()]
-    gens = [None, None, torch.Generator().manual_seed(1), None, None, None]
-    drawn = draw_tokens(logits, params, gens)
+    drawn = draw_tokens(logits, params, [0] * 6)
     argmax = logits.argmax(dim=-1)
     assert [drawn.ids_B[i].item() for i in (0, 1, 3, 4, 5)] == [argmax[i].item() for i in (0, 1, 3, 4, 5)]
     assert drawn.drawn == (2,) and drawn.failed_R.tolist() == [False]
 
 
-def test_rows_whose_draw_is_undefined_are_flagged_alone():
+@pytest.mark.parametrize("race", RACES)
+def test_rows_whose_draw_is_undefined_are_flagged_alone(race):
     logits = torch.randn(4, 16)
     logits[1, 3] = math.nan
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0),
-              SamplingParams(temperature=1e-45), SamplingParams(temperature=0.5, top_p=0.8)]
-    gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    drawn = draw_tokens(logits, params, gens)
+              SamplingParams(temperature=1e-45), SamplingParams(temperature=0.5, top_p=0.8, seed=4)]
+    drawn = draw_tokens(logits, params, [0, 1, 2, 3], use_triton=RACES[race])
     assert drawn.failed_R.tolist() == [False, True, True, False]
-    ok = torch.Generator().manual_seed(3)
-    assert drawn.ids_B[3].item() == draw_tokens(logits[3:], params[3:], [ok]).ids_B.item()
+    alone = draw_tokens(logits[3:], params[3:], [3], use_triton=RACES[race])
+    assert drawn.ids_B[3].item() == alone.ids_B.item()
 
 
 def test_mismatched_lengths_are_refused():
     with pytest.raises(ValueError, match="2 logits rows, 1 params"):
-        draw_tokens(torch.zeros(2, 4), [None], [None])
+        draw_tokens(torch.zeros(2, 4), [None], [0])
 
 
 def test_logprob_rows_are_the_raw_log_softmax():

@@ -4,13 +4,20 @@ and their copies to the host (torch's sync debug mode raises on any synchronisin
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from dp_runtime.serving.logprobs import logprob_rows
 from dp_runtime.serving.request import SamplingParams
 from dp_runtime.serving.sampling import ROW_CHUNK, draw_tokens
-from tests.test_sampling import LOGITS, _reference
+from tests.test_sampling import (
+    LOGITS,
+    _reference,
+    test_each_token_of_a_request_and_each_seed_draw_their_own_noise,
+    test_top_k_keeps_exactly_the_k_tokens_at_the_limits_of_float32,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -26,8 +33,7 @@ def _cuda():
 def test_draws_follow_the_reference_distribution_on_the_gpu(params):
     n = 6000
     logits = LOGITS.cuda().expand(n, -1).contiguous()
-    gens = [torch.Generator("cuda").manual_seed(i) for i in range(n)]
-    ids = draw_tokens(logits, [params] * n, gens).ids_B.cpu()
+    ids = draw_tokens(logits, [dataclasses.replace(params, seed=i) for i in range(n)], [0] * n).ids_B.cpu()
     want = _reference(LOGITS, params)
     got = torch.bincount(ids, minlength=LOGITS.numel()).double() / n
     assert torch.all(got[want == 0] == 0)
@@ -39,29 +45,37 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_its_batch_on_the_gpu():
     torch.manual_seed(0)
     steps = [torch.randn(vocab, device="cuda") * 3 for _ in range(3)]
     mine = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
-    g = torch.Generator("cuda").manual_seed(mine.seed)
-    alone = [draw_tokens(s[None], [mine], [g]).ids_B.item() for s in steps]
-    g = torch.Generator("cuda").manual_seed(mine.seed)
+    alone = [draw_tokens(s[None], [mine], [i]).ids_B.item() for i, s in enumerate(steps)]
     batched = []
-    for s in steps:
+    for i, s in enumerate(steps):
         rows = torch.randn(size, vocab, device="cuda")
         rows[size - 1] = s
-        params = [SamplingParams(temperature=1.0, top_k=50)] * (size - 1) + [mine]
-        gens = [torch.Generator("cuda").manual_seed(100 + j) for j in range(size - 1)] + [g]
-        batched.append(draw_tokens(rows, params, gens).ids_B[size - 1].item())
+        params = [SamplingParams(temperature=1.0, top_k=50, seed=j) for j in range(size - 1)] + [mine]
+        batched.append(draw_tokens(rows, params, [5] * (size - 1) + [i]).ids_B[size - 1].item())
     assert batched == alone
+
+
+def test_the_kernel_keeps_the_kth_token_and_keys_its_noise_on_the_gpu(monkeypatch):
+    # CUDA's float32 division is not the interpreter's: the threshold test must hold here too
+    real = draw_tokens
+
+    def on_gpu(logits, *args, **kw):
+        return real(logits.cuda(), *args, **kw)
+
+    monkeypatch.setattr("tests.test_sampling.draw_tokens", on_gpu)
+    test_top_k_keeps_exactly_the_k_tokens_at_the_limits_of_float32("triton")
+    test_each_token_of_a_request_and_each_seed_draw_their_own_noise("triton")
 
 
 def test_a_draw_with_logprobs_never_waits_for_the_gpu():
     rows, vocab = 2 * ROW_CHUNK + 1, 151_936
     logits = torch.randn(rows, vocab, device="cuda")
-    params = [SamplingParams(temperature=0.8, top_k=(i % 3) * 20, top_p=(0.9 if i % 2 else 1.0), logprobs=5)
-              for i in range(rows)]
-    gens = [torch.Generator("cuda").manual_seed(i) for i in range(rows)]
+    params = [SamplingParams(temperature=0.8, top_k=(i % 3) * 20, top_p=(0.9 if i % 2 else 1.0), logprobs=5,
+                             seed=i) for i in range(rows)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        drawn = draw_tokens(logits, params, gens)
+        drawn = draw_tokens(logits, params, list(range(rows)))
         lp = logprob_rows(logits, drawn.ids_B, range(rows), [5] * rows).to_host(pin=True)
         host = torch.empty(rows, dtype=torch.int64, pin_memory=True).copy_(drawn.ids_B, non_blocking=True)
         done = torch.cuda.Event()

@@ -87,7 +87,6 @@ class _Req:
     t_first_token: float | None = None
     token_times: list[float] = field(default_factory=list)  # seconds after arrival
     decode_steps: int = 0
-    generator: torch.Generator | None = None
     inflight: int = 0  # sampling steps scheduled whose token advance has not recorded yet
     done: bool = False  # finished: later tokens of steps already in flight are dropped
 
@@ -115,6 +114,7 @@ class ScheduledStep:
     num_new: tuple[int, ...]
     samples: tuple[bool, ...]
     num_decode: int = 0  # an EXTEND batch's leading decode rows (a mixed step); 0 otherwise
+    draws: tuple[int, ...] = ()  # where a row samples: the index in its output of the token drawn
 
     @property
     def is_extend(self) -> bool:
@@ -205,10 +205,8 @@ class Scheduler:
             if r.max_total_tokens > self.cache.num_slots:
                 refused.append(refused_result(r, kv_refusal(r, self.cache.num_slots), rank=self.rank))
                 continue
-            # On the logits' device: its draws stay there (sampling.draw_tokens).
-            gen = None if r.sampling.greedy else torch.Generator(self.last_tokens.device).manual_seed(r.sampling.seed)
             # insort_right: arrival order, and submission order among equal arrivals (FCFS).
-            bisect.insort_right(self.waiting, _Req(r, now + r.arrival_s, generator=gen), key=lambda q: q.t_arrival)
+            bisect.insort_right(self.waiting, _Req(r, now + r.arrival_s), key=lambda q: q.t_arrival)
             self._rids.add(r.rid)
         return refused
 
@@ -296,20 +294,22 @@ class Scheduler:
         samples = (True,) * len(decode) + tuple(r.kv_len + n == r.prompt_len for r, n in picks)
         for r in decode:
             r.decode_steps += 1
+        draws = tuple(len(r.output) + r.inflight for r in reqs)
         for r, n, sample in zip(reqs, takes, samples, strict=True):
             r.kv_len += n
             r.inflight += sample
-        return ScheduledStep(batch, reqs, takes, samples, num_decode=len(decode))
+        return ScheduledStep(batch, reqs, takes, samples, num_decode=len(decode), draws=draws)
 
     def _decode(self, running: list[_Req]) -> ScheduledStep:
         reqs = tuple(running)
         batch = decode_forward_batch(self.allocator, [r.row for r in reqs], [r.kv_len for r in reqs],
                                      token_table=self.last_tokens)
+        draws = tuple(len(r.output) + r.inflight for r in reqs)
         for r in reqs:
             r.kv_len += 1
             r.inflight += 1
             r.decode_steps += 1
-        return ScheduledStep(batch, reqs, (1,) * len(reqs), (True,) * len(reqs))
+        return ScheduledStep(batch, reqs, (1,) * len(reqs), (True,) * len(reqs), draws=draws)
 
     # -- results ---------------------------------------------------------------------------------
     def advance(self, step: ScheduledStep, tokens: list[int | RowFailure | None],

@@ -78,7 +78,7 @@ def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens
         return StepTokens(scheduled, tokens=[None] * len(reqs))
     rows_B = scheduled.batch.req_pool_indices[: len(reqs)]
     params = [r.request.sampling if s else None for r, s in zip(reqs, samples, strict=True)]
-    drawn = draw_tokens(logits_BV, params, [r.generator for r in reqs])
+    drawn = draw_tokens(logits_BV, params, scheduled.draws)
     last_tokens.index_copy_(0, rows_B, drawn.ids_B)
     asked = [i for i, p in enumerate(params) if p is not None and p.logprobs is not None]
     lp_rows = logprob_rows(logits_BV, drawn.ids_B, asked, [params[i].logprobs for i in asked]) if asked else None
@@ -104,7 +104,6 @@ def worst_case_draw(logits_BV: torch.Tensor) -> torch.Tensor:
     peak the KV cache is sized from. Returns the ids."""
     rows = logits_BV.shape[0]
     worst = SamplingParams(temperature=1.0, top_p=0.5, logprobs=LOGPROBS_LIMIT)
-    gens = [torch.Generator(logits_BV.device).manual_seed(0)] * rows
-    drawn = draw_tokens(logits_BV, [worst] * rows, gens)
+    drawn = draw_tokens(logits_BV, [worst] * rows, [0] * rows)
     logprob_rows(logits_BV, drawn.ids_B, range(rows), [LOGPROBS_LIMIT] * rows)
     return drawn.ids_B
