@@ -12,12 +12,8 @@ import torch
 from dp_runtime.serving.logprobs import logprob_rows
 from dp_runtime.serving.request import SamplingParams
 from dp_runtime.serving.sampling import ROW_CHUNK, draw_tokens
-from tests.test_sampling import (
-    LOGITS,
-    _reference,
-    test_each_token_of_a_request_and_each_seed_draw_their_own_noise,
-    test_top_k_keeps_exactly_the_k_tokens_at_the_limits_of_float32,
-)
+from tests import test_sampling as on_cpu  # a module, so its tests are not collected here too
+from tests.test_sampling import LOGITS, _reference
 
 pytestmark = pytest.mark.gpu
 
@@ -63,8 +59,8 @@ def test_the_kernel_keeps_the_kth_token_and_keys_its_noise_on_the_gpu(monkeypatc
         return real(logits.cuda(), *args, **kw)
 
     monkeypatch.setattr("tests.test_sampling.draw_tokens", on_gpu)
-    test_top_k_keeps_exactly_the_k_tokens_at_the_limits_of_float32("triton")
-    test_each_token_of_a_request_and_each_seed_draw_their_own_noise("triton")
+    on_cpu.test_top_k_keeps_exactly_the_k_tokens_at_the_limits_of_float32("triton")
+    on_cpu.test_each_token_of_a_request_and_each_seed_draw_their_own_noise("triton")
 
 
 def test_a_draw_with_logprobs_never_waits_for_the_gpu():
