@@ -131,7 +131,7 @@ class TestChoicesServed:
     ):
         key = client.api_key
         before = server.wait_kv_free(key)
-        with pytest.raises(openai.RateLimitError) as info:  # 16 > the server's room for 3
+        with pytest.raises(openai.RateLimitError) as info:  # 16 > the server's room for 4
             client.completions.create(model=name, prompt=[1, 2], max_tokens=2, n=16)
         assert info.value.body["code"] == "queue_full"
         routed = server.metrics(key)[ROUTED] - before[ROUTED]

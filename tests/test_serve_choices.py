@@ -3,7 +3,7 @@
 
 The HTTP tests of ``n`` (seeds, usage, streams, 429, a client leaving) run against a real server
 in test_serve_openai.py; a single choice cannot be made to fail from a client there (all choices
-share the prompt and fields), so here the engine itself aborts one choice, as a shutdown would.
+share the sampling fields), so here the engine itself aborts one choice, as a shutdown would.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_a_choice_aborted_by_the_engine_is_503_and_its_sibling_is_aborted(engine
                         seed=3, stop_token_ids=(), ignore_eos=True)
 
     async def request():
-        choices = submit_choices(state, "r", prompt, sampling, 2, seeded=True)
+        choices = submit_choices(state, "r", [(prompt, sampling)], 2, seeded=True)
         engine.abort("r-1")  # the engine ends choice 1 itself (as a shutdown does)
         http = Request({"type": "http", "method": "POST", "headers": []}, _never_disconnects)
         try:

@@ -18,13 +18,14 @@ import pytest
 from tests.hf_reference import greedy_reference, load_reference
 from tests.served_choices import TestChoicesServed  # noqa: F401  (runs here, on this server)
 from tests.served_logprobs import TestLogprobsServed  # noqa: F401  (runs here, on this server)
+from tests.served_prompts import TestPromptsServed  # noqa: F401  (runs here, on this server)
 from tests.support.serve_model import write_serve_checkpoint
 from tests.support.serve_process import ServeProcess, get
 
 KEY = "test-key"
 EOS_PROMPT = "hello world"
 CONTEXT = 128
-MAX_RUNNING, MAX_QUEUED = 2, 1
+MAX_RUNNING, MAX_QUEUED = 2, 2  # room for 4: two prompts of n = 2 (served_prompts.py)
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,13 @@ import math
 
 import pytest
 
+from launch.server.prompts import MAX_CHOICES, prompts_of
 from launch.server.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
     check_prompt_ids,
     messages_of,
-    prompt_of,
     sampling_of,
 )
 
@@ -158,15 +158,36 @@ def test_prompt_ids_checked_against_vocab_and_context():
     assert err.code == "context_length_exceeded"
 
 
-def test_prompt_forms():
-    assert prompt_of(CompletionRequest(model="m", prompt="hi")) == "hi"
-    assert prompt_of(CompletionRequest(model="m", prompt=[1, 2])) == [1, 2]
-    assert prompt_of(CompletionRequest(model="m", prompt=[[1, 2]])) == [1, 2]
-    assert prompt_of(CompletionRequest(model="m", prompt=["hi"])) == "hi"
-    _refused(
-        "prompt", "a batch of 2 prompts", prompt_of, CompletionRequest(model="m", prompt=["a", "b"])
-    )
-    _refused("prompt", "must not be empty", prompt_of, CompletionRequest(model="m", prompt=""))
+def _prompts(prompt, **kw):
+    return prompts_of(CompletionRequest(model="m", prompt=prompt, **kw))
+
+
+def test_prompt_forms_one_or_a_batch():
+    assert _prompts("hi") == ["hi"] and _prompts(["hi"]) == ["hi"]
+    assert _prompts([1, 2]) == [[1, 2]] and _prompts([[1, 2]]) == [[1, 2]]
+    assert _prompts(["a", "b"], n=2) == ["a", "b"]
+    assert _prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    assert len(_prompts([[1]] * (MAX_CHOICES // 16), n=16)) == MAX_CHOICES // 16
+    for prompt, match in [
+        ("", "prompt must not be empty"),
+        ([], r"at least one prompt .*got \[\]"),
+        (["a", ""], r"prompt\[1\] must not be empty"),
+        ([[1], []], r"prompt\[1\] must not be empty"),
+        (["a", [1]], r"not a mix: prompt\[0\] is a text, prompt\[1\] is a list"),
+        ([[1], "a"], r"not a mix: prompt\[0\] is a list, prompt\[1\] is a text"),
+        (["a", 1], r"prompt\[1\] is a token id"),
+        ([1, "a"], r"prompt\[1\] must be a token id \(an int\), got 'a'"),
+        ([[1, 2], [3, None]], r"prompt\[1\]\[1\] must be a token id"),
+        ([None], r"prompt\[0\] is null"),
+    ]:
+        _refused("prompt", match, _prompts, prompt)
+    # prompts x n past the limit names n when n > 1, else prompt; n's own range is sampling_of's.
+    k = MAX_CHOICES // 16 + 1
+    _refused("n", rf"prompts x n\) must be <= {MAX_CHOICES}, got {k} prompts x n 16 = {k * 16}",
+             _prompts, [[1]] * k, n=16)
+    _refused("prompt", rf"got {MAX_CHOICES + 1} prompts x n 1", _prompts,
+             ["a"] * (MAX_CHOICES + 1))
+    assert len(_prompts([[1]] * k, n=17)) == k
 
 
 def test_chat_messages():

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from launch.server.choices import submit_choices
 from launch.server.logprobs import ChoiceLogprobs, logprobs_of
 from launch.server.metrics import CONTENT_TYPE, ServerMetrics
+from launch.server.prompts import prompt_params, prompts_of
 from launch.server.protocol import (
     ApiError,
     ChatRequest,
@@ -33,7 +34,6 @@ from launch.server.protocol import (
     error_body,
     messages_of,
     now,
-    prompt_of,
     sampling_of,
 )
 from launch.server.respond import stream_response, whole_response
@@ -129,13 +129,16 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(engine, body.model)
-        prompt = prompt_of(body)
-        if isinstance(prompt, str):
-            ids = _encode(lambda: encode_text(tokenizer, engine.model_name, prompt), "prompt")
-        else:
-            ids = list(prompt)
+        prompts = prompts_of(body)
+        params = prompt_params(len(prompts))
+        ids = [
+            _encode(lambda p=p: encode_text(tokenizer, engine.model_name, p), param)
+            if isinstance(p, str)
+            else p
+            for p, param in zip(prompts, params, strict=True)
+        ]
         return await _serve(
-            state, request, "completion", body, ids, "prompt", _COMPLETION_MAX_TOKENS
+            state, request, "completion", body, ids, params, _COMPLETION_MAX_TOKENS
         )
 
     @app.post("/v1/chat/completions")
@@ -143,7 +146,7 @@ def create_app(
         _check_model(engine, body.model)
         messages = messages_of(body)
         ids = _encode(lambda: encode_chat(tokenizer, engine.model_name, messages), "messages")
-        return await _serve(state, request, "chat", body, ids, "messages", None)
+        return await _serve(state, request, "chat", body, [ids], ["messages"], None)
 
     return app
 
@@ -196,26 +199,40 @@ async def _serve(
     request: Request,
     kind: Kind,
     body: Any,
-    ids: list[int],
-    param: str,
+    prompts: list[list[int]],
+    params: list[str],
     default_max_tokens: int | None,
 ):
+    """Check each prompt (``params``: how errors name it) and the fields for it, submit ``n``
+    choices of each, and answer."""
     engine = state.engine
-    check_prompt_ids(ids, vocab_size=engine.vocab_size, context_len=engine.context_len, param=param)
-    sampling = sampling_of(
-        body,
-        prompt_len=len(ids),
-        context_len=engine.context_len,
-        vocab_size=engine.vocab_size,
-        default_max_tokens=default_max_tokens,
-    )
+    for ids, param in zip(prompts, params, strict=True):
+        check_prompt_ids(
+            ids, vocab_size=engine.vocab_size, context_len=engine.context_len, param=param
+        )
+    # Each prompt's sampling: max_tokens (its default, its limit) is the room its prompt leaves.
+    samplings = [
+        sampling_of(
+            body,
+            prompt_len=len(ids),
+            context_len=engine.context_len,
+            vocab_size=engine.vocab_size,
+            default_max_tokens=default_max_tokens,
+            prompt_name="the prompt" if len(prompts) == 1 else param,
+        )
+        for ids, param in zip(prompts, params, strict=True)
+    ]
+    logprobs = logprobs_of(body)
+    checked = [
+        (ids, replace(s, logprobs=logprobs)) for ids, s in zip(prompts, samplings, strict=True)
+    ]
+    sampling = checked[0][1]
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     n = body.n or 1  # sampling_of checked it
-    sampling = replace(sampling, logprobs=logprobs_of(body))
     lps = None  # each choice's logprobs object (launch/server/logprobs.py), when asked
     if sampling.logprobs is not None:
-        lps = [ChoiceLogprobs(kind, state.tokenizer) for _ in range(n)]
-    choices = submit_choices(state, rid, ids, sampling, n, seeded=body.seed is not None)
+        lps = [ChoiceLogprobs(kind, state.tokenizer) for _ in range(len(prompts) * n)]
+    choices = submit_choices(state, rid, checked, n, seeded=body.seed is not None)
     created = now()
     if sampling.stream:
         return await stream_response(

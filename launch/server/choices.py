@@ -1,13 +1,16 @@
-"""The ``n`` choices of one HTTP request: n engine requests, each a ``Flow``, read as one stream.
+"""The choices of one HTTP request: an engine request each, a ``Flow`` each, read as one stream.
 
-A request with ``n = k`` (``protocol.MAX_N`` at most) submits k engine requests with the same
-prompt and sampling fields; only the seed differs:
+A request with k prompts (one, or a completion's batch: launch/server/prompts.py) and ``n``
+choices per prompt submits k x n engine requests (``prompts.MAX_CHOICES`` at most, ``n``
+``protocol.MAX_N`` at most). Choice i of prompt p has index ``p * n + i`` (OpenAI's and vLLM's
+order), continues that prompt with its sampling fields; only the seed differs between choices:
 
-- with a request ``seed`` s, choice i samples with seed ``(s + i) mod 2**64`` (as vLLM does),
-  so the response is reproducible and choice 0 is what the same request with n = 1 gives;
+- with a request ``seed`` s, the choice of index j samples with seed ``(s + j) mod 2**64`` (as
+  vLLM does), so the response is reproducible, choice 0 is what the same request with n = 1
+  gives, and prompt p's choices are what prompt p alone gives with seed ``s + p * n``;
 - without one, every choice draws its own random seed (the rule for a single request).
 
-Greedy requests (temperature 0) give k identical choices, as OpenAI and vLLM do.
+Greedy requests (temperature 0) give n identical choices per prompt, as OpenAI and vLLM do.
 
 Each choice is one engine request against the engine's capacity. If submitting choice j is
 refused (queue full: 429, engine unavailable: 503, a field the engine rejects: 400), the choices
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 from launch.server.protocol import SEED_LIMIT, Sampling
@@ -29,30 +33,33 @@ from launch.server.request_flow import Event, Flow, submit
 __all__ = ["Choices", "choice_seeds", "submit_choices"]
 
 
-def choice_seeds(seed: int, n: int, *, seeded: bool) -> list[int]:
-    """The seed of each of ``n`` choices; ``seed`` is the request's (``seeded``) or the random
-    one ``sampling_of`` drew for it (then choices 1.. draw their own)."""
+def choice_seeds(seed: int, count: int, *, seeded: bool) -> list[int]:
+    """The seed of each of ``count`` choices by index; ``seed`` is the request's (``seeded``)
+    or the random one ``sampling_of`` drew for it (then choices 1.. draw their own)."""
     if seeded:
-        return [(seed + i) % SEED_LIMIT for i in range(n)]
-    return [seed] + [secrets.randbelow(2**63) for _ in range(n - 1)]
+        return [(seed + j) % SEED_LIMIT for j in range(count)]
+    return [seed] + [secrets.randbelow(2**63) for _ in range(count - 1)]
 
 
 def submit_choices(
-    state: Any, rid: str, prompt_ids: list[int], sampling: Sampling, n: int, *, seeded: bool
+    state: Any, rid: str, prompts: Sequence[tuple[list[int], Sampling]], n: int, *, seeded: bool
 ) -> Choices:
-    """Submit the ``n`` engine requests of one HTTP request (engine rids ``rid`` for n = 1,
-    else ``rid-0`` .. ``rid-{n-1}``). Raises ApiError (400/429/503) after aborting the choices
-    already submitted."""
+    """Submit ``n`` choices of each of ``prompts`` (a prompt's token ids with its checked
+    Sampling), in index order; engine rids ``rid`` for a single choice, else ``rid-0``,
+    ``rid-1``, .. by index. Raises ApiError (400/429/503) after aborting the choices already
+    submitted."""
+    count = len(prompts) * n
     flows: list[Flow] = []
     try:
-        for i, seed in enumerate(choice_seeds(sampling.seed, n, seeded=seeded)):
+        for j, seed in enumerate(choice_seeds(prompts[0][1].seed, count, seeded=seeded)):
+            ids, sampling = prompts[j // n]
             one = dataclasses.replace(sampling, seed=seed)
-            flows.append(submit(state, rid if n == 1 else f"{rid}-{i}", prompt_ids, one))
+            flows.append(submit(state, rid if count == 1 else f"{rid}-{j}", ids, one))
     except BaseException:
         for flow in flows:
             flow.close()
         raise
-    return Choices(flows)
+    return Choices(flows, prompt_tokens=sum(len(ids) for ids, _ in prompts))
 
 
 class Choices:
@@ -61,9 +68,9 @@ class Choices:
     One task per choice moves its Flow's events onto a shared queue, so a choice that runs
     ahead (another rank, or its sibling still queued) is never held up by the others."""
 
-    def __init__(self, flows: list[Flow]):
+    def __init__(self, flows: list[Flow], *, prompt_tokens: int):
         self.flows = flows
-        self.prompt_len = flows[0].prompt_len
+        self.prompt_tokens = prompt_tokens  # each prompt once, however many choices it has
         self._open = len(flows)  # choices whose last event has not been read yet
         self._merged: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()

@@ -10,6 +10,9 @@ the limit and the value::
 Sampling defaults are OpenAI's (temperature 1, top_p 1; completions' max_tokens 16, chat's the
 rest of the context). ``top_k``, ``seed``-less determinism, ``stop_token_ids`` and
 ``ignore_eos`` follow vLLM's extras: top_k -1 or 0 is off; no seed draws a random one.
+
+A completion's ``prompt`` may be a batch (prompts.py); the sampling fields are checked for each
+of its prompts, so ``max_tokens`` fits every one (its message names the prompt it does not fit).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ __all__ = [
 ]
 
 SEED_LIMIT = 2**64
-MAX_N = 16  # choices per request; each is one engine request (launch/server/choices.py)
+MAX_N = 16  # choices per prompt; each is one engine request (launch/server/choices.py)
 
 
 class ApiError(Exception):
@@ -99,7 +102,9 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # A text, token ids, texts or token-id lists: checked in prompts.py, which names `prompt`
+    # where pydantic's union would name one of its members.
+    prompt: str | list[Any]
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -121,23 +126,6 @@ class ChatRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
-
-
-def prompt_of(req: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request: text or token ids (a list of one is unwrapped;
-    batched prompts are refused, one request is one choice)."""
-    p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise bad(
-                "prompt",
-                f"prompt must be one text or one list of token ids; got a batch of {len(p)} "
-                f"prompts (send one request per prompt)",
-            )
-        p = p[0]
-    if isinstance(p, (str, list)) and not p:
-        raise bad("prompt", "prompt must not be empty")
-    return p
 
 
 def messages_of(req: ChatRequest) -> list[dict[str, str]]:
@@ -216,10 +204,12 @@ def sampling_of(
     context_len: int,
     vocab_size: int,
     default_max_tokens: int | None,
+    prompt_name: str = "the prompt",
 ) -> Sampling:
-    """Check ``req``'s sampling fields against the model; returns them resolved. Raises ApiError
-    (400) naming the first bad field, its limit and its value. ``default_max_tokens`` None means
-    the rest of the context (chat)."""
+    """Check ``req``'s sampling fields against the model for one prompt of ``prompt_len``
+    tokens (``prompt_name`` in messages: ``prompt[2]`` of a batch); returns them resolved.
+    Raises ApiError (400) naming the first bad field, its limit and its value.
+    ``default_max_tokens`` None means the rest of the context (chat)."""
     _refuse_unsupported(req)
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise bad("n", f"n must be in [1, {MAX_N}] (choices per request), got {req.n}")
@@ -235,7 +225,7 @@ def sampling_of(
     elif max_tokens > room:
         raise bad(
             name,
-            f"{name} must be <= {room} (context length {context_len} minus the prompt's "
+            f"{name} must be <= {room} (context length {context_len} minus {prompt_name}'s "
             f"{prompt_len} tokens), got {max_tokens}",
             code="context_length_exceeded",
         )

@@ -5,9 +5,9 @@ every choice the engine has not finished. The first choice to fail fails the who
 single request would (500 when it failed in its step, 503 when its rank failed or the engine
 aborted it) and its siblings are aborted; a client that leaves aborts them all.
 
-Bodies: ``choices`` indexed 0..n-1 (each with its text or message, finish_reason and
-``token_ids``); ``usage.prompt_tokens`` counts the prompt once, ``completion_tokens`` sums the
-choices. A stream interleaves the choices' chunks as their tokens arrive, each chunk naming its
+Bodies: ``choices`` indexed 0..k x n - 1 for k prompts (``prompt_index * n + choice``; each
+with its text or message, finish_reason and ``token_ids``); ``usage.prompt_tokens`` counts each
+prompt once, ``completion_tokens`` sums the choices. A stream interleaves the choices' chunks as their tokens arrive, each chunk naming its
 choice's ``index``; each choice ends with its own finish_reason chunk, then comes the usage
 chunk (with ``include_usage``) and one ``[DONE]``.
 """
@@ -60,7 +60,7 @@ async def whole_response(
     finally:
         gone.cancel()
         choices.close()
-    use = usage(choices.prompt_len, choices.completion_tokens)
+    use = usage(choices.prompt_tokens, choices.completion_tokens)
     bodies = [
         response(kind, rid, model, created, "".join(parts[i]), ev.finish_reason, use)
         for i, ev in enumerate(last)
@@ -182,7 +182,7 @@ async def stream_response(
                     yield _sse(body)
                 got = None if choices.finished else await choices.next()
             if include_usage:
-                use = usage(choices.prompt_len, choices.completion_tokens)
+                use = usage(choices.prompt_tokens, choices.completion_tokens)
                 yield _sse(chunk(kind, rid, model, created, None, None, use=use))
             yield "data: [DONE]\n\n"
         finally:
