@@ -30,6 +30,7 @@ from dp_runtime.attention.triton_decode import TRITON_DECODE_MIN_BS
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.graph_setup import extend_capture_tokens
 from dp_runtime.model.model_config import ModelConfig
+from dp_runtime.serving.sampling import ROW_CHUNK, SORT_CHUNK
 
 __all__ = [
     "CUBLAS_WORKSPACE_BYTES",
@@ -39,6 +40,7 @@ __all__ = [
     "allocator_cache_bytes",
     "attention_backend_bytes",
     "attention_graph_state_bytes",
+    "draw_phase_bytes",
     "expert_rows",
     "forward_peak_bytes_estimate",
     "forward_phase_bytes",
@@ -155,6 +157,28 @@ def forward_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, n
     return attention, moe, head
 
 
+# Bytes a sorted element of a top-p draw holds at the sort's peak: the float32 copy and the
+# sorted values, torch's int64 indices and the sort's double buffers. Fitted: the profile's
+# costliest draw over 64-row chunks (81e2ee0, one H200, qwen3-30b-a3b) measured activation_peak
+# 0.976 GiB at 256 running and 0.788 at 64, +0.221 and +0.035 over the forward; with the logits
+# below, 48 bytes an element gives +0.221 and +0.050.
+SORT_BYTES_PER_ELEMENT = 48
+
+
+def draw_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_logit_rows: int, sort_chunk: int = SORT_CHUNK) -> int:
+    """ESTIMATE of what the profile's costliest draw (``step_tokens.worst_case_draw``: every row
+    with a top-p alone, and every logprob) holds at its peak, after the forward::
+
+        R*V*(e + 4)                          the logits in dtype and in fp32
+        + V*max(min(R, S)*48, min(R, 64)*8)  a top-p sort's chunk of S rows
+                                             (``sampling.SORT_CHUNK``), or a logprobs chunk
+                                             (the rows and their log-softmax)
+    """
+    r, v = int(num_logit_rows), cfg.vocab_size
+    chunk = max(min(r, sort_chunk) * SORT_BYTES_PER_ELEMENT, min(r, ROW_CHUNK) * 2 * _FP32)
+    return r * v * (ms.dtype_bytes(dtype) + _FP32) + v * chunk
+
+
 def allocator_cache_bytes(cfg: ModelConfig) -> int:
     """ESTIMATE of torch's reserved memory beyond the weights and the rank's pool when the rank
     sizes its KV cache (``memory_report()["allocator_cache"]``): the RoPE table (fp32 cos/sin,
@@ -172,15 +196,17 @@ def largest_step_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len
     """ESTIMATE of what the rank's profile step measures (``rank_memory.profile_largest_step``):
     the allocation growth over one eager forward of the largest step
     (``memory_sizing.largest_step_tokens``) on a one-slot KV cache with an attention backend of
-    its own. That is the forward's peak (``forward_peak_bytes_estimate``) plus the dispatcher's
+    its own, and its costliest draw. That is the larger of the forward's peak
+    (``forward_peak_bytes_estimate``) and the draw's (``draw_phase_bytes``), plus the dispatcher's
     step buffers at ``T`` (all_to_all), the backend (``attention_backend_bytes``), the one-slot
     cache (``memory_sizing.kv_cache_bytes``), the eager registry the probe's runner takes from
     the pool (``memory_sizing.graph_input_bytes`` without decode graphs) and the cuBLAS
     workspace of the rank's first GEMM (``CUBLAS_WORKSPACE_BYTES``)."""
     tokens, requests = ms.largest_step_tokens(rt, context_len)
     moe = (cfg.hidden_size, cfg.top_k, rt.dtype)
-    peak = forward_peak_bytes_estimate(cfg, rt.dtype, tokens, requests, dispatcher=dispatcher, dp_size=rt.dp_size,
-                                       ep_size=rt.ep_size)
+    peak = max(forward_peak_bytes_estimate(cfg, rt.dtype, tokens, requests, dispatcher=dispatcher,
+                                           dp_size=rt.dp_size, ep_size=rt.ep_size),
+               draw_phase_bytes(cfg, rt.dtype, requests))
     peak += ms.dispatcher_step_bytes(dispatcher, rt.ep_size, tokens, *moe)
     peak += attention_backend_bytes(attention) + CUBLAS_WORKSPACE_BYTES
     peak += ms.kv_cache_bytes(cfg, rt.kv_cache_dtype, 1, rt.max_running_requests, context_len)

@@ -11,9 +11,9 @@ Every row gets the argmax. A row that samples (temperature > 0) is then drawn fr
    token, is a draw from ``softmax(z)`` restricted to them (the Gumbel-max trick).
 
 Both filters come down to one threshold per row on the raw logits (``_thresholds``: the value
-of the last kept token; z is monotonic in the logit), found with torch on the rows that filter,
-``ROW_CHUNK`` rows at a time: a row with top-k among its k values, one with top-p alone by
-sorting its vocabulary. The race then runs on CUDA as one Triton launch for every drawn row
+of the last kept token; z is monotonic in the logit), found with torch on the rows that filter:
+a row with top-k among its k values (``ROW_CHUNK`` rows at a time), one with top-p alone by
+sorting its vocabulary (``SORT_CHUNK`` rows at a time). The race then runs on CUDA as one Triton launch for every drawn row
 (``sampling_triton``), elsewhere with torch a row at a time.
 
 The noise of a draw is keyed by the request's seed and the token's index in its output
@@ -36,9 +36,10 @@ import torch
 from dp_runtime.serving.request import SamplingParams
 from dp_runtime.serving.sampling_triton import race_triton, triton
 
-__all__ = ["ROW_CHUNK", "DrawnTokens", "RowFailure", "draw_failure", "draw_tokens", "host_to_device"]
+__all__ = ["ROW_CHUNK", "SORT_CHUNK", "DrawnTokens", "RowFailure", "draw_failure", "draw_tokens", "host_to_device"]
 
-ROW_CHUNK = 64  # rows whose thresholds are found together: bounds the rows x vocabulary temporaries
+ROW_CHUNK = 64  # rows whose top-k thresholds are found together: bounds the rows x vocabulary temporaries
+SORT_CHUNK = 16  # rows sorted together for a top-p without top-k (a sort's buffers: ~48 bytes an element)
 _MASK64 = 2**64 - 1
 
 
@@ -110,37 +111,47 @@ def _signed64(seed: int) -> int:
 def _thresholds(logits_BV: torch.Tensor, params: Sequence[SamplingParams], rows_R: torch.Tensor,
                 temp_R: torch.Tensor) -> torch.Tensor:
     """Each drawn row's threshold on its raw logits: the smallest value its top-k and top-p keep
-    (-inf where it filters nothing)."""
-    vocab = logits_BV.shape[1]
-    thr_R = torch.full((len(params),), -torch.inf, device=logits_BV.device)
+    (-inf where it filters nothing). Rows with top-k rank their k values, ``ROW_CHUNK`` rows at
+    a time; rows with top-p alone sort their vocabulary, ``SORT_CHUNK`` rows at a time (a sort's
+    buffers take ~48 bytes per element: memory_estimates.draw_phase_bytes)."""
+    vocab, dev = logits_BV.shape[1], logits_BV.device
+    thr_R = torch.full((len(params),), -torch.inf, device=dev)
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    filtering = [r for r, (p, k) in enumerate(zip(params, ks, strict=True)) if k or p.top_p < 1]
-    for lo in range(0, len(filtering), ROW_CHUNK):
-        chunk = filtering[lo : lo + ROW_CHUNK]
-        at = host_to_device(chunk, torch.int64, logits_BV.device)
-        x = logits_BV.index_select(0, rows_R.index_select(0, at)).float()
-        k_c = [ks[r] for r in chunk]
-        p_c = [params[r].top_p for r in chunk]
-        k_C, top_p_C = host_to_device([k_c, p_c], torch.float32, logits_BV.device).unbind(0)
-        k_C = k_C.long()
-        thr = torch.full((len(chunk),), -torch.inf, device=logits_BV.device)
-        ranked = None
-        if max(k_c):
-            ranked = x.topk(max(k_c), dim=-1).values  # descending
-            thr = ranked.gather(1, (k_C - 1).clamp(min=0)[:, None])[:, 0].masked_fill_(k_C == 0, -torch.inf)
-            past_k = torch.arange(ranked.shape[1], device=x.device)[None, :] >= k_C[:, None]
-            ranked.masked_fill_(past_k & (k_C[:, None] > 0), -torch.inf)
-        if min(p_c) < 1:
-            if ranked is None or any(p < 1 and k == 0 for p, k in zip(p_c, k_c, strict=True)):
-                # a row with top-p alone ranks its whole vocabulary (past its top-k: -inf)
-                ranked = x.masked_fill_(x < thr[:, None], -torch.inf).sort(dim=-1, descending=True).values
-            probs = (ranked / temp_R.index_select(0, at)[:, None]).softmax(dim=-1)
-            above = probs.cumsum(dim=-1).sub_(probs)
-            n_keep = (above < top_p_C[:, None]).sum(dim=-1).clamp_(min=1)
-            thr_p = ranked.gather(1, (n_keep - 1)[:, None])[:, 0].masked_fill_(top_p_C >= 1, -torch.inf)
-            thr = torch.maximum(thr, thr_p)
-        thr_R.index_copy_(0, at, thr)
+    ranked_k = [r for r, k in enumerate(ks) if k]
+    sorted_p = [r for r, (p, k) in enumerate(zip(params, ks, strict=True)) if not k and p.top_p < 1]
+    for group, size in ((ranked_k, ROW_CHUNK), (sorted_p, SORT_CHUNK)):
+        for lo in range(0, len(group), size):
+            chunk = group[lo : lo + size]
+            at = host_to_device(chunk, torch.int64, dev)
+            x = logits_BV.index_select(0, rows_R.index_select(0, at)).float()
+            k_c = [ks[r] for r in chunk]
+            k_C, top_p_C = host_to_device([k_c, [params[r].top_p for r in chunk]], torch.float32, dev).unbind(0)
+            if group is ranked_k:
+                ranked = x.topk(max(k_c), dim=-1).values  # descending
+                k_C = k_C.long()
+                thr = ranked.gather(1, (k_C - 1)[:, None])[:, 0]
+                ranked.masked_fill_(torch.arange(ranked.shape[1], device=dev)[None, :] >= k_C[:, None], -torch.inf)
+            else:
+                ranked = x.sort(dim=-1, descending=True).values
+                thr = torch.full((len(chunk),), -torch.inf, device=dev)
+            del x
+            if any(params[r].top_p < 1 for r in chunk):
+                thr = torch.maximum(thr, _top_p_threshold(ranked, temp_R.index_select(0, at), top_p_C))
+            thr_R.index_copy_(0, at, thr)
     return thr_R
+
+
+def _top_p_threshold(ranked_CW: torch.Tensor, temp_C: torch.Tensor, top_p_C: torch.Tensor) -> torch.Tensor:
+    """The raw value of each row's last nucleus token: ``ranked_CW`` holds the row's kept raw
+    logits, descending (-inf past them); token i stays while the mass ranked above it (at the
+    row's temperature) is below ``top_p``, i.e. for i <= the count of inclusive sums below it
+    (rows with top_p 1 keep all: -inf). One C x W float32 buffer, worked in place."""
+    probs = ranked_CW.div(temp_C[:, None])
+    probs.sub_(probs[:, :1].clone()).exp_()  # the first column is the row's largest (a copy: no aliasing)
+    probs.div_(probs.sum(dim=-1, keepdim=True)).cumsum_(dim=-1)
+    n_keep = (probs < top_p_C[:, None]).sum(dim=-1).add_(1).clamp_(max=ranked_CW.shape[1])
+    thr = ranked_CW.gather(1, (n_keep - 1)[:, None])[:, 0]
+    return thr.masked_fill_(top_p_C >= 1, -torch.inf)
 
 
 def _race_torch(logits_BV: torch.Tensor, rows_R: torch.Tensor, temp_R: torch.Tensor, thr_R: torch.Tensor,
