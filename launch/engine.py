@@ -85,6 +85,12 @@ class Engine:
         self._pollers: list[threading.Thread] = []
         self._ray_started = False
 
+    @property
+    def capacity(self) -> int:
+        """The most requests in flight at once (``max_running_requests`` x ranks + ``max_queued``):
+        past it ``submit`` raises QueueFull."""
+        return self._capacity
+
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self, on_phase: Callable[[str], None] | None = None) -> Engine:
         """Bring the ranks up and start serving; blocks until every rank is ready. Raises what

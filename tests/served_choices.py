@@ -131,11 +131,22 @@ class TestChoicesServed:
     ):
         key = client.api_key
         before = server.wait_kv_free(key)
-        with pytest.raises(openai.RateLimitError) as info:  # 16 > the server's room for 4
+        with pytest.raises(openai.BadRequestError) as info:  # 16 > the server's room for 4: never
             client.completions.create(model=name, prompt=[1, 2], max_tokens=2, n=16)
+        assert info.value.body["param"] == "n" and "16 engine requests" in info.value.body["message"]
+        assert "at most 4 in flight" in info.value.body["message"]
+        assert server.metrics(key)[ROUTED] == before[ROUTED]  # refused before any was submitted
+        context = client.models.list().data[0].model_extra["max_model_len"]
+        held = client.completions.create(model=name, prompt=[1, 2, 3], max_tokens=context - 3, n=2,
+                                         stream=True, extra_body={"ignore_eos": True})
+        it = iter(held)
+        next(it)  # two of the four places are taken
+        with pytest.raises(openai.RateLimitError) as info:  # 3 > the 2 left: 429, retry later
+            client.completions.create(model=name, prompt=[1, 2], max_tokens=2, n=3)
         assert info.value.body["code"] == "queue_full"
+        held.close()
         routed = server.metrics(key)[ROUTED] - before[ROUTED]
-        assert routed >= 1  # the ones submitted before the queue was full: each aborted
+        assert routed >= 3  # the held two, and those submitted before the queue was full: aborted
         assert _wait_aborted(server, key, before.get(ABORTED, 0) + routed)[IN_FLIGHT] == 0
         r = client.completions.create(model=name, prompt=[1, 2], max_tokens=2, n=3)
         assert [c.index for c in r.choices] == [0, 1, 2]

@@ -12,8 +12,9 @@ order), continues that prompt with its sampling fields; only the seed differs be
 
 Greedy requests (temperature 0) give n identical choices per prompt, as OpenAI and vLLM do.
 
-Each choice is one engine request against the engine's capacity. If submitting choice j is
-refused (queue full: 429, engine unavailable: 503, a field the engine rejects: 400), the choices
+Each choice is one engine request against the engine's capacity. A request of more choices than
+the engine ever holds (``Engine.capacity``) is a 400 naming ``n`` (or ``prompt``). If submitting
+choice j is refused (queue full: 429, engine unavailable: 503, a field the engine rejects: 400), the choices
 already submitted are aborted and that error is the response. ``Choices.close`` aborts every
 choice the engine has not finished: the responses call it when the first choice fails (its
 siblings give their KV back), when the client leaves, and when the response is complete.
@@ -27,7 +28,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from launch.server.protocol import SEED_LIMIT, Sampling
+from launch.server.protocol import SEED_LIMIT, Sampling, bad
 from launch.server.request_flow import Event, Flow, submit
 
 __all__ = ["Choices", "choice_seeds", "submit_choices"]
@@ -49,6 +50,11 @@ def submit_choices(
     ``rid-1``, .. by index. Raises ApiError (400/429/503) after aborting the choices already
     submitted."""
     count = len(prompts) * n
+    room = state.engine.capacity
+    if count > room:  # never admissible: a 429 would have the client retry forever
+        raise bad("n" if n > 1 else "prompt",
+                  f"the request's {len(prompts)} prompt(s) x n={n} are {count} engine requests; this server holds "
+                  f"at most {room} in flight (max_running_requests x ranks + --max-queued)")
     flows: list[Flow] = []
     try:
         for j, seed in enumerate(choice_seeds(prompts[0][1].seed, count, seeded=seeded)):

@@ -20,7 +20,8 @@ from launch.server.protocol import MAX_N, CompletionRequest, bad
 __all__ = ["MAX_CHOICES", "prompt_params", "prompts_of"]
 
 # Choices per request (prompts x n), each one engine request: n's 16 for 16 prompts, or 256
-# single-choice prompts (a batching client's batch). A batch past the engine's queue is 429 whole.
+# single-choice prompts (a batching client's batch). One past the engine's capacity is a 400
+# (choices.submit_choices); one past its free room now, a 429 whole.
 MAX_CHOICES = 256
 
 _FORMS = "a text, a list of token ids, a list of texts or a list of token-id lists"
