@@ -82,6 +82,8 @@
 #                                   #   mixed steps auto/fp8; serve_load (lof) at RUNNING in .bases/b7 (eb898bf), here
 #                                   #   auto and here fp8 (KVS, NO_BASE=1 to skip b7)
 #   bash bench/run_gpu.sh gpu16     # one GPU: the logprobs GPU test and the FP8 KV GPU tests
+#   bash bench/run_gpu.sh bias18    # one GPU: logit_bias's GPU tests (sampling, logprobs, rank memory, overlap);
+#                                   #   plan --measure at 64 and 256 running (the profile's draw now biases its rows)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -482,6 +484,14 @@ case "${1:-one}" in
       TAIL=2 step load${n}_t${s%%:*}_p${s##*:} timeout ${TLOAD:-240} python bench/serve_load.py --model qwen3-30b-a3b \
         --device cuda --rates inf --num-requests ${REQ:-128} --max-running-requests $n --policy lof --json --gpu-spans \
         --temperature ${s%%:*} --top-p ${s##*:} ${BASE_ARGS:-}
+    done
+    ;;
+  bias18)  # one GPU: logit_bias's GPU tests; plan --measure at 64 and 256 running (worst_case_draw with a bias)
+    step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_sampling_gpu.py \
+      tests/test_logprobs.py tests/test_rank_memory_gpu.py tests/test_overlap_gpu.py
+    for n in 64 256; do
+      TAIL=16 step plan_measure_$n timeout ${PLAN_TIMEOUT:-140} python -m launch.cli plan --model qwen3-30b-a3b \
+        --dp 1 --ep 1 --max-running-requests $n --context-len 4096 --measure
     done
     ;;
   gpu16)  # one GPU: session 16's GPU tests not yet run on a GPU (logprobs on the device, the FP8 prologue's q/k checks)

@@ -165,17 +165,25 @@ def forward_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, n
 SORT_BYTES_PER_ELEMENT = 48
 
 
-def draw_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_logit_rows: int, sort_chunk: int = SORT_CHUNK) -> int:
+def draw_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_logit_rows: int, sort_chunk: int = SORT_CHUNK,
+                     bias_chunk: int = ROW_CHUNK) -> int:
     """ESTIMATE of what the profile's costliest draw (``step_tokens.worst_case_draw``: every row
-    with a top-p alone, and every logprob) holds at its peak, after the forward::
+    with a logit_bias and a top-p alone, and every logprob) holds at its peak, after the
+    forward::
 
         R*V*(e + 4)                          the logits in dtype and in fp32
-        + V*max(min(R, S)*48, min(R, 64)*8)  a top-p sort's chunk of S rows
-                                             (``sampling.SORT_CHUNK``), or a logprobs chunk
-                                             (the rows and their log-softmax)
+        + V*max(min(R, B)*4 + min(R, S)*48,  a biased copy of B rows (``sampling.ROW_CHUNK``)
+                                             and a top-p sort's chunk of S rows within it
+                                             (``sampling.SORT_CHUNK``),
+                min(R, 64)*8)                or a logprobs chunk (the rows and their
+                                             log-softmax)
+
+    The biased copy's 4 bytes an element are its float32 rows (not measured yet; the sort's 48
+    are). ``bias_chunk`` 0: a draw without logit_bias, as the profile ran before it had one.
     """
     r, v = int(num_logit_rows), cfg.vocab_size
-    chunk = max(min(r, sort_chunk) * SORT_BYTES_PER_ELEMENT, min(r, ROW_CHUNK) * 2 * _FP32)
+    drawing = min(r, bias_chunk) * _FP32 + min(r, sort_chunk) * SORT_BYTES_PER_ELEMENT
+    chunk = max(drawing, min(r, ROW_CHUNK) * 2 * _FP32)
     return r * v * (ms.dtype_bytes(dtype) + _FP32) + v * chunk
 
 

@@ -13,6 +13,7 @@ from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.admission import admit, check_request
 from dp_runtime.serving.request import Request, SamplingParams
+from launch.engine_errors import rejection
 from launch.local_launcher import launch_local
 from launch.torchrun_main import run_torchrun
 
@@ -49,6 +50,16 @@ def _good(n: int, new: int = 4) -> list[Request]:
     (dict(max_new_tokens=True), "max_new_tokens must be an int >= 1, got True"),
     (dict(seed=2**64), r"seed must be an int in \[0, 2\*\*64\)"),
     (dict(stop_token_ids=(1, -3)), "stop_token_ids must be a tuple of ints >= 0"),
+    (dict(logit_bias=((1, 100.5),)),
+     r"logit_bias\[0\]: the bias of token 1 must be a finite number in \[-100, 100\], got 100.5"),
+    (dict(logit_bias={3: math.nan}), r"logit_bias\[0\]: the bias of token 3 .*got nan"),
+    (dict(logit_bias=((2, True),)), r"logit_bias\[0\]: the bias of token 2 .*got True"),
+    (dict(logit_bias=((1, 1.0), (-1, 1.0))), r"logit_bias\[1\]: the token id must be an int >= 0, got -1"),
+    (dict(logit_bias=((1.0, 1.0),)), r"logit_bias\[0\]: the token id must be an int >= 0, got 1.0"),
+    (dict(logit_bias=((4, 1.0), (4, -1.0))), r"logit_bias\[1\]: token id 4 is given twice"),
+    (dict(logit_bias=((4, 1.0, 2.0),)), r"logit_bias\[0\] must be a \(token_id, bias\) pair"),
+    (dict(logit_bias=tuple((t, 1.0) for t in range(301))), "logit_bias must hold at most 300 entries, got 301"),
+    (dict(logit_bias="5"), "logit_bias must be a tuple of .token_id, bias. pairs, got str '5'"),
 ])
 def test_sampling_params_refuse_what_cannot_be_sampled(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -76,6 +87,20 @@ def test_check_request_names_the_field_the_limit_and_the_value():
     assert "prompt_ids[0] must be an int >= 0, got 2.5" in check_request(_smuggled(ok, prompt_ids=(2.5,)), VOCAB)
     bad_sampling = _smuggled(SamplingParams(), temperature=math.nan)
     assert "temperature must be a finite number" in check_request(_smuggled(ok, sampling=bad_sampling), VOCAB)
+
+
+def test_a_logit_bias_is_checked_against_the_vocabulary_and_crosses_a_pickle():
+    sp = SamplingParams(logit_bias={255: 100, 3: -2.5})  # a dict is taken as its pairs, frozen
+    assert sp.logit_bias == ((255, 100), (3, -2.5)) and pickle.loads(pickle.dumps(sp)) == sp
+    assert SamplingParams(logit_bias=[[7, 1.0]]).logit_bias == ((7, 1.0),)  # a JSONL line's form
+    assert check_request(Request("a", [1], sp), VOCAB) is None
+    over = Request("a", [1], SamplingParams(logit_bias=((3, 1.0), (256, 1.0))))
+    message = check_request(over, VOCAB)
+    assert message == "request 'a': SamplingParams.logit_bias[1]: token id 256 is not in [0, vocab_size=256)"
+    assert rejection(message).field == "logit_bias"  # the engine's 400 names it
+    smuggled = _smuggled(Request("a", [1]), sampling=_smuggled(SamplingParams(), logit_bias=((1, 1e9),)))
+    assert "the bias of token 1 must be a finite number in [-100, 100], got 1000000000.0" in check_request(
+        smuggled, VOCAB)
 
 
 def test_admit_splits_refused_from_accepted_and_refuses_duplicate_rids():

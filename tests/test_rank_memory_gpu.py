@@ -34,9 +34,11 @@ def test_serving_stays_within_the_profiled_peak_and_graphs_within_their_reserve(
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         # Prompts that fill the 512-token budget in one step, then decode together; drawn the
-        # costliest way (a full-vocabulary top-p, every logprob alternative), half of them.
+        # costliest way (a full-vocabulary top-p from a biased copy, every logprob alternative),
+        # half of them.
         g = torch.Generator().manual_seed(0)
-        costly = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, logprobs=20, ignore_eos=True)
+        costly = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, logprobs=20, ignore_eos=True,
+                                logit_bias=tuple((t, 1.0) for t in range(0, 200, 2)))
         reqs = [Request(f"r{i}", torch.randint(1, 200, (n,), generator=g).tolist(),
                         costly if i % 2 else SamplingParams(max_new_tokens=24))
                 for i, n in enumerate((200, 180, 120, 12, 230, 64, 90, 17))]

@@ -173,3 +173,76 @@ def test_worst_case_draw_gives_a_token_per_row():
     logits = torch.randn(ROW_CHUNK + 2, 32)
     ids = worst_case_draw(logits)
     assert ids.shape == (ROW_CHUNK + 2,) and bool(((ids >= 0) & (ids < 32)).all())
+
+
+def _with_bias_added(logits: torch.Tensor, params) -> tuple[torch.Tensor, list]:
+    """The same draw by hand: each row's bias added to a copy of the logits, params without it."""
+    out = logits.clone()
+    for row, p in enumerate(params):
+        for tid, b in p.logit_bias if p is not None else ():
+            out[row, tid] += b
+    return out, [p if p is None else dataclasses.replace(p, logit_bias=()) for p in params]
+
+
+@pytest.mark.parametrize("race", RACES)
+def test_a_logit_bias_forces_bans_and_leaves_the_logits_and_the_other_rows_alone(race):
+    torch.manual_seed(1)
+    logits = torch.randn(7, 24) * 2
+    raw = logits.clone()
+    first, second = logits.topk(2).indices.T.tolist()
+    forced = 5
+    params = [
+        SamplingParams(logit_bias=((forced, 100.0),)),  # greedy: OpenAI biases greedy decoding too
+        SamplingParams(temperature=1.0, seed=1),
+        # forced even where top-k alone would drop it: the bias comes before the filters
+        SamplingParams(temperature=1.3, top_k=2, top_p=0.5, seed=2, logit_bias=((forced, 100.0), (0, -3.5))),
+        None,
+        SamplingParams(logit_bias=((first[4], -100.0),)),  # banned: the next most likely
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, logit_bias=((first[6], -100.0), (second[6], 2.0))),
+    ]
+    indices = [0, 4, 1, 0, 0, 0, 9]
+    drawn = draw_tokens(logits, params, indices, use_triton=RACES[race])
+    ids = drawn.ids_B.tolist()
+    assert torch.equal(logits, raw)  # the logprobs read these: they stay raw
+    assert forced not in (first[0], first[2], second[2])
+    assert ids[0] == ids[2] == forced and ids[4] == second[4] and ids[6] != first[6]
+    assert ids[3] == first[3] and ids[5] == first[5]
+    # The unbiased rows draw what they draw alone; the biased ones what their biased logits give.
+    alone = draw_tokens(logits[1:2], params[1:2], indices[1:2], use_triton=RACES[race])
+    assert ids[1] == alone.ids_B.item()
+    by_hand, unbiased = _with_bias_added(logits, params)
+    assert ids == draw_tokens(by_hand, unbiased, indices, use_triton=RACES[race]).ids_B.tolist()
+    assert drawn.drawn == (1, 2, 6) and drawn.failed_R.tolist() == [False] * 3  # biased rows last
+
+
+def test_biased_rows_past_a_chunk_match_the_bias_added_by_hand():
+    rows, vocab = ROW_CHUNK + 6, 40
+    torch.manual_seed(2)
+    logits = torch.randn(rows, vocab)
+    params = [None if r % 7 == 3 else SamplingParams(
+        temperature=0.0 if r % 2 else 0.9, top_k=r % 5, seed=r,
+        logit_bias=tuple((t, float(t % 9) - 4.0) for t in range(r % 4, vocab, 5)) if r % 3 else ())
+        for r in range(rows)]
+    drawn = draw_tokens(logits, params, list(range(rows)))
+    by_hand, unbiased = _with_bias_added(logits, params)
+    assert drawn.ids_B.tolist() == draw_tokens(by_hand, unbiased, list(range(rows))).ids_B.tolist()
+    assert sorted(drawn.drawn) == [r for r, p in enumerate(params) if p is not None and not p.greedy]
+
+
+def test_a_biased_draw_follows_the_reference_of_the_biased_logits():
+    # +1.5 takes token 5 (logit 0.0) into the top 3 at temperature 0.7: bias, then the filters.
+    params = SamplingParams(temperature=0.7, top_k=3, logit_bias=((5, 1.5), (0, -0.5)))
+    biased = LOGITS.clone()
+    biased[5] += 1.5
+    biased[0] -= 0.5
+    n = 4000
+    want = _reference(biased, params)
+    got = torch.bincount(_draw_many(LOGITS, params, n), minlength=LOGITS.numel()).double() / n
+    assert want[5] > 0 and torch.all(got[want == 0] == 0), f"{got} against {want}"
+    assert torch.all((got - want).abs() <= 4.5 * (want * (1 - want) / n).sqrt() + 1e-12), f"{got} against {want}"
+
+
+def test_a_bias_outside_the_vocabulary_is_refused_before_any_launch():
+    with pytest.raises(ValueError, match="row 1's logit_bias names token 8, outside the vocabulary of 8"):
+        draw_tokens(torch.zeros(2, 8), [None, SamplingParams(logit_bias=((8, 1.0),))], [0, 0])

@@ -86,3 +86,30 @@ def test_a_draw_with_logprobs_never_waits_for_the_gpu():
         tok = host[r].item()
         assert got[r][0] == pytest.approx(want[r, tok].item(), abs=1e-5)
         assert [i for i, _ in got[r][1]] == want[r].topk(5).indices.tolist()
+
+
+def test_a_biased_draw_never_waits_and_is_the_bias_added_by_hand_on_the_gpu():
+    # Two chunks of biased rows beside unbiased ones, greedy and sampled, 300 entries a row: one
+    # token forced (+100) per biased row, the rest pushed about; the logits stay raw.
+    rows, vocab = ROW_CHUNK + 9, 151_936
+    torch.manual_seed(1)
+    logits = torch.randn(rows, vocab, device="cuda")
+    raw = logits.clone()
+    params = [SamplingParams(temperature=0.0 if i % 4 == 0 else 0.9, top_k=(i % 3) * 20, top_p=0.9 if i % 2 else 1.0,
+                             seed=i, logit_bias=tuple((t * 499 + i, 100.0 if t == 0 else t % 7 - 3.0)
+                                                      for t in range(300)) if i % 5 else ())
+              for i in range(rows)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        drawn = draw_tokens(logits, params, list(range(rows)))
+        done = torch.cuda.Event()
+        done.record()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    done.synchronize()
+    ids = drawn.ids_B.tolist()
+    assert torch.equal(logits, raw) and not drawn.failed_R.any()
+    assert all(ids[i] == i for i in range(rows) if i % 5)
+    by_hand, unbiased = on_cpu._with_bias_added(logits, params)
+    assert ids == draw_tokens(by_hand, unbiased, list(range(rows))).ids_B.tolist()

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.hf_reference import greedy_reference, load_reference
+from tests.served_bias import TestLogitBiasServed  # noqa: F401  (runs here, on this server)
 from tests.served_choices import TestChoicesServed  # noqa: F401  (runs here, on this server)
 from tests.served_logprobs import TestLogprobsServed  # noqa: F401  (runs here, on this server)
 from tests.served_prompts import TestPromptsServed  # noqa: F401  (runs here, on this server)

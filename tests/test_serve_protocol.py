@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from launch.server.logit_bias import logit_bias_of
 from launch.server.prompts import MAX_CHOICES, prompts_of
 from launch.server.protocol import (
     ApiError,
@@ -77,6 +78,7 @@ def test_fields_resolve():
         stop_token_ids=(3,),
         ignore_eos=True,
         logprobs=None,  # set from logprobs.logprobs_of by the app
+        logit_bias=(),  # set from logit_bias.logit_bias_of by the app
     )
     assert s.stop == ("ab",) and s.stream and s.include_usage
 
@@ -117,6 +119,19 @@ def test_fields_resolve():
 )
 def test_bad_field_is_named(fields, param, match):
     _refused(param, match, _sampling, **fields)
+
+
+def test_logit_bias_resolves_to_the_engine_s_pairs():
+    def bias(value):
+        return logit_bias_of(CompletionRequest(model="m", prompt="x", logit_bias=value), VOCAB)
+
+    assert bias(None) == bias({}) == ()
+    assert bias({"383": 100, "0": -2.5, "7": 0}) == ((383, 100.0), (0, -2.5), (7, 0.0))
+    assert _sampling(logit_bias={"5": 1}).logit_bias == ()  # resolved once per request (app.py)
+    _refused("logit_bias", r"logit_bias\['5'\] must be a number in \[-100, 100\], got nan", bias,
+             {"5": math.nan})
+    _refused("logit_bias", r"got True", bias, {"5": True})
+    _refused("logit_bias", r"keys must be token ids .*got ' 5'", bias, {" 5": 1})
 
 
 def test_chat_max_completion_tokens_is_named_as_sent():

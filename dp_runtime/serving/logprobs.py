@@ -1,6 +1,7 @@
 """Logprobs of sampled tokens (``SamplingParams.logprobs``): the log-softmax of a step's logits
-rows in float32, before temperature, top-k and top-p (vLLM's default "raw" logprobs), so they
-describe the model, not the draw.
+rows in float32, before ``logit_bias``, temperature, top-k and top-p (vLLM's default "raw"
+logprobs), so they describe the model, not the draw (the bias is added to a copy of a row:
+``sampling.draw_tokens``; these rows are never written).
 
 Only rows that asked are computed, on the logits' device, ``ROW_CHUNK`` rows at a time (one
 log-softmax, a gather and a top-k each), and their few floats per row cross to the host with the

@@ -15,8 +15,8 @@ from typing import Any
 
 from dp_runtime.checks import is_int
 
-__all__ = ["FINISH_REASONS", "LOGPROBS_LIMIT", "Request", "RequestResult", "SamplingParams", "TokenLogprob",
-           "check_request_fields", "check_sampling", "token_ids"]
+__all__ = ["FINISH_REASONS", "LOGIT_BIAS_LIMIT", "LOGIT_BIAS_MAX", "LOGPROBS_LIMIT", "Request", "RequestResult",
+           "SamplingParams", "TokenLogprob", "check_request_fields", "check_sampling", "token_ids"]
 
 FINISH_REASONS = ("length", "stop", "error", "abort")
 
@@ -28,6 +28,8 @@ TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64)
+LOGIT_BIAS_LIMIT = 300  # entries of a request's logit_bias (OpenAI's limit)
+LOGIT_BIAS_MAX = 100.0  # a bias is in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (OpenAI's range)
 
 
 def check_sampling(sp: SamplingParams) -> str | None:
@@ -58,6 +60,31 @@ def check_sampling(sp: SamplingParams) -> str | None:
     lp = sp.logprobs
     if lp is not None and (not is_int(lp) or not 0 <= lp <= LOGPROBS_LIMIT):
         return f"SamplingParams.logprobs must be None or an int in [0, {LOGPROBS_LIMIT}], got {lp!r}"
+    return _check_logit_bias(sp.logit_bias)
+
+
+def _check_logit_bias(bias: object) -> str | None:
+    """``check_sampling``'s rule for ``logit_bias`` (its ids' upper bound, the vocabulary, is
+    the door's: ``admission.check_request``)."""
+    where = "SamplingParams.logit_bias"
+    if not isinstance(bias, tuple):
+        return f"{where} must be a tuple of (token_id, bias) pairs, got {type(bias).__name__} {bias!r:.80}"
+    if len(bias) > LOGIT_BIAS_LIMIT:
+        return f"{where} must hold at most {LOGIT_BIAS_LIMIT} entries, got {len(bias)}"
+    seen: set[int] = set()
+    for i, pair in enumerate(bias):
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            return f"{where}[{i}] must be a (token_id, bias) pair, got {pair!r:.80}"
+        tid, b = pair
+        if not is_int(tid) or tid < 0:
+            return f"{where}[{i}]: the token id must be an int >= 0, got {tid!r}"
+        if tid in seen:
+            return f"{where}[{i}]: token id {tid} is given twice (each id at most once)"
+        seen.add(tid)
+        if (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b)
+                or abs(b) > LOGIT_BIAS_MAX):
+            return (f"{where}[{i}]: the bias of token {tid} must be a finite number in "
+                    f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], got {b!r}")
     return None
 
 
@@ -120,8 +147,14 @@ class SamplingParams:
 
     ``logprobs``: None, none reported; N (0..LOGPROBS_LIMIT): each sampled token comes with its
     logprob and the N most likely tokens' (``TokenLogprob``). They are the log-softmax, in
-    float32, of the model's logits for that step before temperature, top-k and top-p (vLLM's
-    default "raw" logprobs), so they do not depend on how the token was drawn.
+    float32, of the model's logits for that step before ``logit_bias``, temperature, top-k and
+    top-p (vLLM's default "raw" logprobs), so they do not depend on how the token was drawn.
+
+    ``logit_bias``: (token id, bias) pairs, each id at most once (at most ``LOGIT_BIAS_LIMIT``,
+    biases in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX], OpenAI's limits), added to the token's logit
+    before the argmax (greedy too) and before temperature, top-k and top-p; +100 all but forces
+    a token, -100 all but bans it. The logprobs stay the raw ones: they do not see the bias. A
+    dict or a list of pairs is taken as its pairs.
     """
 
     max_new_tokens: int = 16
@@ -132,10 +165,17 @@ class SamplingParams:
     top_k: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(bias.items())
+        if isinstance(bias, (list, tuple)):  # a JSONL line's [[id, bias], ...]: frozen pairs
+            bias = tuple(tuple(p) if isinstance(p, list) else p for p in bias)
+        object.__setattr__(self, "logit_bias", bias)
         problem = check_sampling(self)  # the rules admission applies at every door too
         if problem is not None:
             raise ValueError(problem)

@@ -24,6 +24,11 @@ host here: the step's ids and a flag per drawn row go back with one asynchronous
 (``step_tokens``), so a sampled batch keeps the overlap a greedy batch has. A row whose ``z``
 is not finite (NaN logits, or a temperature so small that ``logits / temperature`` overflows
 float32) is flagged: that request alone fails.
+
+A request's ``logit_bias`` is added, before all of this, to a copy of its row
+(``_biased_rows``: ``ROW_CHUNK`` rows at a time, one index_add_ each, no host sync), so greedy
+rows take the argmax of the biased logits and sampled rows draw from them, while the logits
+the step's logprobs read stay raw. A step without a bias takes none of that path.
 """
 
 from __future__ import annotations
@@ -54,8 +59,10 @@ class RowFailure:
 @dataclass(frozen=True)
 class DrawnTokens:
     """A step's tokens on the device: ``ids_B`` (int64, one per logits row: the argmax, or the
-    draw where the row sampled); ``drawn`` the rows that sampled (host list, ascending) and
-    ``failed_R`` (bool on the device, one per drawn row) where that draw was not defined."""
+    draw where the row sampled); ``drawn`` the rows that sampled (host tuple) and ``failed_R``
+    (bool on the device, one per drawn row, in ``drawn``'s order) where that draw was not
+    defined. ``drawn`` is ascending, except that rows with a ``logit_bias`` come after the
+    others (each group ascending)."""
 
     ids_B: torch.Tensor
     drawn: tuple[int, ...] = ()
@@ -72,26 +79,95 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
                 *, use_triton: bool | None = None) -> DrawnTokens:
     """One token per row of ``logits_BV`` (float32, B rows) by ``params[i]`` (None: the argmax,
     e.g. a prompt chunk that does not sample); a sampled row draws the token at output index
-    ``indices[i]`` of its request (module docstring). ``use_triton``: the race's kernel (default:
-    on CUDA tensors)."""
+    ``indices[i]`` of its request (module docstring). A row with a ``logit_bias`` is chosen from
+    a biased copy of its logits (``_biased_rows``): ``logits_BV`` itself is never written, so
+    the logprobs read from it after the draw stay raw. ``use_triton``: the race's kernel
+    (default: on CUDA tensors)."""
     if logits_BV.shape[0] != len(params) or len(params) != len(indices):
         raise ValueError(f"draw_tokens: {logits_BV.shape[0]} logits rows, {len(params)} params, "
                          f"{len(indices)} indices")
     ids_B = logits_BV.argmax(dim=-1)
     drawn = tuple(i for i, p in enumerate(params) if p is not None and not p.greedy)
-    if not drawn:
+    biased = [i for i, p in enumerate(params) if p is not None and p.logit_bias]
+    if not drawn and not biased:
         return DrawnTokens(ids_B)
-    dev = logits_BV.device
-    seeds = [_signed64(params[i].seed) for i in drawn]
-    rows_R, seed_R, index_R = host_to_device([drawn, seeds, [indices[i] for i in drawn]], torch.int64, dev).unbind(0)
-    temp_R = host_to_device([params[i].temperature for i in drawn], torch.float32, dev)
-    thr_R = _thresholds(logits_BV, [params[i] for i in drawn], rows_R, temp_R)
     if use_triton is None:
         use_triton = logits_BV.is_cuda and triton is not None
     race = race_triton if use_triton else _race_torch
-    tokens_R, failed_R = race(logits_BV, rows_R, temp_R, thr_R, seed_R, index_R)
-    ids_B.index_copy_(0, rows_R, tokens_R)
-    return DrawnTokens(ids_B, drawn, failed_R)
+    if not biased:  # the common step: every drawn row raced on the logits as they are
+        rows_R, tokens_R, failed_R = _race_rows(logits_BV, drawn, [params[i] for i in drawn],
+                                                [indices[i] for i in drawn], race)
+        ids_B.index_copy_(0, rows_R, tokens_R)
+        return DrawnTokens(ids_B, drawn, failed_R)
+    plain = tuple(i for i in drawn if not params[i].logit_bias)
+    fails = []
+    if plain:
+        rows_R, tokens_R, failed_R = _race_rows(logits_BV, plain, [params[i] for i in plain],
+                                                [indices[i] for i in plain], race)
+        ids_B.index_copy_(0, rows_R, tokens_R)
+        fails.append(failed_R)
+    fails += _biased_rows(logits_BV, ids_B, biased, params, indices, race)
+    order = plain + tuple(i for i in biased if not params[i].greedy)
+    return DrawnTokens(ids_B, order, torch.cat(fails) if fails else None)
+
+
+def _race_rows(x_XV: torch.Tensor, at: Sequence[int], params: Sequence[SamplingParams],
+               indices: Sequence[int], race) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw rows ``at`` of ``x_XV`` (``params[r]`` and output index ``indices[r]`` for row
+    ``at[r]``): ``(at_R on the device, tokens_R, failed_R)``."""
+    dev = x_XV.device
+    seeds = [_signed64(p.seed) for p in params]
+    at_R, seed_R, index_R = host_to_device([list(at), seeds, list(indices)], torch.int64, dev).unbind(0)
+    temp_R = host_to_device([p.temperature for p in params], torch.float32, dev)
+    thr_R = _thresholds(x_XV, params, at_R, temp_R)
+    tokens_R, failed_R = race(x_XV, at_R, temp_R, thr_R, seed_R, index_R)
+    return at_R, tokens_R, failed_R
+
+
+def _biased_rows(logits_BV: torch.Tensor, ids_B: torch.Tensor, biased: Sequence[int],
+                 params: Sequence[SamplingParams | None], indices: Sequence[int], race) -> list[torch.Tensor]:
+    """Choose the tokens of rows ``biased`` (ascending, each with a ``logit_bias``) from a copy
+    of their logits with the bias added, writing them into ``ids_B``: the argmax, or the draw of
+    a sampled row. Returns the failure flags of the sampled ones, chunk by chunk (ascending).
+
+    The step's flat (chunk row x vocabulary + id) index and its biases cross in two
+    asynchronous copies; the rows are copied ``ROW_CHUNK`` at a time, each chunk biased by one
+    ``index_add_`` on its flat view (atomic adds, no sort of the index, no host sync; an id is
+    in a row's bias once, so each element takes one add) and its sampled rows raced on it
+    as they would be on ``logits_BV`` (the race's contract: rows of one tensor). Not a copy of
+    the whole step: a few biased rows cost their rows alone, and at most ``ROW_CHUNK`` rows are
+    copied at once (memory_estimates.draw_phase_bytes)."""
+    vocab, dev = logits_BV.shape[1], logits_BV.device
+    flat, values, ends = [], [], [0]
+    for k, row in enumerate(biased):
+        for tid, b in params[row].logit_bias:
+            if not 0 <= tid < vocab:  # the door refuses these; on CUDA it would be a device assert
+                raise ValueError(f"draw_tokens: row {row}'s logit_bias names token {tid}, "
+                                 f"outside the vocabulary of {vocab}")
+            flat.append(k % ROW_CHUNK * vocab + tid)
+            values.append(b)
+        if (k + 1) % ROW_CHUNK == 0 or k + 1 == len(biased):
+            ends.append(len(flat))
+    n = len(biased)
+    index = host_to_device([*biased, *flat], torch.int64, dev)
+    bias_E = host_to_device(values, torch.float32, dev)
+    fails = []
+    for c, lo in enumerate(range(0, n, ROW_CHUNK)):
+        chunk = biased[lo : lo + ROW_CHUNK]
+        rows_C = index[lo : lo + len(chunk)]
+        e0, e1 = ends[c], ends[c + 1]
+        x_CV = logits_BV.index_select(0, rows_C).float()  # a copy: logits_BV stays raw
+        x_CV.view(-1).index_add_(0, index[n + e0 : n + e1], bias_E[e0:e1])
+        ids_C = x_CV.argmax(dim=-1)
+        sampled = [j for j, row in enumerate(chunk) if not params[row].greedy]
+        if sampled:
+            at_R, tokens_R, failed_R = _race_rows(x_CV, sampled, [params[chunk[j]] for j in sampled],
+                                                  [indices[chunk[j]] for j in sampled], race)
+            ids_C.index_copy_(0, at_R, tokens_R)
+            fails.append(failed_R)
+        ids_B.index_copy_(0, rows_C, ids_C)
+        del x_CV  # before the next chunk's copy: one chunk at a time
+    return fails
 
 
 def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -3,11 +3,12 @@ next step before it reads them (``RuntimeConfig.overlap_schedule``).
 
 ``launch_tokens`` runs right after a step's forward was launched. On the logits' device it
 draws every row's token (``sampling.draw_tokens``: the argmax, or a draw where the request
-samples with a temperature), writes the ids into the scheduler's ``last_tokens`` table (the
-next decode batch gathers its input ids there, in stream order) and, for rows that asked,
-computes their logprobs (``logprobs.logprob_rows``). One asynchronous copy per result brings
-them to pinned host buffers, with an event; ``StepTokens.wait`` later waits for that event
-alone. So greedy, sampled and logprobs rows all keep the overlap.
+samples with a temperature; a request's ``logit_bias`` on a copy of its row), writes the ids
+into the scheduler's ``last_tokens`` table (the next decode batch gathers its input ids there,
+in stream order) and, for rows that asked, computes their logprobs (``logprobs.logprob_rows``,
+from the raw logits: never the biased copy). One asynchronous copy per result brings them to
+pinned host buffers, with an event; ``StepTokens.wait`` later waits for that event alone. So
+greedy, sampled and logprobs rows all keep the overlap.
 
 A worker that keeps logits for comparisons (``kept_logits``) reads the step's rows on the host
 at once: a test path.
@@ -26,7 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from dp_runtime.serving.logprobs import LogprobRows, logprob_rows
-from dp_runtime.serving.request import LOGPROBS_LIMIT, SamplingParams, TokenLogprob
+from dp_runtime.serving.request import (
+    LOGIT_BIAS_LIMIT,
+    LOGPROBS_LIMIT,
+    SamplingParams,
+    TokenLogprob,
+)
 from dp_runtime.serving.sampling import DrawnTokens, RowFailure, draw_failure, draw_tokens
 from dp_runtime.serving.scheduler import ScheduledStep
 
@@ -99,11 +105,12 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def worst_case_draw(logits_BV: torch.Tensor) -> torch.Tensor:
-    """Every row drawn the costliest way (a full-vocabulary top-p, every logprob alternative):
-    what the memory profile runs after its largest step, so the draw's temporaries are in the
-    peak the KV cache is sized from. Returns the ids."""
-    rows = logits_BV.shape[0]
-    worst = SamplingParams(temperature=1.0, top_p=0.5, logprobs=LOGPROBS_LIMIT)
+    """Every row drawn the costliest way (a full-vocabulary top-p from a biased copy of its
+    logits, every logprob alternative): what the memory profile runs after its largest step, so
+    the draw's temporaries are in the peak the KV cache is sized from. Returns the ids."""
+    rows, vocab = logits_BV.shape
+    bias = tuple((t, 1.0) for t in range(min(LOGIT_BIAS_LIMIT, vocab)))
+    worst = SamplingParams(temperature=1.0, top_p=0.5, logprobs=LOGPROBS_LIMIT, logit_bias=bias)
     drawn = draw_tokens(logits_BV, [worst] * rows, [0] * rows)
     logprob_rows(logits_BV, drawn.ids_B, range(rows), [LOGPROBS_LIMIT] * rows)
     return drawn.ids_B

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from launch.server.choices import submit_choices
+from launch.server.logit_bias import logit_bias_of
 from launch.server.logprobs import ChoiceLogprobs, logprobs_of
 from launch.server.metrics import CONTENT_TYPE, ServerMetrics
 from launch.server.prompts import prompt_params, prompts_of
@@ -222,9 +223,10 @@ async def _serve(
         )
         for ids, param in zip(prompts, params, strict=True)
     ]
-    logprobs = logprobs_of(body)
+    logprobs, bias = logprobs_of(body), logit_bias_of(body, engine.vocab_size)
     checked = [
-        (ids, replace(s, logprobs=logprobs)) for ids, s in zip(prompts, samplings, strict=True)
+        (ids, replace(s, logprobs=logprobs, logit_bias=bias))
+        for ids, s in zip(prompts, samplings, strict=True)
     ]
     sampling = checked[0][1]
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"

@@ -1,8 +1,9 @@
 """Logprobs at the server's door: the request fields, and the OpenAI shapes of a choice's logprobs.
 
 What the numbers are: the engine's (``SamplingParams.logprobs``), the float32 log-softmax of the
-model's logits for each step before temperature, top-k and top-p (vLLM's default "raw"
-logprobs): the sampled token's, plus the N most likely tokens' of the same distribution.
+model's logits for each step before ``logit_bias``, temperature, top-k and top-p (vLLM's
+default "raw" logprobs): the sampled token's, plus the N most likely tokens' of the same
+distribution.
 
 Fields (checked before any rank sees the request; 400 naming the field):
 

@@ -13,6 +13,8 @@ rest of the context). ``top_k``, ``seed``-less determinism, ``stop_token_ids`` a
 
 A completion's ``prompt`` may be a batch (prompts.py); the sampling fields are checked for each
 of its prompts, so ``max_tokens`` fits every one (its message names the prompt it does not fit).
+``logprobs``/``top_logprobs`` (logprobs.py) and ``logit_bias`` (logit_bias.py: token-id strings
+to biases in [-100, 100], at most 300) are checked once per request, in their own modules.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class _Common(BaseModel):
     logprobs: Any = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None  # checked in logit_bias.py (400 naming it)
     user: str | None = None
 
 
@@ -164,6 +166,7 @@ class Sampling:
     include_usage: bool = False
     extra: dict = field(default_factory=dict)
     logprobs: int | None = None  # top alternatives per token (None: no logprobs; logprobs.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (logit_bias.py)
 
     def params(self) -> dict[str, Any]:
         """The keywords of ``SamplingParams``."""
@@ -176,6 +179,7 @@ class Sampling:
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
+            logit_bias=self.logit_bias,
         )
 
 
@@ -270,13 +274,12 @@ def sampling_of(
 
 def _refuse_unsupported(req: _Common) -> None:
     """Fields a client may set that this server does not implement: refused, never ignored
-    (``logprobs`` and ``top_logprobs`` are checked in logprobs.py)."""
+    (``logprobs`` and ``top_logprobs`` are checked in logprobs.py, ``logit_bias`` in
+    logit_bias.py)."""
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         if value not in (None, 0, 0.0):
             raise bad(name, f"{name} is not supported (only 0), got {value}")
-    if req.logit_bias:
-        raise bad("logit_bias", "logit_bias is not supported")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise bad("echo", "echo is not supported (nor prompt logprobs), got true")
