@@ -232,3 +232,22 @@ def test_choice_seeds_follow_the_request_seed_or_draw_their_own():
     assert choice_seeds(2**64 - 1, 2, seeded=True) == [2**64 - 1, 0]  # stays a valid seed
     drawn = choice_seeds(7, 4, seeded=False)
     assert drawn[0] == 7 and len(drawn) == 4 and all(0 <= s < 2**64 for s in drawn)
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (dict(tool_choice="auto"), "tool_choice"),
+    (dict(functions=[{"name": "f"}]), "functions"),
+    (dict(function_call="auto"), "function_call"),
+])
+def test_chat_structured_output_and_tools_are_refused_by_name(fields, param):
+    chat = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], **fields)
+    _refused(param, "not supported", sampling_of, chat, prompt_len=10, context_len=CTX, vocab_size=VOCAB,
+             default_max_tokens=None)
+
+
+def test_chat_text_format_and_no_tools_are_accepted():
+    chat = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                       response_format={"type": "text"}, tools=[], tool_choice="none")
+    assert sampling_of(chat, prompt_len=10, context_len=CTX, vocab_size=VOCAB, default_max_tokens=None).top_p == 1.0

@@ -128,6 +128,12 @@ class ChatRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
+    # Structured output and tool calls change what a response must be: refused, never ignored.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
 
 def messages_of(req: ChatRequest) -> list[dict[str, str]]:
@@ -287,6 +293,13 @@ def _refuse_unsupported(req: _Common) -> None:
             raise bad("best_of", f"best_of must be 1, got {req.best_of}")
         if req.suffix:
             raise bad("suffix", "suffix is not supported")
+    else:
+        fmt = req.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise bad("response_format", f"response_format {fmt.get('type')!r} is not supported (only text)")
+        for name in ("tools", "tool_choice", "functions", "function_call"):
+            if getattr(req, name) not in (None, [], "none"):
+                raise bad(name, f"{name} is not supported: this server does not call tools")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
