@@ -82,6 +82,7 @@
 #                                   #   mixed steps auto/fp8; serve_load (lof) at RUNNING in .bases/b7 (eb898bf), here
 #                                   #   auto and here fp8 (KVS, NO_BASE=1 to skip b7)
 #   bash bench/run_gpu.sh gpu16     # one GPU: the logprobs GPU test and the FP8 KV GPU tests
+#   bash bench/run_gpu.sh draw18    # one GPU: a step's draw alone per sampling config (greedy, temperature, top-k/p, ...)
 #   bash bench/run_gpu.sh bias18    # one GPU: logit_bias's GPU tests (sampling, logprobs, rank memory, overlap);
 #                                   #   plan --measure at 64 and 256 running (the profile's draw now biases its rows)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
@@ -485,6 +486,9 @@ case "${1:-one}" in
         --device cuda --rates inf --num-requests ${REQ:-128} --max-running-requests $n --policy lof --json --gpu-spans \
         --temperature ${s%%:*} --top-p ${s##*:} ${BASE_ARGS:-}
     done
+    ;;
+  draw18)  # one GPU: a step's draw alone per sampling config at 64 and 256 rows (bench/draw_tokens.py)
+    step draw_tokens timeout 200 python bench/draw_tokens.py ${DRAW_ARGS:-}
     ;;
   bias18)  # one GPU: logit_bias's GPU tests; plan --measure at 64 and 256 running (worst_case_draw with a bias)
     step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_sampling_gpu.py \
