@@ -97,6 +97,11 @@ export BENCH_COMMIT=$commit  # a lent machine gets the tree without .git: pass i
 echo "commit $commit, $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
 step() { local name=$1; shift; echo "== $name: $*"; local t=$(date +%s); "$@" > "$log/$name.log" 2>&1; local rc=$?
          echo "   rc=$rc in $(( $(date +%s) - t )) s"; tail -n "${TAIL:-25}" "$log/$name.log"; }
+# plan --measure of qwen3-30b-a3b at 64 and 256 running (context 4096), each step within $PLAN_TIMEOUT or $1 s
+plan_measures() { for n in 64 256; do
+    TAIL=16 step plan_measure_$n timeout ${PLAN_TIMEOUT:-$1} python -m launch.cli plan --model qwen3-30b-a3b \
+      --dp 1 --ep 1 --max-running-requests $n --context-len 4096 --measure
+  done; }
 ngpu=$(nvidia-smi -L | wc -l)
 # --base flags for compare_trees.py: every .bases/*.tar.xz, unpacked once under /tmp/bases
 bases() { mkdir -p /tmp/bases; for t in .bases/*.tar.xz; do [ -e "$t" ] || continue
@@ -409,10 +414,7 @@ case "${1:-one}" in
   weak15)  # one GPU: graph/extend/mixed/rank-memory GPU tests; plan --measure at 64 and 256 running
     step gpu_tests timeout ${TTESTS:-260} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_graph_gpu.py \
       tests/test_extend_graphs.py tests/test_mixed_steps_gpu.py tests/test_rank_memory_gpu.py
-    for n in 64 256; do
-      TAIL=16 step plan_measure_$n timeout ${PLAN_TIMEOUT:-140} python -m launch.cli plan --model qwen3-30b-a3b \
-        --dp 1 --ep 1 --max-running-requests $n --context-len 4096 --measure
-    done
+    plan_measures 140
     ;;
   load15)  # one GPU: serve_load (lof, rate inf) at 64 and 128 running in .bases/b5 and here, with GPU spans
     bases > /dev/null; b=/tmp/bases/b5
@@ -423,20 +425,14 @@ case "${1:-one}" in
     done; done
     ;;
   out15)  # one GPU: plan --measure at 64 and 256; serve_load 64 running in .bases/b5 and here; graph/mixed/model/memory GPU tests
-    for n in 64 256; do
-      TAIL=16 step plan_measure_$n timeout ${PLAN_TIMEOUT:-140} python -m launch.cli plan --model qwen3-30b-a3b \
-        --dp 1 --ep 1 --max-running-requests $n --context-len 4096 --measure
-    done
+    plan_measures 140
     RUNNING=${RUNNING:-64} bash "$0" load15
     step gpu_tests timeout ${TTESTS:-250} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_mixed_steps_gpu.py \
       tests/test_rank_memory_gpu.py tests/test_model_gpu.py tests/test_graph_gpu.py
     ;;
   fin15)  # one GPU: serve_load 128 running in .bases/b5 and here; plan --measure 64/256; GPU tests; serve_load 256
     RUNNING=128 bash "$0" load15
-    for n in 64 256; do
-      TAIL=16 step plan_measure_$n timeout ${PLAN_TIMEOUT:-140} python -m launch.cli plan --model qwen3-30b-a3b \
-        --dp 1 --ep 1 --max-running-requests $n --context-len 4096 --measure
-    done
+    plan_measures 140
     step gpu_tests timeout ${TTESTS:-200} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py \
       tests/test_mixed_steps_gpu.py tests/test_model_gpu.py tests/test_graph_gpu.py tests/test_overlap_gpu.py
     RUNNING=256 bash "$0" load15
@@ -493,10 +489,7 @@ case "${1:-one}" in
   bias18)  # one GPU: logit_bias's GPU tests; plan --measure at 64 and 256 running (worst_case_draw with a bias)
     step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_sampling_gpu.py \
       tests/test_logprobs.py tests/test_rank_memory_gpu.py tests/test_overlap_gpu.py
-    for n in 64 256; do
-      TAIL=16 step plan_measure_$n timeout ${PLAN_TIMEOUT:-140} python -m launch.cli plan --model qwen3-30b-a3b \
-        --dp 1 --ep 1 --max-running-requests $n --context-len 4096 --measure
-    done
+    plan_measures 140
     ;;
   gpu16)  # one GPU: session 16's GPU tests not yet run on a GPU (logprobs on the device, the FP8 prologue's q/k checks)
     step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_logprobs.py \
@@ -550,10 +543,7 @@ case "${1:-one}" in
     done; done
     ;;
   plan13)  # one GPU: the planner's estimates against the rank's own accounting, 64 and 256 running (a rank each)
-    for n in 64 256; do
-      TAIL=16 step plan_measure_$n timeout ${PLAN_TIMEOUT:-115} python -m launch.cli plan --model qwen3-30b-a3b \
-        --dp 1 --ep 1 --max-running-requests $n --context-len 4096 --measure
-    done
+    plan_measures 115
     ;;
   tests8)  # one GPU: every gpu test of the tree
     step gpu_tests timeout 560 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
