@@ -168,21 +168,25 @@ SORT_BYTES_PER_ELEMENT = 48
 def draw_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_logit_rows: int, sort_chunk: int = SORT_CHUNK,
                      bias_chunk: int = ROW_CHUNK) -> int:
     """ESTIMATE of what the profile's costliest draw (``step_tokens.worst_case_draw``: every row
-    with a logit_bias and a top-p alone, and every logprob) holds at its peak, after the
-    forward::
+    penalized, with a logit_bias and a top-p alone, and every logprob) holds at its peak, after
+    the forward::
 
         R*V*(e + 4)                          the logits in dtype and in fp32
-        + V*max(min(R, B)*4 + min(R, S)*48,  a biased copy of B rows (``sampling.ROW_CHUNK``)
-                                             and a top-p sort's chunk of S rows within it
-                                             (``sampling.SORT_CHUNK``),
+        + V*max(min(R, B)*4                  an adjusted copy of B rows (``sampling.ROW_CHUNK``)
+                + max(min(R, B)*4,           and its penalties' counts (adjusted_rows: freed
+                      min(R, S)*48),         before the draw), or a top-p sort's chunk of S
+                                             rows within it (``sampling.SORT_CHUNK``),
                 min(R, 64)*8)                or a logprobs chunk (the rows and their
                                              log-softmax)
 
-    The biased copy's 4 bytes an element are its float32 rows (not measured yet; the sort's 48
-    are). ``bias_chunk`` 0: a draw without logit_bias, as the profile ran before it had one.
+    The adjusted copy's and the counts' 4 bytes an element are float32 rows (not measured yet;
+    the sort's 48 are). The counts never raise the peak with today's chunks (64 x 4 bytes a
+    column against a sort's 16 x 48): they are here so that stays checked. ``bias_chunk`` 0: a
+    draw without a bias or a penalty, as the profile ran before it had them.
     """
     r, v = int(num_logit_rows), cfg.vocab_size
-    drawing = min(r, bias_chunk) * _FP32 + min(r, sort_chunk) * SORT_BYTES_PER_ELEMENT
+    adjusted = min(r, bias_chunk) * _FP32
+    drawing = adjusted + max(adjusted, min(r, sort_chunk) * SORT_BYTES_PER_ELEMENT)
     chunk = max(drawing, min(r, ROW_CHUNK) * 2 * _FP32)
     return r * v * (ms.dtype_bytes(dtype) + _FP32) + v * chunk
 

@@ -182,3 +182,13 @@ def test_the_draw_phase_matches_the_session_17_measurement():
         then = rest + me.draw_phase_bytes(QWEN, BF16, requests, sort_chunk=64, bias_chunk=0)
         assert abs(then / GIB - measured) / measured < 0.05, (running, then / GIB)
         assert me.draw_phase_bytes(QWEN, BF16, requests) < forward
+
+
+def test_the_draw_phase_counts_the_penalty_counts_beside_the_adjusted_copy():
+    """The penalties' C x V float32 counts live beside the adjusted copy until the chunk is
+    drawn from (adjusted_rows): with today's chunks a top-p sort's 16 rows x 48 bytes stay the
+    larger, so the estimate only moves where an adjusted chunk outgrows the sort."""
+    r, v, e = 256, QWEN.vocab_size, 2
+    logits = r * v * (e + 4)
+    assert me.draw_phase_bytes(QWEN, BF16, r) == logits + v * (64 * 4 + 16 * 48)
+    assert me.draw_phase_bytes(QWEN, BF16, r, sort_chunk=1, bias_chunk=128) == logits + v * 128 * (4 + 4)

@@ -1,6 +1,7 @@
 """The device-side draw on a GPU: the distribution it draws from, a seeded row's tokens whatever
-its batch (CUDA generators), and no host synchronisation anywhere in a step's draw, logprobs
-and their copies to the host (torch's sync debug mode raises on any synchronising call)."""
+its batch (CUDA generators), and no host synchronisation anywhere in a step's draw (biased and
+penalized rows too), logprobs and their copies to the host (torch's sync debug mode raises on
+any synchronising call)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 
 from dp_runtime.serving.logprobs import logprob_rows
 from dp_runtime.serving.request import SamplingParams
-from dp_runtime.serving.sampling import ROW_CHUNK, draw_tokens
+from dp_runtime.serving.sampling import ROW_CHUNK, TokenHistory, draw_tokens
 from tests import test_sampling as on_cpu  # a module, so its tests are not collected here too
+from tests.test_penalties import _penalized  # the penalty rule by hand
 from tests.test_sampling import LOGITS, _reference
 
 pytestmark = pytest.mark.gpu
@@ -113,3 +115,36 @@ def test_a_biased_draw_never_waits_and_is_the_bias_added_by_hand_on_the_gpu():
     assert all(ids[i] == i for i in range(rows) if i % 5)
     by_hand, unbiased = on_cpu._with_bias_added(logits, params)
     assert ids == draw_tokens(by_hand, unbiased, list(range(rows))).ids_B.tolist()
+
+
+def test_a_penalized_draw_never_waits_and_is_the_rule_applied_by_hand_on_the_gpu():
+    # Two chunks of penalized rows (some biased too) beside plain ones, greedy and sampled, each
+    # with recorded tokens and every other one with the step before's token in flight.
+    rows, vocab = ROW_CHUNK + 9, 151_936
+    torch.manual_seed(2)
+    logits = torch.randn(rows, vocab, device="cuda") * 3
+    raw = logits.clone()
+    g = torch.Generator().manual_seed(4)
+    recorded = [torch.randint(0, vocab, (40 + i,), generator=g).tolist() for i in range(rows)]
+    last_B = torch.randint(0, vocab, (rows,), generator=g).cuda()
+    params = [SamplingParams(temperature=0.0 if i % 4 == 0 else 0.9, top_p=0.9 if i % 2 else 1.0, seed=i,
+                             frequency_penalty=1.5 if i % 5 else 0.0, presence_penalty=-1.0 if i % 3 else 2.0,
+                             logit_bias=((i, 5.0),) if i % 7 == 0 else ()) for i in range(rows)]
+    indices = [len(s) + i % 2 for i, s in enumerate(recorded)]
+    history = TokenHistory(recorded, last_B)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        drawn = draw_tokens(logits, params, indices, history=history)
+        done = torch.cuda.Event()
+        done.record()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    done.synchronize()
+    assert torch.equal(logits, raw) and not drawn.failed_R.any()
+    by_hand = logits.clone()
+    last = last_B.tolist()
+    for i, p in enumerate(params):
+        by_hand[i] = _penalized(logits[i], recorded[i] + ([last[i]] if i % 2 else []), p)
+    plain = [dataclasses.replace(p, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=()) for p in params]
+    assert drawn.ids_B.tolist() == draw_tokens(by_hand, plain, indices).ids_B.tolist()

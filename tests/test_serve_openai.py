@@ -19,6 +19,7 @@ from tests.hf_reference import greedy_reference, load_reference
 from tests.served_bias import TestLogitBiasServed  # noqa: F401  (runs here, on this server)
 from tests.served_choices import TestChoicesServed  # noqa: F401  (runs here, on this server)
 from tests.served_logprobs import TestLogprobsServed  # noqa: F401  (runs here, on this server)
+from tests.served_penalties import TestPenaltiesServed  # noqa: F401  (runs here, on this server)
 from tests.served_prompts import TestPromptsServed  # noqa: F401  (runs here, on this server)
 from tests.support.serve_model import write_serve_checkpoint
 from tests.support.serve_process import ServeProcess, get

@@ -79,6 +79,8 @@ def test_fields_resolve():
         ignore_eos=True,
         logprobs=None,  # set from logprobs.logprobs_of by the app
         logit_bias=(),  # set from logit_bias.logit_bias_of by the app
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
     )
     assert s.stop == ("ab",) and s.stream and s.include_usage
 
@@ -112,13 +114,23 @@ def test_fields_resolve():
             r"stop_token_ids\[1\] must be a token id in \[0, 384\), got 384",
         ),
         (dict(stream_options={"include_usage": True}), "stream_options", "only with stream"),
-        (dict(presence_penalty=0.5), "presence_penalty", "got 0.5"),
+        (dict(presence_penalty=2.5), "presence_penalty",
+         r"presence_penalty must be a finite number in \[-2, 2\], got 2.5"),
+        (dict(frequency_penalty=-2.01), "frequency_penalty", "got -2.01"),
+        (dict(frequency_penalty=math.inf), "frequency_penalty", "got inf"),
+        (dict(presence_penalty=math.nan), "presence_penalty", "got nan"),
         (dict(echo=True), "echo", "not supported"),
         (dict(best_of=3), "best_of", "got 3"),
     ],
 )
 def test_bad_field_is_named(fields, param, match):
     _refused(param, match, _sampling, **fields)
+
+
+def test_penalties_map_to_the_engine_s_fields():
+    s = _sampling(presence_penalty=-2, frequency_penalty=1.5)
+    assert (s.params()["presence_penalty"], s.params()["frequency_penalty"]) == (-2.0, 1.5)
+    assert _sampling(presence_penalty=None).params()["presence_penalty"] == 0.0  # null: off
 
 
 def test_logit_bias_resolves_to_the_engine_s_pairs():

@@ -15,8 +15,8 @@ from typing import Any
 
 from dp_runtime.checks import is_int
 
-__all__ = ["FINISH_REASONS", "LOGIT_BIAS_LIMIT", "LOGIT_BIAS_MAX", "LOGPROBS_LIMIT", "Request", "RequestResult",
-           "SamplingParams", "TokenLogprob", "check_request_fields", "check_sampling", "token_ids"]
+__all__ = ["FINISH_REASONS", "LOGIT_BIAS_LIMIT", "LOGIT_BIAS_MAX", "LOGPROBS_LIMIT", "PENALTY_MAX", "Request",
+           "RequestResult", "SamplingParams", "TokenLogprob", "check_request_fields", "check_sampling", "token_ids"]
 
 FINISH_REASONS = ("length", "stop", "error", "abort")
 
@@ -30,6 +30,7 @@ TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64)
 LOGIT_BIAS_LIMIT = 300  # entries of a request's logit_bias (OpenAI's limit)
 LOGIT_BIAS_MAX = 100.0  # a bias is in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (OpenAI's range)
+PENALTY_MAX = 2.0  # presence_penalty, frequency_penalty in [-PENALTY_MAX, PENALTY_MAX] (OpenAI's)
 
 
 def check_sampling(sp: SamplingParams) -> str | None:
@@ -60,6 +61,12 @@ def check_sampling(sp: SamplingParams) -> str | None:
     lp = sp.logprobs
     if lp is not None and (not is_int(lp) or not 0 <= lp <= LOGPROBS_LIMIT):
         return f"SamplingParams.logprobs must be None or an int in [0, {LOGPROBS_LIMIT}], got {lp!r}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(sp, name)
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                or abs(v) > PENALTY_MAX):
+            return (f"SamplingParams.{name} must be a finite number in "
+                    f"[-{PENALTY_MAX:g}, {PENALTY_MAX:g}], got {v!r}")
     return _check_logit_bias(sp.logit_bias)
 
 
@@ -155,6 +162,12 @@ class SamplingParams:
     before the argmax (greedy too) and before temperature, top-k and top-p; +100 all but forces
     a token, -100 all but bans it. The logprobs stay the raw ones: they do not see the bias. A
     dict or a list of pairs is taken as its pairs.
+
+    ``presence_penalty`` and ``frequency_penalty`` (in [-PENALTY_MAX, PENALTY_MAX], OpenAI's
+    range; 0: off): for each token id the request has generated so far (its output, not its
+    prompt), c times, its logit is lowered by ``frequency_penalty * c + presence_penalty`` before
+    ``logit_bias`` is added (vLLM's order), for greedy rows too (OpenAI's rule; negative values
+    favour repeats). The logprobs stay the raw ones: they do not see the penalties either.
     """
 
     max_new_tokens: int = 16
@@ -166,6 +179,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
@@ -183,6 +198,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """A presence or frequency penalty is on: its row is chosen from penalized logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,11 @@ host here: the step's ids and a flag per drawn row go back with one asynchronous
 is not finite (NaN logits, or a temperature so small that ``logits / temperature`` overflows
 float32) is flagged: that request alone fails.
 
-A request's ``logit_bias`` is added, before all of this, to a copy of its row
-(``_biased_rows``: ``ROW_CHUNK`` rows at a time, one index_add_ each, no host sync), so greedy
-rows take the argmax of the biased logits and sampled rows draw from them, while the logits
-the step's logprobs read stay raw. A step without a bias takes none of that path.
+A request's presence and frequency penalties and its ``logit_bias`` are applied, before all of
+this, to a copy of its row (``adjusted_rows``: ``ROW_CHUNK`` rows at a time, no host sync), so
+greedy rows take the argmax of the adjusted logits and sampled rows draw from them, while the
+logits the step's logprobs read stay raw. A step without a bias or a penalty takes none of that
+path.
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ from dataclasses import dataclass
 
 import torch
 
+from dp_runtime.serving.adjusted_rows import TokenHistory, adjusted_chunks
+from dp_runtime.serving.host_copy import host_to_device
 from dp_runtime.serving.request import SamplingParams
 from dp_runtime.serving.sampling_triton import race_triton, triton
 
-__all__ = ["ROW_CHUNK", "SORT_CHUNK", "DrawnTokens", "RowFailure", "draw_failure", "draw_tokens", "host_to_device"]
+__all__ = ["ROW_CHUNK", "SORT_CHUNK", "DrawnTokens", "RowFailure", "TokenHistory", "draw_failure", "draw_tokens",
+           "host_to_device"]
 
 ROW_CHUNK = 64  # rows whose top-k thresholds are found together: bounds the rows x vocabulary temporaries
 SORT_CHUNK = 16  # rows sorted together for a top-p without top-k (a sort's buffers: ~48 bytes an element)
@@ -61,8 +65,8 @@ class DrawnTokens:
     """A step's tokens on the device: ``ids_B`` (int64, one per logits row: the argmax, or the
     draw where the row sampled); ``drawn`` the rows that sampled (host tuple) and ``failed_R``
     (bool on the device, one per drawn row, in ``drawn``'s order) where that draw was not
-    defined. ``drawn`` is ascending, except that rows with a ``logit_bias`` come after the
-    others (each group ascending)."""
+    defined. ``drawn`` is ascending, except that rows with a ``logit_bias`` or a penalty come
+    after the others (each group ascending)."""
 
     ids_B: torch.Tensor
     drawn: tuple[int, ...] = ()
@@ -76,38 +80,43 @@ def draw_failure(p: SamplingParams) -> RowFailure:
 
 
 def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None], indices: Sequence[int],
-                *, use_triton: bool | None = None) -> DrawnTokens:
+                *, history: TokenHistory | None = None, use_triton: bool | None = None) -> DrawnTokens:
     """One token per row of ``logits_BV`` (float32, B rows) by ``params[i]`` (None: the argmax,
-    e.g. a prompt chunk that does not sample); a sampled row draws the token at output index
-    ``indices[i]`` of its request (module docstring). A row with a ``logit_bias`` is chosen from
-    a biased copy of its logits (``_biased_rows``): ``logits_BV`` itself is never written, so
-    the logprobs read from it after the draw stay raw. ``use_triton``: the race's kernel
-    (default: on CUDA tensors)."""
+    e.g. a prompt chunk that does not sample); row i chooses the token at output index
+    ``indices[i]`` of its request (a sampled row's noise is keyed by it: module docstring). A row
+    with a ``logit_bias`` or a penalty is chosen from an adjusted copy of its logits
+    (``adjusted_rows``; ``history``: what the rows generated before, needed where a row has a
+    penalty): ``logits_BV`` itself is never written, so the logprobs read from it after the draw
+    stay raw. ``use_triton``: the race's kernel (default: on CUDA tensors)."""
     if logits_BV.shape[0] != len(params) or len(params) != len(indices):
         raise ValueError(f"draw_tokens: {logits_BV.shape[0]} logits rows, {len(params)} params, "
                          f"{len(indices)} indices")
     ids_B = logits_BV.argmax(dim=-1)
     drawn = tuple(i for i, p in enumerate(params) if p is not None and not p.greedy)
-    biased = [i for i, p in enumerate(params) if p is not None and p.logit_bias]
-    if not drawn and not biased:
+    adjusted = [i for i, p in enumerate(params) if p is not None and (p.logit_bias or p.penalized)]
+    if not drawn and not adjusted:
         return DrawnTokens(ids_B)
     if use_triton is None:
         use_triton = logits_BV.is_cuda and triton is not None
     race = race_triton if use_triton else _race_torch
-    if not biased:  # the common step: every drawn row raced on the logits as they are
-        rows_R, tokens_R, failed_R = _race_rows(logits_BV, drawn, [params[i] for i in drawn],
-                                                [indices[i] for i in drawn], race)
-        ids_B.index_copy_(0, rows_R, tokens_R)
-        return DrawnTokens(ids_B, drawn, failed_R)
-    plain = tuple(i for i in drawn if not params[i].logit_bias)
+    chosen = set(adjusted)
+    plain = tuple(i for i in drawn if i not in chosen)
     fails = []
-    if plain:
+    if plain:  # the common step: every drawn row raced on the logits as they are
         rows_R, tokens_R, failed_R = _race_rows(logits_BV, plain, [params[i] for i in plain],
                                                 [indices[i] for i in plain], race)
         ids_B.index_copy_(0, rows_R, tokens_R)
         fails.append(failed_R)
-    fails += _biased_rows(logits_BV, ids_B, biased, params, indices, race)
-    order = plain + tuple(i for i in biased if not params[i].greedy)
+    for chunk, rows_C, x_CV in adjusted_chunks(logits_BV, adjusted, params, indices, history, ROW_CHUNK):
+        ids_C = x_CV.argmax(dim=-1)
+        sampled = [j for j, row in enumerate(chunk) if not params[row].greedy]
+        if sampled:  # raced on the copy as they would be on logits_BV (the race: rows of one tensor)
+            at_R, tokens_R, failed_R = _race_rows(x_CV, sampled, [params[chunk[j]] for j in sampled],
+                                                  [indices[chunk[j]] for j in sampled], race)
+            ids_C.index_copy_(0, at_R, tokens_R)
+            fails.append(failed_R)
+        ids_B.index_copy_(0, rows_C, ids_C)
+    order = plain + tuple(i for i in adjusted if not params[i].greedy)
     return DrawnTokens(ids_B, order, torch.cat(fails) if fails else None)
 
 
@@ -122,61 +131,6 @@ def _race_rows(x_XV: torch.Tensor, at: Sequence[int], params: Sequence[SamplingP
     thr_R = _thresholds(x_XV, params, at_R, temp_R)
     tokens_R, failed_R = race(x_XV, at_R, temp_R, thr_R, seed_R, index_R)
     return at_R, tokens_R, failed_R
-
-
-def _biased_rows(logits_BV: torch.Tensor, ids_B: torch.Tensor, biased: Sequence[int],
-                 params: Sequence[SamplingParams | None], indices: Sequence[int], race) -> list[torch.Tensor]:
-    """Choose the tokens of rows ``biased`` (ascending, each with a ``logit_bias``) from a copy
-    of their logits with the bias added, writing them into ``ids_B``: the argmax, or the draw of
-    a sampled row. Returns the failure flags of the sampled ones, chunk by chunk (ascending).
-
-    The step's flat (chunk row x vocabulary + id) index and its biases cross in two
-    asynchronous copies; the rows are copied ``ROW_CHUNK`` at a time, each chunk biased by one
-    ``index_add_`` on its flat view (atomic adds, no sort of the index, no host sync; an id is
-    in a row's bias once, so each element takes one add) and its sampled rows raced on it
-    as they would be on ``logits_BV`` (the race's contract: rows of one tensor). Not a copy of
-    the whole step: a few biased rows cost their rows alone, and at most ``ROW_CHUNK`` rows are
-    copied at once (memory_estimates.draw_phase_bytes)."""
-    vocab, dev = logits_BV.shape[1], logits_BV.device
-    flat, values, ends = [], [], [0]
-    for k, row in enumerate(biased):
-        for tid, b in params[row].logit_bias:
-            if not 0 <= tid < vocab:  # the door refuses these; on CUDA it would be a device assert
-                raise ValueError(f"draw_tokens: row {row}'s logit_bias names token {tid}, "
-                                 f"outside the vocabulary of {vocab}")
-            flat.append(k % ROW_CHUNK * vocab + tid)
-            values.append(b)
-        if (k + 1) % ROW_CHUNK == 0 or k + 1 == len(biased):
-            ends.append(len(flat))
-    n = len(biased)
-    index = host_to_device([*biased, *flat], torch.int64, dev)
-    bias_E = host_to_device(values, torch.float32, dev)
-    fails = []
-    for c, lo in enumerate(range(0, n, ROW_CHUNK)):
-        chunk = biased[lo : lo + ROW_CHUNK]
-        rows_C = index[lo : lo + len(chunk)]
-        e0, e1 = ends[c], ends[c + 1]
-        x_CV = logits_BV.index_select(0, rows_C).float()  # a copy: logits_BV stays raw
-        x_CV.view(-1).index_add_(0, index[n + e0 : n + e1], bias_E[e0:e1])
-        ids_C = x_CV.argmax(dim=-1)
-        sampled = [j for j, row in enumerate(chunk) if not params[row].greedy]
-        if sampled:
-            at_R, tokens_R, failed_R = _race_rows(x_CV, sampled, [params[chunk[j]] for j in sampled],
-                                                  [indices[chunk[j]] for j in sampled], race)
-            ids_C.index_copy_(0, at_R, tokens_R)
-            fails.append(failed_R)
-        ids_B.index_copy_(0, rows_C, ids_C)
-        del x_CV  # before the next chunk's copy: one chunk at a time
-    return fails
-
-
-def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a tensor on ``device``, through pinned memory on CUDA: the copy is queued
-    on the stream without waiting for it (a step's host work overlaps the step before)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _signed64(seed: int) -> int:

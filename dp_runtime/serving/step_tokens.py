@@ -3,7 +3,9 @@ next step before it reads them (``RuntimeConfig.overlap_schedule``).
 
 ``launch_tokens`` runs right after a step's forward was launched. On the logits' device it
 draws every row's token (``sampling.draw_tokens``: the argmax, or a draw where the request
-samples with a temperature; a request's ``logit_bias`` on a copy of its row), writes the ids
+samples with a temperature; a request's penalties and ``logit_bias`` on a copy of its row:
+``adjusted_rows``, whose counts need the tokens each row drew before, ``TokenHistory``), writes
+the ids
 into the scheduler's ``last_tokens`` table (the next decode batch gathers its input ids there,
 in stream order) and, for rows that asked, computes their logprobs (``logprobs.logprob_rows``,
 from the raw logits: never the biased copy). One asynchronous copy per result brings them to
@@ -30,10 +32,17 @@ from dp_runtime.serving.logprobs import LogprobRows, logprob_rows
 from dp_runtime.serving.request import (
     LOGIT_BIAS_LIMIT,
     LOGPROBS_LIMIT,
+    PENALTY_MAX,
     SamplingParams,
     TokenLogprob,
 )
-from dp_runtime.serving.sampling import DrawnTokens, RowFailure, draw_failure, draw_tokens
+from dp_runtime.serving.sampling import (
+    DrawnTokens,
+    RowFailure,
+    TokenHistory,
+    draw_failure,
+    draw_tokens,
+)
 from dp_runtime.serving.scheduler import ScheduledStep
 
 __all__ = ["StepTokens", "launch_tokens", "worst_case_draw"]
@@ -84,7 +93,12 @@ def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens
         return StepTokens(scheduled, tokens=[None] * len(reqs))
     rows_B = scheduled.batch.req_pool_indices[: len(reqs)]
     params = [r.request.sampling if s else None for r, s in zip(reqs, samples, strict=True)]
-    drawn = draw_tokens(logits_BV, params, scheduled.draws)
+    history = None
+    if any(p is not None and p.penalized for p in params):
+        # Read before this step's ids are written below (stream order): the step before's tokens.
+        recorded = [r.output if p is not None and p.penalized else () for r, p in zip(reqs, params, strict=True)]
+        history = TokenHistory(recorded, last_tokens.index_select(0, rows_B))
+    drawn = draw_tokens(logits_BV, params, scheduled.draws, history=history)
     last_tokens.index_copy_(0, rows_B, drawn.ids_B)
     asked = [i for i, p in enumerate(params) if p is not None and p.logprobs is not None]
     lp_rows = logprob_rows(logits_BV, drawn.ids_B, asked, [params[i].logprobs for i in asked]) if asked else None
@@ -105,12 +119,16 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def worst_case_draw(logits_BV: torch.Tensor) -> torch.Tensor:
-    """Every row drawn the costliest way (a full-vocabulary top-p from a biased copy of its
-    logits, every logprob alternative): what the memory profile runs after its largest step, so
-    the draw's temporaries are in the peak the KV cache is sized from. Returns the ids."""
+    """Every row drawn the costliest way (a full-vocabulary top-p from a penalized and biased
+    copy of its logits, counting recorded tokens and one in flight; every logprob alternative):
+    what the memory profile runs after its largest step, so the draw's temporaries are in the
+    peak the KV cache is sized from. Returns the ids."""
     rows, vocab = logits_BV.shape
     bias = tuple((t, 1.0) for t in range(min(LOGIT_BIAS_LIMIT, vocab)))
-    worst = SamplingParams(temperature=1.0, top_p=0.5, logprobs=LOGPROBS_LIMIT, logit_bias=bias)
-    drawn = draw_tokens(logits_BV, [worst] * rows, [0] * rows)
+    worst = SamplingParams(temperature=1.0, top_p=0.5, logprobs=LOGPROBS_LIMIT, logit_bias=bias,
+                           presence_penalty=PENALTY_MAX, frequency_penalty=PENALTY_MAX)
+    seen = tuple(range(min(LOGIT_BIAS_LIMIT, vocab)))  # recorded, and the step before's in flight
+    history = TokenHistory([seen] * rows, torch.zeros(rows, dtype=torch.int64, device=logits_BV.device))
+    drawn = draw_tokens(logits_BV, [worst] * rows, [len(seen) + 1] * rows, history=history)
     logprob_rows(logits_BV, drawn.ids_B, range(rows), [LOGPROBS_LIMIT] * rows)
     return drawn.ids_B

@@ -15,6 +15,8 @@ A completion's ``prompt`` may be a batch (prompts.py); the sampling fields are c
 of its prompts, so ``max_tokens`` fits every one (its message names the prompt it does not fit).
 ``logprobs``/``top_logprobs`` (logprobs.py) and ``logit_bias`` (logit_bias.py: token-id strings
 to biases in [-100, 100], at most 300) are checked once per request, in their own modules.
+``presence_penalty`` and ``frequency_penalty`` are OpenAI's: finite, in [-2, 2], 0 or null off
+(the engine's rule: ``SamplingParams``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+from dp_runtime.serving.request import PENALTY_MAX
 
 __all__ = [
     "ApiError",
@@ -173,6 +177,8 @@ class Sampling:
     extra: dict = field(default_factory=dict)
     logprobs: int | None = None  # top alternatives per token (None: no logprobs; logprobs.py)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (logit_bias.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def params(self) -> dict[str, Any]:
         """The keywords of ``SamplingParams``."""
@@ -186,6 +192,8 @@ class Sampling:
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
             logit_bias=self.logit_bias,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
         )
 
 
@@ -261,6 +269,7 @@ def sampling_of(
                 "stop_token_ids",
                 f"stop_token_ids[{i}] must be a token id in [0, {vocab_size}), got {t}",
             )
+    penalties = {name: _penalty(req, name) for name in ("presence_penalty", "frequency_penalty")}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options", "stream_options applies only with stream: true")
@@ -275,17 +284,24 @@ def sampling_of(
         stop=stop,
         stream=bool(req.stream),
         include_usage=include_usage,
+        **penalties,
     )
+
+
+def _penalty(req: _Common, name: str) -> float:
+    """``presence_penalty`` or ``frequency_penalty``: finite, in [-2, 2]; null is 0 (off)."""
+    value = getattr(req, name)
+    value = 0.0 if value is None else value
+    if not (math.isfinite(value) and abs(value) <= PENALTY_MAX):
+        raise bad(name, f"{name} must be a finite number in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}], "
+                        f"got {value}")
+    return float(value)
 
 
 def _refuse_unsupported(req: _Common) -> None:
     """Fields a client may set that this server does not implement: refused, never ignored
     (``logprobs`` and ``top_logprobs`` are checked in logprobs.py, ``logit_bias`` in
-    logit_bias.py)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value not in (None, 0, 0.0):
-            raise bad(name, f"{name} is not supported (only 0), got {value}")
+    logit_bias.py, the penalties in ``sampling_of``)."""
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise bad("echo", "echo is not supported (nor prompt logprobs), got true")

@@ -1,0 +1,149 @@
+"""Presence and frequency penalties (``SamplingParams.presence_penalty`` / ``frequency_penalty``,
+dp_runtime/serving/adjusted_rows.py).
+
+The draw on CPU tensors: every row (greedy, sampled, biased, past a chunk) chooses what the
+rule applied by hand gives, counting the recorded tokens and the one still in flight; the raw
+logits are never written; presence and frequency differ as the rule says.
+
+A rank (tiny preset, CPU, ``keep_logits``): a greedy request with penalties produces exactly
+the greedy sequence of its kept raw rows with the rule applied on the host; its logprobs are
+those raw rows'; a request without penalties in the same steps is unchanged; overlapped steps
+(the token of the step before still in flight) give the tokens of step-by-step serving."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+
+from dp_runtime.rank_spec import RankSpec
+from dp_runtime.rank_worker import RankWorker
+from dp_runtime.serving.request import Request, SamplingParams
+from dp_runtime.serving.sampling import ROW_CHUNK, TokenHistory, draw_tokens
+
+
+def _penalized(row: torch.Tensor, seen, p: SamplingParams) -> torch.Tensor:
+    """The rule on one raw row: minus frequency * c and presence * (c > 0) for each token seen
+    c times, then the bias."""
+    x = row.float().clone()
+    for tid, c in Counter(seen).items():
+        x[tid] -= p.frequency_penalty * c + p.presence_penalty
+    for tid, b in p.logit_bias:
+        x[tid] += b
+    return x
+
+
+def test_every_row_draws_from_the_rule_applied_by_hand():
+    rows, vocab = ROW_CHUNK + 6, 40
+    torch.manual_seed(5)
+    logits = torch.randn(rows, vocab) * 2
+    raw = logits.clone()
+    g = torch.Generator().manual_seed(1)
+    recorded = [torch.randint(0, vocab, (r % 9,), generator=g).tolist() for r in range(rows)]
+    last_B = torch.randint(0, vocab, (rows,), generator=g)
+    ahead = [r % 2 for r in range(rows)]  # odd rows: the step before's token is still in flight
+    params = [None if r % 11 == 3 else SamplingParams(
+        temperature=0.0 if r % 3 else 0.8, seed=r, top_k=r % 4,
+        frequency_penalty=(r % 5 - 2) * 0.7, presence_penalty=(r % 7 - 3) * 0.6,
+        logit_bias=((r % vocab, 1.5),) if r % 4 == 0 else ()) for r in range(rows)]
+    indices = [len(s) + a for s, a in zip(recorded, ahead, strict=True)]
+    drawn = draw_tokens(logits, params, indices, history=TokenHistory(recorded, last_B))
+    assert torch.equal(logits, raw)  # the logprobs read these: they stay raw
+    by_hand = logits.clone()
+    for r, p in enumerate(params):
+        if p is not None:
+            seen = recorded[r] + ([int(last_B[r])] if ahead[r] else [])
+            by_hand[r] = _penalized(logits[r], seen, p)
+    plain = [None if p is None else dataclasses.replace(p, frequency_penalty=0.0, presence_penalty=0.0,
+                                                        logit_bias=()) for p in params]
+    assert drawn.ids_B.tolist() == draw_tokens(by_hand, plain, indices).ids_B.tolist()
+
+
+def test_presence_and_frequency_differ_as_the_rule_says():
+    logits = torch.tensor([[3.0, 2.0, 1.5, 0.0]])
+
+    def greedy(seen, **pen):
+        h = TokenHistory([seen], torch.zeros(1, dtype=torch.int64))
+        return draw_tokens(logits, [SamplingParams(**pen)], [len(seen)], history=h).ids_B.item()
+
+    # Token 0 generated three times: presence takes 0.9 once (3.0 -> 2.1, still first),
+    # frequency 0.9 three times (3.0 -> 0.3: token 1 wins).
+    assert greedy([0, 0, 0], presence_penalty=0.9) == 0
+    assert greedy([0, 0, 0], frequency_penalty=0.9) == 1
+    assert greedy([0], frequency_penalty=0.9) == 0 and greedy([], frequency_penalty=2.0) == 0
+    assert greedy([1, 1], frequency_penalty=-0.6) == 1  # negative: repeats favoured (2 + 1.2)
+
+
+def test_a_penalized_row_needs_its_history_and_at_most_one_token_in_flight():
+    p = [SamplingParams(frequency_penalty=1.0)]
+    with pytest.raises(ValueError, match="row 0 has a penalty and no TokenHistory"):
+        draw_tokens(torch.zeros(1, 8), p, [0])
+    with pytest.raises(AssertionError):  # two tokens unrecorded: the scheduler never does that
+        draw_tokens(torch.zeros(1, 8), p, [3], history=TokenHistory([[1]], torch.zeros(1, dtype=torch.int64)))
+
+
+# -- a rank ---------------------------------------------------------------------------------------
+
+PEN = {"freq": dict(frequency_penalty=2.0), "pres": dict(presence_penalty=2.0),
+       "both": dict(frequency_penalty=-0.5, presence_penalty=1.5, logprobs=2)}
+
+
+def _requests(penalties: bool) -> list[Request]:
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i, rid in enumerate(("freq", "pres", "both", "plain", "sampled")):
+        pen = PEN.get(rid, {}) if penalties else {}
+        t = 0.8 if rid == "sampled" else 0.0
+        sp = SamplingParams(max_new_tokens=14, temperature=t, seed=9, **pen)
+        out.append(Request(rid, torch.randint(0, 256, (6 + 9 * i,), generator=g).tolist(), sp))
+    return out
+
+
+def _serve(penalties: bool, overlap: bool = True):
+    spec = RankSpec.create("tiny", dp_size=1, device="cpu", dtype="float32", max_running_requests=4,
+                           chunked_prefill_size=24, max_context_len=96, attention="sdpa", overlap_schedule=overlap)
+    with RankWorker(spec, keep_logits=True) as w:
+        return {r.rid: r for r in w.generate(_requests(penalties))}, w.sampled_logits
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return _serve(False), _serve(True), _serve(True, overlap=False)
+
+
+def test_a_penalized_greedy_request_follows_the_rule_on_its_raw_rows(runs):
+    _, (got, logits), _ = runs
+    repeats_avoided = 0
+    params = {r.rid: r.sampling for r in _requests(True)}
+    for rid in PEN:
+        sp = params[rid]
+        want: list[int] = []
+        for row in logits[rid]:
+            want.append(int(_penalized(row, want, sp).argmax()))
+            repeats_avoided += int(row.argmax()) in want[:-1] and want[-1] != int(row.argmax())
+        assert list(got[rid].output_ids) == want, rid
+    assert repeats_avoided  # the raw argmax was a token already produced, and the penalty moved it
+    assert got["freq"].output_ids != got["pres"].output_ids or len(set(got["freq"].output_ids)) == 14
+
+
+def test_the_logprobs_of_a_penalized_request_are_the_raw_rows(runs):
+    _, (got, logits), _ = runs
+    for tok, (lp, top), row in zip(got["both"].output_ids, got["both"].logprobs, logits["both"], strict=True):
+        raw = torch.log_softmax(row, dim=-1)
+        assert lp == pytest.approx(raw[tok].item(), abs=1e-6)
+        assert [v for _, v in top] == pytest.approx(raw.topk(2).values.tolist(), abs=1e-6)
+
+
+def test_requests_without_penalties_beside_penalized_ones_are_unchanged(runs):
+    (plain, _), (got, _), _ = runs
+    for rid in ("plain", "sampled"):
+        assert got[rid].output_ids == plain[rid].output_ids
+    assert any(got[rid].output_ids != plain[rid].output_ids for rid in PEN)
+
+
+def test_overlapped_steps_count_the_token_in_flight(runs):
+    _, (overlapped, _), (step_by_step, _) = runs
+    for rid, res in step_by_step.items():
+        assert overlapped[rid].output_ids == res.output_ids, rid
