@@ -46,6 +46,7 @@ BENCHES: dict[str, BenchInfo] = {
     "skinny_linear": BenchInfo(False, "1-4 row projections: the skinny Triton kernel vs cuBLAS vs the bytes floor"),
     "decode_attention": BenchInfo(False, "decode attention: FlashInfer's variants vs the Triton kernel vs the floor"),
     "prefill_attention": BenchInfo(False, "causal prefill attention: FlashInfer FA2 vs FA3 vs SDPA"),
+    "draw_tokens": BenchInfo(False, "a step's token draw alone per sampling config (temperature, top-k/p) vs greedy"),
 }
 
 
