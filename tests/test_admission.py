@@ -164,3 +164,11 @@ def test_run_torchrun_refuses_duplicate_rids_up_front():
         run_torchrun(_spec(), [*_good(2), Request("g1", [9, 9])])
     report = run_torchrun(_spec(), [*_good(2), Request("over", [VOCAB])])
     assert [(r.rid, r.ok) for r in report.results] == [("g0", True), ("g1", True), ("over", False)]
+
+
+def test_a_stop_token_id_outside_the_vocabulary_is_refused_by_the_engine_s_door():
+    ok = Request("s", [1], SamplingParams(stop_token_ids=(0, 255)))
+    assert check_request(ok, VOCAB) is None
+    message = check_request(Request("s", [1], SamplingParams(stop_token_ids=(3, 256))), VOCAB)
+    assert message == "request 's': SamplingParams.stop_token_ids[1]=256 is not a token id in [0, vocab_size=256)"
+    assert rejection(message).field == "stop_token_ids"

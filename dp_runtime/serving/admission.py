@@ -39,7 +39,7 @@ def check_request(req: Request, vocab_size: int | None = None, context_len: int 
     names the field, the limit and the value; None when it may be queued.
 
     Rules: its own fields (``request.check_request_fields``: rid, prompt_ids, sampling,
-    arrival_s); token ids, the prompt's and ``logit_bias``'s, in ``[0, vocab_size)`` (not
+    arrival_s); token ids, the prompt's, ``logit_bias``'s and ``stop_token_ids``, in ``[0, vocab_size)`` (not
     checked when None); prompt + max_new_tokens - 1 KV tokens within ``context_len`` and within
     a rank's whole KV cache of ``kv_slots`` token slots (each not checked when None).
     """
@@ -54,6 +54,10 @@ def check_request(req: Request, vocab_size: int | None = None, context_len: int 
         for pos, (t, _) in enumerate(req.sampling.logit_bias):
             if t >= vocab_size:
                 return (f"{where}: SamplingParams.logit_bias[{pos}]: token id {t} is not in "
+                        f"[0, vocab_size={vocab_size})")
+        for pos, t in enumerate(req.sampling.stop_token_ids):
+            if t >= vocab_size:  # it could never stop the request: a mistake, not a no-op
+                return (f"{where}: SamplingParams.stop_token_ids[{pos}]={t} is not a token id in "
                         f"[0, vocab_size={vocab_size})")
     need = len(ids) + req.sampling.max_new_tokens - 1
     if context_len is not None and need > context_len:

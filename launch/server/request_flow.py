@@ -105,16 +105,14 @@ def submit(state: Any, rid: str, prompt_ids: list[int], sampling: Sampling) -> F
     if not sampling.ignore_eos:
         hidden |= set(engine.eos_token_ids)
     text = TextStream(state.tokenizer, sampling.stop, tuple(hidden))
-    return Flow(state, rid, len(prompt_ids), queue, text)
+    return Flow(state, rid, queue, text)
 
 
 class Flow:
     """The outputs of one submitted request as Events; ``close()`` aborts it if unfinished."""
 
-    def __init__(
-        self, state: Any, rid: str, prompt_len: int, queue: asyncio.Queue, text: TextStream
-    ):
-        self._state, self.rid, self.prompt_len = state, rid, prompt_len
+    def __init__(self, state: Any, rid: str, queue: asyncio.Queue, text: TextStream):
+        self._state, self.rid = state, rid
         self._queue, self._text = queue, text
         self.completion_tokens = 0
         self.logprobs: list = []  # every event's logprobs, in order (when the request asked)
