@@ -74,7 +74,7 @@ def test_a_draw_with_logprobs_never_waits_for_the_gpu():
     torch.cuda.set_sync_debug_mode("error")
     try:
         drawn = draw_tokens(logits, params, list(range(rows)))
-        lp = logprob_rows(logits, drawn.ids_B, range(rows), [5] * rows).to_host(pin=True)
+        lp = logprob_rows(logits, drawn.ids_B, range(rows), [5] * rows).to_host()
         host = torch.empty(rows, dtype=torch.int64, pin_memory=True).copy_(drawn.ids_B, non_blocking=True)
         done = torch.cuda.Event()
         done.record()

@@ -1,5 +1,6 @@
-"""Host values onto the device without waiting: the one way a step's small host-built tensors
-(rows, seeds, bias and count indices) reach the logits' device, so building them never syncs."""
+"""Small tensors between host and device without waiting: the one way a step's host-built
+tensors (rows, seeds, bias and count indices) reach the logits' device, and its results (ids,
+flags, logprobs) come back, so neither direction syncs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["host_to_device"]
+__all__ = ["device_to_host", "host_to_device"]
 
 
 def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -17,3 +18,9 @@ def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def device_to_host(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of CUDA tensor ``t``, queued on the stream: read it after an event
+    recorded behind it."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dp_runtime.serving.host_copy import device_to_host, host_to_device
 from dp_runtime.serving.request import TokenLogprob
-from dp_runtime.serving.sampling import ROW_CHUNK, host_to_device
+from dp_runtime.serving.sampling import ROW_CHUNK
 
 __all__ = ["LogprobRows", "logprob_rows"]
 
@@ -33,13 +34,11 @@ class LogprobRows:
     top_vals_AK: torch.Tensor
     top_ids_AK: torch.Tensor
 
-    def to_host(self, pin: bool) -> LogprobRows:
-        """The same rows with the tensors in (pinned) host memory, copied without waiting: read
-        them after the copy's event."""
-        def host(t: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            return out.copy_(t, non_blocking=pin)
-        return LogprobRows(self.rows, self.tops, host(self.chosen_A), host(self.top_vals_AK), host(self.top_ids_AK))
+    def to_host(self) -> LogprobRows:
+        """The same rows with the (CUDA) tensors in pinned host memory, copied without waiting:
+        read them after the copy's event."""
+        return LogprobRows(self.rows, self.tops, device_to_host(self.chosen_A), device_to_host(self.top_vals_AK),
+                           device_to_host(self.top_ids_AK))
 
     def per_row(self) -> dict[int, TokenLogprob]:
         """Row -> ``(logprob, ((id, logprob), ...))`` (host tensors)."""

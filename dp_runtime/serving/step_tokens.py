@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dp_runtime.serving.host_copy import device_to_host
 from dp_runtime.serving.logprobs import LogprobRows, logprob_rows
 from dp_runtime.serving.request import (
     LOGIT_BIAS_LIMIT,
@@ -107,15 +108,11 @@ def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens
             kept_logits.setdefault(reqs[i].request.rid, []).append(logits_BV[i].float().cpu())
     if not logits_BV.is_cuda:
         return StepTokens(scheduled, drawn=drawn, lp_rows=lp_rows)
-    host = DrawnTokens(_host_copy(drawn.ids_B), drawn.drawn,
-                       None if drawn.failed_R is None else _host_copy(drawn.failed_R))
+    host = DrawnTokens(device_to_host(drawn.ids_B), drawn.drawn,
+                       None if drawn.failed_R is None else device_to_host(drawn.failed_R))
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(logits_BV.device))  # the logits' device, whatever is current
-    return StepTokens(scheduled, drawn=host, lp_rows=None if lp_rows is None else lp_rows.to_host(pin=True), ready=ready)
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+    return StepTokens(scheduled, drawn=host, lp_rows=None if lp_rows is None else lp_rows.to_host(), ready=ready)
 
 
 def worst_case_draw(logits_BV: torch.Tensor) -> torch.Tensor:
