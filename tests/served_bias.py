@@ -33,6 +33,18 @@ def _ids(r) -> list[int]:
     return r.choices[0].model_extra["token_ids"]
 
 
+
+def refused_400(client, route, **kw) -> dict:
+    """The error body of a request to ``route`` ("completions" on PROMPT, or "chat") that the
+    server must refuse with a 400."""
+    with pytest.raises(openai.BadRequestError) as info:
+        if route == "chat":
+            client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
+        else:
+            client.completions.create(prompt=PROMPT, **kw)
+    assert info.value.status_code == 400, info.value
+    return info.value.body
+
 class TestLogitBiasServed:
     @pytest.mark.parametrize("sampled", [dict(temperature=0), dict(temperature=1.0, seed=3)],
                              ids=["greedy", "seeded"])
@@ -85,12 +97,5 @@ class TestLogitBiasServed:
     ])
     @pytest.mark.parametrize("route", ["completions", "chat"])
     def test_bad_values_are_400_naming_logit_bias(self, client, name, bias, text, route):
-        kw = dict(model=name, max_tokens=2, logit_bias=bias)
-        with pytest.raises(openai.BadRequestError) as info:
-            if route == "chat":
-                client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
-            else:
-                client.completions.create(prompt=PROMPT, **kw)
-        err = info.value.body
-        assert info.value.status_code == 400 and err["param"] == "logit_bias", err
-        assert text in err["message"], err
+        err = refused_400(client, route, model=name, max_tokens=2, logit_bias=bias)
+        assert err["param"] == "logit_bias" and text in err["message"], err

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-import openai
 import pytest
 import torch
 
-__all__ = ["TestPenaltiesServed"]
+from tests.served_bias import PROMPT, refused_400
 
-PROMPT = [5, 77, 300, 12, 190, 45]
+__all__ = ["TestPenaltiesServed"]
 
 
 def _ids(r) -> list[int]:
@@ -68,12 +67,6 @@ class TestPenaltiesServed:
     @pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -2.01)])
     @pytest.mark.parametrize("route", ["completions", "chat"])
     def test_values_outside_the_range_are_400_naming_the_field(self, client, name, field, value, route):
-        kw = dict(model=name, max_tokens=2, **{field: value})
-        with pytest.raises(openai.BadRequestError) as info:
-            if route == "chat":
-                client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
-            else:
-                client.completions.create(prompt=PROMPT, **kw)
-        err = info.value.body
-        assert info.value.status_code == 400 and err["param"] == field, err
+        err = refused_400(client, route, model=name, max_tokens=2, **{field: value})
+        assert err["param"] == field, err
         assert f"{field} must be a finite number in [-2, 2], got {value}" in err["message"], err
