@@ -85,6 +85,8 @@
 #   bash bench/run_gpu.sh draw18    # one GPU: a step's draw alone per sampling config (greedy, temperature, top-k/p, ...)
 #   bash bench/run_gpu.sh bias18    # one GPU: logit_bias's GPU tests (sampling, logprobs, rank memory, overlap);
 #                                   #   plan --measure at 64 and 256 running (the profile's draw now biases its rows)
+#   bash bench/run_gpu.sh topp18    # one GPU: sampling GPU tests; draw_tokens and serve_load (lof, temperature 0.7,
+#                                   #   top-p 0.9) at 64 and 256 running, in .bases/b9 (50d77b4) and here
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
 set -uo pipefail
@@ -485,6 +487,22 @@ case "${1:-one}" in
     ;;
   draw18)  # one GPU: a step's draw alone per sampling config at 64 and 256 rows (bench/draw_tokens.py)
     step draw_tokens timeout 200 python bench/draw_tokens.py ${DRAW_ARGS:-}
+    ;;
+  topp18)  # one GPU: sampling GPU tests; draw_tokens, serve_load (lof, t 0.7, top-p 0.9) at 64/256 running, b9 then here
+    [ "${TESTS:-1}" = 0 ] || step gpu_tests timeout ${TTESTS:-200} python -m pytest -m gpu -p no:cacheprovider -q -rs \
+      tests/test_sampling_gpu.py
+    bases > /dev/null; b=/tmp/bases/${BASE:-b9}
+    for t in $b .; do
+      TAIL=12 step draw_$(basename $(realpath $t)) timeout 120 env PYTHONPATH=$(realpath $t):$PYTHONPATH \
+        python $t/bench/draw_tokens.py --configs ${DRAW_CONFIGS:-greedy,t1,t0.7p0.9,t1p0.95,t0.7k50p0.9}
+    done
+    for n in ${RUNNING:-64 256}; do
+      for t in $b .; do
+        TAIL=2 step load${n}_$(basename $(realpath $t)) timeout ${TLOAD:-200} env PYTHONPATH=$(realpath $t):$PYTHONPATH \
+          python $t/bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf --num-requests $(( n * 2 )) \
+          --max-running-requests $n --policy lof --json --gpu-spans --temperature 0.7 --top-p 0.9
+      done
+    done
     ;;
   bias18)  # one GPU: logit_bias's GPU tests; plan --measure at 64 and 256 running (worst_case_draw with a bias)
     step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_sampling_gpu.py \

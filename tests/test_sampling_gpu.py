@@ -12,7 +12,8 @@ import torch
 
 from dp_runtime.serving.logprobs import logprob_rows
 from dp_runtime.serving.request import SamplingParams
-from dp_runtime.serving.sampling import ROW_CHUNK, TokenHistory, draw_tokens
+from dp_runtime.serving.sampling import ROW_CHUNK, TokenHistory, _top_p_threshold, draw_tokens
+from dp_runtime.serving.sampling_triton import top_p_triton
 from tests import test_sampling as on_cpu  # a module, so its tests are not collected here too
 from tests.test_penalties import _penalized  # the penalty rule by hand
 from tests.test_sampling import LOGITS, _reference
@@ -63,6 +64,24 @@ def test_the_kernel_keeps_the_kth_token_and_keys_its_noise_on_the_gpu(monkeypatc
     monkeypatch.setattr("tests.test_sampling.draw_tokens", on_gpu)
     on_cpu.test_top_k_keeps_exactly_the_k_tokens_at_the_limits_of_float32("triton")
     on_cpu.test_each_token_of_a_request_and_each_seed_draw_their_own_noise("triton")
+
+
+def test_the_top_p_search_finds_the_sorts_threshold_at_a_real_vocabulary():
+    # 256 rows of qwen3's vocabulary: the search against the sort, and against the rule in
+    # float64 where their float32 sums round apart (a mass within 1e-5 of top_p at the edge).
+    rows, vocab = 256, 151_936
+    torch.manual_seed(1)
+    logits = torch.randn(rows, vocab, device="cuda") * torch.linspace(0.5, 12, rows, device="cuda")[:, None]
+    logits[::7, : vocab // 2] = logits[::7, vocab // 2 :]  # ties
+    temp = torch.rand(rows, device="cuda") * 1.4 + 0.1
+    top_p = torch.rand(rows, device="cuda").clamp(1e-4, 0.999)
+    got = top_p_triton(logits, torch.arange(rows, device="cuda"), temp, top_p)
+    want = _top_p_threshold(logits.sort(dim=-1, descending=True).values, temp, top_p)
+    for r in (got != want).nonzero()[:, 0].tolist():
+        probs = torch.softmax(logits[r].double() / temp[r].double(), dim=-1)
+        above, at = probs[logits[r] > got[r]].sum().item(), probs[logits[r] >= got[r]].sum().item()
+        assert above < top_p[r].item() + 1e-5 and top_p[r].item() <= at + 1e-5, (r, above, at, top_p[r].item())
+    assert (got == want).float().mean().item() >= 0.9
 
 
 def test_a_draw_with_logprobs_never_waits_for_the_gpu():

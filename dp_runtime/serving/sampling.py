@@ -11,10 +11,13 @@ Every row gets the argmax. A row that samples (temperature > 0) is then drawn fr
    token, is a draw from ``softmax(z)`` restricted to them (the Gumbel-max trick).
 
 Both filters come down to one threshold per row on the raw logits (``_thresholds``: the value
-of the last kept token; z is monotonic in the logit), found with torch on the rows that filter:
-a row with top-k among its k values (``ROW_CHUNK`` rows at a time), one with top-p alone by
-sorting its vocabulary (``SORT_CHUNK`` rows at a time). The race then runs on CUDA as one Triton launch for every drawn row
-(``sampling_triton``), elsewhere with torch a row at a time.
+of the last kept token; z is monotonic in the logit), found on the rows that filter: a row
+with top-k among its k values (torch's topk, ``ROW_CHUNK`` rows at a time); one with top-p
+alone on CUDA by a search over its values in one Triton launch for all such rows
+(``sampling_triton.top_p_triton``: no sort, no rows x vocabulary temporary), elsewhere by
+sorting its vocabulary (``SORT_CHUNK`` rows at a time). The race then runs on CUDA as one
+Triton launch for every drawn row (``sampling_triton.race_triton``), elsewhere with torch a row
+at a time.
 
 The noise of a draw is keyed by the request's seed and the token's index in its output
 (``draw_keys``): the same request draws the same tokens whatever else is in its batch, on
@@ -42,7 +45,7 @@ import torch
 from dp_runtime.serving.adjusted_rows import TokenHistory, adjusted_chunks
 from dp_runtime.serving.host_copy import host_to_device
 from dp_runtime.serving.request import SamplingParams
-from dp_runtime.serving.sampling_triton import race_triton, triton
+from dp_runtime.serving.sampling_triton import race_triton, top_p_triton, triton
 
 __all__ = ["ROW_CHUNK", "SORT_CHUNK", "DrawnTokens", "RowFailure", "TokenHistory", "draw_failure", "draw_tokens",
            "host_to_device"]
@@ -87,7 +90,8 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
     with a ``logit_bias`` or a penalty is chosen from an adjusted copy of its logits
     (``adjusted_rows``; ``history``: what the rows generated before, needed where a row has a
     penalty): ``logits_BV`` itself is never written, so the logprobs read from it after the draw
-    stay raw. ``use_triton``: the race's kernel (default: on CUDA tensors)."""
+    stay raw. ``use_triton``: the Triton kernels, the top-p search and the race (default: on CUDA
+    tensors)."""
     if logits_BV.shape[0] != len(params) or len(params) != len(indices):
         raise ValueError(f"draw_tokens: {logits_BV.shape[0]} logits rows, {len(params)} params, "
                          f"{len(indices)} indices")
@@ -98,13 +102,12 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
         return DrawnTokens(ids_B)
     if use_triton is None:
         use_triton = logits_BV.is_cuda and triton is not None
-    race = race_triton if use_triton else _race_torch
     chosen = set(adjusted)
     plain = tuple(i for i in drawn if i not in chosen)
     fails = []
     if plain:  # the common step: every drawn row raced on the logits as they are
         rows_R, tokens_R, failed_R = _race_rows(logits_BV, plain, [params[i] for i in plain],
-                                                [indices[i] for i in plain], race)
+                                                [indices[i] for i in plain], use_triton)
         ids_B.index_copy_(0, rows_R, tokens_R)
         fails.append(failed_R)
     for chunk, rows_C, x_CV in adjusted_chunks(logits_BV, adjusted, params, indices, history, ROW_CHUNK):
@@ -112,7 +115,7 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
         sampled = [j for j, row in enumerate(chunk) if not params[row].greedy]
         if sampled:  # raced on the copy as they would be on logits_BV (the race: rows of one tensor)
             at_R, tokens_R, failed_R = _race_rows(x_CV, sampled, [params[chunk[j]] for j in sampled],
-                                                  [indices[chunk[j]] for j in sampled], race)
+                                                  [indices[chunk[j]] for j in sampled], use_triton)
             ids_C.index_copy_(0, at_R, tokens_R)
             fails.append(failed_R)
         ids_B.index_copy_(0, rows_C, ids_C)
@@ -121,14 +124,15 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
 
 
 def _race_rows(x_XV: torch.Tensor, at: Sequence[int], params: Sequence[SamplingParams],
-               indices: Sequence[int], race) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               indices: Sequence[int], use_triton: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw rows ``at`` of ``x_XV`` (``params[r]`` and output index ``indices[r]`` for row
-    ``at[r]``): ``(at_R on the device, tokens_R, failed_R)``."""
+    ``at[r]``), with the Triton kernels or torch: ``(at_R on the device, tokens_R, failed_R)``."""
     dev = x_XV.device
     seeds = [_signed64(p.seed) for p in params]
     at_R, seed_R, index_R = host_to_device([list(at), seeds, list(indices)], torch.int64, dev).unbind(0)
     temp_R = host_to_device([p.temperature for p in params], torch.float32, dev)
-    thr_R = _thresholds(x_XV, params, at_R, temp_R)
+    thr_R = _thresholds(x_XV, params, at_R, temp_R, use_triton)
+    race = race_triton if use_triton else _race_torch
     tokens_R, failed_R = race(x_XV, at_R, temp_R, thr_R, seed_R, index_R)
     return at_R, tokens_R, failed_R
 
@@ -139,16 +143,22 @@ def _signed64(seed: int) -> int:
 
 
 def _thresholds(logits_BV: torch.Tensor, params: Sequence[SamplingParams], rows_R: torch.Tensor,
-                temp_R: torch.Tensor) -> torch.Tensor:
+                temp_R: torch.Tensor, use_triton: bool) -> torch.Tensor:
     """Each drawn row's threshold on its raw logits: the smallest value its top-k and top-p keep
     (-inf where it filters nothing). Rows with top-k rank their k values, ``ROW_CHUNK`` rows at
-    a time; rows with top-p alone sort their vocabulary, ``SORT_CHUNK`` rows at a time (a sort's
-    buffers take ~48 bytes per element: memory_estimates.draw_phase_bytes)."""
+    a time; rows with top-p alone are searched in one launch (``use_triton``) or sort their
+    vocabulary, ``SORT_CHUNK`` rows at a time (a sort's buffers take ~48 bytes per element:
+    memory_estimates.draw_phase_bytes)."""
     vocab, dev = logits_BV.shape[1], logits_BV.device
     thr_R = torch.full((len(params),), -torch.inf, device=dev)
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     ranked_k = [r for r, k in enumerate(ks) if k]
     sorted_p = [r for r, (p, k) in enumerate(zip(params, ks, strict=True)) if not k and p.top_p < 1]
+    if use_triton and sorted_p:
+        at = host_to_device(sorted_p, torch.int64, dev)
+        top_p = host_to_device([params[r].top_p for r in sorted_p], torch.float32, dev)
+        thr_R.index_copy_(0, at, top_p_triton(logits_BV, rows_R.index_select(0, at), temp_R.index_select(0, at), top_p))
+        sorted_p = []
     for group, size in ((ranked_k, ROW_CHUNK), (sorted_p, SORT_CHUNK)):
         for lo in range(0, len(group), size):
             chunk = group[lo : lo + size]
