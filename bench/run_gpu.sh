@@ -488,11 +488,12 @@ case "${1:-one}" in
   draw18)  # one GPU: a step's draw alone per sampling config at 64 and 256 rows (bench/draw_tokens.py)
     step draw_tokens timeout 200 python bench/draw_tokens.py ${DRAW_ARGS:-}
     ;;
-  topp18)  # one GPU: sampling GPU tests; draw_tokens, serve_load (lof, t 0.7, top-p 0.9) at 64/256 running, b9 then here
+  topp18)  # one GPU: sampling GPU tests; draw_tokens (b9, DRAW_TREES, here); serve_load (lof, t 0.7, top-p 0.9) at 64/256
+           # running, b9 then here, then greedy here (GREEDY=0: not)
     [ "${TESTS:-1}" = 0 ] || step gpu_tests timeout ${TTESTS:-200} python -m pytest -m gpu -p no:cacheprovider -q -rs \
       tests/test_sampling_gpu.py
     bases > /dev/null; b=/tmp/bases/${BASE:-b9}
-    for t in $b .; do
+    for t in $b ${DRAW_TREES:-} .; do
       TAIL=12 step draw_$(basename $(realpath $t)) timeout 120 env PYTHONPATH=$(realpath $t):$PYTHONPATH \
         python $t/bench/draw_tokens.py --configs ${DRAW_CONFIGS:-greedy,t1,t0.7p0.9,t1p0.95,t0.7k50p0.9}
     done
@@ -502,6 +503,9 @@ case "${1:-one}" in
           python $t/bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf --num-requests $(( n * 2 )) \
           --max-running-requests $n --policy lof --json --gpu-spans --temperature 0.7 --top-p 0.9
       done
+      [ "${GREEDY:-1}" = 0 ] || TAIL=2 step load${n}_greedy timeout ${TLOAD:-200} python bench/serve_load.py \
+        --model qwen3-30b-a3b --device cuda --rates inf --num-requests $(( n * 2 )) --max-running-requests $n \
+        --policy lof --json --gpu-spans
     done
     ;;
   bias18)  # one GPU: logit_bias's GPU tests; plan --measure at 64 and 256 running (worst_case_draw with a bias)

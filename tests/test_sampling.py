@@ -15,8 +15,8 @@ import torch
 from dp_runtime.serving.logprobs import logprob_rows
 from dp_runtime.serving.request import SamplingParams
 from dp_runtime.serving.sampling import ROW_CHUNK, _top_p_threshold, draw_tokens
-from dp_runtime.serving.sampling_triton import top_p_triton
 from dp_runtime.serving.step_tokens import worst_case_draw
+from dp_runtime.serving.top_p_search import top_p_thresholds
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.3, 0.0, -0.5, -2.0])
 
@@ -129,22 +129,29 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_its_batch(race):
         assert in_batch(ROW_CHUNK + 5, ROW_CHUNK + 9) == want
 
 
+def _search_against_the_sort(rows: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor) -> None:
+    got = top_p_thresholds(rows, torch.arange(rows.shape[0]), temp, top_p)
+    assert torch.equal(got, _top_p_threshold(rows.sort(dim=-1, descending=True).values, temp, top_p))
+    for r in range(rows.shape[0]):  # and the rule, in float64: less than top_p above, at least with it
+        probs = torch.softmax(rows[r].double() / temp[r].double(), dim=-1)
+        above, at = probs[rows[r] > got[r]].sum(), probs[rows[r] >= got[r]].sum()
+        assert above < top_p[r] <= at + 1e-6, (r, above, at)
+
+
 def test_the_top_p_search_finds_the_sorts_threshold():
-    # The kernel (Triton's interpreter here) against the sort it replaces on CUDA, on rows with
-    # ties, -inf logits, a tiny or a near-one top_p, temperatures from cold to hot.
+    # The kernels (Triton's interpreter here) against the sort they replace on CUDA, on rows with
+    # ties, -inf logits, a tiny or a near-one top_p, temperatures from cold to hot; a vocabulary
+    # of one program a row, and one of several (sums of slices).
     torch.manual_seed(3)
     rows = torch.randn(10, 200) * torch.tensor([0.5, 1, 3, 8, 3, 3, 3, 1, 20, 3])[:, None]
     rows[1, :40] = rows[1, 40:80]  # every value twice
     rows[2, 10:90] = -math.inf
     rows[7] = rows[7].round()  # a few values, each many times
-    temp = torch.tensor([1.0, 0.7, 1.3, 0.2, 1.0, 2.0, 0.05, 1.0, 1.0, 0.9])
-    top_p = torch.tensor([0.9, 0.5, 0.8, 0.95, 1e-6, 0.999, 0.9, 0.6, 0.3, 0.75])
-    got = top_p_triton(rows, torch.arange(10), temp, top_p)
-    assert torch.equal(got, _top_p_threshold(rows.sort(dim=-1, descending=True).values, temp, top_p))
-    for r in range(10):  # and the rule itself, in float64: less than top_p above it, at least with it
-        probs = torch.softmax(rows[r].double() / temp[r].double(), dim=-1)
-        above, at = probs[rows[r] > got[r]].sum(), probs[rows[r] >= got[r]].sum()
-        assert above < top_p[r] <= at + 1e-6, (r, above, at)
+    _search_against_the_sort(rows, torch.tensor([1.0, 0.7, 1.3, 0.2, 1.0, 2.0, 0.05, 1.0, 1.0, 0.9]),
+                             torch.tensor([0.9, 0.5, 0.8, 0.95, 1e-6, 0.999, 0.9, 0.6, 0.3, 0.75]))
+    wide = torch.randn(2, 8 * 512 + 7) * 3
+    wide[1, ::3] = wide[1, 1::3]
+    _search_against_the_sort(wide, torch.tensor([0.7, 1.0]), torch.tensor([0.9, 0.95]))
 
 
 def test_greedy_and_non_sampling_rows_take_the_argmax():

@@ -13,7 +13,7 @@ import torch
 from dp_runtime.serving.logprobs import logprob_rows
 from dp_runtime.serving.request import SamplingParams
 from dp_runtime.serving.sampling import ROW_CHUNK, TokenHistory, _top_p_threshold, draw_tokens
-from dp_runtime.serving.sampling_triton import top_p_triton
+from dp_runtime.serving.top_p_search import top_p_thresholds
 from tests import test_sampling as on_cpu  # a module, so its tests are not collected here too
 from tests.test_penalties import _penalized  # the penalty rule by hand
 from tests.test_sampling import LOGITS, _reference
@@ -75,13 +75,16 @@ def test_the_top_p_search_finds_the_sorts_threshold_at_a_real_vocabulary():
     logits[::7, : vocab // 2] = logits[::7, vocab // 2 :]  # ties
     temp = torch.rand(rows, device="cuda") * 1.4 + 0.1
     top_p = torch.rand(rows, device="cuda").clamp(1e-4, 0.999)
-    got = top_p_triton(logits, torch.arange(rows, device="cuda"), temp, top_p)
+    got = top_p_thresholds(logits, torch.arange(rows, device="cuda"), temp, top_p)
     want = _top_p_threshold(logits.sort(dim=-1, descending=True).values, temp, top_p)
     for r in (got != want).nonzero()[:, 0].tolist():
         probs = torch.softmax(logits[r].double() / temp[r].double(), dim=-1)
         above, at = probs[logits[r] > got[r]].sum().item(), probs[logits[r] >= got[r]].sum().item()
         assert above < top_p[r].item() + 1e-5 and top_p[r].item() <= at + 1e-5, (r, above, at, top_p[r].item())
     assert (got == want).float().mean().item() >= 0.9
+    for r in (0, 7, rows - 1):  # a row's threshold is its own, whatever its batch
+        alone = top_p_thresholds(logits, torch.tensor([r], device="cuda"), temp[r : r + 1], top_p[r : r + 1])
+        assert alone.item() == got[r].item()
 
 
 def test_a_draw_with_logprobs_never_waits_for_the_gpu():

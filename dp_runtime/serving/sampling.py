@@ -14,7 +14,7 @@ Both filters come down to one threshold per row on the raw logits (``_thresholds
 of the last kept token; z is monotonic in the logit), found on the rows that filter: a row
 with top-k among its k values (torch's topk, ``ROW_CHUNK`` rows at a time); one with top-p
 alone on CUDA by a search over its values in one Triton launch for all such rows
-(``sampling_triton.top_p_triton``: no sort, no rows x vocabulary temporary), elsewhere by
+(``top_p_search``: no sort, no rows x vocabulary temporary), elsewhere by
 sorting its vocabulary (``SORT_CHUNK`` rows at a time). The race then runs on CUDA as one
 Triton launch for every drawn row (``sampling_triton.race_triton``), elsewhere with torch a row
 at a time.
@@ -45,7 +45,8 @@ import torch
 from dp_runtime.serving.adjusted_rows import TokenHistory, adjusted_chunks
 from dp_runtime.serving.host_copy import host_to_device
 from dp_runtime.serving.request import SamplingParams
-from dp_runtime.serving.sampling_triton import race_triton, top_p_triton, triton
+from dp_runtime.serving.sampling_triton import race_triton, triton
+from dp_runtime.serving.top_p_search import top_p_thresholds
 
 __all__ = ["ROW_CHUNK", "SORT_CHUNK", "DrawnTokens", "RowFailure", "TokenHistory", "draw_failure", "draw_tokens",
            "host_to_device"]
@@ -157,7 +158,8 @@ def _thresholds(logits_BV: torch.Tensor, params: Sequence[SamplingParams], rows_
     if use_triton and sorted_p:
         at = host_to_device(sorted_p, torch.int64, dev)
         top_p = host_to_device([params[r].top_p for r in sorted_p], torch.float32, dev)
-        thr_R.index_copy_(0, at, top_p_triton(logits_BV, rows_R.index_select(0, at), temp_R.index_select(0, at), top_p))
+        found = top_p_thresholds(logits_BV, rows_R.index_select(0, at), temp_R.index_select(0, at), top_p)
+        thr_R.index_copy_(0, at, found)
         sorted_p = []
     for group, size in ((ranked_k, ROW_CHUNK), (sorted_p, SORT_CHUNK)):
         for lo in range(0, len(group), size):
