@@ -13,10 +13,7 @@ fails and hi is kept:
 - the last pivot sits on the largest logit inside the interval, so a lone logit left there is
   weighed in the next pass rather than bisected towards;
 - the search ends as soon as no logit lies strictly inside the interval: the threshold is then
-  the row's smallest logit above lo, exactly (ties all kept, as the race keeps ``x >= thr``);
-- logits at or above hi weigh on every pivot alike and those at or below lo on none, so only a
-  block of columns with a logit inside the interval is weighed pivot by pivot: after the first
-  passes, few are.
+  the row's smallest logit above lo, exactly (ties all kept, as the race keeps ``x >= thr``).
 
 The tail where a nucleus ends is sparse, so a row is done after a few passes. Each row is split
 into ``SPLIT`` slices, a program each, so that 64 rows fill an H100 (one program per row left
@@ -159,8 +156,7 @@ if triton is not None:
             base = logits_ptr + tl.load(rows_ptr + r) * stride_l
             c0, c1 = _slice(vocab, s, SPLIT, BLOCK)
             cols = tl.arange(0, BLOCK)
-            mass = tl.zeros((PIVOTS, BLOCK), tl.float32)  # of the interval's logits above each pivot
-            mass_hi = tl.zeros((BLOCK,), tl.float32)  # of the logits at or above hi: above every pivot
+            mass = tl.zeros((PIVOTS, BLOCK), tl.float32)
             total = tl.zeros((BLOCK,), tl.float32)
             above_lo = tl.full((BLOCK,), 2147483647, tl.int32)
             below_hi = tl.full((BLOCK,), -2147483647 - 1, tl.int32)
@@ -170,15 +166,12 @@ if triton is not None:
                 k = _key(x)
                 e = tl.where(inside, tl.exp2((x - mx) * scale), 0.0)
                 total += e
-                mass_hi += tl.where(k >= hi32, e, 0.0)
-                within = inside & (k > lo32) & (k < hi32)
-                if tl.max(within.to(tl.int32), axis=0) > 0:  # after a few passes, few blocks
-                    mass += tl.where(within[None, :] & (k[None, :] > piv[:, None]), e[None, :], 0.0)
+                mass += tl.where(k[None, :] > piv[:, None], e[None, :], 0.0)
                 above_lo = tl.minimum(above_lo, tl.where(inside & (k > lo32), k, 2147483647))
                 below_hi = tl.maximum(below_hi, tl.where(inside & (k < hi32), k, -2147483647 - 1))
             part = (t % 2) * n_rows + r
             out = mass_ptr + (part * SPLIT + s) * (PIVOTS + 1)
-            tl.store(out + tl.arange(0, PIVOTS), tl.sum(mass, axis=1) + tl.sum(mass_hi, axis=0))
+            tl.store(out + tl.arange(0, PIVOTS), tl.sum(mass, axis=1))
             tl.store(out + PIVOTS, tl.sum(total, axis=0))
             tl.store(ab_ptr + (part * SPLIT + s) * 2, tl.min(above_lo, axis=0))
             tl.store(ab_ptr + (part * SPLIT + s) * 2 + 1, tl.max(below_hi, axis=0))
