@@ -178,6 +178,8 @@ def _make_raw(ep: EPGroup, max_tokens: int, top_k: int, experts: int, hidden: in
 
 
 def _commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):  # a lent machine gets the tree without .git (bench/run_gpu.sh)
+        return os.environ["BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parents[1], timeout=5).stdout.strip() or "?"

@@ -88,17 +88,48 @@
 #   bash bench/run_gpu.sh topp18    # one GPU: sampling GPU tests; draw_tokens and serve_load (lof, temperature 0.7,
 #                                   #   top-p 0.9) at 64 and 256 running, in .bases/b9 (50d77b4) and here
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
-# Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer.
+#   bash bench/run_gpu.sh dp2a      # two GPUs: serve_step bs 1/64/256 at DP 2 (flashinfer, all_gather; all_to_all
+#                                   #   eager last) beside DP 1 on GPU 0, every gpu2 test; tok/s per GPU side by side
+#   bash bench/run_gpu.sh dp2b      # two GPUs: serve_load (lof, 64 running a rank, rates inf and 16) at DP 2 beside
+#                                   #   DP 1, HTTP at DP 2 (a Ray gang), the 2-GPU Ray test, dp_sync and dispatch
+#                                   #   at 2 ranks (both modes end by DP2_BUDGET, 555 s; see dstep)
+# Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer; a carried FlashInfer JIT cache
+# (.ficache/*.tar.xz, or split parts *.tar.xz.aa, .ab, ...: `tar c -C /tmp fi`) is unpacked under /tmp once.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source .gpubundle/setup.sh
 export PYTHONPATH=$PWD:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
+if [ "$FLASHINFER_WORKSPACE_BASE" = /tmp/fi ]; then  # the tarballs hold fi/.cache/flashinfer/...
+  for t in .ficache/*.tar.xz .ficache/*.tar.xz.aa; do
+    [ -f "$t" ] && [ ! -e "/tmp/fi/.unpacked-${t##*/}" ] || continue
+    cat "${t%.aa}"$([ "${t%.aa}" != "$t" ] && echo ".*") | tar xJ -C /tmp && touch "/tmp/fi/.unpacked-${t##*/}" \
+      && echo "FlashInfer JIT cache: $t unpacked under /tmp/fi"
+  done
+fi
 log=${OUT:-gpu-logs}; mkdir -p "$log"
 commit=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export BENCH_COMMIT=$commit  # a lent machine gets the tree without .git: pass it in
 echo "commit $commit, $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
 step() { local name=$1; shift; echo "== $name: $*"; local t=$(date +%s); "$@" > "$log/$name.log" 2>&1; local rc=$?
          echo "   rc=$rc in $(( $(date +%s) - t )) s"; tail -n "${TAIL:-25}" "$log/$name.log"; }
+# dp2a/dp2b: NAME CAP MIN CMD... runs CMD within the call's budget: every step ends by DP2_BUDGET s (555) after
+# the script's start (the bundle's setup counted), its `timeout` CAP or what is left, whichever is less (SIGKILL
+# 10 s later); with under MIN s left it is skipped, so a slow step costs the steps after it, never the call.
+# BENCH_STACKS_AFTER_S makes serve_load print every thread's stack and exit 15 s before its timeout. The log's
+# last TAIL (6) lines show, JSON lines left out; when it failed, its first error (a rank's comes before torchrun's
+# summary) and its last lines. Returns CMD's status (0 when skipped).
+# DP2_ONLY / DP2_SKIP: the names of the steps to run / to skip.
+dstep() { local name=$1 cap=$2 min=$3; shift 3
+  case " ${DP2_SKIP:-} " in *" $name "*) echo "== $name: skipped (DP2_SKIP)"; return 0;; esac
+  [ -z "${DP2_ONLY:-}" ] || case " $DP2_ONLY " in *" $name "*) ;; *) return 0;; esac
+  local left=$(( ${DP2_BUDGET:-555} - SECONDS )); local t=$(( cap < left ? cap : left )) t0=$SECONDS
+  if [ "$t" -lt "$min" ]; then echo "== $name: skipped, $left s left of the call's ${DP2_BUDGET:-555} s"; return 0; fi
+  echo "== $name (at $t0 s, timeout $t s): $*"
+  BENCH_STACKS_AFTER_S=$(( t - 15 )) timeout -k 10 "$t" "$@" > "$log/$name.log" 2>&1; local rc=$?
+  echo "   rc=$rc in $(( SECONDS - t0 )) s$( (( rc == 124 || rc == 137 )) && echo ' (timed out)')"
+  if (( rc == 0 )); then grep -v '^{' "$log/$name.log" | tail -n "${TAIL:-6}"; return 0; fi
+  grep -v '^{' "$log/$name.log" | grep -m1 -B3 -A30 -E 'Traceback|Error|error:' | head -n 34
+  echo "   ... the log's last lines:"; grep -v '^{' "$log/$name.log" | tail -n 10; return $rc; }
 # plan --measure of qwen3-30b-a3b at 64 and 256 running (context 4096), each step within $PLAN_TIMEOUT or $1 s
 plan_measures() { for n in 64 256; do
     TAIL=16 step plan_measure_$n timeout ${PLAN_TIMEOUT:-$1} python -m launch.cli plan --model qwen3-30b-a3b \
@@ -609,6 +640,55 @@ case "${1:-one}" in
     step compare_2_all_gather python bench/compare_trees.py --nproc 2 $(bases) -- bench/serve_step.py \
       --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 --dispatcher all_gather ${SERVE_ARGS:-}
     step census_1 python bench/serve_step.py --batch-sizes 1,256 --modes graph --profile ${SERVE_ARGS:-}
+    ;;
+  dp2a)  # two GPUs (issue 29): decode steps at DP 2 / EP 2 per dispatcher beside DP 1 on GPU 0; every gpu2 test
+    # bs per rank (DECODE_BS); tok/s per GPU is bs / step on each rank. The JIT of a fresh machine lands in the first.
+    ss="bench/serve_step.py --batch-sizes ${DECODE_BS:-1,64,256} --iters ${ITERS:-20} --json"
+    TAIL=0 dstep serve_step_dp2_fi 200 60 torchrun --standalone --nproc-per-node 2 $ss --dispatcher flashinfer
+    TAIL=0 dstep serve_step_dp1 90 40 python $ss
+    TAIL=0 dstep serve_step_dp2_ag 80 40 torchrun --standalone --nproc-per-node 2 $ss --dispatcher all_gather
+    TAIL=12 dstep gpu2_tests 270 120 torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider \
+      -q -rs --durations=8 tests/
+    # all_to_all reads its counts on the host: no graphs, eager rows only
+    TAIL=0 dstep serve_step_dp2_a2a 80 40 torchrun --standalone --nproc-per-node 2 $ss --dispatcher all_to_all \
+      --modes eager
+    { python bench/side_by_side.py --key bs,mode --metric tok_s_per_gpu,step_ms,floor_pct \
+        --title "== decode steps (serve_step), DP 2 against DP 1 on one of the same GPUs; tok/s per GPU = bs / step" \
+        dp1="$log/serve_step_dp1.log" dp2_fi="$log/serve_step_dp2_fi.log" dp2_ag="$log/serve_step_dp2_ag.log" \
+        dp2_a2a="$log/serve_step_dp2_a2a.log"
+      echo "== gpu2 tests: $(grep -s -h -E '(passed|failed|skipped|error).* in [0-9.]+s' "$log/gpu2_tests.log" | tail -n 1)"
+    } 2>&1 | tee "$log/summary.txt"
+    ;;
+  dp2b)  # two GPUs (issue 29): serving at DP 2 beside DP 1, the same running per rank; HTTP at DP 2; Ray; dp_sync, dispatch
+    # REQ (128) requests a rank, RUNNING (64) running a rank, sharegpt lengths, lof, mixed steps, dispatcher auto;
+    # serve_http sends serve_load's requests (same seed, rates in the same order), so its rows match serve_load's.
+    req=${REQ:-128}; sl="bench/serve_load.py --model qwen3-30b-a3b --device cuda --policy lof --json
+      --max-running-requests ${RUNNING:-64} $([ -n "${SPANS:-}" ] && echo --gpu-spans)"
+    # auto picks FlashInfer's all-to-all on one NVLink host; a quick failure (a DP 2 path of that dispatcher,
+    # not a hang) gets one run with all_gather, and the HTTP run takes the same dispatcher
+    t0=$SECONDS; disp=auto
+    TAIL=0 dstep serve_load_dp2 230 100 torchrun --standalone --nproc-per-node 2 $sl --rates ${RATES2:-inf,16} \
+      --num-requests $((2 * req)) || { (( SECONDS - t0 < 120 )) && disp=all_gather && TAIL=0 dstep serve_load_dp2_ag 200 90 \
+      torchrun --standalone --nproc-per-node 2 $sl --rates ${RATES2:-inf,16} --num-requests $((2 * req)) \
+      --dispatcher all_gather; }
+    TAIL=0 dstep serve_load_dp1 130 60 python $sl --rates ${RATES1:-inf,16} --num-requests $req
+    TAIL=0 dstep serve_http_dp2 170 90 python bench/serve_http.py --model qwen3-30b-a3b --device cuda --launcher ray --dp 2 \
+      --policy lof --rates ${HTTP_RATES:-inf,16} --num-requests $((2 * req)) --max-running-requests ${RUNNING:-64} \
+      --paths ${HTTP_PATHS:-http} --dispatcher $disp --json
+    TAIL=8 dstep ray_gpu_test 120 60 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_launch_ray.py
+    TAIL=20 dstep dp_sync 60 25 torchrun --standalone --nproc-per-node 2 bench/dp_sync.py --device cuda
+    TAIL=16 dstep dispatch 100 40 torchrun --standalone --nproc-per-node 2 bench/dispatch.py \
+      ${DISPATCH_ARGS:---tokens 1 8 128 1024 8192}
+    { python bench/side_by_side.py --tables --key rate \
+        --metric output_tok_s/gpu,efficiency,decode_bound_tok_s/gpu,occupancy,itl_s.p50,itl_s.p99,ttft_s.p50,ttft_s.p99 \
+        --title "== serve_load, DP 2 against DP 1 (per GPU; eff: out tok/s over the decode-only bound at max run)" \
+        dp1="$log/serve_load_dp1.log" dp2="$log/serve_load_dp2.log" $([ $disp = auto ] || echo dp2_ag="$log/serve_load_dp2_ag.log")
+      python bench/side_by_side.py --key rate --where path=http \
+        --metric output_tok_s/gpu,ttft_s.p50,ttft_s.p99,itl_s.p50,itl_s.p99,e2e_s.p50 \
+        --title "== HTTP at DP 2 (Ray gang, client-side times) against serve_load at DP 2 (in-process, the same requests)" \
+        dp2_load="$log/serve_load_dp2$([ $disp = auto ] || echo _ag).log" dp2_http="$log/serve_http_dp2.log"
+      echo "== 2-GPU Ray test: $(grep -s -h -E '(passed|failed|skipped|error).* in [0-9.]+s' "$log/ray_gpu_test.log" | tail -n 1)"
+    } 2>&1 | tee "$log/summary.txt"
     ;;
   compare2)  # two GPUs: DP 2 / EP 2 decode, the auto dispatcher and all_gather, against earlier trees
     step compare_2_auto python bench/compare_trees.py --nproc 2 $(bases) -- bench/serve_step.py \

@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--paths", default="rank,http",
                    help="rank, engine and/or http (comma-separated; module docstring)")
+    p.add_argument("--policy", default="fcfs", choices=("fcfs", "lof"),
+                   help="admission order (serve's --schedule-policy, serve_load's --policy)")
+    p.add_argument("--dispatcher", default="auto", help="auto | all_gather | all_to_all | flashinfer (DP > 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--debug", action="store_true")
@@ -136,6 +139,8 @@ def _spec(args, context_len: int):
         chunked_prefill_size=args.chunked_prefill_size,
         max_context_len=context_len,
         seed=args.seed,
+        schedule_policy=args.policy,
+        dispatcher=args.dispatcher,
     )
 
 
@@ -169,13 +174,24 @@ def run_ranks(args, batches, warm, context_len: int) -> list[list[RequestResult]
     from bench.load_ranks import InProcessRank, RayRanks
 
     spec = _spec(args, context_len)
-    ranks = RayRanks(spec, False) if args.launcher == "ray" else InProcessRank(spec, 0, 1, False)
+    ray_started = False
+    if args.launcher == "ray":  # as serve_load does: the gang's actors need a connected driver
+        from launch.ray_cluster import connect_ray
+
+        ray_started = connect_ray(None, num_cpus=max(args.dp, os.cpu_count() or 1), log_to_driver=False)
     try:
-        if warm:
-            ranks.run(warm)
-        return [ranks.run(reqs) for _, reqs in batches]
+        ranks = RayRanks(spec, False) if args.launcher == "ray" else InProcessRank(spec, 0, 1, False)
+        try:
+            if warm:
+                ranks.run(warm)
+            return [ranks.run(reqs) for _, reqs in batches]
+        finally:
+            ranks.close()
     finally:
-        ranks.close()
+        if ray_started:
+            import ray
+
+            ray.shutdown()
 
 
 def _free_port() -> int:
@@ -214,6 +230,10 @@ def run_http(args, batches, warm, context_len: int) -> list[list[RequestResult]]
         str(args.chunked_prefill_size),
         "--seed",
         str(args.seed),
+        "--schedule-policy",
+        args.policy,
+        "--dispatcher",
+        args.dispatcher,
     ]
     if args.launcher == "ray":
         cmd += ["--dp", str(args.dp)]
@@ -309,7 +329,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = runs[path](args, batches, warm, context_len)
         gc.collect()  # the in-process ranks' memory goes before the next path's are built
         for (rate, reqs), res in zip(batches, results, strict=True):
-            rows.append({"path": path, **summarize_rate(rate, reqs, res, 1)})
+            # The client cannot tell which rank served a request: http/engine rows are one "rank".
+            world = args.dp if path == "rank" else 1
+            rows.append({"path": path, **summarize_rate(rate, reqs, res, world)})
     header = dict(
         commit=_commit(),
         command=" ".join(sys.argv),
@@ -318,6 +340,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         launcher=args.launcher,
         dp=args.dp,
         max_running_requests=args.max_running_requests,
+        policy=args.policy,
+        dispatcher=args.dispatcher,
         num_requests=args.num_requests,
         arrival=args.arrival,
     )
@@ -328,8 +352,8 @@ def print_table(report: dict[str, Any]) -> None:
     h = report["header"]
     print(
         f"commit {h['commit']}  model {h['model']} ({h['device']}, {h['launcher']} x{h['dp']}); "
-        f"max running {h['max_running_requests']}; {h['num_requests']} requests per rate, "
-        f"{h['arrival']} arrivals"
+        f"max running {h['max_running_requests']}, {h['policy']}, dispatcher {h['dispatcher']}; "
+        f"{h['num_requests']} requests per rate, {h['arrival']} arrivals"
     )
     print(
         f"{'path':>7} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} "

@@ -4,11 +4,14 @@ weights), graphs on and off, side by side in one run, with each row's fraction o
     python bench/serve_step.py                                   # one GPU (DP 1)
     torchrun --standalone --nproc-per-node 2 bench/serve_step.py # two GPUs (DP 2, EP 2)
     python bench/serve_step.py --layers 8 --batch-sizes 1,32     # a shorter stack, quicker
+    torchrun --standalone --nproc-per-node 2 bench/serve_step.py --model tiny --device cpu \
+        --batch-sizes 1,4 --dispatcher all_to_all --modes eager     # the DP 2 path on gloo, no GPU
 
 Each rank runs its own ``bs`` requests (prompt ``--prompt-len`` tokens) to the end of their
 prefill, then ``--iters`` timed decode steps through ``RankWorker.step`` (DP sync, replay or
 eager forward, sampling: the host waits for the tokens every step, as serving does). The graph
-and eager rows use one worker, toggling ``graph_enabled`` on every rank alike.
+and eager rows use one worker, toggling ``graph_enabled`` on every rank alike; ``--modes eager``
+alone builds no graphs (the way to run ``all_to_all``, which no graph can hold).
 
 Columns per (bs, mode): step ms (median), tokens/s per GPU (bs / step), and ``floor %``: the
 HBM floor over the measured step, where the floor is the weight bytes one step must read on
@@ -16,7 +19,8 @@ this rank (attention, norms, router and LM head of every layer, plus the experts
 tokens route to: with uniform routing, ``L * (1 - (1 - K/E)^(bs * dp))`` of the rank's ``L``
 experts per layer) divided by the device's copy bandwidth, measured here (a 1 GiB
 device-to-device copy: read + write bytes over time). KV reads are left out: at the default
-context (~100 tokens) they are < 1% of the weights.
+context (~100 tokens) they are < 1% of the weights. On ``--device cpu`` (gloo; a check that the
+command and its DP path run, not a measurement) the floor is not measured.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ from launch.run_config import KV_CACHE_DTYPES
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-30b-a3b", help="preset (qwen3-30b-a3b, tiny) or a checkpoint directory")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, float32, no floor")
     p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
     p.add_argument("--layers", type=int, default=None, help="override the preset's 48 layers")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -76,6 +82,10 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
     args.modes = [m for m in ("graph", "eager") if m in args.modes.split(",")]
+    if not args.modes:
+        p.error("--modes must name graph and/or eager")
+    if args.profile and args.device != "cuda":
+        p.error("--profile is a census of CUDA kernels: it needs --device cuda")
     ext = args.extend_tokens
     args.extend_tokens = ext if ext == "auto" else () if ext == "none" else tuple(int(x) for x in ext.split(","))
     return args
@@ -169,16 +179,19 @@ def main() -> None:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    cuda = args.device == "cuda"
     if world > 1:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(seconds=600))
-    device = torch.device("cuda", torch.cuda.current_device())
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=600))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     overrides = {"num_layers": args.layers} if args.layers else None
     mrr = max(args.batch_sizes)
     spec = RankSpec.create(
-        "qwen3-30b-a3b", model_overrides=overrides, dp_size=world, max_running_requests=mrr,
-        chunked_prefill_size=8192, cuda_graph_bs=tuple(args.batch_sizes), dtype="bfloat16", device="cuda",
-        dispatcher=args.dispatcher, attention=args.attention, max_context_len=args.prompt_len + 64,
+        args.model, model_overrides=overrides, dp_size=world, max_running_requests=mrr,
+        chunked_prefill_size=8192, cuda_graph_bs=tuple(args.batch_sizes), dtype="bfloat16" if cuda else "float32",
+        device=args.device, dispatcher=args.dispatcher, attention=args.attention,
+        use_cuda_graph=None if "graph" in args.modes else False, max_context_len=args.prompt_len + 64,
         kv_cache_tokens=mrr * (args.prompt_len + 64), cuda_graph_extend_tokens=args.extend_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
     )
@@ -190,7 +203,7 @@ def main() -> None:
 
         gc.collect()
         gc.freeze()
-    bw = measure_copy_bandwidth(device)
+    bw = measure_copy_bandwidth(device) if cuda else None
     rows = []
     census = []
     for bs in args.batch_sizes:
@@ -200,9 +213,10 @@ def main() -> None:
             times = timed_decode(worker, bs, args, mode, rank)
             replayed = worker.metrics()["graph_steps"] - before
             ms = statistics.median(times)
-            floor_ms = touched_weight_bytes(spec, bs, world, rank) / bw * 1e3
+            floor_ms = touched_weight_bytes(spec, bs, world, rank) / bw * 1e3 if bw else None
             rows.append(dict(bs=bs, mode=mode, step_ms=ms, tok_s_per_gpu=bs / ms * 1e3,
-                             floor_pct=100 * floor_ms / ms, floor_ms=floor_ms, graph_steps=replayed))
+                             floor_pct=100 * floor_ms / ms if floor_ms else None, floor_ms=floor_ms,
+                             graph_steps=replayed))
             if args.profile and mode == "graph":
                 census.append(kernel_census(worker, bs, args, rank))
     m = worker.metrics()
@@ -218,12 +232,14 @@ def main() -> None:
     merged = [max(per_rank, key=lambda r: r["step_ms"]) for per_rank in zip(*all_rows, strict=True)]
     commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip() or "unknown"
-    head = (f"date {datetime.date.today()}  GPU {torch.cuda.get_device_name()} x{world}  torch {torch.__version__}  "
+    gpu = f"GPU {torch.cuda.get_device_name()}" if cuda else "cpu"
+    head = (f"date {datetime.date.today()}  {gpu} x{world}  torch {torch.__version__}  "
             f"commit {commit}\ncommand: {' '.join(sys.argv)} (world {world})\n"
-            f"model qwen3-30b-a3b{f' ({args.layers} layers)' if args.layers else ''}, random bf16 weights; "
+            f"model {args.model}{f' ({args.layers} layers)' if args.layers else ''}, random "
+            f"{str(spec.runtime.dtype).replace('torch.', '')} weights; "
             f"dispatcher {m['dispatcher']}, attention {m['attention']}, KV {m['kv_cache_dtype']}; "
             f"prompt {args.prompt_len}; "
-            f"build {build_s:.0f} s; copy bandwidth {bw / 1e12:.2f} TB/s; iters {args.iters}")
+            f"build {build_s:.0f} s; copy bandwidth {f'{bw / 1e12:.2f} TB/s' if bw else '-'}; iters {args.iters}")
     if args.json:
         print(json.dumps(dict(header=head, rows=merged, census=census)))
         return
@@ -235,8 +251,9 @@ def main() -> None:
     for r in merged:
         both = r["mode"] == "graph" and (r["bs"], "eager") in by
         ratio = by[(r["bs"], "eager")]["step_ms"] / r["step_ms"] if both else None
-        print(f"{r['bs']:>5} {r['mode']:>6} {r['step_ms']:>9.2f} {r['tok_s_per_gpu']:>10.0f} {r['floor_ms']:>9.2f} "
-              f"{r['floor_pct']:>7.1f}% {'' if ratio is None else f'{ratio:.2f}x':>12}")
+        floor = f"{r['floor_ms']:>9.2f} {r['floor_pct']:>7.1f}%" if r["floor_ms"] else f"{'-':>9} {'-':>8}"
+        print(f"{r['bs']:>5} {r['mode']:>6} {r['step_ms']:>9.2f} {r['tok_s_per_gpu']:>10.0f} {floor} "
+              f"{'' if ratio is None else f'{ratio:.2f}x':>12}")
 
 
 if __name__ == "__main__":
