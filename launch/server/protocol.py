@@ -1,4 +1,5 @@
-"""The OpenAI protocol of ``dp-runtime serve``: request models, their checks, response bodies.
+"""The OpenAI protocol of ``dp-runtime serve``: request models and their checks (the response
+bodies are ``bodies.py``).
 
 Every check here runs in the server process before any rank sees the request, and a bad field
 is an ``ApiError`` (HTTP 400) whose body is OpenAI's error object, naming the field (``param``),
@@ -23,9 +24,8 @@ from __future__ import annotations
 
 import math
 import secrets
-import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -36,11 +36,8 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "Sampling",
-    "chunk",
     "error_body",
-    "response",
     "sampling_of",
-    "usage",
 ]
 
 SEED_LIMIT = 2**64
@@ -316,84 +313,3 @@ def _refuse_unsupported(req: _Common) -> None:
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if getattr(req, name) not in (None, [], "none"):
                 raise bad(name, f"{name} is not supported: this server does not call tools")
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-Kind = Literal["completion", "chat"]
-
-
-def response(
-    kind: Kind,
-    rid: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str,
-    use: dict[str, int],
-) -> dict[str, Any]:
-    """The whole (non-streamed) response body."""
-    if kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-    }
-
-
-def chunk(
-    kind: Kind,
-    rid: str,
-    model: str,
-    created: int,
-    text: str | None,
-    finish_reason: str | None,
-    *,
-    first: bool = False,
-    use: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """One streamed event body; ``text`` None with ``use`` is the final usage-only chunk."""
-    if kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text:
-            delta["content"] = text
-        choices = (
-            []
-            if text is None
-            else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-        )
-        obj = "chat.completion.chunk"
-    else:
-        choices = (
-            []
-            if text is None
-            else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
-        )
-        obj = "text_completion"
-    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
-    if use is not None:
-        body["usage"] = use
-    return body
-
-
-def now() -> int:
-    return int(time.time())
