@@ -219,6 +219,7 @@ async def _serve(
             vocab_size=engine.vocab_size,
             default_max_tokens=default_max_tokens,
             prompt_name="the prompt" if len(prompts) == 1 else param,
+            defaults=engine.sampling_defaults,
         )
         for ids, param in zip(prompts, params, strict=True)
     ]
