@@ -59,14 +59,13 @@ def _draw_many(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool = F
     SamplingParams(temperature=1.0, top_p=0.7),  # the full-vocabulary sort
     SamplingParams(temperature=1.5, top_k=5, top_p=0.6),  # top-p among the k values
     SamplingParams(temperature=0.8, top_k=100),  # k past the vocabulary: no restriction
-    # min-p keeps x >= 2 + T log(min_p) of LOGITS: 4 tokens in each of these
-    SamplingParams(temperature=1.0, min_p=0.3),
+    # min-p keeps x >= 2 + T log(min_p) of LOGITS: here 4 tokens (6 without the T)
     SamplingParams(temperature=0.5, min_p=0.1),
-    SamplingParams(temperature=1.0, top_k=3, min_p=0.2),  # top-k keeps fewer: it binds
-    SamplingParams(temperature=1.5, top_k=6, min_p=0.4),  # min-p binds
-    SamplingParams(temperature=1.0, top_p=0.9, min_p=0.3),  # min-p binds (top-p keeps 5)
-    SamplingParams(temperature=1.0, top_p=0.6, min_p=0.1),  # top-p binds (3 against 6)
-], ids=["t1", "t0.5-k3", "t1-p0.7", "t1.5-k5-p0.6", "k-past-vocab", "t1-m0.3", "t0.5-m0.1", "k3-m0.2",
+    SamplingParams(temperature=1.0, top_k=3, min_p=0.2),  # min-p keeps 4, top-k 3: top-k binds
+    SamplingParams(temperature=1.5, top_k=6, min_p=0.4),  # min-p keeps 4 (3 without the T)
+    SamplingParams(temperature=1.0, top_p=0.9, min_p=0.3),  # min-p keeps 4, top-p 5
+    SamplingParams(temperature=1.0, top_p=0.6, min_p=0.1),  # top-p keeps 3, min-p 6
+], ids=["t1", "t0.5-k3", "t1-p0.7", "t1.5-k5-p0.6", "k-past-vocab", "t0.5-m0.1", "k3-m0.2",
         "t1.5-k6-m0.4", "p0.9-m0.3", "p0.6-m0.1"])
 def test_draws_follow_the_reference_distribution(params):
     # torch's race; the kernel's is checked the same way on a GPU (test_sampling_gpu.py: the
@@ -263,11 +262,11 @@ def test_a_bias_outside_the_vocabulary_is_refused_before_any_launch():
 @pytest.mark.parametrize("race", RACES)
 def test_min_p_1_keeps_only_the_most_likely_tokens_and_0_changes_nothing(race):
     tied = torch.tensor([3.0, -1.0, 3.0, 2.9, 0.0])
-    ids = _draw_many(tied, SamplingParams(temperature=2.0, min_p=1.0), 40, RACES[race])
+    ids = _draw_many(tied, SamplingParams(temperature=2.0, min_p=1.0), 16, RACES[race])
     assert set(ids.tolist()) == {0, 2}  # the tie at the max: both stay, 2.9 does not
     off = SamplingParams(temperature=1.0, top_k=4, top_p=0.9)
-    assert torch.equal(_draw_many(LOGITS, dataclasses.replace(off, min_p=0.0), 40, RACES[race]),
-                       _draw_many(LOGITS, off, 40, RACES[race]))
+    assert torch.equal(_draw_many(LOGITS, dataclasses.replace(off, min_p=0.0), 16, RACES[race]),
+                       _draw_many(LOGITS, off, 16, RACES[race]))
 
 
 @pytest.mark.parametrize("race", RACES)
