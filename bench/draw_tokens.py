@@ -7,7 +7,7 @@ decode step, and where a top-p without top-k (a vocabulary sort) stands against 
     python bench/draw_tokens.py --rows 128 --configs greedy,t1,t1p0.9 --iters 50
 
 Configs: ``greedy``; ``tT`` temperature T; ``...kK`` with top-k K; ``...pP`` with top-p P;
-``...b`` with a 100-token logit_bias; ``...l`` with 20 logprobs. Every row of a config samples
+``...mM`` with min-p M; ``...b`` with a 100-token logit_bias; ``...l`` with 20 logprobs. Every row of a config samples
 the same way, seeded by its row. Logits are random normal float32 (scale 3), fresh per config.
 """
 
@@ -28,16 +28,17 @@ from dp_runtime.serving.logprobs import logprob_rows
 from dp_runtime.serving.request import SamplingParams
 from dp_runtime.serving.sampling import draw_tokens
 
-_CONFIG = re.compile(r"^(greedy|t(?P<t>[0-9.]+)(k(?P<k>\d+))?(p(?P<p>[0-9.]+))?(?P<b>b)?(?P<l>l)?)$")
+_CONFIG = re.compile(r"^(greedy|t(?P<t>[0-9.]+)(k(?P<k>\d+))?(p(?P<p>[0-9.]+))?(m(?P<m>[0-9.]+))?(?P<b>b)?(?P<l>l)?)$")
 
 
 def parse_config(name: str, seed: int) -> SamplingParams:
     m = _CONFIG.match(name)
     if m is None:
-        raise SystemExit(f"--configs: {name!r} is not greedy or tT[kK][pP][b][l]")
+        raise SystemExit(f"--configs: {name!r} is not greedy or tT[kK][pP][mM][b][l]")
     if name == "greedy":
         return SamplingParams(seed=seed)
-    return SamplingParams(temperature=float(m["t"]), top_k=int(m["k"] or 0), top_p=float(m["p"] or 1.0), seed=seed,
+    return SamplingParams(temperature=float(m["t"]), top_k=int(m["k"] or 0), top_p=float(m["p"] or 1.0),
+                          min_p=float(m["m"] or 0.0), seed=seed,
                           logit_bias=tuple((7 * j, 1.0) for j in range(100)) if m["b"] else (),
                           logprobs=20 if m["l"] else None)
 
@@ -72,7 +73,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="64,256")
     p.add_argument("--vocab", type=int, default=151_936)
-    p.add_argument("--configs", default="greedy,t1,t1k50,t0.7p0.9,t0.7k50p0.9,t1b,t1l")
+    p.add_argument("--configs", default="greedy,t1,t1k50,t0.7p0.9,t0.7k50p0.9,t1m0.05,t1b,t1l")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()

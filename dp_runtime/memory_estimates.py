@@ -182,7 +182,8 @@ def draw_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_logit_rows: int, 
     The adjusted copy's and the counts' 4 bytes an element are float32 rows (not measured yet;
     the sort's 48 are). The counts never raise the peak with today's chunks (64 x 4 bytes a
     column against a sort's 16 x 48): they are here so that stays checked. ``bias_chunk`` 0: a
-    draw without a bias or a penalty, as the profile ran before it had them.
+    draw without a bias or a penalty, as the profile ran before it had them. A ``min_p`` adds
+    no term: its threshold needs each row's max, one float a row (``sampling._min_p_thresholds``).
     """
     r, v = int(num_logit_rows), cfg.vocab_size
     adjusted = min(r, bias_chunk) * _FP32

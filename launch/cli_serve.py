@@ -3,16 +3,19 @@
 The model, launcher, device, dtype, dp, Ray and batch options are ``dp-runtime run``'s and are
 checked by the same code (``cli_run.check_launch``, ``RunConfig``); serve adds ``--host``
 (default 127.0.0.1: loopback unless asked), ``--port`` (8000), ``--api-key`` (or
-``DP_RUNTIME_API_KEY``), ``--max-queued``, ``--context-len`` and ``--drain-timeout``.
+``DP_RUNTIME_API_KEY``), ``--max-queued``, ``--context-len``, ``--drain-timeout`` and
+``--sampling-defaults`` (``model``: a request's unset temperature, top_p, top_k and min_p take
+the checkpoint's generation_config.json values; ``none``: OpenAI's).
 
-Order: every option is checked, the checkpoint's tokenizer loaded and the port bound before
-anything slow starts, so a user error (a bad option, a port in use, a broken tokenizer) is one
-line on stderr and exit 2 with no gang started. A gang that fails to start is one line and exit 2
-(a cause the input explains, e.g. a rank that cannot hold the model) or 1; Ctrl-C while it starts
-is 130. Then the engine starts (the phases on stderr),
-uvicorn serves on the bound socket, and SIGTERM or Ctrl-C stops accepting, lets in-flight
-requests finish (uvicorn's graceful shutdown, at most ``--drain-timeout`` seconds), shuts the
-engine down (drain, abort the rest, stop the ranks and a Ray cluster it started) and exits 0.
+Order: every option is checked, the checkpoint's generation_config.json and tokenizer read and
+the port bound before anything slow starts, so a user error (a bad option, a sampling default
+out of its field's limits, a port in use, a broken tokenizer) is one line on stderr and exit 2
+with no gang started. A gang that fails to start is one line and exit 2 (a cause the input
+explains, e.g. a rank that cannot hold the model) or 1; Ctrl-C while it starts is 130. Then the
+engine starts (the phases on stderr, the sampling defaults it found among them), uvicorn serves
+on the bound socket, and SIGTERM or Ctrl-C stops accepting, lets in-flight requests finish
+(uvicorn's graceful shutdown, at most ``--drain-timeout`` seconds), shuts the engine down
+(drain, abort the rest, stop the ranks and a Ray cluster it started) and exits 0.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from launch.cli_errors import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     UsageError,
+    check_choice,
     is_user_error,
     print_error,
 )
@@ -107,6 +111,12 @@ def serve(
     drain_timeout: float = typer.Option(
         30.0, "--drain-timeout", help="Seconds in-flight requests get on SIGTERM/Ctrl-C."
     ),
+    sampling_defaults: str = typer.Option(
+        "model",
+        "--sampling-defaults",
+        help="model: unset temperature/top_p/top_k/min_p take the checkpoint's "
+        "generation_config.json values | none: OpenAI's defaults.",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of a preset's random weights."),
     log_level: str = typer.Option("warning", "--log-level", help="debug | info | warning | error."),
     debug: bool = typer.Option(False, "--debug", help="Print the traceback of an error."),
@@ -132,6 +142,7 @@ def serve(
         max_queued=max_queued,
         context_len=context_len,
         drain_timeout=drain_timeout,
+        sampling_defaults=sampling_defaults,
         seed=seed,
         log_level=log_level,
     )
@@ -146,9 +157,14 @@ def serve(
 
 
 def _prepare(o: dict[str, Any]) -> dict[str, Any]:
-    """Every check that needs no gang: options, spec, tokenizer, the listening socket.
-    Raises UsageError (or another ValueError/OSError) for a user error."""
+    """Every check that needs no gang: options, spec, the engine (not started: it reads the
+    sampling defaults), tokenizer, the listening socket. Raises UsageError (or another
+    ValueError/OSError) for a user error."""
+    from launch.engine_types import SAMPLING_DEFAULTS
+
+    check_choice("--sampling-defaults", o["sampling_defaults"], SAMPLING_DEFAULTS)  # before torch
     from launch.cli_options import check_gang_options
+    from launch.engine import Engine, EngineOptions
 
     # The options `run` shares, checked by the same function (one line, exit 2, before Ray).
     checked = check_gang_options(
@@ -180,6 +196,15 @@ def _prepare(o: dict[str, Any]) -> dict[str, Any]:
     if o["api_key"] is not None and not o["api_key"].strip():
         raise UsageError("--api-key (or DP_RUNTIME_API_KEY) must not be empty")
     cfg, choice, spec = checked.cfg, checked.launch, checked.spec
+    options = EngineOptions(
+        launcher=choice["launcher"],
+        ray_address=choice["ray_address"],
+        max_queued=o["max_queued"],
+        max_restarts=choice["max_restarts"],
+        drain_timeout_s=o["drain_timeout"],
+        sampling_defaults=o["sampling_defaults"],
+    )
+    engine = Engine(spec, options)  # reads generation_config.json: its errors are exit 2 here
     from launch.server.text import load_tokenizer
 
     model_dir = None if spec.is_preset else spec.model
@@ -192,9 +217,7 @@ def _prepare(o: dict[str, Any]) -> dict[str, Any]:
             f"--model {o['model']}: the tokenizer has {len(tokenizer)} ids, more than the model's "
             f"vocab_size {spec.model_config().vocab_size}"
         )
-    return dict(
-        cfg=cfg, spec=spec, choice=choice, tokenizer=tokenizer, sock=_bind(o["host"], o["port"])
-    )
+    return dict(cfg=cfg, engine=engine, tokenizer=tokenizer, sock=_bind(o["host"], o["port"]))
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -222,21 +245,17 @@ def _bind(host: str, port: int) -> socket.socket:
 def _serve(p: dict[str, Any], o: dict[str, Any], debug: bool) -> None:
     import uvicorn
 
-    from launch.engine import Engine, EngineOptions
     from launch.server.app import create_app
 
-    choice = p["choice"]
-    options = EngineOptions(
-        launcher=choice["launcher"],
-        ray_address=choice["ray_address"],
-        max_queued=o["max_queued"],
-        max_restarts=choice["max_restarts"],
-        drain_timeout_s=o["drain_timeout"],
-    )
-    engine = Engine(p["spec"], options)
+    engine = p["engine"]
 
     def phase(text: str) -> None:
         print(f"[dp-runtime serve] {text}", file=sys.stderr, flush=True)
+
+    given = engine.sampling_defaults.items()
+    if given:
+        phase("unset sampling fields take the checkpoint's generation_config.json: "
+              + ", ".join(f"{k}={v}" for k, v in given.items()))
 
     try:
         engine.start(on_phase=phase)

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dp_runtime.model.sampling_defaults import SamplingDefaults, checkpoint_sampling_defaults
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.admission import check_request, refused_result
 from dp_runtime.serving.request import Request, RequestResult
@@ -61,7 +62,9 @@ class _RankView:
 
 class Engine:
     """See the module docstring. Facts for the server: ``model_name``, ``model_dir`` (None for a
-    preset), ``context_len``, ``vocab_size``, ``eos_token_ids``, ``world_size``."""
+    preset), ``context_len``, ``vocab_size``, ``eos_token_ids``, ``world_size``, and
+    ``sampling_defaults``: what a front door gives the sampling fields a request leaves unset (the
+    checkpoint's generation_config.json; none with ``EngineOptions.sampling_defaults`` none)."""
 
     def __init__(self, spec: RankSpec, options: EngineOptions | None = None) -> None:
         self.spec, self.options = spec, options or EngineOptions()
@@ -74,6 +77,12 @@ class Engine:
         self.eos_token_ids = spec.eos_token_ids
         self.model_dir = None if spec.is_preset else spec.model
         self.model_name = spec.model if spec.is_preset else spec.model.rstrip("/").rsplit("/", 1)[-1]
+        self.sampling_defaults = SamplingDefaults()
+        if self.options.sampling_defaults == "model" and self.model_dir is not None:
+            # Read before any rank starts: a bad value is a ModelConfigError naming the file.
+            self.sampling_defaults = checkpoint_sampling_defaults(self.model_dir)
+            if self.sampling_defaults.ignored_note():
+                logger.warning("engine: %s: %s", self.model_dir, self.sampling_defaults.ignored_note())
         self._capacity = spec.runtime.max_running_requests * self.world_size + self.options.max_queued
         self._lock = threading.Lock()  # guards everything below; messages are drawn and sent under it
         self._number = 0

@@ -8,9 +8,10 @@ from typing import Any
 
 from dp_runtime.serving.request import RequestResult, TokenLogprob
 
-__all__ = ["LAUNCHERS", "EngineHealth", "EngineOptions", "EngineStats", "RequestOutput"]
+__all__ = ["LAUNCHERS", "SAMPLING_DEFAULTS", "EngineHealth", "EngineOptions", "EngineStats", "RequestOutput"]
 
 LAUNCHERS = ("local", "ray")
+SAMPLING_DEFAULTS = ("model", "none")  # where unset request fields get their values (EngineOptions)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,10 @@ class EngineOptions:
     ``ray_address``, or starts a private local cluster it stops at shutdown).
     ``max_queued``: requests in flight beyond what the ranks can run at once
     (``max_running_requests`` per rank) before ``submit`` raises QueueFull.
-    ``poll_timeout_s``: the longest a poller waits for a step's outputs before it looks again."""
+    ``poll_timeout_s``: the longest a poller waits for a step's outputs before it looks again.
+    ``sampling_defaults``: ``model``, the checkpoint's generation_config.json gives the
+    sampling fields a request leaves unset (``Engine.sampling_defaults``); ``none``, it gives
+    none (a front door then uses OpenAI's)."""
 
     launcher: str = "local"
     ray_address: str | None = None
@@ -46,10 +50,14 @@ class EngineOptions:
     cpus_per_rank: float = 1
     setup_timeout_s: float = 600.0
     rpc_timeout_s: float = 30.0
+    sampling_defaults: str = "model"
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"EngineOptions.launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
+        if self.sampling_defaults not in SAMPLING_DEFAULTS:
+            raise ValueError(f"EngineOptions.sampling_defaults must be one of {SAMPLING_DEFAULTS}, "
+                             f"got {self.sampling_defaults!r}")
         if self.max_queued < 0 or self.max_restarts < 0:
             raise ValueError(f"EngineOptions.max_queued and max_restarts must be >= 0, got "
                              f"{self.max_queued} and {self.max_restarts}")

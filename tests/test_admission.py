@@ -46,6 +46,10 @@ def _good(n: int, new: int = 4) -> list[Request]:
     (dict(temperature=math.nan), "temperature must be a finite number >= 0, got nan"),
     (dict(temperature=math.inf), "temperature must be a finite number >= 0, got inf"),
     (dict(top_p=math.nan), r"top_p must be a finite number in \(0, 1\], got nan"),
+    (dict(min_p=1.5), r"min_p must be a finite number in \[0, 1\] \(0: off\), got 1.5"),
+    (dict(min_p=-0.1), r"min_p must be a finite number in \[0, 1\] \(0: off\), got -0.1"),
+    (dict(min_p=math.nan), r"min_p must be a finite number in \[0, 1\] \(0: off\), got nan"),
+    (dict(min_p=True), r"min_p must be a finite number in \[0, 1\] \(0: off\), got True"),
     (dict(max_new_tokens=2.5), "max_new_tokens must be an int >= 1, got 2.5"),
     (dict(max_new_tokens=True), "max_new_tokens must be an int >= 1, got True"),
     (dict(seed=2**64), r"seed must be an int in \[0, 2\*\*64\)"),
@@ -87,6 +91,9 @@ def test_check_request_names_the_field_the_limit_and_the_value():
     assert "prompt_ids[0] must be an int >= 0, got 2.5" in check_request(_smuggled(ok, prompt_ids=(2.5,)), VOCAB)
     bad_sampling = _smuggled(SamplingParams(), temperature=math.nan)
     assert "temperature must be a finite number" in check_request(_smuggled(ok, sampling=bad_sampling), VOCAB)
+    bad_min_p = check_request(_smuggled(ok, sampling=_smuggled(SamplingParams(), min_p=2.0)), VOCAB)
+    assert bad_min_p == "request 'a': SamplingParams.min_p must be a finite number in [0, 1] (0: off), got 2.0"
+    assert rejection(bad_min_p).field == "min_p"  # the engine's 400 names it
 
 
 def test_a_logit_bias_is_checked_against_the_vocabulary_and_crosses_a_pickle():

@@ -1,8 +1,8 @@
 """The device-side draw (dp_runtime/serving/sampling.py) on CPU tensors, with both races (torch's,
 and the Triton kernel in Triton's interpreter, which tests/conftest.py sets): the distribution it
-draws from (against a float64 reference of temperature, top-k and top-p), tokens never outside
-the kept set, a seeded row's tokens independent of its batch (positions, neighbours, chunks),
-rows flagged where the draw is undefined, and the logprobs that ride along."""
+draws from (against a float64 reference of temperature, top-k, top-p and min-p), tokens never
+outside the kept set, a seeded row's tokens independent of its batch (positions, neighbours,
+chunks), rows flagged where the draw is undefined, and the logprobs that ride along."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.3, 0.0, -0.5, -2.0])
 
 def _reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a row draws from, in float64: softmax at the temperature, renormalised
-    over the top-k, then over the smallest most-likely set whose mass reaches top_p."""
+    over the top-k, then over the smallest most-likely set whose mass reaches top_p, then over
+    the tokens at least min_p times as likely as the most likely (a ratio renormalising keeps)."""
     probs = torch.softmax(logits.double() / p.temperature, dim=-1)
     if 0 < p.top_k < probs.numel():
         kept = torch.zeros_like(probs)
@@ -34,6 +35,9 @@ def _reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sp, order = probs.sort(descending=True)
         sp = torch.where(sp.cumsum(0) - sp < p.top_p, sp, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sp)
+        probs /= probs.sum()
+    if p.min_p > 0:
+        probs = torch.where(probs >= p.min_p * probs.max(), probs, 0.0)
         probs /= probs.sum()
     return probs
 
@@ -56,7 +60,14 @@ def _draw_many(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool = F
     SamplingParams(temperature=1.0, top_p=0.7),  # the full-vocabulary sort
     SamplingParams(temperature=1.5, top_k=5, top_p=0.6),  # top-p among the k values
     SamplingParams(temperature=0.8, top_k=100),  # k past the vocabulary: no restriction
-], ids=["t1", "t0.5-k3", "t1-p0.7", "t1.5-k5-p0.6", "k-past-vocab"])
+    # min-p keeps x >= 2 + T log(min_p) of LOGITS: here 4 tokens (6 without the T)
+    SamplingParams(temperature=0.5, min_p=0.1),
+    SamplingParams(temperature=1.0, top_k=3, min_p=0.2),  # min-p keeps 4, top-k 3: top-k binds
+    SamplingParams(temperature=1.5, top_k=6, min_p=0.4),  # min-p keeps 4 (3 without the T)
+    SamplingParams(temperature=1.0, top_p=0.9, min_p=0.3),  # min-p keeps 4, top-p 5
+    SamplingParams(temperature=1.0, top_p=0.6, min_p=0.1),  # top-p keeps 3, min-p 6
+], ids=["t1", "t0.5-k3", "t1-p0.7", "t1.5-k5-p0.6", "k-past-vocab", "t0.5-m0.1", "k3-m0.2",
+        "t1.5-k6-m0.4", "p0.9-m0.3", "p0.6-m0.1"])
 def test_draws_follow_the_reference_distribution(params):
     # torch's race; the kernel's is checked the same way on a GPU (test_sampling_gpu.py: the
     # interpreter takes seconds per thousand rows)
@@ -272,3 +283,45 @@ def test_a_biased_draw_follows_the_reference_of_the_biased_logits():
 def test_a_bias_outside_the_vocabulary_is_refused_before_any_launch():
     with pytest.raises(ValueError, match="row 1's logit_bias names token 8, outside the vocabulary of 8"):
         draw_tokens(torch.zeros(2, 8), [None, SamplingParams(logit_bias=((8, 1.0),))], [0, 0])
+
+
+@pytest.mark.parametrize("race", RACES)
+def test_min_p_1_keeps_only_the_most_likely_tokens_and_0_changes_nothing(race):
+    tied = torch.tensor([3.0, -1.0, 3.0, 2.9, 0.0])
+    ids = _draw_many(tied, SamplingParams(temperature=2.0, min_p=1.0), 16, RACES[race])
+    assert set(ids.tolist()) == {0, 2}  # the tie at the max: both stay, 2.9 does not
+    off = SamplingParams(temperature=1.0, top_k=4, top_p=0.9)
+    assert torch.equal(_draw_many(LOGITS, dataclasses.replace(off, min_p=0.0), 16, RACES[race]),
+                       _draw_many(LOGITS, off, 16, RACES[race]))
+
+
+@pytest.mark.parametrize("race", RACES)
+def test_min_p_never_touches_greedy_rows_and_a_row_alone_draws_what_it_draws_in_a_batch(race):
+    torch.manual_seed(3)
+    logits = torch.randn(5, 40) * 2
+    params = [SamplingParams(min_p=0.9), SamplingParams(temperature=0.9, min_p=0.2, seed=1), None,
+              SamplingParams(temperature=1.2, seed=2), SamplingParams(temperature=0.7, top_k=9, min_p=0.5, seed=3)]
+    drawn = draw_tokens(logits, params, [0, 1, 0, 2, 3], use_triton=RACES[race])
+    argmax = logits.argmax(dim=-1)
+    assert drawn.ids_B[0] == argmax[0] and drawn.ids_B[2] == argmax[2] and drawn.drawn == (1, 3, 4)
+    for row, index in ((1, 1), (3, 2), (4, 3)):
+        alone = draw_tokens(logits[row : row + 1], [params[row]], [index], use_triton=RACES[race])
+        assert drawn.ids_B[row] == alone.ids_B[0]
+    for row in (1, 4):  # the token it drew is within min_p of its row's most likely
+        p = torch.softmax(logits[row] / params[row].temperature, dim=-1)
+        assert p[drawn.ids_B[row]] >= params[row].min_p * p.max()
+
+
+def test_min_p_is_relative_to_the_biased_logits():
+    # +5 lifts token 7 (-2.0) to 3.0, above token 0 (2.0): min_p 0.5 at temperature 1 keeps
+    # x >= 3 - log 2 = 2.31 of the biased row, so token 7 alone (the raw row would keep 0 and 1).
+    params = SamplingParams(temperature=1.0, min_p=0.5, logit_bias=((7, 5.0),))
+    assert set(_draw_many(LOGITS, params, 40).tolist()) == {7}
+    rows, vocab = ROW_CHUNK + 6, 40
+    torch.manual_seed(4)
+    logits = torch.randn(rows, vocab) * 2
+    mixed = [SamplingParams(temperature=0.9, min_p=0.1 * (r % 5), top_k=r % 4, seed=r,
+                            logit_bias=((r % vocab, 3.0),) if r % 2 else ()) for r in range(rows)]
+    by_hand, unbiased = _with_bias_added(logits, mixed)
+    assert draw_tokens(logits, mixed, list(range(rows))).ids_B.tolist() == \
+        draw_tokens(by_hand, unbiased, list(range(rows))).ids_B.tolist()

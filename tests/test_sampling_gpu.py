@@ -1,7 +1,7 @@
-"""The device-side draw on a GPU: the distribution it draws from, a seeded row's tokens whatever
-its batch (CUDA generators), and no host synchronisation anywhere in a step's draw (biased and
-penalized rows too), logprobs and their copies to the host (torch's sync debug mode raises on
-any synchronising call)."""
+"""The device-side draw on a GPU: the distribution it draws from (min-p too), a seeded row's
+tokens whatever its batch (CUDA generators), and no host synchronisation anywhere in a step's
+draw (min-p, biased and penalized rows too), logprobs and their copies to the host (torch's
+sync debug mode raises on any synchronising call)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ def _cuda():
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_p=0.8),
-                                    SamplingParams(temperature=1.2, top_k=4, top_p=0.9)], ids=["p", "k-p"])
+                                    SamplingParams(temperature=1.2, top_k=4, top_p=0.9),
+                                    SamplingParams(temperature=1.0, min_p=0.3),
+                                    SamplingParams(temperature=1.0, top_p=0.9, min_p=0.3)],
+                         ids=["p", "k-p", "m", "p-m"])
 def test_draws_follow_the_reference_distribution_on_the_gpu(params):
     n = 6000
     logits = LOGITS.cuda().expand(n, -1).contiguous()
@@ -91,7 +94,7 @@ def test_a_draw_with_logprobs_never_waits_for_the_gpu():
     rows, vocab = 2 * ROW_CHUNK + 1, 151_936
     logits = torch.randn(rows, vocab, device="cuda")
     params = [SamplingParams(temperature=0.8, top_k=(i % 3) * 20, top_p=(0.9 if i % 2 else 1.0), logprobs=5,
-                             seed=i) for i in range(rows)]
+                             min_p=0.05 * (i % 4), seed=i) for i in range(rows)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

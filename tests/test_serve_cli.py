@@ -48,6 +48,10 @@ def _serve(*args, env=None):
             "--chunked-prefill-size), got 64",
         ),
         (["--drain-timeout", "-1"], "--drain-timeout must be a number of seconds >= 0, got -1.0"),
+        (
+            ["--launcher", "local", "--sampling-defaults", "openai"],
+            "--sampling-defaults must be one of model, none; got 'openai'",
+        ),
         (["--bogus"], "No such option: --bogus"),
     ],
 )
@@ -65,3 +69,19 @@ def test_port_in_use_is_a_user_error_before_the_gang_starts():
         code, lines = _serve("--launcher", "local", "--port", str(port))
     assert code == 2 and len(lines) == 1, lines
     assert f"--host 127.0.0.1 --port {port}: cannot listen there" in lines[0]
+
+
+def test_a_sampling_default_out_of_its_limits_is_one_line_naming_the_file(tmp_path):
+    # config.json alone: the command must stop at generation_config.json, before any weights.
+    import json
+
+    import transformers
+
+    from tests.hf_reference import TINY
+
+    transformers.Qwen3MoeConfig(**TINY).save_pretrained(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 1.5}))
+    code, lines = _serve("--launcher", "local", "--model", str(tmp_path))
+    assert code == 2 and len(lines) == 1, lines
+    want = f"{tmp_path / 'generation_config.json'}: top_p must be a finite number in (0, 1], got 1.5"
+    assert lines[0] == f"error: {want}"

@@ -1,6 +1,8 @@
 """`dp-runtime serve` on a 2-rank Ray gang (a private local cluster on loopback): 8 concurrent
 requests through the openai client equal transformers' greedy output and are routed to both
-ranks; SIGTERM lets an in-flight stream finish and the server exits 0."""
+ranks; the checkpoint's generation_config.json sampling defaults (``--sampling-defaults model``,
+the default) fill the fields a request leaves unset and never one it sets; SIGTERM lets an
+in-flight stream finish and the server exits 0."""
 
 from __future__ import annotations
 
@@ -14,49 +16,75 @@ from tests.hf_reference import greedy_reference, load_reference
 from tests.support.serve_model import write_serve_checkpoint
 from tests.support.serve_process import ServeProcess
 
+# top_k 1: a request that leaves top_k unset draws the argmax at any temperature and seed, so
+# the default shows as transformers' greedy tokens; repetition_penalty: warned about, not applied.
+GENERATION = {"top_k": 1, "repetition_penalty": 1.1}
+PROMPTS = [[(7 * i + j * 13) % 380 + 3 for j in range(4 + i)] for i in range(8)]
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = write_serve_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    return path, load_reference(path)
+    model = load_reference(path)  # before the sampling keys: its generate would apply them
+    write_serve_checkpoint(path, generation=GENERATION)  # the same weights (same seed)
+    return path, model, [greedy_reference(model, p, 8)[0] for p in PROMPTS]
 
 
-def test_eight_concurrent_requests_on_two_ranks_equal_transformers_then_sigterm_drains(
-    ckpt, tmp_path
-):
-    path, model = ckpt
-    prompts = [[(7 * i + j * 13) % 380 + 3 for j in range(4 + i)] for i in range(8)]
-    refs = [greedy_reference(model, p, 8)[0] for p in prompts]
-    srv = ServeProcess(
-        tmp_path, "--model", str(path), "--launcher", "ray", "--dp", "2", "--max-queued", "16"
-    )
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    srv = ServeProcess(tmp_path_factory.mktemp("logs"), "--model", str(ckpt[0]), "--launcher", "ray",
+                       "--dp", "2", "--max-queued", "16")
     with srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        yield srv
 
-        def one(p):
-            r = client.completions.create(model=path.name, prompt=p, max_tokens=8, temperature=0)
-            return r.choices[0].model_extra["token_ids"]
 
-        with ThreadPoolExecutor(8) as pool:
-            outs = list(pool.map(one, prompts))
-        assert outs == refs
-        m = srv.metrics()
-        routed = [m[("dp_runtime_requests_routed_total", (("rank", str(r)),))] for r in (0, 1)]
-        assert sum(routed) == 8 and min(routed) >= 1, routed  # the least-loaded rule used both
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
-        stream = client.completions.create(
-            model=path.name,
-            prompt=prompts[0],
-            max_tokens=40,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        chunks = iter(stream)
-        first = next(chunks)
-        srv.proc.send_signal(signal.SIGTERM)  # drain: the stream still ends by length
-        rest = list(chunks)
-        reasons = [c.choices[0].finish_reason for c in [first, *rest] if c.choices]
-        assert reasons[-1] == "length"
-        assert srv.stop() == 0, srv.log()
-    assert "stopped" in srv.log()
+
+def _ids(r) -> list[int]:
+    return r.choices[0].model_extra["token_ids"]
+
+
+def test_eight_concurrent_requests_on_two_ranks_equal_transformers(ckpt, server, client):
+    path, _, refs = ckpt
+
+    def one(p):
+        return _ids(client.completions.create(model=path.name, prompt=p, max_tokens=8, temperature=0))
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(one, PROMPTS))
+    assert outs == refs
+    m = server.metrics()
+    routed = [m[("dp_runtime_requests_routed_total", (("rank", str(r)),))] for r in (0, 1)]
+    assert sum(routed) == 8 and min(routed) >= 1, routed  # the least-loaded rule used both
+
+
+def test_unset_sampling_fields_take_the_checkpoint_s_defaults_and_set_ones_win(ckpt, server, client):
+    path, _, refs = ckpt
+    kw = dict(model=path.name, max_tokens=8, extra_body={"ignore_eos": True})
+    # No temperature, no seed: OpenAI's temperature 1 with a random seed, and top_k 1 from the file.
+    for p, ref in zip(PROMPTS[:3], refs[:3], strict=True):
+        assert _ids(client.completions.create(prompt=p, **kw)) == ref
+    # top_k set to off (-1): the client's, though the file says 1; seed 1 draws away from greedy.
+    drawn = _ids(client.completions.create(prompt=PROMPTS[0], seed=1, **{**kw, "extra_body": {
+        "ignore_eos": True, "top_k": -1}}))
+    assert drawn != refs[0]
+    log = server.log()
+    assert "unset sampling fields take the checkpoint's generation_config.json: top_k=1" in log, log
+    assert log.count("sets repetition_penalty 1.1, which this runtime does not implement") == 1, log
+
+
+def test_sigterm_lets_an_in_flight_stream_finish_then_exits_0(ckpt, server, client):
+    # Last: it stops the module's server.
+    stream = client.completions.create(model=ckpt[0].name, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
+    server.proc.send_signal(signal.SIGTERM)  # drain: the stream still ends by length
+    rest = list(chunks)
+    reasons = [c.choices[0].finish_reason for c in [first, *rest] if c.choices]
+    assert reasons[-1] == "length"
+    assert server.stop() == 0, server.log()
+    assert "stopped" in server.log()

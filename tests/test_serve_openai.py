@@ -4,7 +4,9 @@ answers compared with transformers' greedy `generate` on the same checkpoint.
 
 The checkpoint's generation_config.json names, besides the tokenizer's EOS, a plain token that
 greedy decoding of ``EOS_PROMPT`` reaches as its 4th token, so a request ends on EOS (the
-random model never samples the real EOS).
+random model never samples the real EOS). It also says ``top_k: 1``, which the server, run with
+``--sampling-defaults none``, must ignore (tests/served_sampling.py): the sampled tests here are
+written against OpenAI's defaults.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tests.served_choices import TestChoicesServed  # noqa: F401  (runs here, on
 from tests.served_logprobs import TestLogprobsServed  # noqa: F401  (runs here, on this server)
 from tests.served_penalties import TestPenaltiesServed  # noqa: F401  (runs here, on this server)
 from tests.served_prompts import TestPromptsServed  # noqa: F401  (runs here, on this server)
+from tests.served_sampling import TestSamplingServed  # noqa: F401  (runs here, on this server)
 from tests.support.serve_model import write_serve_checkpoint
 from tests.support.serve_process import ServeProcess, get
 
@@ -41,9 +44,9 @@ def ckpt(tmp_path_factory):
     first, _ = greedy_reference(model, tok(EOS_PROMPT).input_ids, 8)
     eos = first[3]
     assert eos not in first[:3]
-    write_serve_checkpoint(
-        path, extra_eos=(eos,)
-    )  # the same weights (same seed), EOS list extended
+    # The same weights (same seed), EOS list extended; top_k after the reference loaded (its
+    # generate would read it).
+    write_serve_checkpoint(path, extra_eos=(eos,), generation={"top_k": 1})
     model.generation_config.eos_token_id = [tok.eos_token_id, eos]
     return path, model, tok, eos
 
@@ -63,6 +66,8 @@ def server(ckpt, tmp_path_factory):
         str(MAX_RUNNING),
         "--max-queued",
         str(MAX_QUEUED),
+        "--sampling-defaults",
+        "none",
     )
     with ServeProcess(tmp_path_factory.mktemp("logs"), *args) as srv:
         yield srv

@@ -1,4 +1,5 @@
-"""The server's request checks: each bad field is a 400 naming the field, its limit and value."""
+"""The server's request checks: each bad field is a 400 naming the field, its limit and value;
+unset sampling fields take the checkpoint's defaults, else OpenAI's."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 
 import pytest
 
+from dp_runtime.model.sampling_defaults import SamplingDefaults
+from dp_runtime.serving.request import SamplingParams
 from launch.server.logit_bias import logit_bias_of
 from launch.server.prompts import MAX_CHOICES, prompts_of
 from launch.server.protocol import (
@@ -20,10 +23,11 @@ from launch.server.protocol import (
 CTX, VOCAB = 64, 384
 
 
-def _sampling(prompt_len=10, default=16, **fields):
+def _sampling(prompt_len=10, default=16, defaults=None, **fields):
     req = CompletionRequest(model="m", prompt="x", **fields)
     return sampling_of(
-        req, prompt_len=prompt_len, context_len=CTX, vocab_size=VOCAB, default_max_tokens=default
+        req, prompt_len=prompt_len, context_len=CTX, vocab_size=VOCAB, default_max_tokens=default,
+        defaults=defaults,
     )
 
 
@@ -62,6 +66,7 @@ def test_fields_resolve():
         temperature=0,
         top_p=0.5,
         top_k=-1,
+        min_p=0.25,
         seed=7,
         stop="ab",
         stop_token_ids=[3],
@@ -81,6 +86,7 @@ def test_fields_resolve():
         logit_bias=(),  # set from logit_bias.logit_bias_of by the app
         presence_penalty=0.0,
         frequency_penalty=0.0,
+        min_p=0.25,
     )
     assert s.stop == ("ab",) and s.stream and s.include_usage
 
@@ -106,6 +112,9 @@ def test_fields_resolve():
         (dict(top_p=0), "top_p", r"top_p must be in \(0, 1\], got 0"),
         (dict(top_p=1.5), "top_p", "got 1.5"),
         (dict(top_k=-2), "top_k", "got -2"),
+        (dict(min_p=1.5), "min_p", r"min_p must be a finite number in \[0, 1\] \(0: off\), got 1.5"),
+        (dict(min_p=-0.1), "min_p", "got -0.1"),
+        (dict(min_p=math.nan), "min_p", "got nan"),
         (dict(seed=-1), "seed", r"seed must be in \[0, 2\*\*64\), got -1"),
         (dict(stop=["a", ""]), "stop", "must not be empty"),
         (
@@ -125,6 +134,24 @@ def test_fields_resolve():
 )
 def test_bad_field_is_named(fields, param, match):
     _refused(param, match, _sampling, **fields)
+
+
+def test_unset_fields_take_the_checkpoint_s_defaults_and_set_ones_win():
+    qwen3 = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.05)
+    unset = _sampling(defaults=qwen3)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p) == (0.6, 0.95, 20, 0.05)
+    # Set to OpenAI's own values, even off: the client's, not the checkpoint's.
+    given = _sampling(defaults=qwen3, temperature=1, top_p=1, top_k=-1, min_p=0)
+    assert (given.temperature, given.top_p, given.top_k, given.min_p) == (1.0, 1.0, 0, 0.0)
+    some = _sampling(defaults=SamplingDefaults(top_k=1), temperature=0.3)  # null is unset
+    assert (some.temperature, some.top_p, some.top_k, some.min_p) == (0.3, 1.0, 1, 0.0)
+    none = _sampling(defaults=SamplingDefaults())  # --sampling-defaults none: OpenAI's
+    assert (none.temperature, none.top_p, none.top_k, none.min_p) == (1.0, 1.0, 0, 0.0)
+    chat = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], top_p=None)
+    resolved = sampling_of(chat, prompt_len=3, context_len=CTX, vocab_size=VOCAB, default_max_tokens=None,
+                           defaults=qwen3)
+    assert (resolved.temperature, resolved.top_p, resolved.top_k) == (0.6, 0.95, 20)
+    assert SamplingParams(**resolved.params()).min_p == 0.05  # what the engine is given
 
 
 def test_penalties_map_to_the_engine_s_fields():

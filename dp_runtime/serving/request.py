@@ -50,6 +50,9 @@ def check_sampling(sp: SamplingParams) -> str | None:
     k = sp.top_k
     if not is_int(k) or k < 0:
         return f"SamplingParams.top_k must be an int >= 0 (0: off), got {k!r}"
+    m = sp.min_p
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or not 0 <= m <= 1:
+        return f"SamplingParams.min_p must be a finite number in [0, 1] (0: off), got {m!r}"
     if not isinstance(sp.ignore_eos, bool):
         return f"SamplingParams.ignore_eos must be a bool, got {sp.ignore_eos!r}"
     s = sp.seed
@@ -146,11 +149,13 @@ class SamplingParams:
     """How a request's tokens are chosen and when it stops.
 
     ``temperature == 0`` is greedy (argmax); above it, tokens are drawn from the softmax at that
-    temperature restricted to the ``top_k`` most likely tokens (0: all) and to the smallest set
-    whose mass reaches ``top_p``, with a generator seeded by ``seed`` (the same request draws the same tokens on any rank). A request stops
-    after ``max_new_tokens`` tokens (reason "length") or at one of ``stop_token_ids`` (reason
-    "stop"; the stop token is part of the output). The checkpoint's EOS ids
-    (``RankSpec.eos_token_ids``) stop a request the same way unless ``ignore_eos``.
+    temperature restricted to the ``top_k`` most likely tokens (0: all), to the smallest set
+    whose mass reaches ``top_p``, and to the tokens at least ``min_p`` times as likely as the
+    most likely one (0: off; the three sets intersect), with a generator seeded by ``seed`` (the
+    same request draws the same tokens on any rank). A request stops after ``max_new_tokens``
+    tokens (reason "length") or at one of ``stop_token_ids`` (reason "stop"; the stop token is
+    part of the output). The checkpoint's EOS ids (``RankSpec.eos_token_ids``) stop a request
+    the same way unless ``ignore_eos``.
 
     ``logprobs``: None, none reported; N (0..LOGPROBS_LIMIT): each sampled token comes with its
     logprob and the N most likely tokens' (``TokenLogprob``). They are the log-softmax, in
@@ -181,6 +186,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):

@@ -1,5 +1,5 @@
 """Choosing each request's next token from its logits row, on the logits' device: greedy, or
-temperature + top-k + top-p.
+temperature + top-k + top-p + min-p.
 
 Every row gets the argmax. A row that samples (temperature > 0) is then drawn from
 ``softmax(z)``, ``z = logits / temperature``, over the tokens its filters keep:
@@ -7,17 +7,26 @@ Every row gets the argmax. A row that samples (temperature > 0) is then drawn fr
 1. top-k keeps the k most likely tokens;
 2. top-p, on what top-k kept: a token stays while the mass ranked above it is below ``top_p``
    (the most likely always stays);
-3. the exponential race: ``argmax(z - log(E))`` over the kept tokens, ``E ~ Exp(1)`` per
+3. min-p: a token stays if its probability is at least ``min_p`` times the row's largest, i.e.
+   ``x >= max(x) + temperature * log(min_p)`` on the raw logits x. Relative to the most likely
+   token, which every filter keeps, it is the same on the whole row or on what top-k and top-p
+   kept: the kept set is the intersection (transformers' and SGLang's rule; vLLM applies min-p
+   first and top-p's mass then counts only its survivors);
+4. the exponential race: ``argmax(z - log(E))`` over the kept tokens, ``E ~ Exp(1)`` per
    token, is a draw from ``softmax(z)`` restricted to them (the Gumbel-max trick).
 
-Both filters come down to one threshold per row on the raw logits (``_thresholds``: the value
-of the last kept token; z is monotonic in the logit), found on the rows that filter: a row
-with top-k among its k values (torch's topk, ``ROW_CHUNK`` rows at a time); one with top-p
-alone on CUDA by a search over its values in one Triton launch for all such rows
-(``top_p_search``: no sort, no rows x vocabulary temporary), elsewhere by
-sorting its vocabulary (``SORT_CHUNK`` rows at a time). The race then runs on CUDA as one
-Triton launch for every drawn row (``sampling_triton.race_triton``), elsewhere with torch a row
-at a time.
+The filters come down to one threshold per row on the raw logits (the value of the last kept
+token; z is monotonic in the logit), found on the rows that filter, and the row's threshold is
+the largest:
+
+- top-k and top-p (``_thresholds``): a row with top-k among its k values (torch's topk,
+  ``ROW_CHUNK`` rows at a time); one with top-p alone, on CUDA, by a search over its values in
+  one set of Triton launches for all such rows (``top_p_search``: no sort, no rows x vocabulary
+  temporary), elsewhere by sorting its vocabulary (``SORT_CHUNK`` rows at a time);
+- min-p (``_min_p_thresholds``): from the row's max alone.
+
+The race then runs on CUDA as one Triton launch for every drawn row
+(``sampling_triton.race_triton``), elsewhere with torch a row at a time.
 
 The noise of a draw is keyed by the request's seed and the token's index in its output
 (``draw_keys``): the same request draws the same tokens whatever else is in its batch, on
@@ -79,8 +88,9 @@ class DrawnTokens:
 
 def draw_failure(p: SamplingParams) -> RowFailure:
     """What a flagged row (``DrawnTokens.failed_R``) reports."""
-    return RowFailure(f"sampling failed (temperature={p.temperature!r}, top_k={p.top_k!r}, top_p={p.top_p!r}): "
-                      f"logits / temperature is not finite (NaN logits, or overflow past float32)")
+    return RowFailure(f"sampling failed (temperature={p.temperature!r}, top_k={p.top_k!r}, top_p={p.top_p!r}, "
+                      f"min_p={p.min_p!r}): logits / temperature is not finite (NaN logits, or overflow past "
+                      f"float32)")
 
 
 def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None], indices: Sequence[int],
@@ -133,6 +143,8 @@ def _race_rows(x_XV: torch.Tensor, at: Sequence[int], params: Sequence[SamplingP
     at_R, seed_R, index_R = host_to_device([list(at), seeds, list(indices)], torch.int64, dev).unbind(0)
     temp_R = host_to_device([p.temperature for p in params], torch.float32, dev)
     thr_R = _thresholds(x_XV, params, at_R, temp_R, use_triton)
+    if any(p.min_p > 0 for p in params):
+        thr_R = torch.maximum(thr_R, _min_p_thresholds(x_XV, params, at_R, temp_R))
     race = race_triton if use_triton else _race_torch
     tokens_R, failed_R = race(x_XV, at_R, temp_R, thr_R, seed_R, index_R)
     return at_R, tokens_R, failed_R
@@ -181,6 +193,20 @@ def _thresholds(logits_BV: torch.Tensor, params: Sequence[SamplingParams], rows_
                 thr = torch.maximum(thr, _top_p_threshold(ranked, temp_R.index_select(0, at), top_p_C))
             thr_R.index_copy_(0, at, thr)
     return thr_R
+
+
+def _min_p_thresholds(logits_XV: torch.Tensor, params: Sequence[SamplingParams], rows_R: torch.Tensor,
+                      temp_R: torch.Tensor) -> torch.Tensor:
+    """Each drawn row's min-p threshold on its raw logits, ``max(x) + temperature * log(min_p)``
+    (-inf where min_p is 0). The max is taken over every row of ``logits_XV`` in one reduction,
+    then the drawn rows' are picked: one read of the rows, where gathering the drawn rows first
+    would read them twice and write a rows x vocabulary copy (so memory_estimates.
+    draw_phase_bytes needs no term for it). With min_p 1 the threshold is the max itself (0
+    added): the top token always stays."""
+    min_p_R = host_to_device([p.min_p for p in params], torch.float32, logits_XV.device)
+    top_R = logits_XV.amax(dim=-1).float().index_select(0, rows_R)
+    thr_R = top_R.add_(temp_R * min_p_R.log())
+    return thr_R.masked_fill_(min_p_R == 0, -torch.inf)
 
 
 def _top_p_threshold(ranked_CW: torch.Tensor, temp_C: torch.Tensor, top_p_C: torch.Tensor) -> torch.Tensor:

@@ -116,13 +116,13 @@ def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens
 
 
 def worst_case_draw(logits_BV: torch.Tensor) -> torch.Tensor:
-    """Every row drawn the costliest way (a full-vocabulary top-p from a penalized and biased
-    copy of its logits, counting recorded tokens and one in flight; every logprob alternative):
-    what the memory profile runs after its largest step, so the draw's temporaries are in the
-    peak the KV cache is sized from. Returns the ids."""
+    """Every row drawn the costliest way (a full-vocabulary top-p, with a min-p, from a penalized
+    and biased copy of its logits, counting recorded tokens and one in flight; every logprob
+    alternative): what the memory profile runs after its largest step, so the draw's
+    temporaries are in the peak the KV cache is sized from. Returns the ids."""
     rows, vocab = logits_BV.shape
     bias = tuple((t, 1.0) for t in range(min(LOGIT_BIAS_LIMIT, vocab)))
-    worst = SamplingParams(temperature=1.0, top_p=0.5, logprobs=LOGPROBS_LIMIT, logit_bias=bias,
+    worst = SamplingParams(temperature=1.0, top_p=0.5, min_p=0.05, logprobs=LOGPROBS_LIMIT, logit_bias=bias,
                            presence_penalty=PENALTY_MAX, frequency_penalty=PENALTY_MAX)
     seen = tuple(range(min(LOGIT_BIAS_LIMIT, vocab)))  # recorded, and the step before's in flight
     history = TokenHistory([seen] * rows, torch.zeros(rows, dtype=torch.int64, device=logits_BV.device))

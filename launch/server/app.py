@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from launch.server.bodies import Kind, now
 from launch.server.choices import submit_choices
 from launch.server.logit_bias import logit_bias_of
 from launch.server.logprobs import ChoiceLogprobs, logprobs_of
@@ -30,11 +31,9 @@ from launch.server.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
-    Kind,
     check_prompt_ids,
     error_body,
     messages_of,
-    now,
     sampling_of,
 )
 from launch.server.respond import stream_response, whole_response
@@ -220,6 +219,7 @@ async def _serve(
             vocab_size=engine.vocab_size,
             default_max_tokens=default_max_tokens,
             prompt_name="the prompt" if len(prompts) == 1 else param,
+            defaults=engine.sampling_defaults,
         )
         for ids, param in zip(prompts, params, strict=True)
     ]

@@ -37,7 +37,8 @@ from typing import Any
 
 from dp_runtime.checks import is_int
 from dp_runtime.serving.request import LOGPROBS_LIMIT, TokenLogprob
-from launch.server.protocol import ApiError, ChatRequest, Kind, bad
+from launch.server.bodies import Kind
+from launch.server.protocol import ApiError, ChatRequest, bad
 
 __all__ = ["ChoiceLogprobs", "logprobs_of"]
 

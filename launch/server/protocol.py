@@ -1,4 +1,5 @@
-"""The OpenAI protocol of ``dp-runtime serve``: request models, their checks, response bodies.
+"""The OpenAI protocol of ``dp-runtime serve``: request models and their checks (the response
+bodies are ``bodies.py``).
 
 Every check here runs in the server process before any rank sees the request, and a bad field
 is an ``ApiError`` (HTTP 400) whose body is OpenAI's error object, naming the field (``param``),
@@ -7,9 +8,13 @@ the limit and the value::
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens",
                "code": "invalid_value"}}
 
-Sampling defaults are OpenAI's (temperature 1, top_p 1; completions' max_tokens 16, chat's the
-rest of the context). ``top_k``, ``seed``-less determinism, ``stop_token_ids`` and
-``ignore_eos`` follow vLLM's extras: top_k -1 or 0 is off; no seed draws a random one.
+A sampling field the request leaves unset (absent or null) takes the checkpoint's recommended
+value where it has one (``defaults``: ``Engine.sampling_defaults``, from generation_config.json
+unless ``--sampling-defaults none``), else OpenAI's (temperature 1, top_p 1; completions'
+max_tokens 16, chat's the rest of the context); a field the client sets, even to OpenAI's
+default, is the client's. ``top_k``, ``min_p`` ([0, 1], 0 off), ``seed``-less determinism,
+``stop_token_ids`` and ``ignore_eos`` follow vLLM's extras: top_k -1 or 0 is off; no seed draws
+a random one.
 
 A completion's ``prompt`` may be a batch (prompts.py); the sampling fields are checked for each
 of its prompts, so ``max_tokens`` fits every one (its message names the prompt it does not fit).
@@ -23,12 +28,12 @@ from __future__ import annotations
 
 import math
 import secrets
-import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from dp_runtime.model.sampling_defaults import SamplingDefaults
 from dp_runtime.serving.request import PENALTY_MAX
 
 __all__ = [
@@ -36,11 +41,8 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "Sampling",
-    "chunk",
     "error_body",
-    "response",
     "sampling_of",
-    "usage",
 ]
 
 SEED_LIMIT = 2**64
@@ -93,6 +95,7 @@ class _Common(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -179,6 +182,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (logit_bias.py)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0
 
     def params(self) -> dict[str, Any]:
         """The keywords of ``SamplingParams``."""
@@ -194,6 +198,7 @@ class Sampling:
             logit_bias=self.logit_bias,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            min_p=self.min_p,
         )
 
 
@@ -223,12 +228,15 @@ def sampling_of(
     vocab_size: int,
     default_max_tokens: int | None,
     prompt_name: str = "the prompt",
+    defaults: SamplingDefaults | None = None,
 ) -> Sampling:
     """Check ``req``'s sampling fields against the model for one prompt of ``prompt_len``
-    tokens (``prompt_name`` in messages: ``prompt[2]`` of a batch); returns them resolved.
-    Raises ApiError (400) naming the first bad field, its limit and its value.
-    ``default_max_tokens`` None means the rest of the context (chat)."""
+    tokens (``prompt_name`` in messages: ``prompt[2]`` of a batch); returns them resolved, the
+    unset ones from ``defaults`` (the checkpoint's; None: none) or OpenAI's. Raises ApiError
+    (400) naming the first bad field, its limit and its value. ``default_max_tokens`` None means
+    the rest of the context (chat)."""
     _refuse_unsupported(req)
+    defaults = defaults or SamplingDefaults()
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise bad("n", f"n must be in [1, {MAX_N}] (choices per request), got {req.n}")
     room = context_len - prompt_len
@@ -247,15 +255,19 @@ def sampling_of(
             f"{prompt_len} tokens), got {max_tokens}",
             code="context_length_exceeded",
         )
-    temperature = 1.0 if req.temperature is None else req.temperature
+    temperature = defaults.pick("temperature", req.temperature, 1.0)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise bad("temperature", f"temperature must be a finite number >= 0, got {temperature}")
-    top_p = 1.0 if req.top_p is None else req.top_p
+    top_p = defaults.pick("top_p", req.top_p, 1.0)
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise bad("top_p", f"top_p must be in (0, 1], got {top_p}")
-    top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
+    top_k = defaults.pick("top_k", req.top_k, 0)
+    top_k = 0 if top_k == -1 else top_k
     if top_k < 0:
         raise bad("top_k", f"top_k must be -1 or 0 (off) or >= 1, got {req.top_k}")
+    min_p = defaults.pick("min_p", req.min_p, 0.0)
+    if not (math.isfinite(min_p) and 0 <= min_p <= 1):
+        raise bad("min_p", f"min_p must be a finite number in [0, 1] (0: off), got {min_p}")
     seed = secrets.randbelow(2**63) if req.seed is None else req.seed
     if not 0 <= seed < SEED_LIMIT:
         raise bad("seed", f"seed must be in [0, 2**64), got {seed}")
@@ -284,6 +296,7 @@ def sampling_of(
         stop=stop,
         stream=bool(req.stream),
         include_usage=include_usage,
+        min_p=float(min_p),
         **penalties,
     )
 
@@ -316,84 +329,3 @@ def _refuse_unsupported(req: _Common) -> None:
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if getattr(req, name) not in (None, [], "none"):
                 raise bad(name, f"{name} is not supported: this server does not call tools")
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-Kind = Literal["completion", "chat"]
-
-
-def response(
-    kind: Kind,
-    rid: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str,
-    use: dict[str, int],
-) -> dict[str, Any]:
-    """The whole (non-streamed) response body."""
-    if kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-    }
-
-
-def chunk(
-    kind: Kind,
-    rid: str,
-    model: str,
-    created: int,
-    text: str | None,
-    finish_reason: str | None,
-    *,
-    first: bool = False,
-    use: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """One streamed event body; ``text`` None with ``use`` is the final usage-only chunk."""
-    if kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text:
-            delta["content"] = text
-        choices = (
-            []
-            if text is None
-            else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-        )
-        obj = "chat.completion.chunk"
-    else:
-        choices = (
-            []
-            if text is None
-            else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
-        )
-        obj = "text_completion"
-    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
-    if use is not None:
-        body["usage"] = use
-    return body
-
-
-def now() -> int:
-    return int(time.time())

@@ -22,9 +22,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from launch.server.bodies import Kind, chunk, response, usage
 from launch.server.choices import Choices
 from launch.server.logprobs import ChoiceLogprobs
-from launch.server.protocol import ApiError, Kind, chunk, error_body, response, usage
+from launch.server.protocol import ApiError, error_body
 from launch.server.request_flow import Event
 
 __all__ = ["raise_for_failure", "stream_response", "whole_response"]

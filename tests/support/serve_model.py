@@ -5,7 +5,9 @@ corpus with multi-byte characters (so some tokens hold part of a UTF-8 sequence)
 token and chat tokens, saves it with a chat template so transformers' AutoTokenizer loads it,
 and writes the tiny checkpoint of ``tests/hf_reference.py`` with the tokenizer's vocabulary
 size. ``eos_ids`` of generation_config.json are the tokenizer's EOS plus ``extra_eos`` (a
-plain token the random model does sample, so a test sees a request end on EOS).
+plain token the random model does sample, so a test sees a request end on EOS); ``generation``
+adds keys to that file (sampling defaults: ``{"top_k": 1}``). Write those after loading a
+transformers reference from the directory: its ``generate`` would apply them too.
 """
 
 from __future__ import annotations
@@ -61,10 +63,16 @@ def train_tokenizer(vocab_size: int = 384):
 
 
 def write_serve_checkpoint(
-    path: Path, *, seed: int = 0, extra_eos: tuple[int, ...] = (), vocab_size: int = 384
+    path: Path,
+    *,
+    seed: int = 0,
+    extra_eos: tuple[int, ...] = (),
+    vocab_size: int = 384,
+    generation: dict | None = None,
 ) -> Path:
     """The tiny checkpoint with the trained tokenizer in ``path``; generation_config.json's
-    ``eos_token_id`` is ``[<|im_end|>, *extra_eos]``. Returns ``path``."""
+    ``eos_token_id`` is ``[<|im_end|>, *extra_eos]``, and it holds ``generation``'s keys.
+    Returns ``path``."""
     from tests.hf_reference import write_tiny_checkpoint
 
     path = Path(path)
@@ -84,5 +92,6 @@ def write_serve_checkpoint(
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     gen["eos_token_id"] = [eos, *extra_eos]
+    gen.update(generation or {})
     gen_path.write_text(json.dumps(gen, indent=2))
     return path
