@@ -227,13 +227,17 @@ def test_a_mixed_batch_gives_the_logits_of_its_decode_and_extend_parts_run_apart
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
 
 
-def test_a_mixed_rank_beside_a_decoding_rank_plans_an_eager_extend_step_within_the_limits():
+def test_a_mixed_rank_beside_a_decoding_rank_plans_one_extend_step_within_the_limits():
     cfg = RuntimeConfig(dp_size=2, max_running_requests=8, chunked_prefill_size=32, cuda_graph_extend_tokens=(16, 32))
     mixed = LocalStepInfo(32, can_run_graph=True, is_extend=True)  # 8 decode rows + a 24-token chunk
     decoding = LocalStepInfo(8, can_run_graph=True)
     plan = plan_step(StepTable.from_locals([mixed, decoding]), cfg)
     assert plan.forward_modes == (ForwardMode.EXTEND, ForwardMode.DECODE) and plan.is_extend
-    assert plan.graph_bucket is None  # decode and extend graphs differ: both ranks run eager
+    # Both ranks replay the extend pieces (the decoding rank's rows as one-token requests).
+    assert plan.graph_bucket == 32 and plan.padding is PaddingMode.MAX_LEN and plan.global_dp_buffer_len == 64
+    # A rank that cannot run a graph makes the step eager on every rank.
+    plan = plan_step(StepTable.from_locals([mixed, LocalStepInfo(8)]), cfg)
+    assert plan.graph_bucket is None
     assert plan.padding is PaddingMode.SUM_LEN and plan.global_dp_buffer_len == 40
     assert plan.global_dp_buffer_len <= cfg.max_global_tokens
     with pytest.raises(ValueError, match=r"num_tokens=33; it must be in \[0, max_tokens_per_rank=32\]"):

@@ -61,26 +61,29 @@ def test_a_rank_prefilling_beside_decoding_ranks_gives_the_single_rank_tokens(se
     """The gathered DP buffers are laid out from each step's counts (a mixed rank brings its
     decode rows plus a chunk, within chunked_prefill_size), with the padding forced either way;
     with graphs, steps where every busy rank decodes replay decode graphs and steps where one
-    extends and another decodes run eager on every rank."""
+    extends and another decodes replay the extend pieces on every rank (the decoding ranks'
+    rows as one-token requests)."""
     ckpt, rank, world, alone = setup
     spec = _spec(ckpt, world, dispatcher=dispatcher, dp_padding=padding, use_cuda_graph=bool(graphs),
                  cuda_graph_extend_tokens=(4, CHUNK) if graphs else ())
     with RankWorker(spec, rank=rank, world_size=world) as w:
         w.submit(_requests(rank))
-        both = 0  # steps whose plan has a rank extending (mixed) and a rank decoding
+        both = graphed = 0  # steps whose plan has a rank extending (mixed) and a rank decoding
         while not (plan := w.step()).skip:
             modes = set(plan.forward_modes)
-            both += ForwardMode.EXTEND in modes and ForwardMode.DECODE in modes
+            mixed_kinds = ForwardMode.EXTEND in modes and ForwardMode.DECODE in modes
+            both += mixed_kinds
+            graphed += mixed_kinds and plan.graph_bucket is not None
             assert max(plan.raw_num_tokens) <= CHUNK  # the budget bounds every rank's step
         w.wait_tokens()
         got = {r.rid: r.output_ids for r in w.pop_finished()}
         m = w.metrics()
         w.sync.verify()
     report = [None] * world
-    dist.all_gather_object(report, (got == alone, both, m["steps_by_kind"], m["graph_steps"]))
+    dist.all_gather_object(report, (got == alone, both, m["steps_by_kind"], graphed))
     assert all(same for same, *_ in report), [(r, got, alone) for r, (same, *_) in enumerate(report) if not same]
     assert len({b for _, b, _, _ in report}) == 1 and report[0][1] > 0  # the same plans everywhere
     assert report[0][2]["mixed"] >= 4  # rank 0: its chunks carried its decode row
     assert all(kinds["mixed"] == 0 and kinds["decode"] > 0 for _, _, kinds, _ in report[1:])
-    if graphs:
-        assert all(g > 0 for *_, g in report)
+    # with graphs every such step replayed the extend pieces, the decoding ranks' rows included
+    assert all(g == (b if graphs else 0) for _, b, _, g in report), report

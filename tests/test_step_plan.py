@@ -159,12 +159,16 @@ def test_extend_steps_take_the_extend_token_buckets():
                      cfg(cuda_graph_extend_tokens=())).graph_bucket is None
 
 
-def test_a_step_mixing_decode_and_extend_ranks_runs_eager():
-    # Each rank's flag says "my batch fits a graph of its kind"; a decode graph and extend
-    # pieces are different graphs, so a mixed step has no bucket on any rank.
+def test_a_step_mixing_decode_and_extend_ranks_replays_the_extend_pieces():
+    # Beside an extending rank, a decoding rank runs its rows as one-token requests of an extend
+    # batch (forward_batch.decode_as_extend): the step takes an extend bucket on every rank.
     infos = [LocalStepInfo(2, can_run_graph=True), LocalStepInfo(8, can_run_graph=True, is_extend=True)] * 2
     plan = plan_step(StepTable.from_locals(infos), cfg())
-    assert plan.is_extend and plan.graph_bucket is None
+    assert plan.is_extend and plan.graph_bucket == cfg().cuda_graph_extend_tokens[0]
+    assert plan.forward_modes[0] is ForwardMode.DECODE and plan.forward_modes[1] is ForwardMode.EXTEND
+    # one rank without a graph for its batch: eager everywhere
+    infos[0] = LocalStepInfo(2)
+    assert plan_step(StepTable.from_locals(infos), cfg()).graph_bucket is None
 
 
 def test_no_bucket_over_largest_capture_size_or_without_sizes():

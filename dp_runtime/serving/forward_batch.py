@@ -17,6 +17,7 @@ batch once, ``dataclasses.replace(batch, plan=plan)``, and never writes the sche
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 
 from dp_runtime.forward_mode import ForwardMode
 
-__all__ = ["ForwardBatch", "capture_batch", "idle_batch"]
+__all__ = ["ForwardBatch", "capture_batch", "decode_as_extend", "idle_batch"]
 
 
 @dataclass
@@ -56,6 +57,20 @@ class ForwardBatch:
             if t is not None:
                 return int(t.shape[0])
         return 0
+
+
+def decode_as_extend(batch: ForwardBatch) -> ForwardBatch:
+    """A DECODE batch as the EXTEND batch of the same tokens: each request one new token after
+    its ``seq_lens - 1`` cached ones (a mixed step's decode rows, with no prompt behind them).
+    Under DP, a rank that only decodes while another extends runs this, so that every rank of
+    the step replays the extend pieces at one bucket (sync/step_plan.py). No host sync: the
+    host lengths come from ``seq_lens_cpu``."""
+    bs = batch.batch_size
+    prefix_cpu = batch.seq_lens_cpu[:bs] - 1
+    return dataclasses.replace(
+        batch, forward_mode=ForwardMode.EXTEND, extend_seq_lens=torch.ones_like(batch.seq_lens),
+        extend_prefix_lens=batch.seq_lens - 1, extend_seq_lens_cpu=(1,) * bs,
+        extend_prefix_lens_cpu=tuple(prefix_cpu.tolist()))
 
 
 def idle_batch(device: torch.device | str, plan: Any) -> ForwardBatch:

@@ -17,12 +17,14 @@ What ``plan_step`` decides, in order:
    ``is_extend``: some rank with tokens extends. A rank whose step is mixed (decode rows and
    prefill chunks in one EXTEND batch, serving/scheduler.py) reports EXTEND with all its tokens,
    so a step where it prefills while another rank only decodes is an extend step with modes
-   EXTEND and DECODE: every rank runs eager (rule 4) and the padding rule treats it as extend.
+   EXTEND and DECODE: the decoding rank runs its rows as an extend batch of one-token requests
+   (``forward_batch.decode_as_extend``), so every rank replays the extend pieces at one bucket
+   (rule 4), and the padding rule treats the step as extend.
    Its count is at most ``chunked_prefill_size`` (its decode rows count against it), so the
    limit of rule 1 and every buffer sized from ``max_tokens_per_rank`` cover it.
 4. Graph bucket: the smallest capture size >= the max aligned count, only when every rank that
-   has work reports ``can_run_graph`` (an IDLE rank replays the graph with zero live rows), no
-   rank decodes while another extends, and the max fits the largest capture size; else None
+   has work reports ``can_run_graph`` (an IDLE rank replays the graph with zero live rows) and
+   the max fits the largest capture size; else None
    (eager). The sizes are ``cuda_graph_bs`` for a decode step and ``cuda_graph_extend_tokens``
    (token buckets of the extend graphs) for an extend step.
 5. Padding: ``choose_padding_mode`` (rule table in ``dp_runtime.sync.padding_mode``).
@@ -155,8 +157,6 @@ def _checked_modes(
         modes.append(mode)
         graph_ok = graph_ok and can_graph
         extend = extend or is_extend
-    if extend and ForwardMode.DECODE in modes:
-        graph_ok = False  # decode and extend graphs are different graphs: ranks must agree on one
     return tuple(modes), graph_ok, extend
 
 
