@@ -87,6 +87,9 @@
 #                                   #   plan --measure at 64 and 256 running (the profile's draw now biases its rows)
 #   bash bench/run_gpu.sh topp18    # one GPU: sampling GPU tests; draw_tokens and serve_load (lof, temperature 0.7,
 #                                   #   top-p 0.9) at 64 and 256 running, in .bases/b9 (50d77b4) and here
+#   bash bench/run_gpu.sh dp2mix18  # two GPUs: serve_load DP 2 in .bases/b10 and here (a decoding rank beside an
+#                                   #   extending one replays the extend pieces); gpu2 model test; sampling GPU tests;
+#                                   #   top-p serving at 64 running in .bases/b9 and here (DP2_BUDGET ends steps)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 #   bash bench/run_gpu.sh dp2a      # two GPUs: serve_step bs 1/64/256 at DP 2 (flashinfer, all_gather; all_to_all
 #                                   #   eager last) beside DP 1 on GPU 0, every gpu2 test; tok/s per GPU side by side
@@ -518,6 +521,23 @@ case "${1:-one}" in
     ;;
   draw18)  # one GPU: a step's draw alone per sampling config at 64 and 256 rows (bench/draw_tokens.py)
     step draw_tokens timeout 200 python bench/draw_tokens.py ${DRAW_ARGS:-}
+    ;;
+  dp2mix18)  # two GPUs: serve_load at DP 2 (64 running a rank, lof) in .bases/b10 (b5b7ab9) and here; the DP 2
+             # model test; the sampling GPU tests; serve_load (t 0.7, top-p 0.9) at 64 running on GPU 0, b9 and here
+    sl="bench/serve_load.py --model qwen3-30b-a3b --device cuda --policy lof --json --max-running-requests 64"
+    bases > /dev/null
+    for t in /tmp/bases/b10 .; do
+      TAIL=0 dstep serve_load_dp2_$(basename $(realpath $t)) 230 60 env PYTHONPATH=$(realpath $t):$PYTHONPATH \
+        torchrun --standalone --nproc-per-node 2 $t/$sl --rates ${RATES2:-inf,16} --num-requests 256
+    done
+    TAIL=4 dstep gpu2_model 150 60 torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q \
+      -rs tests/test_model_gpu2.py
+    TAIL=4 dstep sampling_gpu 60 30 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_sampling_gpu.py
+    for t in /tmp/bases/b9 .; do
+      TAIL=0 dstep topp64_$(basename $(realpath $t)) 90 45 env PYTHONPATH=$(realpath $t):$PYTHONPATH python $t/$sl \
+        --rates inf --num-requests 128 --gpu-spans --temperature 0.7 --top-p 0.9
+    done
+    for f in "$log"/serve_load_*.log "$log"/topp64_*.log; do python bench/load_rows.py "$f"; done
     ;;
   topp18)  # one GPU: sampling GPU tests; draw_tokens (b9, DRAW_TREES, here); serve_load (lof, t 0.7, top-p 0.9) at 64/256
            # running, b9 then here, then greedy here (GREEDY=0: not)

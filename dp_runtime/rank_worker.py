@@ -52,7 +52,7 @@ from dp_runtime.rank_memory import (
 from dp_runtime.rank_parts import build_moe_exchange, load_model
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serve_loop import run_until_idle
-from dp_runtime.serving.forward_batch import decode_as_extend, idle_batch
+from dp_runtime.serving.forward_batch import idle_batch, planned_batch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.outputs import StepOutputs
 from dp_runtime.serving.request import Request, RequestResult
@@ -285,9 +285,7 @@ class RankWorker:
         if scheduled is None:
             batch = idle_batch(self.device, plan)
         else:
-            batch = dataclasses.replace(scheduled.batch, plan=plan)
-            if plan.is_extend and not scheduled.is_extend:  # another rank extends: one kind of step
-                batch = decode_as_extend(batch)
+            batch = planned_batch(scheduled.batch, plan)
         runner = self.extend_graphs if plan.is_extend else self.graphs
         if plan.graph_bucket is not None and runner is not None:
             logits = runner.replay(batch, plan)

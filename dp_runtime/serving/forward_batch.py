@@ -25,7 +25,7 @@ import torch
 
 from dp_runtime.forward_mode import ForwardMode
 
-__all__ = ["ForwardBatch", "capture_batch", "decode_as_extend", "idle_batch"]
+__all__ = ["ForwardBatch", "capture_batch", "decode_as_extend", "idle_batch", "planned_batch"]
 
 
 @dataclass
@@ -71,6 +71,13 @@ def decode_as_extend(batch: ForwardBatch) -> ForwardBatch:
         batch, forward_mode=ForwardMode.EXTEND, extend_seq_lens=torch.ones_like(batch.seq_lens),
         extend_prefix_lens=batch.seq_lens - 1, extend_seq_lens_cpu=(1,) * bs,
         extend_prefix_lens_cpu=tuple(prefix_cpu.tolist()))
+
+
+def planned_batch(batch: ForwardBatch, plan: Any) -> ForwardBatch:
+    """The step's batch: the scheduler's (never written) with the step's plan, a DECODE batch in
+    EXTEND form where the plan is an extend step (another rank extends: ``decode_as_extend``)."""
+    batch = dataclasses.replace(batch, plan=plan)
+    return decode_as_extend(batch) if plan.is_extend and batch.forward_mode is ForwardMode.DECODE else batch
 
 
 def idle_batch(device: torch.device | str, plan: Any) -> ForwardBatch:
