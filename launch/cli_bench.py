@@ -37,7 +37,7 @@ BENCHES: dict[str, BenchInfo] = {
     "decode_graph": BenchInfo(False, "one decode step: eager, no-copy, graph replay, torch.compile"),
     "dp_sync": BenchInfo(True, "per-step DP sync (shm vs gloo) and dp_gather vs a raw all-gather"),
     "dispatch": BenchInfo(True, "dispatch + combine latency of the MoE dispatchers"),
-    "serve_step": BenchInfo(False, "one serving step of a rank worker, end to end"),
+    "serve_step": BenchInfo(True, "one serving step of a rank worker, end to end (DP N under torchrun)"),
     "serve_load": BenchInfo(True, "arriving requests at several rates: throughput, TTFT, ITL, TPOT, concurrency"),
     "serve_http": BenchInfo(False, "serve_load's workload through dp-runtime serve (HTTP, streaming) vs in-process"),
     "mixed_step": BenchInfo(False, "a mixed prefill+decode step against a decode step at the same batch"),
