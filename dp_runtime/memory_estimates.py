@@ -179,6 +179,9 @@ def draw_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_logit_rows: int, 
                 min(R, 64)*8)                or a logprobs chunk (the rows and their
                                              log-softmax)
 
+    On CUDA a top-p alone is searched, not sorted (``serving/top_p_search.py``: a few kilobytes),
+    so there the sort's term is an upper bound; CPU ranks sort.
+
     The adjusted copy's and the counts' 4 bytes an element are float32 rows (not measured yet;
     the sort's 48 are). The counts never raise the peak with today's chunks (64 x 4 bytes a
     column against a sort's 16 x 48): they are here so that stays checked. ``bias_chunk`` 0: a
