@@ -167,13 +167,15 @@ def _thresholds(logits_BV: torch.Tensor, params: Sequence[SamplingParams], rows_
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     ranked_k = [r for r, k in enumerate(ks) if k]
     sorted_p = [r for r, (p, k) in enumerate(zip(params, ks, strict=True)) if not k and p.top_p < 1]
-    if use_triton and sorted_p:
+    groups = [(ranked_k, ROW_CHUNK)]
+    if not use_triton:
+        groups.append((sorted_p, SORT_CHUNK))
+    elif sorted_p:
         at = host_to_device(sorted_p, torch.int64, dev)
         top_p = host_to_device([params[r].top_p for r in sorted_p], torch.float32, dev)
         found = top_p_thresholds(logits_BV, rows_R.index_select(0, at), temp_R.index_select(0, at), top_p)
         thr_R.index_copy_(0, at, found)
-        sorted_p = []
-    for group, size in ((ranked_k, ROW_CHUNK), (sorted_p, SORT_CHUNK)):
+    for group, size in groups:
         for lo in range(0, len(group), size):
             chunk = group[lo : lo + size]
             at = host_to_device(chunk, torch.int64, dev)
