@@ -172,10 +172,13 @@ def draw_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_logit_rows: int, 
     the forward::
 
         R*V*(e + 4)                          the logits in dtype and in fp32
+        + V*4                                the profile's one-row count table (the rank's own
+                                             table is a component apart: penalty_counts)
         + V*max(min(R, B)*4                  an adjusted copy of B rows (``sampling.ROW_CHUNK``)
-                + max(min(R, B)*4,           and its penalties' counts (adjusted_rows: freed
-                      min(R, S)*48),         before the draw), or a top-p sort's chunk of S
-                                             rows within it (``sampling.SORT_CHUNK``),
+                + max(min(R, B)*4,           and its penalties' counts gathered from the table
+                      min(R, S)*48),         (adjusted_rows: freed before the draw), or a top-p
+                                             sort's chunk of S rows within it
+                                             (``sampling.SORT_CHUNK``),
                 min(R, 64)*8)                or a logprobs chunk (the rows and their
                                              log-softmax)
 
@@ -192,7 +195,8 @@ def draw_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_logit_rows: int, 
     adjusted = min(r, bias_chunk) * _FP32
     drawing = adjusted + max(adjusted, min(r, sort_chunk) * SORT_BYTES_PER_ELEMENT)
     chunk = max(drawing, min(r, ROW_CHUNK) * 2 * _FP32)
-    return r * v * (ms.dtype_bytes(dtype) + _FP32) + v * chunk
+    table = v * _FP32 if bias_chunk else 0
+    return r * v * (ms.dtype_bytes(dtype) + _FP32) + table + v * chunk
 
 
 def allocator_cache_bytes(cfg: ModelConfig) -> int:

@@ -34,6 +34,7 @@ from dispatcher.sizing import (
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import ModelConfig
 from dp_runtime.model.weights import expected_shapes
+from dp_runtime.serving.penalty_counts import PenaltyCounts
 from dp_runtime.sync.dp_buffer import DPBufferService, dp_buffer_layout
 from dp_runtime.sync.padding_mode import PaddingMode
 
@@ -59,6 +60,7 @@ __all__ = [
     "largest_step_tokens",
     "nccl_communicators",
     "nccl_overhead_bytes",
+    "penalty_count_bytes",
     "pool_device_bytes",
     "weight_bytes_per_rank",
 ]
@@ -251,6 +253,13 @@ def graph_input_bytes(config: RuntimeConfig, *, decode_graphs: bool = True,
     """The sum of ``graph_input_bytes_by_name``: device bytes of the pooled graph inputs."""
     by_name = graph_input_bytes_by_name(config, decode_graphs=decode_graphs, input_embeds=input_embeds)
     return sum(by_name.values())
+
+
+def penalty_count_bytes(config: RuntimeConfig, vocab_size: int) -> int:
+    """Device bytes of the rank's penalty count table (``serving/penalty_counts.py``): float32,
+    a row of ``vocab_size`` for each KV request row, ``max_running_requests + 1``. Built on the
+    meta device by the class itself."""
+    return PenaltyCounts.for_runtime(config.max_running_requests, vocab_size, "meta").nbytes
 
 
 # -- dispatcher -----------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ cache after a profiling forward for the same reason). On CUDA, with no ``kv_cach
    profile, less the peak and less the graphs' reserve (``graph_reserve_bytes``: the graphs are
    captured after the cache, whose addresses they bake in, so they are reserved from an estimate
    with a margin, ``memory_estimates``, and their measured size is reported beside it). What
-   else is held then is recorded too: torch's reserved memory beyond the weights and the pool
-   (``allocator_cache``, ``memory_estimates.allocator_cache_bytes``) and the memory outside torch
+   else is held then is recorded too: torch's reserved memory beyond the weights, the
+   penalties' count table (``serving/penalty_counts.py``, allocated before the profile) and the
+   pool (``allocator_cache``, ``memory_estimates.allocator_cache_bytes``) and the memory outside torch
    (``cuda_context``: the CUDA context and kernel modules).
 3. **Check** (``check_largest_step``): once the graphs are captured, the largest step runs once
    more, eagerly, against the real cache. A configuration that cannot run it is refused at start
@@ -42,8 +43,8 @@ from dp_runtime.sync.step_plan import plan_step
 from dp_runtime.sync.step_table import StepTable
 from graph import AttentionSplit
 
-__all__ = ["check_largest_step", "graph_reserve_bytes", "make_kv_cache", "measured_kv_slots", "profile_largest_step",
-           "run_largest_step"]
+__all__ = ["check_largest_step", "eager_step", "graph_reserve_bytes", "make_kv_cache", "measured_kv_slots",
+           "profile_largest_step", "run_largest_step"]
 
 logger = logging.getLogger("dp_runtime")
 
@@ -109,6 +110,19 @@ def check_largest_step(run: Callable[[], None], device: torch.device, memory: di
         ) from None
 
 
+def eager_step(eager: Any, batch: Any, device: torch.device, memory: dict[str, int]) -> torch.Tensor:
+    """``eager.run(batch)``'s logits; on CUDA its allocation growth raises
+    ``memory["activation_peak"]`` where larger (what a serving step really took)."""
+    if device.type != "cuda":
+        return eager.run(batch)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    logits = eager.run(batch)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    memory["activation_peak"] = max(memory["activation_peak"], int(peak))
+    return logits
+
+
 def make_kv_cache(spec: Any, num_slots: int, device: torch.device, max_reqs: int | None = None) -> KVCache:
     """The rank's paged KV cache of ``num_slots`` slots (``max_reqs``: its request rows, by
     default ``max_running_requests``)."""
@@ -123,10 +137,10 @@ def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
                       on_phase: Callable[[str], None]) -> int:
     """The KV slots of a rank: ``memory_sizing.kv_slots_for_rank`` when they are given or the
     device is not CUDA; else measured (module docstring, steps 1-2), with ``activation_peak``,
-    ``graph_reserve``, ``allocator_cache`` (torch's reserved memory less ``memory["weights"]``
-    and the device bytes of ``pool``, the rank's buffer pool) and ``cuda_context`` (device memory
-    outside torch's allocator: total - free - reserved) recorded in ``memory``: total - free at
-    sizing is those two, the weights and the pool. ``eager_runner(model, backend)`` makes the
+    ``graph_reserve``, ``allocator_cache`` (torch's reserved memory less ``memory["weights"]``,
+    ``memory["penalty_counts"]`` and the device bytes of ``pool``, the rank's buffer pool) and
+    ``cuda_context`` (device memory outside torch's allocator: total - free - reserved) recorded
+    in ``memory``: total - free at sizing is those two, the weights, the count table and the pool. ``eager_runner(model, backend)`` makes the
     rank's eager runner of a model over an attention backend; the profile runs a copy of ``model``
     bound to a probe backend and cache, so ``model`` itself stays unbound (it is bound once, to
     the real cache). RuntimeError with the numbers when one request of the full context does not
@@ -149,7 +163,8 @@ def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
     budget = ms.kv_budget_bytes(free, peak, reserve, spec.kv_mem_fraction)
     slots = ms.kv_slots_for_budget(mc, cfg.kv_cache_dtype, budget, cfg.max_running_requests, spec.context_len)
     memory.update(activation_peak=int(peak), graph_reserve=reserve, cuda_context=int(total - free - reserved),
-                  allocator_cache=int(reserved - memory["weights"] - ms.pool_device_bytes(pool)))
+                  allocator_cache=int(reserved - memory["weights"] - memory.get("penalty_counts", 0)
+                                      - ms.pool_device_bytes(pool)))
     if slots < spec.context_len:
         raise RuntimeError(
             f"RankWorker: {free / _GIB:.2f} GiB free after the weights, less the largest step's {peak / _GIB:.2f} "

@@ -43,18 +43,14 @@ from dispatcher import EPGroup
 from dp_runtime.attention import make_attention_backend
 from dp_runtime.choices import rank_choices
 from dp_runtime.graph_setup import RankGraphs, capture_rank_graphs
-from dp_runtime.rank_memory import (
-    check_largest_step,
-    make_kv_cache,
-    measured_kv_slots,
-    run_largest_step,
-)
+from dp_runtime.rank_memory import check_largest_step, eager_step, make_kv_cache, measured_kv_slots, run_largest_step
 from dp_runtime.rank_parts import build_moe_exchange, load_model
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serve_loop import run_until_idle
 from dp_runtime.serving.forward_batch import idle_batch, planned_batch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.outputs import StepOutputs
+from dp_runtime.serving.penalty_counts import PenaltyCounts
 from dp_runtime.serving.request import Request, RequestResult
 from dp_runtime.serving.scheduler import ScheduledStep, Scheduler
 from dp_runtime.serving.step_tokens import StepTokens, launch_tokens
@@ -120,6 +116,7 @@ class RankWorker:
         self.sync: DPStepSync | None = None
         self._own_cpu_group = None
         self._pending: StepTokens | None = None  # the last step's tokens, not recorded yet (overlap)
+        self.penalty_counts: PenaltyCounts | None = None
         try:
             self._build(group)
         except BaseException:
@@ -175,6 +172,9 @@ class RankWorker:
             return EagerRunner(model.forward, attention, eager_registry, no_copy=cfg.eager_input_no_copy,
                                max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
 
+        # Before the KV cache is sized, so its size is measured with the rest that the rank holds.
+        self.penalty_counts = PenaltyCounts.for_runtime(cfg.max_running_requests, mc.vocab_size, dev)
+        self._memory["penalty_counts"] = self.penalty_counts.nbytes
         slots = measured_kv_slots(spec, self.model, dev, choices, eager_runner, pool, self._memory, self._on_phase)
         self.kv_cache = make_kv_cache(spec, slots, dev)
         self._memory["kv_cache"] = self.kv_cache.nbytes()
@@ -236,7 +236,7 @@ class RankWorker:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes per component as allocated (weights, kv_cache, dp_buffers, dispatcher_workspace,
-        graph_inputs, graph_pool, activation_peak: the largest step's allocation growth, 0 unless
+        graph_inputs, penalty_counts, graph_pool, activation_peak: the largest step's allocation growth, 0 unless
         profiled; when the rank profiled and sized its KV cache on CUDA also graph_reserve,
         allocator_cache and cuda_context, ``rank_memory.measured_kv_slots``)."""
         return dict(self._memory)
@@ -298,7 +298,8 @@ class RankWorker:
         c["idle_steps"] += scheduled is None
         launched = None
         if scheduled is not None:
-            launched = launch_tokens(scheduled, logits, self.scheduler.last_tokens, self.sampled_logits)
+            launched = launch_tokens(scheduled, logits, self.scheduler.last_tokens, self.penalty_counts,
+                                     self.sampled_logits)
         self.wait_tokens()  # the step before's, read while this one runs
         if launched is not None:
             self._pending = launched
@@ -306,15 +307,8 @@ class RankWorker:
                 self.wait_tokens()
         return plan
 
-    def _eager(self, batch) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return self.eager.run(batch)
-        before = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        logits = self.eager.run(batch)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        self._memory["activation_peak"] = max(self._memory["activation_peak"], int(peak))
-        return logits
+    def _eager(self, batch) -> torch.Tensor:  # a method: bench/gpu_spans.py times it
+        return eager_step(self.eager, batch, self.device, self._memory)
 
     def wait_tokens(self) -> None:
         """Record the tokens of the last step in the scheduler, if not yet (waits for that step's
@@ -356,8 +350,8 @@ class RankWorker:
 
     # -- teardown --------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release graphs, then the dispatcher, then the step sync (idempotent; not a collective).
-        The process group is the caller's to destroy, after this."""
+        """Release graphs, then the dispatcher, then the step sync, then the penalties' count table
+        (idempotent; not a collective). The process group is the caller's to destroy, after this."""
         if self.rank_graphs is not None:
             self.rank_graphs.destroy()
             self.rank_graphs = None
@@ -367,6 +361,8 @@ class RankWorker:
         if self.sync is not None:
             self.sync.close()
             self.sync = None
+        if self.penalty_counts is not None:
+            self.penalty_counts.close()
         if self._own_cpu_group is not None and dist.is_initialized():
             dist.destroy_process_group(self._own_cpu_group)
             self._own_cpu_group = None

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MEASURE_SCHEMA", "measure_workload", "parse_graph_sizes", "plan"]
 
-MEASURE_SCHEMA = "dp-runtime.plan-measure/3"
+MEASURE_SCHEMA = "dp-runtime.plan-measure/4"
 
 
 def parse_graph_sizes(text: str) -> tuple[int, ...] | str:
@@ -70,7 +70,7 @@ def plan(
         None, "--kv-tokens-per-request", help="KV tokens guaranteed per running request (default: --context-len)."),
     kv_mem_fraction: float = typer.Option(
         0.85, "--kv-mem-fraction", help="The rank's share for its KV cache of what is left after the rest."),
-    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema dp-runtime.plan/3)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema dp-runtime.plan/4)."),
     measure: bool = typer.Option(False, "--measure", help="Build the rank on this CUDA GPU; print predicted vs measured."),
 ) -> None:
     """Plan one rank's memory: every component, the KV cache that fits, and the verdict."""
@@ -193,6 +193,7 @@ def _sources(p: CapacityPlan) -> dict[str, str]:
         "dp_buffers": f"DPBufferService ({rt.max_global_tokens} + {rt.max_tokens_per_rank} rows)",
         "dispatcher_workspace": f"dispatcher.sizing, {p.dispatcher} ({ws})",
         "graph_inputs": "decode + eager registries, pooled by name",
+        "penalty_counts": f"float32 penalty counts, {rt.max_running_requests + 1} request rows x vocab",
         "graph_pool": graph_note,
         "activation_peak": f"estimate: profile step of {tokens} tokens in {requests} requests",
         "allocator_cache": "estimate: RoPE table + cuBLAS workspace + a small segment",

@@ -1,5 +1,5 @@
 """What the capacity planner returns: per-rank components, KV capacity, the verdict, the JSON
-schema ``dp-runtime.plan/3`` (keys: docs/planner.md), and the predicted-vs-measured rows of
+schema ``dp-runtime.plan/4`` (keys: docs/planner.md), and the predicted-vs-measured rows of
 ``--measure``."""
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ __all__ = [
     "compare_measured",
 ]
 
-SCHEMA = "dp-runtime.plan/3"
+SCHEMA = "dp-runtime.plan/4"
 # Every component, in the order of the table and of the JSON.
 COMPONENTS = (
-    "weights", "kv_cache", "dp_buffers", "dispatcher_workspace", "graph_inputs", "graph_pool",
-    "activation_peak", "allocator_cache", "nccl", "cuda_context",
+    "weights", "kv_cache", "dp_buffers", "dispatcher_workspace", "graph_inputs", "penalty_counts",
+    "graph_pool", "activation_peak", "allocator_cache", "nccl", "cuda_context",
 )
 # The components RankWorker.memory_report() measures, under the same names (activation_peak:
 # its profile step; allocator_cache: torch's reserved memory beyond the weights and its pool, and
@@ -46,6 +46,7 @@ class Components:
     dp_buffers_bytes: int
     dispatcher_workspace_bytes: int
     graph_inputs_bytes: int
+    penalty_counts_bytes: int
     graph_pool_bytes: int
     activation_peak_bytes: int
     allocator_cache_bytes: int

@@ -11,7 +11,7 @@ The rank planned is EP rank 0, which holds the most experts when they do not div
 (``ExpertPartition`` gives the remainder to the first ranks). Its KV cache is sized by the
 rank's own rule (``dp_runtime/rank_memory.py``, with the same functions): of what is free when
 it sizes the cache (the GPU less the CUDA context, NCCL, the weights, the DP buffers, a
-persistent dispatcher workspace, the graph inputs and what else torch holds then, the RoPE table
+persistent dispatcher workspace, the graph inputs, the penalties' count table and what else torch holds then, the RoPE table
 and a cuBLAS workspace, ``memory_estimates.allocator_cache_bytes``),
 ``memory_sizing.kv_budget_bytes`` takes ``kv_mem_fraction`` after the largest step's peak and the
 graphs' reserve (``memory_estimates.graph_reserve_bytes``), and ``kv_slots_for_budget`` turns it
@@ -24,7 +24,7 @@ running request can reach its full context at once, with no preemption) and one 
 largest value for which that holds with every other input unchanged, found by bisection (the
 rule is monotone: a larger max_running_requests needs more KV and never less of anything else).
 
-JSON: ``CapacityPlan.to_dict()`` / ``to_json()``, schema ``dp-runtime.plan/3`` (keys:
+JSON: ``CapacityPlan.to_dict()`` / ``to_json()``, schema ``dp-runtime.plan/4`` (keys:
 docs/planner.md). The input lives in ``plan_input.py``, the result types in ``plan_result.py``,
 the GPU table in ``gpu_specs.py``; all are re-exported here.
 """
@@ -133,6 +133,7 @@ def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> Capac
         dp_buffers_bytes=ms.dp_buffer_bytes(rt, dispatcher, cfg.top_k),
         dispatcher_workspace_bytes=ms.dispatcher_workspace_bytes(dispatcher, rt.ep_size, rt.max_tokens_per_rank, *moe),
         graph_inputs_bytes=ms.graph_input_bytes(rt, decode_graphs=graphs),
+        penalty_counts_bytes=ms.penalty_count_bytes(rt, cfg.vocab_size),
         graph_pool_bytes=graph_pool,
         activation_peak_bytes=me.largest_step_bytes_estimate(cfg, rt, ctx, attention=choices.attention,
                                                              dispatcher=dispatcher),

@@ -2,13 +2,17 @@
 dp_runtime/serving/adjusted_rows.py).
 
 The draw on CPU tensors: every row (greedy, sampled, biased, past a chunk) chooses what the
-rule applied by hand gives, counting the recorded tokens and the one still in flight; the raw
-logits are never written; presence and frequency differ as the rule says.
+rule applied by hand gives, from the counts of a table on the device (``penalty_counts``); the
+raw logits and the table are never written by the draw; presence and frequency differ as the
+rule says. The table: a step counts its drawn tokens, and a request's first draw starts its row
+from zero.
 
 A rank (tiny preset, CPU, ``keep_logits``): a greedy request with penalties produces exactly
 the greedy sequence of its kept raw rows with the rule applied on the host; its logprobs are
 those raw rows'; a request without penalties in the same steps is unchanged; overlapped steps
-(the token of the step before still in flight) give the tokens of step-by-step serving."""
+(the token of the step before still in flight, counted by the device alone) give the tokens of
+step-by-step serving; a request row reused by a new request starts from zero counts; the
+table is the planned memory component."""
 
 from __future__ import annotations
 
@@ -18,10 +22,12 @@ from collections import Counter
 import pytest
 import torch
 
+from dp_runtime import memory_sizing as ms
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
+from dp_runtime.serving.penalty_counts import PenaltyCounts, StepCounts
 from dp_runtime.serving.request import Request, SamplingParams
-from dp_runtime.serving.sampling import ROW_CHUNK, TokenHistory, draw_tokens
+from dp_runtime.serving.sampling import ROW_CHUNK, draw_tokens
 
 
 def _penalized(row: torch.Tensor, seen, p: SamplingParams) -> torch.Tensor:
@@ -35,27 +41,37 @@ def _penalized(row: torch.Tensor, seen, p: SamplingParams) -> torch.Tensor:
     return x
 
 
+def _table(seen_per_row, vocab: int, rows_B: torch.Tensor) -> StepCounts:
+    """A count table whose row ``rows_B[i]`` counts ``seen_per_row[i]``."""
+    table = torch.zeros(int(rows_B.max()) + 1, vocab)
+    for row, seen in zip(rows_B.tolist(), seen_per_row, strict=True):
+        for tid, c in Counter(seen).items():
+            table[row, tid] = c
+    return StepCounts(table, rows_B)
+
+
 def test_every_row_draws_from_the_rule_applied_by_hand():
     rows, vocab = ROW_CHUNK + 6, 40
     torch.manual_seed(5)
     logits = torch.randn(rows, vocab) * 2
     raw = logits.clone()
     g = torch.Generator().manual_seed(1)
-    recorded = [torch.randint(0, vocab, (r % 9,), generator=g).tolist() for r in range(rows)]
-    last_B = torch.randint(0, vocab, (rows,), generator=g)
-    ahead = [r % 2 for r in range(rows)]  # odd rows: the step before's token is still in flight
+    seen = [torch.randint(0, vocab, (r % 9,), generator=g).tolist() for r in range(rows)]
+    rows_B = torch.randperm(rows + 3, generator=g)[:rows]  # request rows, not the step's order
     params = [None if r % 11 == 3 else SamplingParams(
         temperature=0.0 if r % 3 else 0.8, seed=r, top_k=r % 4,
         frequency_penalty=(r % 5 - 2) * 0.7, presence_penalty=(r % 7 - 3) * 0.6,
         logit_bias=((r % vocab, 1.5),) if r % 4 == 0 else ()) for r in range(rows)]
-    indices = [len(s) + a for s, a in zip(recorded, ahead, strict=True)]
-    drawn = draw_tokens(logits, params, indices, history=TokenHistory(recorded, last_B))
+    indices = [len(s) for s in seen]
+    counts = _table(seen, vocab, rows_B)
+    table = counts.table_RV.clone()
+    drawn = draw_tokens(logits, params, indices, counts=counts)
     assert torch.equal(logits, raw)  # the logprobs read these: they stay raw
+    assert torch.equal(counts.table_RV, table)  # the draw reads the counts; record writes them
     by_hand = logits.clone()
     for r, p in enumerate(params):
         if p is not None:
-            seen = recorded[r] + ([int(last_B[r])] if ahead[r] else [])
-            by_hand[r] = _penalized(logits[r], seen, p)
+            by_hand[r] = _penalized(logits[r], seen[r], p)
     plain = [None if p is None else dataclasses.replace(p, frequency_penalty=0.0, presence_penalty=0.0,
                                                         logit_bias=()) for p in params]
     assert drawn.ids_B.tolist() == draw_tokens(by_hand, plain, indices).ids_B.tolist()
@@ -65,8 +81,8 @@ def test_presence_and_frequency_differ_as_the_rule_says():
     logits = torch.tensor([[3.0, 2.0, 1.5, 0.0]])
 
     def greedy(seen, **pen):
-        h = TokenHistory([seen], torch.zeros(1, dtype=torch.int64))
-        return draw_tokens(logits, [SamplingParams(**pen)], [len(seen)], history=h).ids_B.item()
+        counts = _table([seen], 4, torch.zeros(1, dtype=torch.int64))
+        return draw_tokens(logits, [SamplingParams(**pen)], [len(seen)], counts=counts).ids_B.item()
 
     # Token 0 generated three times: presence takes 0.9 once (3.0 -> 2.1, still first),
     # frequency 0.9 three times (3.0 -> 0.3: token 1 wins).
@@ -76,12 +92,27 @@ def test_presence_and_frequency_differ_as_the_rule_says():
     assert greedy([1, 1], frequency_penalty=-0.6) == 1  # negative: repeats favoured (2 + 1.2)
 
 
-def test_a_penalized_row_needs_its_history_and_at_most_one_token_in_flight():
+def test_a_penalized_row_needs_its_counts():
     p = [SamplingParams(frequency_penalty=1.0)]
-    with pytest.raises(ValueError, match="row 0 has a penalty and no TokenHistory"):
+    with pytest.raises(ValueError, match="row 0 has a penalty and no StepCounts"):
         draw_tokens(torch.zeros(1, 8), p, [0])
-    with pytest.raises(AssertionError):  # two tokens unrecorded: the scheduler never does that
-        draw_tokens(torch.zeros(1, 8), p, [3], history=TokenHistory([[1]], torch.zeros(1, dtype=torch.int64)))
+
+
+def test_the_table_counts_each_steps_tokens_and_a_cleared_row_starts_from_zero():
+    pc = PenaltyCounts.for_runtime(3, 6, "cpu")  # rows 0..3, row 0 the padding target
+    assert pc.table_RV.shape == (4, 6) and pc.nbytes == 4 * 6 * 4
+    step = pc.step(torch.tensor([2, 1, 3]))
+    step.record(torch.tensor([5, 0, 5]))
+    step.record(torch.tensor([5, 4, 1]))
+    want = torch.zeros(4, 6)
+    want[2, 5], want[1, 0], want[1, 4], want[3, 5], want[3, 1] = 2, 1, 1, 1, 1
+    assert torch.equal(pc.table_RV, want)
+    assert torch.equal(step.rows(torch.tensor([2, 0])), want[[3, 2]])  # step rows 2 and 0
+    pc.clear([1])
+    want[1] = 0
+    assert torch.equal(pc.table_RV, want)
+    pc.close()
+    assert pc.table_RV is None and pc.nbytes == 0
 
 
 # -- a rank ---------------------------------------------------------------------------------------

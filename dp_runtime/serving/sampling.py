@@ -38,7 +38,8 @@ is not finite (NaN logits, or a temperature so small that ``logits / temperature
 float32) is flagged: that request alone fails.
 
 A request's presence and frequency penalties and its ``logit_bias`` are applied, before all of
-this, to a copy of its row (``adjusted_rows``: ``ROW_CHUNK`` rows at a time, no host sync), so
+this, to a copy of its row (``adjusted_rows``: ``ROW_CHUNK`` rows at a time, the counts the
+penalties need read from a table on the device, ``penalty_counts``; no host sync), so
 greedy rows take the argmax of the adjusted logits and sampled rows draw from them, while the
 logits the step's logprobs read stay raw. A step without a bias or a penalty takes none of that
 path.
@@ -51,13 +52,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dp_runtime.serving.adjusted_rows import TokenHistory, adjusted_chunks
+from dp_runtime.serving.adjusted_rows import adjusted_chunks
 from dp_runtime.serving.host_copy import host_to_device
+from dp_runtime.serving.penalty_counts import StepCounts
 from dp_runtime.serving.request import SamplingParams
 from dp_runtime.serving.sampling_triton import race_triton, triton
 from dp_runtime.serving.top_p_search import top_p_thresholds
 
-__all__ = ["ROW_CHUNK", "SORT_CHUNK", "DrawnTokens", "RowFailure", "TokenHistory", "draw_failure", "draw_tokens",
+__all__ = ["ROW_CHUNK", "SORT_CHUNK", "DrawnTokens", "RowFailure", "StepCounts", "draw_failure", "draw_tokens",
            "host_to_device"]
 
 ROW_CHUNK = 64  # rows whose top-k thresholds are found together: bounds the rows x vocabulary temporaries
@@ -94,13 +96,13 @@ def draw_failure(p: SamplingParams) -> RowFailure:
 
 
 def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None], indices: Sequence[int],
-                *, history: TokenHistory | None = None, use_triton: bool | None = None) -> DrawnTokens:
+                *, counts: StepCounts | None = None, use_triton: bool | None = None) -> DrawnTokens:
     """One token per row of ``logits_BV`` (float32, B rows) by ``params[i]`` (None: the argmax,
     e.g. a prompt chunk that does not sample); row i chooses the token at output index
     ``indices[i]`` of its request (a sampled row's noise is keyed by it: module docstring). A row
     with a ``logit_bias`` or a penalty is chosen from an adjusted copy of its logits
-    (``adjusted_rows``; ``history``: what the rows generated before, needed where a row has a
-    penalty): ``logits_BV`` itself is never written, so the logprobs read from it after the draw
+    (``adjusted_rows``; ``counts``: how often each row's request generated each token before,
+    on the device, needed where a row has a penalty): ``logits_BV`` itself is never written, so the logprobs read from it after the draw
     stay raw. ``use_triton``: the Triton kernels, the top-p search and the race (default: on CUDA
     tensors)."""
     if logits_BV.shape[0] != len(params) or len(params) != len(indices):
@@ -121,7 +123,7 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
                                                 [indices[i] for i in plain], use_triton)
         ids_B.index_copy_(0, rows_R, tokens_R)
         fails.append(failed_R)
-    for chunk, rows_C, x_CV in adjusted_chunks(logits_BV, adjusted, params, indices, history, ROW_CHUNK):
+    for chunk, rows_C, x_CV in adjusted_chunks(logits_BV, adjusted, params, counts, ROW_CHUNK):
         ids_C = x_CV.argmax(dim=-1)
         sampled = [j for j, row in enumerate(chunk) if not params[row].greedy]
         if sampled:  # raced on the copy as they would be on logits_BV (the race: rows of one tensor)

@@ -4,13 +4,16 @@ next step before it reads them (``RuntimeConfig.overlap_schedule``).
 ``launch_tokens`` runs right after a step's forward was launched. On the logits' device it
 draws every row's token (``sampling.draw_tokens``: the argmax, or a draw where the request
 samples with a temperature; a request's penalties and ``logit_bias`` on a copy of its row:
-``adjusted_rows``, whose counts need the tokens each row drew before, ``TokenHistory``), writes
-the ids
-into the scheduler's ``last_tokens`` table (the next decode batch gathers its input ids there,
+``adjusted_rows``), writes the ids into the scheduler's ``last_tokens`` table (the next decode batch gathers its input ids there,
 in stream order) and, for rows that asked, computes their logprobs (``logprobs.logprob_rows``,
 from the raw logits: never the biased copy). One asynchronous copy per result brings them to
 pinned host buffers, with an event; ``StepTokens.wait`` later waits for that event alone. So
 greedy, sampled and logprobs rows all keep the overlap.
+
+In a step with a penalized row, the penalties' counts come from the rank's ``PenaltyCounts``
+table on the device: the rows of penalized requests that draw their first token are zeroed
+before the draw, and every row's drawn token is counted right after it, in stream order, so the
+next step's draw sees it whether or not the host has read it (``penalty_counts``).
 
 A worker that keeps logits for comparisons (``kept_logits``) reads the step's rows on the host
 at once: a test path.
@@ -37,10 +40,10 @@ from dp_runtime.serving.request import (
     SamplingParams,
     TokenLogprob,
 )
+from dp_runtime.serving.penalty_counts import PenaltyCounts, StepCounts
 from dp_runtime.serving.sampling import (
     DrawnTokens,
     RowFailure,
-    TokenHistory,
     draw_failure,
     draw_tokens,
 )
@@ -85,21 +88,25 @@ class StepTokens:
 
 
 def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens: torch.Tensor,
-                  kept_logits: dict[str, list[torch.Tensor]] | None = None) -> StepTokens:
+                  penalty_counts: PenaltyCounts, kept_logits: dict[str, list[torch.Tensor]] | None = None
+                  ) -> StepTokens:
     """Start the step's sampling (module docstring). ``logits_BV``: one row per request of the
-    step, in batch order; ``kept_logits``: when given, each sampled row's logits (CPU, float32)
-    are appended under its request id."""
+    step, in batch order; ``last_tokens`` and ``penalty_counts``: the rank's tables by request
+    row (written here, on the device); ``kept_logits``: when given, each sampled row's logits
+    (CPU, float32) are appended under its request id."""
     reqs, samples = scheduled.reqs, scheduled.samples
     if not any(samples):
         return StepTokens(scheduled, tokens=[None] * len(reqs))
     rows_B = scheduled.batch.req_pool_indices[: len(reqs)]
     params = [r.request.sampling if s else None for r, s in zip(reqs, samples, strict=True)]
-    history = None
+    counts = None
     if any(p is not None and p.penalized for p in params):
-        # Read before this step's ids are written below (stream order): the step before's tokens.
-        recorded = [r.output if p is not None and p.penalized else () for r, p in zip(reqs, params, strict=True)]
-        history = TokenHistory(recorded, last_tokens.index_select(0, rows_B))
-    drawn = draw_tokens(logits_BV, params, scheduled.draws, history=history)
+        penalty_counts.clear(r.row for r, p, d in zip(reqs, params, scheduled.draws, strict=True)
+                             if p is not None and p.penalized and d == 0)
+        counts = penalty_counts.step(rows_B)
+    drawn = draw_tokens(logits_BV, params, scheduled.draws, counts=counts)
+    if counts is not None:
+        counts.record(drawn.ids_B)
     last_tokens.index_copy_(0, rows_B, drawn.ids_B)
     asked = [i for i, p in enumerate(params) if p is not None and p.logprobs is not None]
     lp_rows = logprob_rows(logits_BV, drawn.ids_B, asked, [params[i].logprobs for i in asked]) if asked else None
@@ -117,15 +124,18 @@ def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens
 
 def worst_case_draw(logits_BV: torch.Tensor) -> torch.Tensor:
     """Every row drawn the costliest way (a full-vocabulary top-p, with a min-p, from a penalized
-    and biased copy of its logits, counting recorded tokens and one in flight; every logprob
-    alternative): what the memory profile runs after its largest step, so the draw's
-    temporaries are in the peak the KV cache is sized from. Returns the ids."""
+    and biased copy of its logits whose counts are gathered from a count table, then counted
+    into it; every logprob alternative): what the memory profile runs after its largest step,
+    so the draw's temporaries are in the peak the KV cache is sized from. The table is a row of
+    its own that every row reads (the rank's own is allocated before the profile and counted
+    apart: ``penalty_counts``). Returns the ids."""
     rows, vocab = logits_BV.shape
     bias = tuple((t, 1.0) for t in range(min(LOGIT_BIAS_LIMIT, vocab)))
     worst = SamplingParams(temperature=1.0, top_p=0.5, min_p=0.05, logprobs=LOGPROBS_LIMIT, logit_bias=bias,
                            presence_penalty=PENALTY_MAX, frequency_penalty=PENALTY_MAX)
-    seen = tuple(range(min(LOGIT_BIAS_LIMIT, vocab)))  # recorded, and the step before's in flight
-    history = TokenHistory([seen] * rows, torch.zeros(rows, dtype=torch.int64, device=logits_BV.device))
-    drawn = draw_tokens(logits_BV, [worst] * rows, [len(seen) + 1] * rows, history=history)
+    counts = StepCounts(torch.ones(1, vocab, device=logits_BV.device),  # every token seen once
+                        torch.zeros(rows, dtype=torch.int64, device=logits_BV.device))
+    drawn = draw_tokens(logits_BV, [worst] * rows, [1] * rows, counts=counts)
+    counts.record(drawn.ids_B)
     logprob_rows(logits_BV, drawn.ids_B, range(rows), [LOGPROBS_LIMIT] * rows)
     return drawn.ids_B
