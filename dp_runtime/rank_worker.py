@@ -40,10 +40,10 @@ import torch.distributed as dist
 
 from buffers import BufferPool, build_prefill_registry
 from dispatcher import EPGroup
+from dp_runtime import rank_memory as rm
 from dp_runtime.attention import make_attention_backend
 from dp_runtime.choices import rank_choices
 from dp_runtime.graph_setup import RankGraphs, capture_rank_graphs
-from dp_runtime.rank_memory import check_largest_step, eager_step, make_kv_cache, measured_kv_slots, run_largest_step
 from dp_runtime.rank_parts import build_moe_exchange, load_model
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serve_loop import run_until_idle
@@ -175,8 +175,8 @@ class RankWorker:
         # Before the KV cache is sized, so its size is measured with the rest that the rank holds.
         self.penalty_counts = PenaltyCounts.for_runtime(cfg.max_running_requests, mc.vocab_size, dev)
         self._memory["penalty_counts"] = self.penalty_counts.nbytes
-        slots = measured_kv_slots(spec, self.model, dev, choices, eager_runner, pool, self._memory, self._on_phase)
-        self.kv_cache = make_kv_cache(spec, slots, dev)
+        slots = rm.measured_kv_slots(spec, self.model, dev, choices, eager_runner, pool, self._memory, self._on_phase)
+        self.kv_cache = rm.make_kv_cache(spec, slots, dev)
         self._memory["kv_cache"] = self.kv_cache.nbytes()
         self.attention = make_attention_backend(choices.attention, self.kv_cache, mc, q_dtype=cfg.dtype,
                                                 check_indices=cfg.flashinfer_checks)
@@ -195,7 +195,7 @@ class RankWorker:
         self._memory["graph_inputs"] = pool.total_bytes() - pool_before
         if "graph_reserve" in self._memory:  # profiled: the largest step must still fit
             self._on_phase("checking the largest step")
-            check_largest_step(lambda: run_largest_step(self.eager, cfg, dev, spec.context_len), dev, self._memory)
+            rm.check_largest_step(lambda: rm.run_largest_step(self.eager, cfg, dev, spec.context_len), dev, self._memory)
             logger.info("rank %d memory (bytes): %s", self.rank, self._memory)
 
     # -- requests --------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ class RankWorker:
         return plan
 
     def _eager(self, batch) -> torch.Tensor:  # a method: bench/gpu_spans.py times it
-        return eager_step(self.eager, batch, self.device, self._memory)
+        return rm.eager_step(self.eager, batch, self.device, self._memory)
 
     def wait_tokens(self) -> None:
         """Record the tokens of the last step in the scheduler, if not yet (waits for that step's

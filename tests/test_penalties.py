@@ -178,3 +178,60 @@ def test_overlapped_steps_count_the_token_in_flight(runs):
     _, (overlapped, _), (step_by_step, _) = runs
     for rid, res in step_by_step.items():
         assert overlapped[rid].output_ids == res.output_ids, rid
+
+
+def _one_row_serve(reqs: list[Request], *, clear: bool = True):
+    """Requests served on a rank with one request row: each reuses the row of the one before."""
+    spec = RankSpec.create("tiny", dp_size=1, device="cpu", dtype="float32", max_running_requests=1,
+                           chunked_prefill_size=24, max_context_len=96, attention="sdpa")
+    with RankWorker(spec, keep_logits=True) as w:
+        assert w.penalty_counts.table_RV.shape[0] == w.kv_cache.req_to_token.shape[0] == 2
+        return {r.rid: r for r in w.generate(reqs)}, w.sampled_logits
+
+
+def test_a_reused_request_row_starts_from_zero_counts():
+    # One request row: "a" fills it with its counts, then "b" (the same prompt and penalties,
+    # so its first raw argmax is a token "a" counted) and then "c" take it over. Each must follow
+    # the rule from its own output alone: counts left from the row's last request would move
+    # their tokens (a strong frequency and presence penalty on every token "a" drew).
+    prompt = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(3)).tolist()
+    sp = SamplingParams(max_new_tokens=10, frequency_penalty=2.0, presence_penalty=2.0)
+    reqs = [Request("a", prompt, sp), Request("plain", prompt[:7], SamplingParams(max_new_tokens=5)),
+            Request("b", prompt, sp), Request("c", prompt, dataclasses.replace(sp, max_new_tokens=4))]
+    got, logits = _one_row_serve(reqs)
+    for rid in ("a", "b", "c"):
+        want: list[int] = []
+        for row in logits[rid]:
+            want.append(int(_penalized(row, want, sp).argmax()))
+        assert list(got[rid].output_ids) == want, rid
+    assert got["b"].output_ids == got["a"].output_ids
+    assert int(logits["b"][0].argmax()) in got["a"].output_ids  # stale counts would have mattered
+
+
+def test_a_penalized_request_beside_unpenalized_ones_in_one_batch(runs):
+    # max_running_requests 4: "freq" decodes in the same steps as "plain" and "sampled" (whose
+    # rows the device counts too, unread); each keeps its own rule.
+    (plain, _), (got, logits), _ = runs
+    assert got["plain"].output_ids == plain["plain"].output_ids
+    assert got["sampled"].output_ids == plain["sampled"].output_ids
+    sp = PEN["freq"]
+    want: list[int] = []
+    for row in logits["freq"]:
+        want.append(int(_penalized(row, want, SamplingParams(**sp)).argmax()))
+    assert list(got["freq"].output_ids) == want
+
+
+def test_the_count_table_is_a_planned_component():
+    # The rank's measured component is the planner's term: (max_running_requests + 1) x V x 4.
+    spec = RankSpec.create("tiny", dp_size=1, device="cpu", dtype="float32", max_running_requests=3,
+                           chunked_prefill_size=24, max_context_len=96, attention="sdpa")
+    with RankWorker(spec) as w:
+        got = w.memory_report()["penalty_counts"]
+    assert got == ms.penalty_count_bytes(spec.runtime, 256) == 4 * 256 * 4
+    qwen = 151_936 * 4
+    for running, mib in ((64, 37.7), (256, 149.0)):
+        from launch.planner import PlanInput, plan_capacity
+
+        plan = plan_capacity(PlanInput(max_running_requests=running))
+        assert plan.components.penalty_counts_bytes == (running + 1) * qwen
+        assert abs(plan.components.penalty_counts_bytes / 2**20 - mib) < 0.1

@@ -264,7 +264,7 @@ def test_gpu_names():
 # -- JSON schema ------------------------------------------------------------------------------------
 def test_json_schema_keys_are_stable():
     doc = json.loads(plan_capacity(PlanInput(dp_size=2, max_running_requests=64)).to_json())
-    assert doc["schema"] == SCHEMA == "dp-runtime.plan/3"
+    assert doc["schema"] == SCHEMA == "dp-runtime.plan/4"
     assert set(doc) == {
         "schema", "input", "resolved", "components_bytes", "dp_buffer_modes", "kv", "gpu_mem_bytes",
         "total_bytes", "graph_reserve_bytes", "headroom_bytes", "free_bytes", "fits", "reason",
@@ -282,8 +282,8 @@ def test_json_schema_keys_are_stable():
         "max_tokens_per_rank", "max_global_tokens", "context_len", "kv_tokens_per_request",
     }
     assert list(doc["components_bytes"]) == [
-        "weights", "kv_cache", "dp_buffers", "dispatcher_workspace", "graph_inputs", "graph_pool",
-        "activation_peak", "allocator_cache", "nccl", "cuda_context",
+        "weights", "kv_cache", "dp_buffers", "dispatcher_workspace", "graph_inputs", "penalty_counts",
+        "graph_pool", "activation_peak", "allocator_cache", "nccl", "cuda_context",
     ]
     assert set(doc["dp_buffer_modes"]) == {"max_len", "sum_len"}
     for mode in doc["dp_buffer_modes"].values():

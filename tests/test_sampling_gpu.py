@@ -12,7 +12,7 @@ import torch
 
 from dp_runtime.serving.logprobs import logprob_rows
 from dp_runtime.serving.request import SamplingParams
-from dp_runtime.serving.sampling import ROW_CHUNK, TokenHistory, _top_p_threshold, draw_tokens
+from dp_runtime.serving.sampling import ROW_CHUNK, StepCounts, _top_p_threshold, draw_tokens
 from dp_runtime.serving.top_p_search import top_p_thresholds
 from tests import test_sampling as on_cpu  # a module, so its tests are not collected here too
 from tests.test_penalties import _penalized  # the penalty rule by hand
@@ -144,23 +144,28 @@ def test_a_biased_draw_never_waits_and_is_the_bias_added_by_hand_on_the_gpu():
 
 def test_a_penalized_draw_never_waits_and_is_the_rule_applied_by_hand_on_the_gpu():
     # Two chunks of penalized rows (some biased too) beside plain ones, greedy and sampled, each
-    # with recorded tokens and every other one with the step before's token in flight.
+    # with its counts in a table on the device (request rows shuffled against the step's), then
+    # the step's tokens counted into it: no wait either.
     rows, vocab = ROW_CHUNK + 9, 151_936
     torch.manual_seed(2)
     logits = torch.randn(rows, vocab, device="cuda") * 3
     raw = logits.clone()
     g = torch.Generator().manual_seed(4)
     recorded = [torch.randint(0, vocab, (40 + i,), generator=g).tolist() for i in range(rows)]
-    last_B = torch.randint(0, vocab, (rows,), generator=g).cuda()
+    rows_B = torch.randperm(rows + 5, generator=g)[:rows]
+    table = torch.zeros(rows + 5, vocab)
+    for row, seen in zip(rows_B.tolist(), recorded, strict=True):
+        table[row].index_add_(0, torch.tensor(seen), torch.ones(len(seen)))
+    counts = StepCounts(table.cuda(), rows_B.cuda())
     params = [SamplingParams(temperature=0.0 if i % 4 == 0 else 0.9, top_p=0.9 if i % 2 else 1.0, seed=i,
                              frequency_penalty=1.5 if i % 5 else 0.0, presence_penalty=-1.0 if i % 3 else 2.0,
                              logit_bias=((i, 5.0),) if i % 7 == 0 else ()) for i in range(rows)]
-    indices = [len(s) + i % 2 for i, s in enumerate(recorded)]
-    history = TokenHistory(recorded, last_B)
+    indices = [len(s) for s in recorded]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        drawn = draw_tokens(logits, params, indices, history=history)
+        drawn = draw_tokens(logits, params, indices, counts=counts)
+        counts.record(drawn.ids_B)
         done = torch.cuda.Event()
         done.record()
     finally:
@@ -168,8 +173,10 @@ def test_a_penalized_draw_never_waits_and_is_the_rule_applied_by_hand_on_the_gpu
     done.synchronize()
     assert torch.equal(logits, raw) and not drawn.failed_R.any()
     by_hand = logits.clone()
-    last = last_B.tolist()
     for i, p in enumerate(params):
-        by_hand[i] = _penalized(logits[i], recorded[i] + ([last[i]] if i % 2 else []), p)
+        by_hand[i] = _penalized(logits[i], recorded[i], p)
+    for row, tok in zip(rows_B.tolist(), drawn.ids_B.tolist(), strict=True):
+        table[row, tok] += 1  # the draw's tokens counted after it
+    assert torch.equal(counts.table_RV.cpu(), table)
     plain = [dataclasses.replace(p, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=()) for p in params]
     assert drawn.ids_B.tolist() == draw_tokens(by_hand, plain, indices).ids_B.tolist()

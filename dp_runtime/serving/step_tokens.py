@@ -33,6 +33,7 @@ import torch
 
 from dp_runtime.serving.host_copy import device_to_host
 from dp_runtime.serving.logprobs import LogprobRows, logprob_rows
+from dp_runtime.serving.penalty_counts import PenaltyCounts, StepCounts
 from dp_runtime.serving.request import (
     LOGIT_BIAS_LIMIT,
     LOGPROBS_LIMIT,
@@ -40,7 +41,6 @@ from dp_runtime.serving.request import (
     SamplingParams,
     TokenLogprob,
 )
-from dp_runtime.serving.penalty_counts import PenaltyCounts, StepCounts
 from dp_runtime.serving.sampling import (
     DrawnTokens,
     RowFailure,
