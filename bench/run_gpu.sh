@@ -66,6 +66,7 @@
 #   bash bench/run_gpu.sh http14    # one GPU: HTTP against in-process at 64 running here; .bases/b3's HTTP at rate 16
 #   bash bench/run_gpu.sh mem14     # one GPU: rank-memory GPU tests; plan --measure at 64 running in .bases/b4 and
 #                                   #   here; HTTP against in-process at rate 16, 512 requests
+#   bash bench/run_gpu.sh pencounts # one GPU: sampling/penalty GPU tests; serve_load 256 running penalized and not
 #   bash bench/run_gpu.sh mixtile   # one GPU: a mixed step's routing (128 decode rows + 1x896), the expert kernels
 #                                   #   split on it (TUNE=1: + the tile sweep; ROUTING=file: reuse a routing)
 #   bash bench/run_gpu.sh gaps15    # one GPU: span GPU test; plan --measure at 256; serve_load (lof) at 64 and 128
@@ -614,6 +615,16 @@ case "${1:-one}" in
       TAIL=1 step load_${n}_$m timeout 100 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
         --num-requests $((n == 64 ? 384 : 512)) --max-running-requests $n --policy lof --mixed-step-tokens $m --json
     done; done
+    ;;
+  pencounts)  # one GPU: penalty counts on the device: the sampling/penalty/overlap/memory GPU tests, then
+    # serve_load at 256 running, rate inf, penalized (frequency 0.5, presence 0.5) and not, each a fresh rank
+    step gpu_tests timeout ${TESTS_TIMEOUT:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs \
+      tests/test_sampling_gpu.py tests/test_overlap_gpu.py tests/test_rank_memory_gpu.py tests/test_logprobs.py
+    step serve_load_plain timeout 280 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
+      --num-requests ${NREQ:-1024} --max-running-requests ${MRR:-256} --json
+    step serve_load_penalized timeout 280 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
+      --num-requests ${NREQ:-1024} --max-running-requests ${MRR:-256} --frequency-penalty 0.5 \
+      --presence-penalty 0.5 --json
     ;;
   plan13)  # one GPU: the planner's estimates against the rank's own accounting, 64 and 256 running (a rank each)
     plan_measures 115
