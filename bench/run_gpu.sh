@@ -91,6 +91,8 @@
 #   bash bench/run_gpu.sh dp2mix18  # two GPUs: serve_load DP 2 in .bases/b10 and here (a decoding rank beside an
 #                                   #   extending one replays the extend pieces); gpu2 model test; sampling GPU tests;
 #                                   #   top-p serving at 64 running in .bases/b9 and here (DP2_BUDGET ends steps)
+#   bash bench/run_gpu.sh pen19     # one GPU: penalty GPU tests; serve_load penalized at RUNNING (256) in .bases/b11
+#                                   #   (3ce3e65) and here, then plain here
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 #   bash bench/run_gpu.sh dp2a      # two GPUs: serve_step bs 1/64/256 at DP 2 (flashinfer, all_gather; all_to_all
 #                                   #   eager last) beside DP 1 on GPU 0, every gpu2 test; tok/s per GPU side by side
@@ -625,6 +627,22 @@ case "${1:-one}" in
     step serve_load_penalized timeout 280 python bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf \
       --num-requests ${NREQ:-1024} --max-running-requests ${MRR:-256} --frequency-penalty 0.5 \
       --presence-penalty 0.5 --json
+    ;;
+  pen19)  # one GPU: penalty counts on the device: the GPU tests, then serve_load (lof, rate inf, 2 x RUNNING
+           # requests) penalized (frequency and presence 0.5) in .bases/b11 (3ce3e65, host recount) and here, then
+           # plain here (PLAIN=0: not); the tree's serve_load goes into b11 (its own has no penalty flags)
+    [ "${TESTS:-1}" = 0 ] || step gpu_tests timeout ${TTESTS:-240} python -m pytest -m gpu -p no:cacheprovider -q \
+      -rs tests/test_sampling_gpu.py tests/test_overlap_gpu.py tests/test_rank_memory_gpu.py tests/test_logprobs.py
+    bases > /dev/null; b=/tmp/bases/${BASE:-b11}; cp bench/serve_load.py $b/bench/serve_load.py
+    n=${RUNNING:-256}
+    for t in $b .; do
+      TAIL=2 step pen${n}_$(basename $(realpath $t)) timeout ${TLOAD:-200} env PYTHONPATH=$(realpath $t):$PYTHONPATH \
+        python $t/bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf --num-requests $(( n * 2 )) \
+        --max-running-requests $n --policy lof --json --gpu-spans --frequency-penalty 0.5 --presence-penalty 0.5
+    done
+    [ "${PLAIN:-1}" = 0 ] || TAIL=2 step plain${n} timeout ${TLOAD:-200} python bench/serve_load.py --model \
+      qwen3-30b-a3b --device cuda --rates inf --num-requests $(( n * 2 )) --max-running-requests $n --policy lof \
+      --json --gpu-spans
     ;;
   plan13)  # one GPU: the planner's estimates against the rank's own accounting, 64 and 256 running (a rank each)
     plan_measures 115
