@@ -93,6 +93,8 @@
 #                                   #   top-p serving at 64 running in .bases/b9 and here (DP2_BUDGET ends steps)
 #   bash bench/run_gpu.sh pen19     # one GPU: penalty GPU tests; serve_load penalized at RUNNING (256) in .bases/b11
 #                                   #   (3ce3e65) and here, then plain here
+#   bash bench/run_gpu.sh probe19   # one GPU: projections under cuBLAS / cuBLASLt at M 16-256; sync_probe of a
+#                                   #   penalized serving run at 256 running
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 #   bash bench/run_gpu.sh dp2a      # two GPUs: serve_step bs 1/64/256 at DP 2 (flashinfer, all_gather; all_to_all
 #                                   #   eager last) beside DP 1 on GPU 0, every gpu2 test; tok/s per GPU side by side
@@ -643,6 +645,13 @@ case "${1:-one}" in
     [ "${PLAIN:-1}" = 0 ] || TAIL=2 step plain${n} timeout ${TLOAD:-200} python bench/serve_load.py --model \
       qwen3-30b-a3b --device cuda --rates inf --num-requests $(( n * 2 )) --max-running-requests $n --policy lof \
       --json --gpu-spans
+    ;;
+  probe19)  # one GPU: the attention block's projections at serving batch sizes under cuBLAS and cuBLASLt;
+             # where a penalized serving run (RUNNING 256, lof, rate inf) makes the host wait (bench/sync_probe.py)
+    step proj_blas timeout 150 python bench/skinny_linear.py --rows ${ROWS:-16 64 128 256} --blas cublas cublaslt
+    TAIL=40 step sync_probe timeout ${TLOAD:-240} python bench/sync_probe.py -- --model qwen3-30b-a3b --device cuda \
+      --rates inf --num-requests ${NREQ:-256} --max-running-requests ${RUNNING:-256} --policy lof --json --gpu-spans \
+      --frequency-penalty 0.5 --presence-penalty 0.5
     ;;
   plan13)  # one GPU: the planner's estimates against the rank's own accounting, 64 and 256 running (a rank each)
     plan_measures 115

@@ -61,7 +61,7 @@ def _rel_err(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
 
 
 def bench(args, device, bw: float) -> None:
-    print(f"{'shape':>7} {'N x K':>12} {'M':>2} {'floor us':>9} {'F.linear us':>12} {'GB/s':>6} "
+    print(f"{'shape':>7} {'N x K':>12} {'M':>3} {'floor us':>9} {'F.linear us':>12} {'GB/s':>6} "
           f"{'skinny us':>10} {'GB/s':>6} {'floor %':>8} {'speedup':>8} {'check':>10}")
     for name, (n, k) in SHAPES.items():
         ws = _weights(n, k, device)
@@ -70,6 +70,17 @@ def bench(args, device, bw: float) -> None:
         for m in args.rows:
             x = torch.randn(m, k, device=device).bfloat16()
             ref_us = calls_us(F.linear, x, ws, args.inner, args.repeats)
+            for lib in args.blas:  # F.linear under each of torch's BLAS back ends (process-wide)
+                default = torch.backends.cuda.preferred_blas_library()
+                torch.backends.cuda.preferred_blas_library(lib)
+                try:
+                    us = calls_us(F.linear, x, ws, args.inner, args.repeats)
+                    err = _rel_err(F.linear(x, ws[0]), x, ws[0])
+                finally:
+                    torch.backends.cuda.preferred_blas_library(default)
+                print(f"{name:>7} {f'{n} x {k}':>12} {m:>3} {floor:>9.2f} {us:>12.2f} {nbytes / us / 1e3:>6.0f} "
+                      f"  F.linear with {lib}: {ref_us / us:.2f}x the default, {100 * floor / us:.0f}% of floor, "
+                      f"check {err:.1e}")
             cells = f"{'-':>10} {'-':>6} {'-':>8} {'-':>8} {'-':>10}"
             if m <= SKINNY_MAX_ROWS:
                 us = calls_us(skinny_linear, x, ws, args.inner, args.repeats)
@@ -77,7 +88,7 @@ def bench(args, device, bw: float) -> None:
                 flag = " BAD" if err > 2.0**-7 else ""
                 cells = (f"{us:>10.2f} {nbytes / us / 1e3:>6.0f} {100 * floor / us:>7.0f}% "
                          f"{ref_us / us:>7.2f}x {err:>6.1e}{flag}")
-            print(f"{name:>7} {f'{n} x {k}':>12} {m:>2} {floor:>9.2f} {ref_us:>12.2f} "
+            print(f"{name:>7} {f'{n} x {k}':>12} {m:>3} {floor:>9.2f} {ref_us:>12.2f} "
                   f"{nbytes / ref_us / 1e3:>6.0f} {cells}")
         del ws
 
@@ -126,6 +137,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="M values")
     p.add_argument("--inner", type=int, default=20, help="graph replays per timed sample")
     p.add_argument("--repeats", type=int, default=7, help="timed samples per cell (median)")
+    p.add_argument("--blas", nargs="*", default=[], choices=["cublas", "cublaslt"],
+                   help="also time F.linear with torch's preferred BLAS library set to each of these")
     p.add_argument("--tune", action="store_true", help="also sweep the kernel's tile configs")
     p.add_argument("--tune-rows", type=int, default=1, help="M of the sweep")
     args = p.parse_args()
