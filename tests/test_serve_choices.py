@@ -19,6 +19,7 @@ from launch.engine import Engine
 from launch.server.app import ServerState
 from launch.server.choices import submit_choices
 from launch.server.metrics import ServerMetrics
+from launch.server.prompt_encoder import PromptEncoder
 from launch.server.protocol import ApiError, Sampling
 from launch.server.respond import whole_response
 from tests.hf_reference import write_tiny_checkpoint
@@ -58,7 +59,7 @@ async def _never_disconnects():
 
 def test_a_choice_aborted_by_the_engine_is_503_and_its_sibling_is_aborted(engine):
     server = _Recorded(engine)
-    state = ServerState(server, None, ServerMetrics(engine))
+    state = ServerState(server, None, PromptEncoder(None, engine.model_name), ServerMetrics(engine))
     prompt = [1, 2, 3]
     sampling = Sampling(max_new_tokens=CONTEXT - len(prompt), temperature=1.0, top_p=1.0, top_k=0,
                         seed=3, stop_token_ids=(), ignore_eos=True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
+from launch.server.prompt_encoder import PromptEncoder
 from launch.server.text import (
     TextStream,
     TokenizerMissing,
@@ -121,3 +123,43 @@ def test_no_chat_template_is_a_value_error(tmp_path):
 def test_preset_or_tokenizerless_dir_has_no_tokenizer(tmp_path):
     assert load_tokenizer(None) is None
     assert load_tokenizer(tmp_path) is None
+
+
+def test_prompt_encoder_gives_the_same_ids_and_errors_off_the_loop(tok):
+    import copy
+
+    slow = copy.deepcopy(tok)
+    # Rendering this template takes the tokenizer's thread a while (Jinja, in Python): a loop
+    # that waited for it would not run the ticker below in between.
+    slow.chat_template = ("{% for i in range(1000) %}{% for j in range(400) %}{% endfor %}{% endfor %}"
+                          + tok.chat_template)
+    messages = [{"role": "user", "content": "hi there"}]
+
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        enc, bare = PromptEncoder(slow, "m"), PromptEncoder(None, "m")
+        t = asyncio.create_task(ticker())
+        try:
+            chat = await enc.chat(messages)
+            during = ticks
+            text = await enc.text("Héllo wörld")
+            with pytest.raises(TokenizerMissing):
+                await bare.text("x")
+        finally:
+            t.cancel()
+            enc.close()
+            bare.close()
+            enc.close()  # idempotent
+        return chat, text, during
+
+    chat, text, during = asyncio.run(run())
+    assert chat == encode_chat(tok, "m", messages)
+    assert text == encode_text(tok, "m", "Héllo wörld")
+    assert during > 100  # the loop ran while the template rendered on the encoder's thread

@@ -12,6 +12,7 @@ that does not parse, or a field of the wrong type, is 400 naming the field.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import uuid
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,7 @@ from launch.server.choices import submit_choices
 from launch.server.logit_bias import logit_bias_of
 from launch.server.logprobs import ChoiceLogprobs, logprobs_of
 from launch.server.metrics import CONTENT_TYPE, ServerMetrics
+from launch.server.prompt_encoder import PromptEncoder
 from launch.server.prompts import prompt_params, prompts_of
 from launch.server.protocol import (
     ApiError,
@@ -37,7 +39,7 @@ from launch.server.protocol import (
     sampling_of,
 )
 from launch.server.respond import stream_response, whole_response
-from launch.server.text import TokenizerMissing, encode_chat, encode_text
+from launch.server.text import TokenizerMissing
 
 __all__ = ["ServerState", "create_app"]
 
@@ -48,11 +50,13 @@ _COMPLETION_MAX_TOKENS = (
 
 @dataclass
 class ServerState:
-    """What the routes share: the engine, the tokenizer (None: token ids only), the metrics,
-    the API key, and the background tasks that record aborted requests."""
+    """What the routes share: the engine, the tokenizer (None: token ids only) and the thread
+    that encodes prompts with it, the metrics, the API key, and the background tasks that
+    record aborted requests."""
 
     engine: Any
     tokenizer: Any | None
+    encoder: PromptEncoder
     metrics: ServerMetrics
     api_key: str | None = None
     tasks: set = field(default_factory=set)
@@ -62,10 +66,24 @@ def create_app(
     engine: Any, *, tokenizer: Any | None = None, api_key: str | None = None, lifespan: Any = None
 ) -> FastAPI:
     """The app serving ``engine``; ``lifespan`` (an async context manager factory) runs around
-    it (the CLI's drains and stops the engine on shutdown)."""
-    state = ServerState(engine, tokenizer, ServerMetrics(engine), api_key or None)
+    it (the CLI's drains and stops the engine on shutdown); the app's prompt encoder closes
+    after it."""
+    encoder = PromptEncoder(tokenizer, engine.model_name)
+    state = ServerState(engine, tokenizer, encoder, ServerMetrics(engine), api_key or None)
+
+    @contextlib.asynccontextmanager
+    async def owned(app_):
+        try:
+            if lifespan is None:
+                yield
+            else:
+                async with lifespan(app_):
+                    yield
+        finally:
+            encoder.close()
+
     app = FastAPI(
-        title="dp-runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="dp-runtime", lifespan=owned, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.server = state
 
@@ -132,9 +150,7 @@ def create_app(
         prompts = prompts_of(body)
         params = prompt_params(len(prompts))
         ids = [
-            _encode(lambda p=p: encode_text(tokenizer, engine.model_name, p), param)
-            if isinstance(p, str)
-            else p
+            await _encode(state.encoder.text(p), param) if isinstance(p, str) else p
             for p, param in zip(prompts, params, strict=True)
         ]
         return await _serve(
@@ -145,7 +161,7 @@ def create_app(
     async def chat(body: ChatRequest, request: Request):
         _check_model(engine, body.model)
         messages = messages_of(body)
-        ids = _encode(lambda: encode_chat(tokenizer, engine.model_name, messages), "messages")
+        ids = await _encode(state.encoder.chat(messages), "messages")
         return await _serve(state, request, "chat", body, [ids], ["messages"], None)
 
     return app
@@ -161,9 +177,11 @@ def _check_model(engine: Any, name: str) -> None:
         )
 
 
-def _encode(fn, param: str) -> list[int]:
+async def _encode(encoding, param: str) -> list[int]:
+    """The ids ``encoding`` (a ``PromptEncoder`` call) gives; its errors as 400s naming
+    ``param``."""
     try:
-        return fn()
+        return await encoding
     except TokenizerMissing as e:
         raise ApiError(400, str(e), param=param, code="no_tokenizer") from e
     except ValueError as e:  # no chat template, or a template that refuses the messages
