@@ -95,6 +95,8 @@
 #                                   #   (3ce3e65) and here, then plain here
 #   bash bench/run_gpu.sh probe19   # one GPU: projections under cuBLAS / cuBLASLt at M 16-256; sync_probe of a
 #                                   #   penalized serving run at 256 running
+#   bash bench/run_gpu.sh reppen20  # one GPU: penalty/sampling GPU tests (the repetition penalty's no-sync draw);
+#                                   #   serve_load at RUNNING (256) with repetition_penalty 1.1, then plain
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 #   bash bench/run_gpu.sh dp2a      # two GPUs: serve_step bs 1/64/256 at DP 2 (flashinfer, all_gather; all_to_all
 #                                   #   eager last) beside DP 1 on GPU 0, every gpu2 test; tok/s per GPU side by side
@@ -652,6 +654,18 @@ case "${1:-one}" in
     TAIL=40 step sync_probe timeout ${TLOAD:-240} python bench/sync_probe.py -- --model qwen3-30b-a3b --device cuda \
       --rates inf --num-requests ${NREQ:-256} --max-running-requests ${RUNNING:-256} --policy lof --json --gpu-spans \
       --frequency-penalty 0.5 --presence-penalty 0.5
+    ;;
+  reppen20)  # one GPU: the repetition penalty on the device: the GPU tests (its no-sync draw and prompt marks; the
+              # profile's draw, which now marks too, in the rank-memory test), then serve_load (lof, rate inf,
+              # 2 x RUNNING requests) with --repetition-penalty 1.1, then plain (PLAIN=0: not)
+    [ "${TESTS:-1}" = 0 ] || step gpu_tests timeout ${TTESTS:-240} python -m pytest -m gpu -p no:cacheprovider -q \
+      -rs tests/test_sampling_gpu.py tests/test_overlap_gpu.py tests/test_rank_memory_gpu.py tests/test_logprobs.py
+    n=${RUNNING:-256}
+    for rep in 1.1 $([ "${PLAIN:-1}" = 0 ] || echo 1.0); do
+      TAIL=2 step rep${n}_${rep} timeout ${TLOAD:-200} python bench/serve_load.py --model qwen3-30b-a3b --device cuda \
+        --rates inf --num-requests $(( n * 2 )) --max-running-requests $n --policy lof --json --gpu-spans \
+        --repetition-penalty $rep
+    done
     ;;
   plan13)  # one GPU: the planner's estimates against the rank's own accounting, 64 and 256 running (a rank each)
     plan_measures 115

@@ -16,7 +16,8 @@ histogram shaped like ShareGPT conversations (uniform within a bin; means about 
 data set (uniform in ``[X*(1-RATIO), X*(1+RATIO)]``; exactly IN and OUT for RATIO 0, the
 default). Every request generates exactly its output length (no stop token), greedy unless
 ``--temperature`` (with ``--top-p``, ``--top-k``; request i draws with seed i);
-``--frequency-penalty`` / ``--presence-penalty`` on every request. Arrivals:
+``--frequency-penalty`` / ``--presence-penalty`` / ``--repetition-penalty`` on every request.
+Arrivals:
 a Poisson process at each of ``--rates`` requests/s (``--arrival fixed``: evenly spaced;
 ``inf``: all at once), the first at 0.
 
@@ -124,6 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="with --temperature: the k most likely tokens (0: off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's (and the probe's)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="every request's (and the probe's)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="every request's (and the probe's); 1: off")
     p.add_argument("--json", action="store_true", help="one JSON line on stdout instead of the table")
     p.add_argument("--per-request", action="store_true", help="with --json: every request's timings too")
     p.add_argument("--gpu-spans", action="store_true",
@@ -149,9 +152,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:  # SamplingParams names the field and its rule
         args.sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                        frequency_penalty=args.frequency_penalty,
-                                       presence_penalty=args.presence_penalty)
+                                       presence_penalty=args.presence_penalty,
+                                       repetition_penalty=args.repetition_penalty)
     except ValueError as e:
-        raise UsageError(f"--temperature/--top-p/--top-k/--frequency-penalty/--presence-penalty: {e}") from None
+        raise UsageError(f"--temperature/--top-p/--top-k/--frequency-penalty/--presence-penalty/"
+                         f"--repetition-penalty: {e}") from None
     if args.gpu_spans and (args.launcher != "local" or args.device == "cpu"):
         raise UsageError("--gpu-spans times CUDA steps in this process: it needs --launcher local and a GPU")
     return args
@@ -300,7 +305,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         dtype=str(spec.runtime.dtype).replace("torch.", ""), kv_cache_dtype=_kv_name(spec.runtime),
         lengths=dataclasses.asdict(args.lengths), arrival=args.arrival,
         sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                      frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty),
+                      frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                      repetition_penalty=args.repetition_penalty),
         num_requests=args.num_requests, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=m.get("dispatcher"), attention=m.get("attention"),
         graphs=m.get("graphs"), build_s=build_s, mixed_steps=[m for m, _ in modes], policies=[p for _, p in modes], kv_slots=m.get("kv_slots"),

@@ -172,12 +172,13 @@ def draw_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_logit_rows: int, 
     the forward::
 
         R*V*(e + 4)                          the logits in dtype and in fp32
-        + V*4                                the profile's one-row count table (the rank's own
-                                             table is a component apart: penalty_counts)
+        + V*(4 + 1)                          the profile's one-row count and mark tables (the
+                                             rank's own are a component apart: penalty_counts)
         + V*max(min(R, B)*4                  an adjusted copy of B rows (``sampling.ROW_CHUNK``)
                 + max(min(R, B)*4,           and its penalties' counts gathered from the table
-                      min(R, S)*48),         (adjusted_rows: freed before the draw), or a top-p
-                                             sort's chunk of S rows within it
+                      min(R, B)*7,           (adjusted_rows: freed before the draw), or the
+                                             repetition penalty's marks, masks and factor, or
+                      min(R, S)*48),         a top-p sort's chunk of S rows within it
                                              (``sampling.SORT_CHUNK``),
                 min(R, 64)*8)                or a logprobs chunk (the rows and their
                                              log-softmax)
@@ -186,16 +187,19 @@ def draw_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_logit_rows: int, 
     so there the sort's term is an upper bound; CPU ranks sort.
 
     The adjusted copy's and the counts' 4 bytes an element are float32 rows (not measured yet;
-    the sort's 48 are). The counts never raise the peak with today's chunks (64 x 4 bytes a
-    column against a sort's 16 x 48): they are here so that stays checked. ``bias_chunk`` 0: a
+    the sort's 48 are); the repetition step's 7 are its bool marks, its ``logits > 0`` mask, a
+    third bool mask and a float32 factor (``adjusted_rows._repetition``). Neither raises the
+    peak with today's chunks (64 x 4 or 7 bytes a column against a sort's 16 x 48): they are
+    here so that stays checked. ``bias_chunk`` 0: a
     draw without a bias or a penalty, as the profile ran before it had them. A ``min_p`` adds
     no term: its threshold needs each row's max, one float a row (``sampling._min_p_thresholds``).
     """
     r, v = int(num_logit_rows), cfg.vocab_size
     adjusted = min(r, bias_chunk) * _FP32
-    drawing = adjusted + max(adjusted, min(r, sort_chunk) * SORT_BYTES_PER_ELEMENT)
+    repetition = min(r, bias_chunk) * (3 + _FP32)
+    drawing = adjusted + max(adjusted, repetition, min(r, sort_chunk) * SORT_BYTES_PER_ELEMENT)
     chunk = max(drawing, min(r, ROW_CHUNK) * 2 * _FP32)
-    table = v * _FP32 if bias_chunk else 0
+    table = v * (_FP32 + 1) if bias_chunk else 0
     return r * v * (ms.dtype_bytes(dtype) + _FP32) + table + v * chunk
 
 

@@ -256,9 +256,9 @@ def graph_input_bytes(config: RuntimeConfig, *, decode_graphs: bool = True,
 
 
 def penalty_count_bytes(config: RuntimeConfig, vocab_size: int) -> int:
-    """Device bytes of the rank's penalty count table (``serving/penalty_counts.py``): float32,
-    a row of ``vocab_size`` for each KV request row, ``max_running_requests + 1``. Built on the
-    meta device by the class itself."""
+    """Device bytes of the rank's penalty tables (``serving/penalty_counts.py``): float32 counts
+    and bool marks, a row of ``vocab_size`` each for each KV request row, ``max_running_requests
+    + 1`` (5 bytes a token a row). Built on the meta device by the class itself."""
     return PenaltyCounts.for_runtime(config.max_running_requests, vocab_size, "meta").nbytes
 
 

@@ -14,7 +14,7 @@ cache after a profiling forward for the same reason). On CUDA, with no ``kv_cach
    captured after the cache, whose addresses they bake in, so they are reserved from an estimate
    with a margin, ``memory_estimates``, and their measured size is reported beside it). What
    else is held then is recorded too: torch's reserved memory beyond the weights, the
-   penalties' count table (``serving/penalty_counts.py``, allocated before the profile) and the
+   penalties' count and mark tables (``serving/penalty_counts.py``, allocated before the profile) and the
    pool (``allocator_cache``, ``memory_estimates.allocator_cache_bytes``) and the memory outside torch
    (``cuda_context``: the CUDA context and kernel modules).
 3. **Check** (``check_largest_step``): once the graphs are captured, the largest step runs once
@@ -140,7 +140,7 @@ def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
     ``graph_reserve``, ``allocator_cache`` (torch's reserved memory less ``memory["weights"]``,
     ``memory["penalty_counts"]`` and the device bytes of ``pool``, the rank's buffer pool) and
     ``cuda_context`` (device memory outside torch's allocator: total - free - reserved) recorded
-    in ``memory``: total - free at sizing is those two, the weights, the count table and the pool. ``eager_runner(model, backend)`` makes the
+    in ``memory``: total - free at sizing is those two, the weights, the penalty tables and the pool. ``eager_runner(model, backend)`` makes the
     rank's eager runner of a model over an attention backend; the profile runs a copy of ``model``
     bound to a probe backend and cache, so ``model`` itself stays unbound (it is bound once, to
     the real cache). RuntimeError with the numbers when one request of the full context does not

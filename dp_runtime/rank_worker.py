@@ -350,7 +350,7 @@ class RankWorker:
 
     # -- teardown --------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release graphs, then the dispatcher, then the step sync, then the penalties' count table
+        """Release graphs, then the dispatcher, then the step sync, then the penalties' tables
         (idempotent; not a collective). The process group is the caller's to destroy, after this."""
         if self.rank_graphs is not None:
             self.rank_graphs.destroy()

@@ -193,7 +193,7 @@ def _sources(p: CapacityPlan) -> dict[str, str]:
         "dp_buffers": f"DPBufferService ({rt.max_global_tokens} + {rt.max_tokens_per_rank} rows)",
         "dispatcher_workspace": f"dispatcher.sizing, {p.dispatcher} ({ws})",
         "graph_inputs": "decode + eager registries, pooled by name",
-        "penalty_counts": f"float32 penalty counts, {rt.max_running_requests + 1} request rows x vocab",
+        "penalty_counts": f"penalty tables (float32 counts, bool marks), {rt.max_running_requests + 1} request rows x vocab",
         "graph_pool": graph_note,
         "activation_peak": f"estimate: profile step of {tokens} tokens in {requests} requests",
         "allocator_cache": "estimate: RoPE table + cuBLAS workspace + a small segment",

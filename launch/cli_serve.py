@@ -4,8 +4,8 @@ The model, launcher, device, dtype, dp, Ray and batch options are ``dp-runtime r
 checked by the same code (``cli_run.check_launch``, ``RunConfig``); serve adds ``--host``
 (default 127.0.0.1: loopback unless asked), ``--port`` (8000), ``--api-key`` (or
 ``DP_RUNTIME_API_KEY``), ``--max-queued``, ``--context-len``, ``--drain-timeout`` and
-``--sampling-defaults`` (``model``: a request's unset temperature, top_p, top_k and min_p take
-the checkpoint's generation_config.json values; ``none``: OpenAI's).
+``--sampling-defaults`` (``model``: a request's unset temperature, top_p, top_k, min_p and
+repetition_penalty take the checkpoint's generation_config.json values; ``none``: OpenAI's).
 
 Order: every option is checked, the checkpoint's generation_config.json and tokenizer read and
 the port bound before anything slow starts, so a user error (a bad option, a sampling default
@@ -114,7 +114,7 @@ def serve(
     sampling_defaults: str = typer.Option(
         "model",
         "--sampling-defaults",
-        help="model: unset temperature/top_p/top_k/min_p take the checkpoint's "
+        help="model: unset temperature/top_p/top_k/min_p/repetition_penalty take the checkpoint's "
         "generation_config.json values | none: OpenAI's defaults.",
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of a preset's random weights."),

@@ -81,8 +81,6 @@ class Engine:
         if self.options.sampling_defaults == "model" and self.model_dir is not None:
             # Read before any rank starts: a bad value is a ModelConfigError naming the file.
             self.sampling_defaults = checkpoint_sampling_defaults(self.model_dir)
-            if self.sampling_defaults.ignored_note():
-                logger.warning("engine: %s: %s", self.model_dir, self.sampling_defaults.ignored_note())
         self._capacity = spec.runtime.max_running_requests * self.world_size + self.options.max_queued
         self._lock = threading.Lock()  # guards everything below; messages are drawn and sent under it
         self._number = 0

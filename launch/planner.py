@@ -11,7 +11,7 @@ The rank planned is EP rank 0, which holds the most experts when they do not div
 (``ExpertPartition`` gives the remainder to the first ranks). Its KV cache is sized by the
 rank's own rule (``dp_runtime/rank_memory.py``, with the same functions): of what is free when
 it sizes the cache (the GPU less the CUDA context, NCCL, the weights, the DP buffers, a
-persistent dispatcher workspace, the graph inputs, the penalties' count table and what else torch holds then, the RoPE table
+persistent dispatcher workspace, the graph inputs, the penalties' count and mark tables and what else torch holds then, the RoPE table
 and a cuBLAS workspace, ``memory_estimates.allocator_cache_bytes``),
 ``memory_sizing.kv_budget_bytes`` takes ``kv_mem_fraction`` after the largest step's peak and the
 graphs' reserve (``memory_estimates.graph_reserve_bytes``), and ``kv_slots_for_budget`` turns it

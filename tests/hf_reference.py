@@ -10,6 +10,7 @@ makes nearly flat logits, whose greedy ties no tolerance can settle). Written wi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,15 +59,17 @@ def load_reference(path: Path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+def greedy_reference(model, prompt: list[int], max_new_tokens: int, **generate: Any) -> tuple[list[int], torch.Tensor]:
     """Transformers' greedy tokens for ``prompt`` and the logits (float32, one row per new
-    token) they were chosen from."""
+    token) they were chosen from (the raw ones, before ``generate``'s processors, e.g. a
+    ``repetition_penalty`` given here)."""
     with torch.no_grad():
         ids = torch.tensor([prompt])
         # An explicit all-ones mask: without one, generate masks every prompt token that equals
         # the pad id as if it were padding.
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                             **generate)
     tokens = out.sequences[0, len(prompt):].tolist()
     logits = torch.stack([step[0] for step in out.logits]).float()
     return tokens, logits

@@ -94,9 +94,9 @@ def test_check_request_names_the_field_the_limit_and_the_value():
     bad_min_p = check_request(_smuggled(ok, sampling=_smuggled(SamplingParams(), min_p=2.0)), VOCAB)
     assert bad_min_p == "request 'a': SamplingParams.min_p must be a finite number in [0, 1] (0: off), got 2.0"
     assert rejection(bad_min_p).field == "min_p"  # the engine's 400 names it
-    for name in ("presence_penalty", "frequency_penalty"):
-        bad = check_request(_smuggled(ok, sampling=_smuggled(SamplingParams(), **{name: 3.0})), VOCAB)
-        assert name in bad and "3.0" in bad and rejection(bad).field == name
+    for name, value in (("presence_penalty", 3.0), ("frequency_penalty", 3.0), ("repetition_penalty", 0.0)):
+        bad = check_request(_smuggled(ok, sampling=_smuggled(SamplingParams(), **{name: value})), VOCAB)
+        assert name in bad and str(value) in bad and rejection(bad).field == name
 
 
 def test_a_logit_bias_is_checked_against_the_vocabulary_and_crosses_a_pickle():

@@ -139,6 +139,7 @@ def test_serve_load_report_holds_its_invariants(capsys):
     (["--dp", "2"], "--dp 2 needs --launcher ray"),
     (["--lengths", "random:2000:100"], "max_context_len=2099 exceeds the model's max_position_embeddings=2048"),
     (["--arrival", "bursty"], "invalid choice: 'bursty'"),
+    (["--repetition-penalty", "0"], "SamplingParams.repetition_penalty must be a finite number > 0 (1: off), got 0.0"),
 ])
 def test_serve_load_bad_options_are_one_line_and_exit_2(capsys, argv, message):
     code = load_bench("serve_load").main(["--device", "cpu", "--num-requests", "2", *argv])

@@ -100,7 +100,7 @@ def test_a_penalized_row_needs_its_counts():
 
 def test_the_table_counts_each_steps_tokens_and_a_cleared_row_starts_from_zero():
     pc = PenaltyCounts.for_runtime(3, 6, "cpu")  # rows 0..3, row 0 the padding target
-    assert pc.table_RV.shape == (4, 6) and pc.nbytes == 4 * 6 * 4
+    assert pc.table_RV.shape == (4, 6) and pc.nbytes == 4 * 6 * (4 + 1)  # float32 counts, bool marks
     step = pc.step(torch.tensor([2, 1, 3]))
     step.record(torch.tensor([5, 0, 5]))
     step.record(torch.tensor([5, 4, 1]))
@@ -222,14 +222,15 @@ def test_a_penalized_request_beside_unpenalized_ones_in_one_batch(runs):
 
 
 def test_the_count_table_is_a_planned_component():
-    # The rank's measured component is the planner's term: (max_running_requests + 1) x V x 4.
+    # The rank's measured component is the planner's term: (max_running_requests + 1) x V x
+    # (4 + 1), the float32 counts and the repetition penalty's bool marks.
     spec = RankSpec.create("tiny", dp_size=1, device="cpu", dtype="float32", max_running_requests=3,
                            chunked_prefill_size=24, max_context_len=96, attention="sdpa")
     with RankWorker(spec) as w:
         got = w.memory_report()["penalty_counts"]
-    assert got == ms.penalty_count_bytes(spec.runtime, 256) == 4 * 256 * 4
-    qwen = 151_936 * 4
-    for running, mib in ((64, 37.7), (256, 149.0)):
+    assert got == ms.penalty_count_bytes(spec.runtime, 256) == 4 * 256 * (4 + 1)
+    qwen = 151_936 * (4 + 1)
+    for running, mib in ((64, 47.1), (256, 186.2)):
         from launch.planner import PlanInput, plan_capacity
 
         plan = plan_capacity(PlanInput(max_running_requests=running))

@@ -158,10 +158,11 @@ def test_the_plan_matches_the_session_15_measurement():
     their q/k/v and the buckets their logits back to the pool (graph_pool 2.806 -> 0.641 GiB, the
     KV cache 14.755 -> 17.066). The rank sized that cache with the graphs' reserve of 0.754 GiB;
     the estimate's second-logits term (fitted to this run) makes it 0.821, 0.057 GiB of KV less
-    (-0.3%). That rank had no penalty count table; one with it holds the table's 65 x 151,936 x 4
-    bytes (0.037 GiB) before sizing, and so that much less KV (taken off the measured value
-    here, times kv_mem_fraction: it comes off the memory the fraction is taken of)."""
-    table = 65 * 151_936 * 4 * 0.85 / GIB
+    (-0.3%). That rank had no penalty tables; one with them holds their 65 x 151,936 x (4 + 1)
+    bytes (0.046 GiB: float32 counts, bool marks) before sizing, and so that much less KV (taken
+    off the measured value here, times kv_mem_fraction: it comes off the memory the fraction is
+    taken of)."""
+    table = 65 * 151_936 * (4 + 1) * 0.85 / GIB
     want = dict(weights=56.871, kv_cache=17.066 - table, graph_pool=0.641, activation_peak=0.753, allocator_cache=0.053,
                 cuda_context=0.671)
     plan = plan_capacity(PlanInput(dp_size=1, ep_size=1, max_running_requests=64, context_len=4096,
@@ -189,25 +190,26 @@ def test_the_draw_phase_matches_the_session_17_measurement():
 
 
 def test_the_draw_phase_counts_the_penalty_counts_beside_the_adjusted_copy():
-    """The penalties' C x V float32 counts (gathered from the count table) live beside the
-    adjusted copy until the chunk is drawn from (adjusted_rows): with today's chunks a top-p
-    sort's 16 rows x 48 bytes stay the larger, so the estimate only moves where an adjusted
-    chunk outgrows the sort. The profile's draw reads a one-row table of its own (V x 4)."""
+    """The penalties' C x V float32 counts (gathered from the count table), or the repetition
+    penalty's marks, masks and float32 factor (7 bytes an element), live beside the adjusted
+    copy until the chunk is drawn from (adjusted_rows): with today's chunks a top-p sort's 16
+    rows x 48 bytes stay the larger, so the estimate only moves where an adjusted chunk outgrows
+    the sort. The profile's draw reads one-row tables of its own (V x (4 + 1))."""
     r, v, e = 256, QWEN.vocab_size, 2
     logits = r * v * (e + 4)
-    assert me.draw_phase_bytes(QWEN, BF16, r) == logits + v * 4 + v * (64 * 4 + 16 * 48)
-    assert me.draw_phase_bytes(QWEN, BF16, r, sort_chunk=1, bias_chunk=128) == logits + v * 4 + v * 128 * (4 + 4)
+    assert me.draw_phase_bytes(QWEN, BF16, r) == logits + v * 5 + v * (64 * 4 + 16 * 48)
+    assert me.draw_phase_bytes(QWEN, BF16, r, sort_chunk=1, bias_chunk=128) == logits + v * 5 + v * 128 * (4 + 7)
     assert me.draw_phase_bytes(QWEN, BF16, r, bias_chunk=0) == logits + v * 16 * 48  # no bias, no penalty
 
 
 def test_the_penalty_count_table_is_held_at_sizing():
-    """(max_running_requests + 1) rows of V float32 counts, built on meta by the class the rank
-    allocates; the plan holds them before the KV cache: the cache gets that much less (times
-    kv_mem_fraction)."""
+    """(max_running_requests + 1) rows of V float32 counts and V bool marks, built on meta by the
+    class the rank allocates; the plan holds them before the KV cache: the cache gets that much
+    less (times kv_mem_fraction)."""
     for running in (64, 256):
         rt = PlanInput(max_running_requests=running).rank_spec().runtime
-        assert ms.penalty_count_bytes(rt, QWEN.vocab_size) == (running + 1) * 151_936 * 4
-    assert ms.penalty_count_bytes(rt, QWEN.vocab_size) / GIB == pytest.approx(0.1455, abs=1e-4)
+        assert ms.penalty_count_bytes(rt, QWEN.vocab_size) == (running + 1) * 151_936 * (4 + 1)
+    assert ms.penalty_count_bytes(rt, QWEN.vocab_size) / GIB == pytest.approx(0.1818, abs=1e-4)
     plan = plan_capacity(PlanInput(max_running_requests=64))
-    assert plan.components.penalty_counts_bytes / GIB == pytest.approx(0.0368, abs=1e-4)
+    assert plan.components.penalty_counts_bytes / GIB == pytest.approx(0.0460, abs=1e-4)
     assert plan.components.as_dict()["penalty_counts"] == plan.components.penalty_counts_bytes

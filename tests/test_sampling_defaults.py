@@ -1,6 +1,6 @@
 """A checkpoint's sampling defaults (dp_runtime/model/sampling_defaults.py) from the
 generation_config.json each test writes: present, missing, partial, out of a field's limits, and
-the repetition_penalty the runtime cannot honour; then as the engine exposes them
+repetition_penalty (a default like the others); then as the engine exposes them
 (``Engine.sampling_defaults``, ``EngineOptions.sampling_defaults``) on an engine built but never
 started, which is when it reads the file. The served path: test_serve_gang.py (``model``, the
 default) and test_serve_openai.py (``none``)."""
@@ -47,7 +47,7 @@ def _dir(path: Path, generation: dict | None) -> Path:
 def test_a_checkpoint_s_recommendations_are_read(tmp_path):
     got = checkpoint_sampling_defaults(_dir(tmp_path, QWEN3))
     assert got == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20)
-    assert got.items() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20} and got.ignored_note() is None
+    assert got.items() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     some = checkpoint_sampling_defaults(_dir(tmp_path / "some", {"temperature": 1, "top_k": -1, "min_p": 0.05,
                                                                  "top_p": None}))
     assert some == SamplingDefaults(temperature=1.0, top_k=0, min_p=0.05)  # -1: off; null: unset
@@ -70,6 +70,8 @@ def test_no_file_or_no_sampling_keys_is_no_defaults(tmp_path):
     ("top_k", -2, "top_k must be an int >= 0 (0: off), got -2"),
     ("min_p", 1.2, "min_p must be a finite number in [0, 1] (0: off), got 1.2"),
     ("min_p", "0.1", "min_p must be a finite number in [0, 1] (0: off), got '0.1'"),
+    ("repetition_penalty", 0, "repetition_penalty must be a finite number > 0 (1: off), got 0"),
+    ("repetition_penalty", -1.1, "repetition_penalty must be a finite number > 0 (1: off), got -1.1"),
 ])
 def test_a_value_outside_its_field_s_limits_names_the_file_the_key_the_limit_and_the_value(
         tmp_path, key, value, rule):
@@ -86,14 +88,12 @@ def test_a_file_that_is_not_a_json_object_is_named(tmp_path):
         checkpoint_sampling_defaults(path)
 
 
-def test_repetition_penalty_is_kept_to_be_warned_about_unless_it_is_1(tmp_path):
+def test_repetition_penalty_is_a_default_like_the_others(tmp_path):
     got = checkpoint_sampling_defaults(_dir(tmp_path, {**QWEN3, "repetition_penalty": 1.05}))
-    assert got.repetition_penalty == 1.05 and "repetition_penalty" not in got.items()
-    assert got.ignored_note() == ("generation_config.json sets repetition_penalty 1.05, which this runtime "
-                                  "does not implement: requests are served without it")
-    for one in (1, 1.0):
-        assert checkpoint_sampling_defaults(_dir(tmp_path / str(one), {"repetition_penalty": one})) == \
-            SamplingDefaults()
+    assert got.repetition_penalty == 1.05 and got.items()["repetition_penalty"] == 1.05
+    assert got.pick("repetition_penalty", None, 1.0) == 1.05 and got.pick("repetition_penalty", 1.0, 1.0) == 1.0
+    one = checkpoint_sampling_defaults(_dir(tmp_path / "one", {"repetition_penalty": 1}))
+    assert one == SamplingDefaults(repetition_penalty=1.0) and isinstance(one.repetition_penalty, float)
 
 
 def _engine(path: Path, **options) -> Engine:
@@ -101,18 +101,14 @@ def _engine(path: Path, **options) -> Engine:
     return Engine(spec, EngineOptions(**options))
 
 
-def test_the_engine_reads_them_when_built_and_warns_once_about_repetition_penalty(tmp_path, caplog):
+def test_the_engine_reads_them_when_built(tmp_path, caplog):
     path = _dir(tmp_path, {**QWEN3, "min_p": 0.1, "repetition_penalty": 1.1})
     with caplog.at_level(logging.WARNING, logger="launch"):
         engine = _engine(path)
     assert engine.sampling_defaults == SamplingDefaults(0.6, 0.95, 20, 0.1, repetition_penalty=1.1)
-    warned = [r.getMessage() for r in caplog.records if "repetition_penalty" in r.getMessage()]
-    assert warned == [f"engine: {path}: generation_config.json sets repetition_penalty 1.1, which this "
-                      f"runtime does not implement: requests are served without it"]
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="launch"):
-        off = _engine(path, sampling_defaults="none")  # the file is not read: nothing to warn
-    assert off.sampling_defaults == SamplingDefaults() and not caplog.records
+    assert not caplog.records  # repetition_penalty is applied: nothing to warn about
+    off = _engine(path, sampling_defaults="none")  # the file is not read
+    assert off.sampling_defaults == SamplingDefaults()
     assert Engine(RankSpec.create("tiny", device="cpu", max_context_len=64)).sampling_defaults == SamplingDefaults()
 
 

@@ -1,7 +1,8 @@
 """The device-side draw on a GPU: the distribution it draws from (min-p too), a seeded row's
 tokens whatever its batch (CUDA generators), and no host synchronisation anywhere in a step's
-draw (min-p, biased and penalized rows too), logprobs and their copies to the host (torch's
-sync debug mode raises on any synchronising call)."""
+draw (min-p, biased and penalized rows too, the repetition penalty's prompt marks included),
+logprobs and their copies to the host (torch's sync debug mode raises on any synchronising
+call)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from dp_runtime.serving.logprobs import logprob_rows
+from dp_runtime.serving.penalty_counts import PenaltyCounts
 from dp_runtime.serving.request import SamplingParams
 from dp_runtime.serving.sampling import ROW_CHUNK, StepCounts, _top_p_threshold, draw_tokens
 from dp_runtime.serving.top_p_search import top_p_thresholds
@@ -180,3 +182,64 @@ def test_a_penalized_draw_never_waits_and_is_the_rule_applied_by_hand_on_the_gpu
     assert torch.equal(counts.table_RV.cpu(), table)
     plain = [dataclasses.replace(p, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=()) for p in params]
     assert drawn.ids_B.tolist() == draw_tokens(by_hand, plain, indices).ids_B.tolist()
+
+
+def _repeated(row: torch.Tensor, ids, r: float) -> torch.Tensor:
+    """The repetition penalty by hand (tests/test_repetition_penalty.py checks this rule against
+    transformers' processor): each id of the prompt or output divided by r where positive,
+    multiplied where not."""
+    x = row.float().cpu()  # a copy on the host: one read, not one per id
+    for t in set(ids):
+        x[t] = x[t] / r if x[t] > 0 else x[t] * r
+    return x
+
+
+def test_a_repetition_penalized_draw_never_waits_and_is_the_rule_applied_by_hand_on_the_gpu():
+    # Two chunks of rows with a repetition penalty (some with presence/frequency penalties and a
+    # bias too) beside plain ones, greedy and sampled: half draw their first token (their marks
+    # reset to their whole prompt in this step, one copy), half have earlier output marked; the
+    # step's tokens then counted and marked. Nothing waits.
+    rows, vocab = ROW_CHUNK + 9, 151_936
+    torch.manual_seed(3)
+    logits = torch.randn(rows, vocab, device="cuda") * 3
+    raw = logits.clone()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, vocab, (30 + 7 * i,), generator=g).tolist() for i in range(rows)]
+    outputs = [[] if i % 2 else torch.randint(0, vocab, (5 + i,), generator=g).tolist() for i in range(rows)]
+    rows_B = torch.randperm(rows + 5, generator=g)[:rows]
+    pc = PenaltyCounts(rows + 5, vocab, "cuda")
+    pc.seen_RV.fill_(True)  # an earlier request's marks everywhere: the first draws reset theirs
+    pc.mark_prompts((row, p + o) for row, p, o, i in zip(rows_B.tolist(), prompts, outputs, range(rows), strict=True)
+                    if i % 2 == 0)  # the rows drawing later tokens: their prompt and output already marked
+    for row, out in zip(rows_B.tolist(), outputs, strict=True):
+        pc.table_RV[row].index_add_(0, torch.tensor(out, dtype=torch.int64, device="cuda"),
+                                    torch.ones(len(out), device="cuda"))
+    params = [SamplingParams(temperature=0.0 if i % 4 == 0 else 0.9, top_p=0.9 if i % 2 else 1.0, seed=i,
+                             repetition_penalty=(1.3, 0.8, 1.0, 2.0)[i % 4], frequency_penalty=0.7 if i % 5 == 0 else 0.0,
+                             presence_penalty=-0.5 if i % 3 == 0 else 0.0,
+                             logit_bias=((i, 5.0),) if i % 7 == 0 else ()) for i in range(rows)]
+    indices = [len(o) for o in outputs]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pc.mark_prompts((row, prompts[i]) for i, row in enumerate(rows_B.tolist()) if i % 2)  # first draws
+        counts = pc.step(rows_B.cuda(), counts=True, seen=True)
+        drawn = draw_tokens(logits, params, indices, counts=counts)
+        counts.record(drawn.ids_B)
+        done = torch.cuda.Event()
+        done.record()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    done.synchronize()
+    assert torch.equal(logits, raw) and not drawn.failed_R.any()
+    by_hand = logits.clone()
+    for i, p in enumerate(params):
+        by_hand[i] = _penalized(_repeated(logits[i], prompts[i] + outputs[i], p.repetition_penalty), outputs[i], p)
+    plain = [dataclasses.replace(p, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+                                 logit_bias=()) for p in params]
+    assert drawn.ids_B.tolist() == draw_tokens(by_hand, plain, indices).ids_B.tolist()
+    for i, (row, tok) in enumerate(zip(rows_B.tolist(), drawn.ids_B.tolist(), strict=True)):
+        want = torch.zeros(vocab, dtype=torch.bool)
+        want[prompts[i] + outputs[i] + [tok]] = True
+        assert torch.equal(pc.seen_RV[row].cpu(), want), i  # reset to the prompt, then marked
+        assert pc.table_RV[row, tok].item() == outputs[i].count(tok) + 1

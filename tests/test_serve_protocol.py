@@ -87,6 +87,7 @@ def test_fields_resolve():
         presence_penalty=0.0,
         frequency_penalty=0.0,
         min_p=0.25,
+        repetition_penalty=1.0,
     )
     assert s.stop == ("ab",) and s.stream and s.include_usage
 
@@ -128,6 +129,10 @@ def test_fields_resolve():
         (dict(frequency_penalty=-2.01), "frequency_penalty", "got -2.01"),
         (dict(frequency_penalty=math.inf), "frequency_penalty", "got inf"),
         (dict(presence_penalty=math.nan), "presence_penalty", "got nan"),
+        (dict(repetition_penalty=0), "repetition_penalty",
+         r"repetition_penalty must be a finite number > 0 \(1: off\), got 0"),
+        (dict(repetition_penalty=-1.5), "repetition_penalty", "got -1.5"),
+        (dict(repetition_penalty=math.inf), "repetition_penalty", "got inf"),
         (dict(echo=True), "echo", "not supported"),
         (dict(best_of=3), "best_of", "got 3"),
     ],
@@ -155,9 +160,15 @@ def test_unset_fields_take_the_checkpoint_s_defaults_and_set_ones_win():
 
 
 def test_penalties_map_to_the_engine_s_fields():
-    s = _sampling(presence_penalty=-2, frequency_penalty=1.5)
+    s = _sampling(presence_penalty=-2, frequency_penalty=1.5, repetition_penalty=1.2)
     assert (s.params()["presence_penalty"], s.params()["frequency_penalty"]) == (-2.0, 1.5)
+    assert SamplingParams(**s.params()).repetition_penalty == 1.2
     assert _sampling(presence_penalty=None).params()["presence_penalty"] == 0.0  # null: off
+    # repetition_penalty unset or null: the checkpoint's, else 1 (off); set, even to 1: the client's.
+    ckpt = SamplingDefaults(repetition_penalty=1.05)
+    assert _sampling(repetition_penalty=None, defaults=ckpt).repetition_penalty == 1.05
+    assert _sampling(repetition_penalty=1, defaults=ckpt).repetition_penalty == 1.0
+    assert _sampling().repetition_penalty == 1.0
 
 
 def test_logit_bias_resolves_to_the_engine_s_pairs():

@@ -1,5 +1,6 @@
-"""The sampling a checkpoint recommends: ``temperature``, ``top_p``, ``top_k`` and ``min_p`` of
-its ``generation_config.json`` (Qwen3 ships temperature 0.6, top_p 0.95, top_k 20). A server
+"""The sampling a checkpoint recommends: ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
+``repetition_penalty`` of its ``generation_config.json`` (Qwen3 ships temperature 0.6, top_p
+0.95, top_k 20; some checkpoints a repetition_penalty such as 1.05). A server
 gives them to the fields a request leaves unset (vLLM's ``--generation-config auto``, SGLang's
 ``--sampling-defaults model``): ``Engine.sampling_defaults``.
 
@@ -10,13 +11,12 @@ ModelConfigError naming the file, the key, the limit and the value: the server d
 
 Not read: ``do_sample`` (as vLLM: a checkpoint that ships ``do_sample: false`` beside a
 temperature still gets the temperature) and ``max_new_tokens`` (a request's length is OpenAI's
-rule). ``repetition_penalty`` is read but the runtime has no repetition penalty: a value other
-than 1 is kept on the result, so the engine can warn once at start, and never applied.
+rule).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +33,13 @@ GENERATION_CONFIG = "generation_config.json"
 @dataclass(frozen=True)
 class SamplingDefaults:
     """A checkpoint's recommended sampling fields, each None where it recommends nothing
-    (every field None: no defaults, e.g. a preset or ``--sampling-defaults none``).
-    ``repetition_penalty``: the file's value where it is not 1 (read, never applied)."""
+    (every field None: no defaults, e.g. a preset or ``--sampling-defaults none``)."""
 
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    repetition_penalty: Any = None
+    repetition_penalty: float | None = None
 
     def pick(self, name: str, given: Any, fallback: Any) -> Any:
         """A request's field ``name``: ``given`` where the client set it (not None), else this
@@ -50,18 +49,9 @@ class SamplingDefaults:
         mine = getattr(self, name)
         return fallback if mine is None else mine
 
-    def ignored_note(self) -> str | None:
-        """What the checkpoint asks that the runtime does not do, as one sentence to log once
-        at start; None when nothing."""
-        if self.repetition_penalty is None:
-            return None
-        return (f"{GENERATION_CONFIG} sets repetition_penalty {self.repetition_penalty!r}, which this "
-                f"runtime does not implement: requests are served without it")
-
     def items(self) -> dict[str, Any]:
-        """The sampling fields that have a default, by name (``repetition_penalty`` is not one)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "repetition_penalty" and getattr(self, f.name) is not None}
+        """The sampling fields that have a default, by name."""
+        return {name: value for name, value in asdict(self).items() if value is not None}
 
 
 def checkpoint_sampling_defaults(model_dir: str | Path) -> SamplingDefaults:
@@ -74,7 +64,7 @@ def checkpoint_sampling_defaults(model_dir: str | Path) -> SamplingDefaults:
         return SamplingDefaults()
     doc = read_json_object(file)
     found: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "min_p"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = doc.get(name)
         if value is None:
             continue
@@ -85,7 +75,4 @@ def checkpoint_sampling_defaults(model_dir: str | Path) -> SamplingDefaults:
         except ValueError as e:  # "top_p must be a finite number in (0, 1], got 1.5"
             raise ModelConfigError(f"{file}: {str(e).removeprefix('SamplingParams.')}") from None
         found[name] = int(value) if name == "top_k" else float(value)
-    penalty = doc.get("repetition_penalty")
-    if penalty is not None and penalty != 1:
-        found["repetition_penalty"] = penalty
     return SamplingDefaults(**found)

@@ -1,22 +1,31 @@
-"""The rows of a step chosen from adjusted logits: a request's presence and frequency penalties
-and its ``logit_bias``, applied on the device to a float32 copy of its row, ``chunk`` rows at a
-time (``sampling.draw_tokens`` then takes the argmax or draws from the copy; the logits the
-logprobs read are never written, so they stay raw).
+"""The rows of a step chosen from adjusted logits: a request's repetition, presence and
+frequency penalties and its ``logit_bias``, applied on the device to a float32 copy of its row,
+``chunk`` rows at a time (``sampling.draw_tokens`` then takes the argmax or draws from the copy;
+the logits the logprobs read are never written, so they stay raw).
 
-Per row, with ``c`` the count of each token id in the request's output so far (not its prompt)::
+Per row, with ``seen`` the token ids in the request's prompt or output so far, ``r`` its
+repetition penalty and ``c`` the count of each token id in its output so far (not its prompt)::
 
-    x = logits - frequency_penalty * c - presence_penalty * (c > 0) + bias
+    x = logits / r  where seen and logits > 0;  logits * r  where seen and not;  logits elsewhere
+    x = x - frequency_penalty * c - presence_penalty * (c > 0) + bias
 
-Penalties first, then the bias: vLLM's order. Both are additions, so the order only changes
-rounding; vLLM's keeps a client's numbers where it moves between the two.
+Repetition first, then presence and frequency, then the bias: vLLM's order (its
+``apply_penalties``, then the bias). The repetition step divides and multiplies as transformers'
+``RepetitionPenaltyLogitsProcessor`` does on the CPU (``x / r``, never ``x * (1 / r)``: the same
+float32 values); a row of the chunk without it is multiplied and divided by 1, which changes
+nothing. The additions after it only change rounding with their order; vLLM's keeps a client's
+numbers where it moves between them.
 
-The counts live on the device (``penalty_counts``: a table kept per request row, updated by the
-device after each draw, so a token still in flight under overlapped steps is already counted in
-stream order): a chunk's are one ``index_select`` of its rows (``StepCounts.rows``), a C x V
-float32 copy, freed before the chunk is drawn from (memory_estimates.draw_phase_bytes). The
-host sends the step's int64 indices (rows, bias positions) and float32 values (bias,
-penalties) in one asynchronous copy each; nothing syncs, and nothing the host sends grows with a
-request's output. A chunk without a penalty reads no counts.
+The counts and marks live on the device (``penalty_counts``: tables kept per request row,
+updated by the device after each draw, so a token still in flight under overlapped steps is
+already counted in stream order): a chunk's are one ``index_select`` of its rows each
+(``StepCounts.rows`` / ``seen``), a C x V float32 and a C x V bool copy, freed before the chunk
+is drawn from. The repetition step holds, beside the copy, the marks, a ``logits > 0`` mask, a
+third bool mask for a moment and one C x V float32 factor: 11 bytes an element, less than the
+top-p sort's chunk that ``memory_estimates.draw_phase_bytes`` bounds the draw with. The host
+sends the step's int64 indices (rows, bias positions) and float32 values (bias, penalties) in
+one asynchronous copy each; nothing syncs, and nothing the host sends grows with a request's
+output. A chunk without a penalty reads no table.
 
 Legend: B the step's rows, C a chunk's rows, V the vocabulary.
 """
@@ -52,8 +61,8 @@ def adjusted_chunks(logits_BV: torch.Tensor, rows: Sequence[int], params: Sequen
     """For rows ``rows`` of ``logits_BV`` (ascending, each with a bias or a penalty), ``chunk``
     at a time: ``(the chunk's rows, those rows on the device, x_CV)``, x_CV a float32 copy of
     their logits with penalties and bias applied (module docstring). ``counts``: each row's
-    output-token counts so far, needed where a row has a penalty. Raises ValueError for a bias
-    outside the vocabulary or a penalized row without counts."""
+    output-token counts and prompt-or-output marks so far, needed where a row has a penalty.
+    Raises ValueError for a bias outside the vocabulary or a penalized row without its table."""
     vocab, dev = logits_BV.shape[1], logits_BV.device
     ints, floats = _Entries(), _Entries()
     ints.add(rows)
@@ -61,9 +70,11 @@ def adjusted_chunks(logits_BV: torch.Tensor, rows: Sequence[int], params: Sequen
              for lo in range(0, len(rows), chunk)]
     index = host_to_device(ints.values, torch.int64, dev)
     value = host_to_device(floats.values, torch.float32, dev) if floats.values else None
-    for c, (part, bias, pen) in enumerate(plans):
+    for c, (part, bias, rep, pen) in enumerate(plans):
         rows_C = index[c * chunk : c * chunk + len(part)]
         x_CV = logits_BV.index_select(0, rows_C).float()  # a copy: logits_BV stays raw
+        if rep is not None:
+            _repetition(x_CV, counts.seen(rows_C), value[slice(*rep)][:, None])
         if pen is not None:
             counts_CV = counts.rows(rows_C)  # a copy: worked in place below, the table untouched
             pen_2C = value[slice(*pen)].view(2, -1)
@@ -76,11 +87,22 @@ def adjusted_chunks(logits_BV: torch.Tensor, rows: Sequence[int], params: Sequen
         del x_CV  # before the next chunk's copy: one chunk at a time
 
 
+def _repetition(x_CV: torch.Tensor, seen_CV: torch.Tensor, r_C1: torch.Tensor) -> None:
+    """The repetition penalty in place on ``x_CV``: divided by ``r_C1`` where ``seen_CV`` and
+    positive, multiplied where ``seen_CV`` and not (``seen_CV`` is worked in place)."""
+    one = r_C1.new_ones(())  # a tensor: where's ``out=`` form takes no Python number
+    up_CV = x_CV > 0
+    factor_CV = torch.where(seen_CV & up_CV, r_C1, one)
+    x_CV.div_(factor_CV)
+    torch.where(seen_CV.logical_and_(up_CV.logical_not_()), r_C1, one, out=factor_CV)  # the rest seen
+    x_CV.mul_(factor_CV)
+
+
 def _plan(part: Sequence[int], params: Sequence[SamplingParams | None], counts: StepCounts | None, vocab: int,
           ints: _Entries, floats: _Entries):
     """One chunk's host entries, appended to ``ints`` / ``floats``; returns the chunk's rows and
-    its segments: bias (flat index, value) and the penalties (frequencies then presences; None:
-    no penalty)."""
+    its segments: bias (flat index, value), the repetition penalties and the presence and
+    frequency ones (frequencies then presences); None: no such penalty in the chunk."""
     bias_i, bias_v = [], []
     for j, row in enumerate(part):
         p = params[row]
@@ -90,10 +112,14 @@ def _plan(part: Sequence[int], params: Sequence[SamplingParams | None], counts: 
                                  f"outside the vocabulary of {vocab}")
             bias_i.append(j * vocab + tid)
             bias_v.append(b)
-        if p.penalized and counts is None:
+        if p.penalized and (counts is None or counts.table_RV is None):
             raise ValueError(f"draw_tokens: row {row} has a penalty and no StepCounts was given")
+        if p.repeats_penalized and (counts is None or counts.seen_RV is None):
+            raise ValueError(f"draw_tokens: row {row} has a repetition penalty and no StepCounts marks were given")
     bias = (ints.add(bias_i), floats.add(bias_v))
-    pen = None
+    rep = pen = None
+    if any(params[row].repeats_penalized for row in part):
+        rep = floats.add([params[r].repetition_penalty for r in part])
     if any(params[row].penalized for row in part):
         pen = floats.add([params[r].frequency_penalty for r in part] + [params[r].presence_penalty for r in part])
-    return part, bias, pen
+    return part, bias, rep, pen

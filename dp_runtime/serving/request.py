@@ -70,6 +70,9 @@ def check_sampling(sp: SamplingParams) -> str | None:
                 or abs(v) > PENALTY_MAX):
             return (f"SamplingParams.{name} must be a finite number in "
                     f"[-{PENALTY_MAX:g}, {PENALTY_MAX:g}], got {v!r}")
+    r = sp.repetition_penalty
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+        return f"SamplingParams.repetition_penalty must be a finite number > 0 (1: off), got {r!r}"
     return _check_logit_bias(sp.logit_bias)
 
 
@@ -173,6 +176,13 @@ class SamplingParams:
     prompt), c times, its logit is lowered by ``frequency_penalty * c + presence_penalty`` before
     ``logit_bias`` is added (vLLM's order), for greedy rows too (OpenAI's rule; negative values
     favour repeats). The logprobs stay the raw ones: they do not see the penalties either.
+
+    ``repetition_penalty`` r (finite, > 0; 1: off): for each token id in the request's prompt or
+    its output so far, a logit x becomes ``x / r`` where x > 0 and ``x * r`` elsewhere (HF's
+    ``RepetitionPenaltyLogitsProcessor``, vLLM's rule), for greedy rows too; r > 1 discourages
+    repeats, r < 1 favours them. No upper limit (vLLM has none, and a checkpoint's
+    generation_config.json may recommend any r > 0: ``sampling_defaults``). Order: repetition
+    first, then presence and frequency, then ``logit_bias`` (vLLM's). The logprobs stay raw.
     """
 
     max_new_tokens: int = 16
@@ -187,6 +197,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
@@ -207,8 +218,19 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """A presence or frequency penalty is on: its row is chosen from penalized logits."""
+        """A presence or frequency penalty is on: its row reads its output's token counts."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def repeats_penalized(self) -> bool:
+        """A repetition penalty is on: its row reads which tokens its prompt and output hold."""
+        return self.repetition_penalty != 1
+
+    @property
+    def adjusted(self) -> bool:
+        """A penalty or a ``logit_bias``: its row is chosen from an adjusted copy of its logits
+        (``adjusted_rows``)."""
+        return bool(self.logit_bias) or self.penalized or self.repeats_penalized
 
 
 @dataclass(frozen=True)

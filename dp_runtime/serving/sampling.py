@@ -37,9 +37,10 @@ host here: the step's ids and a flag per drawn row go back with one asynchronous
 is not finite (NaN logits, or a temperature so small that ``logits / temperature`` overflows
 float32) is flagged: that request alone fails.
 
-A request's presence and frequency penalties and its ``logit_bias`` are applied, before all of
-this, to a copy of its row (``adjusted_rows``: ``ROW_CHUNK`` rows at a time, the counts the
-penalties need read from a table on the device, ``penalty_counts``; no host sync), so
+A request's repetition, presence and frequency penalties and its ``logit_bias`` are applied,
+before all of this, to a copy of its row (``adjusted_rows``: ``ROW_CHUNK`` rows at a time, the
+counts and marks the penalties need read from tables on the device, ``penalty_counts``; no host
+sync), so
 greedy rows take the argmax of the adjusted logits and sampled rows draw from them, while the
 logits the step's logprobs read stay raw. A step without a bias or a penalty takes none of that
 path.
@@ -101,8 +102,9 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
     e.g. a prompt chunk that does not sample); row i chooses the token at output index
     ``indices[i]`` of its request (a sampled row's noise is keyed by it: module docstring). A row
     with a ``logit_bias`` or a penalty is chosen from an adjusted copy of its logits
-    (``adjusted_rows``; ``counts``: how often each row's request generated each token before,
-    on the device, needed where a row has a penalty): ``logits_BV`` itself is never written, so the logprobs read from it after the draw
+    (``adjusted_rows``; ``counts``: how often each row's request generated each token before
+    and which tokens its prompt and output hold, on the device, needed where a row has a
+    penalty): ``logits_BV`` itself is never written, so the logprobs read from it after the draw
     stay raw. ``use_triton``: the Triton kernels, the top-p search and the race (default: on CUDA
     tensors)."""
     if logits_BV.shape[0] != len(params) or len(params) != len(indices):
@@ -110,7 +112,7 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
                          f"{len(indices)} indices")
     ids_B = logits_BV.argmax(dim=-1)
     drawn = tuple(i for i, p in enumerate(params) if p is not None and not p.greedy)
-    adjusted = [i for i, p in enumerate(params) if p is not None and (p.logit_bias or p.penalized)]
+    adjusted = [i for i, p in enumerate(params) if p is not None and p.adjusted]
     if not drawn and not adjusted:
         return DrawnTokens(ids_B)
     if use_triton is None:

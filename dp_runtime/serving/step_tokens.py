@@ -10,10 +10,12 @@ from the raw logits: never the biased copy). One asynchronous copy per result br
 pinned host buffers, with an event; ``StepTokens.wait`` later waits for that event alone. So
 greedy, sampled and logprobs rows all keep the overlap.
 
-In a step with a penalized row, the penalties' counts come from the rank's ``PenaltyCounts``
-table on the device: the rows of penalized requests that draw their first token are zeroed
-before the draw, and every row's drawn token is counted right after it, in stream order, so the
-next step's draw sees it whether or not the host has read it (``penalty_counts``).
+In a step with a penalized row, the penalties' counts (presence, frequency) and marks
+(repetition: the prompt's and the output's tokens) come from the rank's ``PenaltyCounts`` tables
+on the device: the rows of such requests that draw their first token are reset before the draw
+(counts zeroed; marks set to the whole prompt), and every row's drawn token is counted and
+marked right after it, in stream order, so the next step's draw sees it whether or not the host
+has read it (``penalty_counts``). Each table is touched only in steps with a row that reads it.
 
 A worker that keeps logits for comparisons (``kept_logits``) reads the step's rows on the host
 at once: a test path.
@@ -100,10 +102,15 @@ def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens
     rows_B = scheduled.batch.req_pool_indices[: len(reqs)]
     params = [r.request.sampling if s else None for r, s in zip(reqs, samples, strict=True)]
     counts = None
-    if any(p is not None and p.penalized for p in params):
-        penalty_counts.clear(r.row for r, p, d in zip(reqs, params, scheduled.draws, strict=True)
-                             if p is not None and p.penalized and d == 0)
-        counts = penalty_counts.step(rows_B)
+    counted = any(p is not None and p.penalized for p in params)
+    marked = any(p is not None and p.repeats_penalized for p in params)
+    if counted or marked:
+        first = [(r, p) for r, p, d in zip(reqs, params, scheduled.draws, strict=True) if p is not None and d == 0]
+        if counted:
+            penalty_counts.clear(r.row for r, p in first if p.penalized)
+        if marked:
+            penalty_counts.mark_prompts((r.row, r.request.prompt_ids) for r, p in first if p.repeats_penalized)
+        counts = penalty_counts.step(rows_B, counts=counted, seen=marked)
     drawn = draw_tokens(logits_BV, params, scheduled.draws, counts=counts)
     if counts is not None:
         counts.record(drawn.ids_B)
@@ -123,18 +130,19 @@ def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens
 
 
 def worst_case_draw(logits_BV: torch.Tensor) -> torch.Tensor:
-    """Every row drawn the costliest way (a full-vocabulary top-p, with a min-p, from a penalized
-    and biased copy of its logits whose counts are gathered from a count table, then counted
-    into it; every logprob alternative): what the memory profile runs after its largest step,
-    so the draw's temporaries are in the peak the KV cache is sized from. The table is a row of
-    its own that every row reads (the rank's own is allocated before the profile and counted
-    apart: ``penalty_counts``). Returns the ids."""
+    """Every row drawn the costliest way (a full-vocabulary top-p, with a min-p, from a copy of
+    its logits with every penalty and a bias, whose counts and marks are gathered from tables,
+    then counted and marked into them; every logprob alternative): what the memory profile runs
+    after its largest step, so the draw's temporaries are in the peak the KV cache is sized
+    from. The tables are a row of their own that every row reads (the rank's own are allocated
+    before the profile and counted apart: ``penalty_counts``). Returns the ids."""
     rows, vocab = logits_BV.shape
+    dev = logits_BV.device
     bias = tuple((t, 1.0) for t in range(min(LOGIT_BIAS_LIMIT, vocab)))
     worst = SamplingParams(temperature=1.0, top_p=0.5, min_p=0.05, logprobs=LOGPROBS_LIMIT, logit_bias=bias,
-                           presence_penalty=PENALTY_MAX, frequency_penalty=PENALTY_MAX)
-    counts = StepCounts(torch.ones(1, vocab, device=logits_BV.device),  # every token seen once
-                        torch.zeros(rows, dtype=torch.int64, device=logits_BV.device))
+                           presence_penalty=PENALTY_MAX, frequency_penalty=PENALTY_MAX, repetition_penalty=1.5)
+    counts = StepCounts(torch.ones(1, vocab, device=dev),  # every token seen once
+                        torch.zeros(rows, dtype=torch.int64, device=dev), torch.ones(1, vocab, dtype=torch.bool, device=dev))
     drawn = draw_tokens(logits_BV, [worst] * rows, [1] * rows, counts=counts)
     counts.record(drawn.ids_B)
     logprob_rows(logits_BV, drawn.ids_B, range(rows), [LOGPROBS_LIMIT] * rows)

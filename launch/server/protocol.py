@@ -21,7 +21,8 @@ of its prompts, so ``max_tokens`` fits every one (its message names the prompt i
 ``logprobs``/``top_logprobs`` (logprobs.py) and ``logit_bias`` (logit_bias.py: token-id strings
 to biases in [-100, 100], at most 300) are checked once per request, in their own modules.
 ``presence_penalty`` and ``frequency_penalty`` are OpenAI's: finite, in [-2, 2], 0 or null off
-(the engine's rule: ``SamplingParams``).
+(the engine's rule: ``SamplingParams``). ``repetition_penalty`` is vLLM's extra: finite, > 0, 1
+off; unset or null takes the checkpoint's default, else 1.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class _Common(BaseModel):
     logprobs: Any = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None  # vLLM's extra (SamplingParams.repetition_penalty)
     logit_bias: dict[str, Any] | None = None  # checked in logit_bias.py (400 naming it)
     user: str | None = None
 
@@ -183,6 +185,7 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def params(self) -> dict[str, Any]:
         """The keywords of ``SamplingParams``."""
@@ -199,6 +202,7 @@ class Sampling:
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
         )
 
 
@@ -268,6 +272,10 @@ def sampling_of(
     min_p = defaults.pick("min_p", req.min_p, 0.0)
     if not (math.isfinite(min_p) and 0 <= min_p <= 1):
         raise bad("min_p", f"min_p must be a finite number in [0, 1] (0: off), got {min_p}")
+    repetition = defaults.pick("repetition_penalty", req.repetition_penalty, 1.0)
+    if not (math.isfinite(repetition) and repetition > 0):
+        raise bad("repetition_penalty",
+                  f"repetition_penalty must be a finite number > 0 (1: off), got {repetition}")
     seed = secrets.randbelow(2**63) if req.seed is None else req.seed
     if not 0 <= seed < SEED_LIMIT:
         raise bad("seed", f"seed must be in [0, 2**64), got {seed}")
@@ -297,6 +305,7 @@ def sampling_of(
         stream=bool(req.stream),
         include_usage=include_usage,
         min_p=float(min_p),
+        repetition_penalty=float(repetition),
         **penalties,
     )
 
