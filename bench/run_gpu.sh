@@ -97,6 +97,8 @@
 #                                   #   penalized serving run at 256 running
 #   bash bench/run_gpu.sh reppen20  # one GPU: penalty/sampling GPU tests (the repetition penalty's no-sync draw);
 #                                   #   serve_load at RUNNING (256) with repetition_penalty 1.1, then plain
+#   bash bench/run_gpu.sh adj19     # one GPU: penalty GPU tests; serve_load with every penalty at RUNNING (256) in
+#                                   #   .bases/b12 (torch ops) and here (one Triton pass), then plain here
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 #   bash bench/run_gpu.sh dp2a      # two GPUs: serve_step bs 1/64/256 at DP 2 (flashinfer, all_gather; all_to_all
 #                                   #   eager last) beside DP 1 on GPU 0, every gpu2 test; tok/s per GPU side by side
@@ -666,6 +668,23 @@ case "${1:-one}" in
         --rates inf --num-requests $(( n * 2 )) --max-running-requests $n --policy lof --json --gpu-spans \
         --repetition-penalty $rep
     done
+    ;;
+  adj19)  # one GPU: a chunk's penalties in one Triton pass: the sampling/penalty GPU tests, then serve_load (lof,
+           # rate inf, 2 x RUNNING requests) with every penalty (frequency 0.5, presence 0.5, repetition 1.1) in
+           # .bases/b12 (the merge of reppen, torch ops) and here, then plain here (PLAIN=0: not)
+    [ "${TESTS:-1}" = 0 ] || step gpu_tests timeout ${TTESTS:-240} python -m pytest -m gpu -p no:cacheprovider -q \
+      -rs tests/test_sampling_gpu.py tests/test_overlap_gpu.py tests/test_rank_memory_gpu.py tests/test_logprobs.py
+    bases > /dev/null; b=/tmp/bases/${BASE:-b12}
+    n=${RUNNING:-256}
+    for t in $b .; do
+      TAIL=2 step pen${n}_$(basename $(realpath $t)) timeout ${TLOAD:-200} env PYTHONPATH=$(realpath $t):$PYTHONPATH \
+        python $t/bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf --num-requests $(( n * 2 )) \
+        --max-running-requests $n --policy lof --json --gpu-spans --frequency-penalty 0.5 --presence-penalty 0.5 \
+        --repetition-penalty 1.1
+    done
+    [ "${PLAIN:-1}" = 0 ] || TAIL=2 step plain${n} timeout ${TLOAD:-200} python bench/serve_load.py --model \
+      qwen3-30b-a3b --device cuda --rates inf --num-requests $(( n * 2 )) --max-running-requests $n --policy lof \
+      --json --gpu-spans
     ;;
   plan13)  # one GPU: the planner's estimates against the rank's own accounting, 64 and 256 running (a rank each)
     plan_measures 115

@@ -210,3 +210,25 @@ def test_a_reused_request_row_starts_from_its_own_prompt():
     assert list(got["b"].output_ids) == _step_by_step(b, logits["b"])
     stale = dataclasses.replace(b, prompt_ids=a.prompt_ids + got["a"].output_ids + b.prompt_ids)
     assert _step_by_step(stale, logits["b"]) != list(got["b"].output_ids)
+
+
+def test_the_one_launch_form_equals_the_torch_form():
+    # adjust_triton (Triton's interpreter here, CUDA on a GPU rank) against the torch ops, chunk
+    # by chunk: rows with each penalty alone, all of them, none (r = 1, f = p = 0) and a bias.
+    torch.manual_seed(7)
+    vocab, rows = 300, 7
+    logits = torch.randn(rows, vocab) * 3
+    pc = PenaltyCounts(rows + 3, vocab, "cpu")
+    pc.table_RV.copy_(torch.randint(0, 3, pc.table_RV.shape).float() * (torch.rand(pc.table_RV.shape) < 0.2))
+    pc.seen_RV.copy_(torch.rand(pc.seen_RV.shape) < 0.3)
+    counts = pc.step(torch.randperm(rows + 3)[:rows], counts=True, seen=True)
+    params = [SamplingParams(repetition_penalty=(1.3, 1.0, 0.7, 2.0)[i % 4], frequency_penalty=(0.3, 0.0, -0.7)[i % 3],
+                             presence_penalty=(0.0, 0.5)[i % 2], logit_bias=((i, 4.0),) if i == 5 else ())
+              for i in range(rows)]
+    adjusted = [i for i, p in enumerate(params) if p.adjusted]
+    torch_form = [x.clone() for _, _, x in adjusted_chunks(logits, adjusted, params, counts, 3)]
+    launched = [x.clone() for _, _, x in adjusted_chunks(logits, adjusted, params, counts, 3, use_triton=True)]
+    assert len(launched) == 3
+    for a, b in zip(launched, torch_form, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(torch_form[0], logits[adjusted[:3]])  # the penalties changed the rows

@@ -243,3 +243,26 @@ def test_a_repetition_penalized_draw_never_waits_and_is_the_rule_applied_by_hand
         want[prompts[i] + outputs[i] + [tok]] = True
         assert torch.equal(pc.seen_RV[row].cpu(), want), i  # reset to the prompt, then marked
         assert pc.table_RV[row, tok].item() == outputs[i].count(tok) + 1
+
+
+def test_the_one_launch_penalties_equal_the_torch_ops_on_the_gpu():
+    # adjust_triton against the torch form on CUDA, a full vocabulary: the same values (a fused
+    # multiply-add may round the frequency term once where torch rounds twice: one ulp at most).
+    from dp_runtime.serving.adjusted_rows import adjusted_chunks
+
+    torch.manual_seed(11)
+    vocab, rows = 151_936, ROW_CHUNK + 5
+    logits = torch.randn(rows, vocab, device="cuda") * 4
+    pc = PenaltyCounts(rows + 3, vocab, "cuda")
+    pc.table_RV.copy_(torch.randint(0, 4, pc.table_RV.shape, device="cuda").float()
+                      * (torch.rand(pc.table_RV.shape, device="cuda") < 0.01))
+    pc.seen_RV.copy_(torch.rand(pc.seen_RV.shape, device="cuda") < 0.01)
+    counts = pc.step(torch.randperm(rows + 3, device="cuda")[:rows], counts=True, seen=True)
+    params = [SamplingParams(repetition_penalty=(1.3, 1.0, 0.7)[i % 3], frequency_penalty=(0.3, 0.0)[i % 2],
+                             presence_penalty=(0.0, 0.5, -0.2)[i % 3], logit_bias=((i, 3.0),) if i % 9 == 0 else ())
+              for i in range(rows)]
+    adjusted = [i for i, p in enumerate(params) if p.adjusted]
+    for (_, _, a), (_, _, b) in zip(adjusted_chunks(logits, adjusted, params, counts, ROW_CHUNK, use_triton=True),
+                                    adjusted_chunks(logits, adjusted, params, counts, ROW_CHUNK), strict=True):
+        torch.testing.assert_close(a, b, rtol=2.0**-22, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -25,7 +25,9 @@ third bool mask for a moment and one C x V float32 factor: 11 bytes an element, 
 top-p sort's chunk that ``memory_estimates.draw_phase_bytes`` bounds the draw with. The host
 sends the step's int64 indices (rows, bias positions) and float32 values (bias, penalties) in
 one asynchronous copy each; nothing syncs, and nothing the host sends grows with a request's
-output. A chunk without a penalty reads no table.
+output. A chunk without a penalty reads no table. On CUDA a chunk with a penalty is built in one
+Triton launch instead (``adjust_triton``: the same values, one pass, no temporaries beside the
+copy); the torch ops stay for CPU ranks and for a chunk with a bias alone.
 
 Legend: B the step's rows, C a chunk's rows, V the vocabulary.
 """
@@ -36,6 +38,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from dp_runtime.serving.adjust_triton import adjusted_rows_triton
 from dp_runtime.serving.host_copy import host_to_device
 from dp_runtime.serving.penalty_counts import StepCounts
 from dp_runtime.serving.request import SamplingParams
@@ -56,12 +59,13 @@ class _Entries:
 
 
 def adjusted_chunks(logits_BV: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams | None],
-                    counts: StepCounts | None,
-                    chunk: int) -> Iterator[tuple[Sequence[int], torch.Tensor, torch.Tensor]]:
+                    counts: StepCounts | None, chunk: int,
+                    use_triton: bool = False) -> Iterator[tuple[Sequence[int], torch.Tensor, torch.Tensor]]:
     """For rows ``rows`` of ``logits_BV`` (ascending, each with a bias or a penalty), ``chunk``
     at a time: ``(the chunk's rows, those rows on the device, x_CV)``, x_CV a float32 copy of
     their logits with penalties and bias applied (module docstring). ``counts``: each row's
     output-token counts and prompt-or-output marks so far, needed where a row has a penalty.
+    ``use_triton``: a chunk with a penalty is built in one launch (``adjust_triton``, CUDA).
     Raises ValueError for a bias outside the vocabulary or a penalized row without its table."""
     vocab, dev = logits_BV.shape[1], logits_BV.device
     ints, floats = _Entries(), _Entries()
@@ -72,19 +76,32 @@ def adjusted_chunks(logits_BV: torch.Tensor, rows: Sequence[int], params: Sequen
     value = host_to_device(floats.values, torch.float32, dev) if floats.values else None
     for c, (part, bias, rep, pen) in enumerate(plans):
         rows_C = index[c * chunk : c * chunk + len(part)]
-        x_CV = logits_BV.index_select(0, rows_C).float()  # a copy: logits_BV stays raw
-        if rep is not None:
-            _repetition(x_CV, counts.seen(rows_C), value[slice(*rep)][:, None])
-        if pen is not None:
-            counts_CV = counts.rows(rows_C)  # a copy: worked in place below, the table untouched
-            pen_2C = value[slice(*pen)].view(2, -1)
-            x_CV.addcmul_(counts_CV, pen_2C[0, :, None], value=-1)  # frequency * c
-            x_CV.addcmul_(counts_CV.sign_(), pen_2C[1, :, None], value=-1)  # presence * (c > 0)
-            del counts_CV  # before the chunk is drawn from: one C x V buffer more at most
+        rep_C = value[slice(*rep)] if rep is not None else None
+        pen_2C = value[slice(*pen)].view(2, -1) if pen is not None else None
+        if use_triton and (rep_C is not None or pen_2C is not None):  # one pass (adjust_triton)
+            x_CV = adjusted_rows_triton(logits_BV, rows_C, counts.rows_B.index_select(0, rows_C),
+                                        counts.table_RV if pen_2C is not None else None,
+                                        counts.seen_RV if rep_C is not None else None, rep_C, pen_2C)
+        else:
+            x_CV = _adjusted_torch(logits_BV, rows_C, counts, rep_C, pen_2C)
         if bias[0][1] > bias[0][0]:
             x_CV.view(-1).index_add_(0, index[slice(*bias[0])], value[slice(*bias[1])])
         yield part, rows_C, x_CV
         del x_CV  # before the next chunk's copy: one chunk at a time
+
+
+def _adjusted_torch(logits_BV: torch.Tensor, rows_C: torch.Tensor, counts: StepCounts | None,
+                    rep_C: torch.Tensor | None, pen_2C: torch.Tensor | None) -> torch.Tensor:
+    """``adjusted_rows_triton``'s result with torch ops (CPU ranks; a chunk with a bias alone)."""
+    x_CV = logits_BV.index_select(0, rows_C).float()  # a copy: logits_BV stays raw
+    if rep_C is not None:
+        _repetition(x_CV, counts.seen(rows_C), rep_C[:, None])
+    if pen_2C is not None:
+        counts_CV = counts.rows(rows_C)  # a copy: worked in place below, the table untouched
+        x_CV.addcmul_(counts_CV, pen_2C[0, :, None], value=-1)  # frequency * c
+        x_CV.addcmul_(counts_CV.sign_(), pen_2C[1, :, None], value=-1)  # presence * (c > 0)
+        del counts_CV  # before the chunk is drawn from: one C x V buffer more at most
+    return x_CV
 
 
 def _repetition(x_CV: torch.Tensor, seen_CV: torch.Tensor, r_C1: torch.Tensor) -> None:

@@ -125,7 +125,7 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
                                                 [indices[i] for i in plain], use_triton)
         ids_B.index_copy_(0, rows_R, tokens_R)
         fails.append(failed_R)
-    for chunk, rows_C, x_CV in adjusted_chunks(logits_BV, adjusted, params, counts, ROW_CHUNK):
+    for chunk, rows_C, x_CV in adjusted_chunks(logits_BV, adjusted, params, counts, ROW_CHUNK, use_triton):
         ids_C = x_CV.argmax(dim=-1)
         sampled = [j for j, row in enumerate(chunk) if not params[row].greedy]
         if sampled:  # raced on the copy as they would be on logits_BV (the race: rows of one tensor)
