@@ -219,11 +219,12 @@ def test_a_repetition_penalized_draw_never_waits_and_is_the_rule_applied_by_hand
                              presence_penalty=-0.5 if i % 3 == 0 else 0.0,
                              logit_bias=((i, 5.0),) if i % 7 == 0 else ()) for i in range(rows)]
     indices = [len(o) for o in outputs]
+    rows_cuda = rows_B.cuda()  # a pageable copy waits: the step's rows are on the device already in a rank
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         pc.mark_prompts((row, prompts[i]) for i, row in enumerate(rows_B.tolist()) if i % 2)  # first draws
-        counts = pc.step(rows_B.cuda(), counts=True, seen=True)
+        counts = pc.step(rows_cuda, counts=True, seen=True)
         drawn = draw_tokens(logits, params, indices, counts=counts)
         counts.record(drawn.ids_B)
         done = torch.cuda.Event()
