@@ -6,6 +6,7 @@ call)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -92,22 +93,28 @@ def test_the_top_p_search_finds_the_sorts_threshold_at_a_real_vocabulary():
         assert alone.item() == got[r].item()
 
 
+@contextlib.contextmanager
+def _never_waits():
+    """Torch's sync debug mode raises on any synchronising call in the block; the block's work
+    is done when it exits."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 def test_a_draw_with_logprobs_never_waits_for_the_gpu():
     rows, vocab = 2 * ROW_CHUNK + 1, 151_936
     logits = torch.randn(rows, vocab, device="cuda")
     params = [SamplingParams(temperature=0.8, top_k=(i % 3) * 20, top_p=(0.9 if i % 2 else 1.0), logprobs=5,
                              min_p=0.05 * (i % 4), seed=i) for i in range(rows)]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _never_waits():
         drawn = draw_tokens(logits, params, list(range(rows)))
         lp = logprob_rows(logits, drawn.ids_B, range(rows), [5] * rows).to_host()
         host = torch.empty(rows, dtype=torch.int64, pin_memory=True).copy_(drawn.ids_B, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    done.synchronize()
     assert not drawn.failed_R.any()
     got = lp.per_row()
     want = torch.log_softmax(logits, dim=-1)
@@ -128,15 +135,8 @@ def test_a_biased_draw_never_waits_and_is_the_bias_added_by_hand_on_the_gpu():
                              seed=i, logit_bias=tuple((t * 499 + i, 100.0 if t == 0 else t % 7 - 3.0)
                                                       for t in range(300)) if i % 5 else ())
               for i in range(rows)]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _never_waits():
         drawn = draw_tokens(logits, params, list(range(rows)))
-        done = torch.cuda.Event()
-        done.record()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    done.synchronize()
     ids = drawn.ids_B.tolist()
     assert torch.equal(logits, raw) and not drawn.failed_R.any()
     assert all(ids[i] == i for i in range(rows) if i % 5)
@@ -144,15 +144,20 @@ def test_a_biased_draw_never_waits_and_is_the_bias_added_by_hand_on_the_gpu():
     assert ids == draw_tokens(by_hand, unbiased, list(range(rows))).ids_B.tolist()
 
 
+def _step_rows(seed: int):
+    """A penalty test's step: ``ROW_CHUNK + 9`` rows of logits over the real vocabulary (two
+    chunks), a copy to check they stay raw, and a host generator for its ids."""
+    rows, vocab = ROW_CHUNK + 9, 151_936
+    torch.manual_seed(seed)
+    logits = torch.randn(rows, vocab, device="cuda") * 3
+    return rows, vocab, logits, logits.clone(), torch.Generator().manual_seed(seed + 2)
+
+
 def test_a_penalized_draw_never_waits_and_is_the_rule_applied_by_hand_on_the_gpu():
     # Two chunks of penalized rows (some biased too) beside plain ones, greedy and sampled, each
     # with its counts in a table on the device (request rows shuffled against the step's), then
     # the step's tokens counted into it: no wait either.
-    rows, vocab = ROW_CHUNK + 9, 151_936
-    torch.manual_seed(2)
-    logits = torch.randn(rows, vocab, device="cuda") * 3
-    raw = logits.clone()
-    g = torch.Generator().manual_seed(4)
+    rows, vocab, logits, raw, g = _step_rows(2)
     recorded = [torch.randint(0, vocab, (40 + i,), generator=g).tolist() for i in range(rows)]
     rows_B = torch.randperm(rows + 5, generator=g)[:rows]
     table = torch.zeros(rows + 5, vocab)
@@ -163,16 +168,9 @@ def test_a_penalized_draw_never_waits_and_is_the_rule_applied_by_hand_on_the_gpu
                              frequency_penalty=1.5 if i % 5 else 0.0, presence_penalty=-1.0 if i % 3 else 2.0,
                              logit_bias=((i, 5.0),) if i % 7 == 0 else ()) for i in range(rows)]
     indices = [len(s) for s in recorded]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _never_waits():
         drawn = draw_tokens(logits, params, indices, counts=counts)
         counts.record(drawn.ids_B)
-        done = torch.cuda.Event()
-        done.record()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    done.synchronize()
     assert torch.equal(logits, raw) and not drawn.failed_R.any()
     by_hand = logits.clone()
     for i, p in enumerate(params):
@@ -199,11 +197,7 @@ def test_a_repetition_penalized_draw_never_waits_and_is_the_rule_applied_by_hand
     # bias too) beside plain ones, greedy and sampled: half draw their first token (their marks
     # reset to their whole prompt in this step, one copy), half have earlier output marked; the
     # step's tokens then counted and marked. Nothing waits.
-    rows, vocab = ROW_CHUNK + 9, 151_936
-    torch.manual_seed(3)
-    logits = torch.randn(rows, vocab, device="cuda") * 3
-    raw = logits.clone()
-    g = torch.Generator().manual_seed(5)
+    rows, vocab, logits, raw, g = _step_rows(3)
     prompts = [torch.randint(0, vocab, (30 + 7 * i,), generator=g).tolist() for i in range(rows)]
     outputs = [[] if i % 2 else torch.randint(0, vocab, (5 + i,), generator=g).tolist() for i in range(rows)]
     rows_B = torch.randperm(rows + 5, generator=g)[:rows]
@@ -220,18 +214,11 @@ def test_a_repetition_penalized_draw_never_waits_and_is_the_rule_applied_by_hand
                              logit_bias=((i, 5.0),) if i % 7 == 0 else ()) for i in range(rows)]
     indices = [len(o) for o in outputs]
     rows_cuda = rows_B.cuda()  # a pageable copy waits: the step's rows are on the device already in a rank
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _never_waits():
         pc.mark_prompts((row, prompts[i]) for i, row in enumerate(rows_B.tolist()) if i % 2)  # first draws
         counts = pc.step(rows_cuda, counts=True, seen=True)
         drawn = draw_tokens(logits, params, indices, counts=counts)
         counts.record(drawn.ids_B)
-        done = torch.cuda.Event()
-        done.record()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    done.synchronize()
     assert torch.equal(logits, raw) and not drawn.failed_R.any()
     by_hand = logits.clone()
     for i, p in enumerate(params):
