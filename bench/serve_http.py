@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -239,7 +240,8 @@ def run_http(args, batches, warm, context_len: int) -> list[list[RequestResult]]
         cmd += ["--dp", str(args.dp)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)  # keep what the caller had
-    server = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": path})
+    # Its own process group: what it starts (a local Ray cluster's processes) goes with it.
+    server = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": path}, start_new_session=True)
     try:
         name = _wait_up(url, server)
 
@@ -277,12 +279,21 @@ def run_http(args, batches, warm, context_len: int) -> list[list[RequestResult]]
                 return [await _paced(reqs, one) for _, reqs in batches]
 
         return asyncio.run(all_batches())
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(120)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    finally:  # a run being stopped (SIGTERM, Ctrl-C) has seconds: timeout -k kills it 10 s later
+        _stop(server, 8 if sys.exc_info()[0] in (SystemExit, KeyboardInterrupt) else 120)
+
+
+def _stop(server: subprocess.Popen, wait_s: float) -> None:
+    """SIGTERM: the server drains and stops its ranks (and a Ray cluster it started). Within
+    ``wait_s``, else SIGKILL to its whole process group, so no server or Ray process outlives
+    the run."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 def _wait_up(url: str, server: subprocess.Popen) -> str:
@@ -392,4 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # A run stopped by `timeout` (SIGTERM) unwinds like Ctrl-C, so its server is stopped too
+    # (Python's default SIGTERM ends the process with no `finally`).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     sys.exit(main())
