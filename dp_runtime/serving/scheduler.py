@@ -41,22 +41,10 @@ how long until the next one). A request's times count from its arrival.
 Slots are allocated when a token is scheduled and freed when the request finishes. Times are
 ``time.perf_counter`` seconds.
 
-Prefix caching (``prefix_caching``, off by default; prefix_cache.py): a finished request's
-tokens whose K/V are written and whose ids are known (its prompt and the outputs fed back:
-``min(kv_len, prompt_len + len(output))``; only its matched prefix after an error, whose K/V may
-be bad) go into the rank's radix tree, which keeps their slots. An admitted request whose prompt
-starts with a cached run takes those slots for its first n positions (the host record and one
-asynchronous write of ``req_to_token[row, :n]``) and starts at ``kv_len = n``: its first chunk
-is an extend with prefix n; the run stays locked in the tree until it finishes. Admission then
-reserves ``max_total_tokens - n`` for it and counts the tree's locked slots as taken, which
-keeps the guarantee above: with ``reserved`` the sum of the running requests' reservations and
-``locked`` the tree's locked tokens, admission keeps ``reserved + locked <= num_slots``; a
-running request holds at most its reservation, so the free slots plus the tree's unlocked ones
-cover what every running request may still allocate, and a step short of free slots evicts
-unlocked cached runs (least recently used) first. The cached K/V is final when a later request
-reads it: it was written by steps launched before its writer finished (an aborted request's
-last step may still run), and the reader's steps are launched after, on the same stream
-(``abort``). Each DP rank has its own tree (no routing by prefix).
+Prefix caching (``prefix_caching``, off by default; prefix_reuse.py has the rules): a request
+starts from the K/V of its prompt's longest cached prefix and reserves the rest of its
+``max_total_tokens``; the cache's slots in use by running requests count as taken, so the
+guarantee above holds; a finished request's known tokens are cached.
 
 Overlap: a step's bookkeeping that does not depend on token values (K/V lengths, slots) is
 done when it is scheduled, so the next step can be scheduled before this one's tokens are
@@ -80,12 +68,8 @@ import torch
 from dp_runtime.config import SCHEDULE_POLICIES, RuntimeConfig
 from dp_runtime.serving.admission import check_request, kv_refusal, refused_result
 from dp_runtime.serving.kv_allocator import KVAllocator
-from dp_runtime.serving.paged_batches import (
-    decode_forward_batch,
-    extend_forward_batch,
-    write_prefix,
-)
-from dp_runtime.serving.prefix_cache import PrefixCache
+from dp_runtime.serving.paged_batches import decode_forward_batch, extend_forward_batch
+from dp_runtime.serving.prefix_reuse import PrefixReuse
 from dp_runtime.serving.request import Request, RequestResult, TokenLogprob
 from dp_runtime.serving.sampling import RowFailure
 from dp_runtime.serving.scheduled_step import RequestState, ScheduledStep
@@ -132,8 +116,7 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self._reserved = 0  # KV slots the running requests may still take (RequestState.reserved)
-        self.prefix = PrefixCache() if prefix_caching else None
-        self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache, in all
+        self.prefix = PrefixReuse(allocator) if prefix_caching else None
         self._rids: set[str] = set()
         # The token each request row sampled last, on the device: decode input ids (module docstring).
         self.last_tokens = torch.zeros(cache.req_to_token.shape[0], dtype=torch.int64, device=cache.device)
@@ -185,6 +168,14 @@ class Scheduler:
         """Queued requests, those that have not arrived yet included."""
         return len(self.waiting)
 
+    def kv_metrics(self) -> dict[str, int]:
+        """``free_kv_slots``: the slots new tokens can take (the prefix cache's evictable ones
+        included); ``prefix_hit_tokens``: prompt tokens served from the prefix cache, in all;
+        ``prefix_cached_tokens``: tokens it holds."""
+        p = self.prefix
+        return dict(free_kv_slots=self.allocator.num_free_slots if p is None else p.free_slots,
+                    prefix_hit_tokens=p.hit_tokens if p else 0, prefix_cached_tokens=p.tree.cached_tokens if p else 0)
+
     def next_arrival_in(self, now: float | None = None) -> float | None:
         """Seconds from ``now`` (default: the clock) until the head of the queue arrives: 0 when
         it has (it arrived after the last ``next_step`` looked, or waits for room); None for an
@@ -200,27 +191,22 @@ class Scheduler:
         docstring: admission, prefix caching); False, changing nothing, if it does not."""
         if len(self.running) >= self.max_running_requests:
             return False
-        m = self.prefix.match(r.request.prompt_ids) if self.prefix is not None else None
+        m = self.prefix.claim(r.request.prompt_ids) if self.prefix is not None else None
         need = r.request.max_total_tokens - (m.n if m else 0)
-        if m is not None:
-            self.prefix.lock(m.node)
         if self._reserved + need + (self.prefix.locked_tokens if m else 0) > self.cache.num_slots:
             if m is not None:
-                self.prefix.unlock(m.node)
+                self.prefix.unclaim(m)
             return False
         r.row, r.reserved, r.match = self.allocator.alloc_row(), need, m
         self._reserved += need
-        if m is not None and m.n:
+        if m is not None:
             r.kv_len = r.cached = m.n
-            self.prefix_hit_tokens += m.n
-            write_prefix(self.allocator, r.row, m.slots)
+            self.prefix.place(r.row, m)
         return True
 
     def _make_room(self, n: int) -> None:
-        """Evict cached prefixes until ``n`` slots are free (admission keeps enough evictable)."""
-        short = n - self.allocator.num_free_slots
-        if short > 0 and self.prefix is not None:
-            self.allocator.free_slots(self.prefix.evict(short))
+        if self.prefix is not None:
+            self.prefix.make_room(n)
 
     def next_step(self) -> ScheduledStep | None:
         """The batch of this rank's next step, or None when it has nothing to run now (the
@@ -354,7 +340,10 @@ class Scheduler:
         r.done = True
         if r.row >= 0:  # admitted: it holds a row and slots
             slots = self.allocator.slots_of(r.row, r.kv_len)
-            self.allocator.free_slots(slots if self.prefix is None else self._cache(r, reason, slots))
+            if self.prefix is not None:  # the known tokens go to the cache (prefix_reuse.py)
+                n = r.cached if reason == "error" else min(r.kv_len, r.prompt_len + len(r.output))
+                slots = self.prefix.release([*r.request.prompt_ids, *r.output][:n], slots, r.match)
+            self.allocator.free_slots(slots)
             self.allocator.free_row(r.row)
             self._reserved -= r.reserved
         self._rids.discard(r.request.rid)
@@ -368,11 +357,3 @@ class Scheduler:
             cached_tokens=r.cached,
         )
 
-    def _cache(self, r: RequestState, reason: str, slots: torch.Tensor) -> torch.Tensor:
-        """Put finished ``r``'s known tokens into the prefix cache and unlock its match
-        (module docstring); returns its slots the tree did not take, to free."""
-        n = r.cached if reason == "error" else min(r.kv_len, r.prompt_len + len(r.output))
-        ids = [*r.request.prompt_ids, *r.output][:n]
-        dups = self.prefix.insert(ids, slots[:n])
-        self.prefix.unlock(r.match.node)
-        return torch.cat([dups, slots[n:].to(torch.int64)])
