@@ -99,6 +99,21 @@ def test_all_at_once_reuses_a_finished_prefix_while_others_run(served):
     assert together["d"].cached_tokens >= len(SHARED) + 5
 
 
+def test_a_burst_reuses_a_prompt_as_soon_as_it_is_prefilled():
+    # Four at once, room for all: p0's prompt is cached when its last chunk is scheduled, so
+    # the requests admitted after that step reuse the shared 40 tokens while p0 still decodes.
+    reqs = [_req(f"p{i}", SHARED + _ids(3, 60 + i), 10) for i in range(4)]
+    with _worker(False) as w:
+        want = _one_by_one(w, reqs)
+    with _worker(True) as w:
+        got = {r.rid: r for r in w.generate(reqs)}
+    for rid, res in want.items():
+        assert got[rid].output_ids == res.output_ids, rid
+    # p1 was admitted in the step of p0's last chunk (before it was cached); all four run at
+    # once, none finished before p3's admission: only sharing at prefill gives p3 its hit.
+    assert [got[f"p{i}"].cached_tokens for i in range(4)] == [0, 0, len(SHARED), len(SHARED)]
+
+
 def test_a_small_cache_evicts_prefixes_and_serves_everything():
     # 120 slots, two requests of up to 48 at a time: the cached prefixes must make room.
     first = [_req(f"p{i}", _ids(40, 10 + i), 8) for i in range(4)]
@@ -170,7 +185,7 @@ def test_admission_keeps_every_allocation_possible_on_a_small_cache():
         step = s.next_step()  # raises ValueError if an allocation finds no slot
         assert s._reserved + s.prefix.locked_tokens <= cache.num_slots
         assert s.allocator.num_free_slots + s.prefix.tree.cached_tokens + sum(
-            r.kv_len - r.cached for r in s.running) == cache.num_slots  # every slot owned once
+            r.kv_len - r.match.n for r in s.running) == cache.num_slots  # every slot owned once
         if pending is not None:  # overlap: the previous step's tokens are recorded now
             finished += s.advance(pending, [7 if x else None for x in pending.samples])
         pending = step

@@ -13,6 +13,11 @@ the rank's radix tree (prefix_cache.py) between the scheduler and its KVAllocato
   at most its reservation of slots of its own, so the free slots plus the tree's unlocked ones
   cover everything the running requests may still allocate; a step short of free slots
   evicts unlocked cached runs, least recently used first (``make_room``), before allocating.
+- **Once its prompt is scheduled** (the step of its last chunk; ``share``) a request's whole
+  prompt goes into the tree, its slots there locked by it in place of its match (its
+  reservation shrinks by as many as the tree's locked slots grow), so requests admitted while
+  it runs reuse it (a burst sharing a system prompt). Not where the tree meanwhile holds more
+  of the prompt than its match (another request's copy): its slots wait for ``release``.
 - **At its end** (stop, length, abort; ``release``) a request's tokens whose K/V are written
   and whose ids are known (its prompt and the outputs fed back: ``min(kv_len, prompt_len +
   len(output))``) go into the tree, its match is unlocked, and the slots the tree did not take
@@ -73,10 +78,26 @@ class PrefixReuse:
             write_prefix(self.allocator, row, m.slots)
 
     def make_room(self, n: int) -> None:
-        """Evict cached runs until ``n`` slots are free (admission keeps enough evictable)."""
+        """Evict cached runs until ``n`` slots are free (admission keeps enough evictable).
+        Once warm the cache holds every slot no request does, so most steps are short: each
+        eviction frees at least 1/64 of the cache, as the tree's eviction walks every node."""
         short = n - self.allocator.num_free_slots
         if short > 0:
-            self.allocator.free_slots(self.tree.evict(short))
+            self.allocator.free_slots(self.tree.evict(max(short, self.allocator.cache.num_slots // 64)))
+
+    def share(self, ids: Sequence[int], slots: torch.Tensor, m: PrefixMatch) -> PrefixMatch | None:
+        """A request whose prompt ``ids`` (K/V in ``slots``, its row's, written by the steps
+        scheduled so far) just completed, and whose match is ``m``: cache the prompt and return
+        its new locked match (``m`` unlocked); None, changing nothing, where the tree holds more
+        of the prompt than ``m`` (module docstring)."""
+        whole = [*ids, -1]  # an id never cached: the match may cover every prompt token
+        if self.tree.match(whole).n != m.n:
+            return None
+        self.tree.insert(ids, slots)  # no duplicates: the tree's part of the prompt is ``m``
+        new = self.tree.match(whole)
+        self.tree.lock(new.node)
+        self.tree.unlock(m.node)
+        return new
 
     def release(self, ids: Sequence[int], slots: torch.Tensor, m: PrefixMatch) -> torch.Tensor:
         """A finished request's end: ``ids`` (the known tokens to cache, starting with its

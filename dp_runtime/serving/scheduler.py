@@ -270,6 +270,13 @@ class Scheduler:
         for r, n, sample in zip(reqs, takes, samples, strict=True):
             r.kv_len += n
             r.inflight += sample
+        for r, _ in picks if self.prefix is not None else ():
+            if r.prefilled and (m := self.prefix.share(r.request.prompt_ids, self.allocator.slots_of(r.row, r.kv_len),
+                                                        r.match)) is not None:
+                # Its prompt's slots are the cache's now (locked): its reservation shrinks as much.
+                r.reserved -= m.n - r.match.n
+                self._reserved -= m.n - r.match.n
+                r.match = m
         return ScheduledStep(batch, reqs, takes, samples, num_decode=len(decode), draws=draws)
 
     def _decode(self, running: list[RequestState]) -> ScheduledStep:
@@ -341,7 +348,7 @@ class Scheduler:
         if r.row >= 0:  # admitted: it holds a row and slots
             slots = self.allocator.slots_of(r.row, r.kv_len)
             if self.prefix is not None:  # the known tokens go to the cache (prefix_reuse.py)
-                n = r.cached if reason == "error" else min(r.kv_len, r.prompt_len + len(r.output))
+                n = r.match.n if reason == "error" else min(r.kv_len, r.prompt_len + len(r.output))
                 slots = self.prefix.release([*r.request.prompt_ids, *r.output][:n], slots, r.match)
             self.allocator.free_slots(slots)
             self.allocator.free_row(r.row)
