@@ -192,8 +192,8 @@ class Scheduler:
         if len(self.running) >= self.max_running_requests:
             return False
         m = self.prefix.claim(r.request.prompt_ids) if self.prefix is not None else None
-        need = r.request.max_total_tokens - (m.n if m else 0)
-        if self._reserved + need + (self.prefix.locked_tokens if m else 0) > self.cache.num_slots:
+        need = r.request.max_total_tokens - (0 if m is None else m.n)
+        if self._reserved + need + (0 if m is None else self.prefix.locked_tokens) > self.cache.num_slots:
             if m is not None:
                 self.prefix.unclaim(m)
             return False
