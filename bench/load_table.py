@@ -20,9 +20,9 @@ def print_table(report: dict[str, Any]) -> None:
           f"dispatcher {h['dispatcher']}, attention {h['attention']}, graphs {h['graphs']}; lengths {h['lengths']}; "
           f"{h['arrival']} arrivals, {h['num_requests']} requests per rate; max running {h['max_running_requests']}, "
           f"prefill chunk {h['chunked_prefill_size']}; build {h['build_s']:.0f} s")
-    print(f"{'mixed':>5} {'policy':>6} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} "
+    print(f"{'mixed':>5} {'policy':>6} {'cache':>5} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} "
           f"{'p99':>7} {'ITL p50':>8} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'E2E p50':>8} {'p99':>7} "
-          f"{'max run':>8} {'steps d/e/m':>16} {'bound':>8} {'eff':>5} {'occ':>5} {'ideal':>5}")
+          f"{'max run':>8} {'steps d/e/m':>16} {'bound':>8} {'eff':>5} {'occ':>5} {'ideal':>5} {'cached':>6}")
     for r in report["rows"]:
         def p(key: str, q: str, r: dict[str, Any] = r) -> str:
             v = r[key][q]
@@ -34,14 +34,17 @@ def print_table(report: dict[str, Any]) -> None:
         rate = _rate(r)
         steps = "/".join(str(r["steps"][k]) for k in STEP_KINDS)
         bound = f"{r['decode_bound_tok_s']:>8.1f}" if r["decode_bound_tok_s"] else f"{'-':>8}"
-        print(f"{'on' if r['mixed'] else 'off':>5} {r['policy']:>6} {rate:>6} {r['completed']:>5} "
+        cache = "on" if r.get("prefix_caching") else "off"
+        cached = r.get("cached_tokens", 0) / r["prompt_tokens"] if r.get("prompt_tokens") else 0
+        print(f"{'on' if r['mixed'] else 'off':>5} {r['policy']:>6} {cache:>5} {rate:>6} {r['completed']:>5} "
               f"{r['request_throughput'] or 0:>7.2f} {r['output_tok_s'] or 0:>10.1f}  {p('ttft_s', 'p50')} "
               f"{p('ttft_s', 'p99')}  {p('itl_s', 'p50')} {p('itl_s', 'p99')}  {p('tpot_s', 'p50')} "
               f"{p('tpot_s', 'p99')}  {p('e2e_s', 'p50')} {p('e2e_s', 'p99')} {max(r['max_running']):>8} "
-              f"{steps:>16} {bound} {pct(r['efficiency'])} {pct(r['occupancy'])} {pct(r['ideal_occupancy'])}")
+              f"{steps:>16} {bound} {pct(r['efficiency'])} {pct(r['occupancy'])} {pct(r['ideal_occupancy'])} {pct(cached):>6}")
     print("times in ms; max run: the most requests running at once on one rank; steps: decode/extend/mixed "
           "(all ranks); bound: decode-only out tok/s at max run (decode probe); eff: out tok/s / bound; "
-          "occ: output tokens / (steps x max run); ideal: the occupancy of an ideal rank (load_summary)")
+          "occ: output tokens / (steps x max run); ideal: the occupancy of an ideal rank (load_summary); "
+          "cache: prefix caching; cached: prompt tokens served from the prefix cache")
     for r in report["rows"]:
         g = r.get("gpu")
         if not g:

@@ -97,6 +97,9 @@
 #                                   #   penalized serving run at 256 running
 #   bash bench/run_gpu.sh reppen20  # one GPU: penalty/sampling GPU tests (the repetition penalty's no-sync draw);
 #                                   #   serve_load at RUNNING (256) with repetition_penalty 1.1, then plain
+#   bash bench/run_gpu.sh prefix20  # one GPU: prefix-caching GPU tests (+ mixed/overlap: extends after a cached
+#                                   #   prefix), then serve_load with a shared prompt prefix, without and with
+#                                   #   --prefix-caching (PREFIX 1024 shared tokens, RUNNING 64, rates RATES inf,16)
 #   bash bench/run_gpu.sh adj19     # one GPU: penalty GPU tests; serve_load with every penalty at RUNNING (256) in
 #                                   #   .bases/b12 (torch ops) and here (one Triton pass), then plain here
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
@@ -685,6 +688,16 @@ case "${1:-one}" in
     [ "${PLAIN:-1}" = 0 ] || TAIL=2 step plain${n} timeout ${TLOAD:-200} python bench/serve_load.py --model \
       qwen3-30b-a3b --device cuda --rates inf --num-requests $(( n * 2 )) --max-running-requests $n --policy lof \
       --json --gpu-spans
+    ;;
+  prefix20)  # one GPU: prefix caching (opt-in until this run): its GPU tests (bf16, SDPA/FlashInfer, eager/graphs,
+              # one by one/together, eviction) with the mixed/overlap ones (extends after a cached prefix), then
+              # serve_load where every prompt starts with the same PREFIX (1024) tokens, off then on, side by side
+    [ "${TESTS:-1}" = 0 ] || step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q \
+      -rs tests/test_prefix_caching_gpu.py tests/test_mixed_steps_gpu.py tests/test_overlap_gpu.py
+    n=${RUNNING:-64}
+    TAIL=12 step prefix${n} timeout ${TLOAD:-420} python bench/serve_load.py --model qwen3-30b-a3b --device cuda \
+      --rates ${RATES:-inf,16} --num-requests $(( n * 4 )) --max-running-requests $n --lengths random:256:128:0.5 \
+      --shared-prefix-len ${PREFIX:-1024} --prefix-caching both
     ;;
   plan13)  # one GPU: the planner's estimates against the rank's own accounting, 64 and 256 running (a rank each)
     plan_measures 115

@@ -17,6 +17,8 @@ data set (uniform in ``[X*(1-RATIO), X*(1+RATIO)]``; exactly IN and OUT for RATI
 default). Every request generates exactly its output length (no stop token), greedy unless
 ``--temperature`` (with ``--top-p``, ``--top-k``; request i draws with seed i);
 ``--frequency-penalty`` / ``--presence-penalty`` / ``--repetition-penalty`` on every request.
+``--shared-prefix-len N``: every prompt of every rate starts with the same N tokens (a system
+prompt; the drawn prompt length follows them), the workload prefix caching serves.
 Arrivals:
 a Poisson process at each of ``--rates`` requests/s (``--arrival fixed``: evenly spaced;
 ``inf``: all at once), the first at 0.
@@ -42,8 +44,11 @@ steps by kind over the ranks; a decode probe at the rate's ``max run`` R times t
 tokens over steps x R, the batch's fill; ``ideal`` is the occupancy the workload allows an ideal
 rank under the same admission rules (``load_summary.ideal_occupancy``: every step equally long,
 no KV limit), the ceiling of ``eff`` where steps run at the decode step's speed. ``--mixed both``
-and ``--policy both`` (the scheduler's admission order, RuntimeConfig.schedule_policy): every
-rate in each variant, on a fresh set of ranks each.
+and ``--policy both`` (the scheduler's admission order, RuntimeConfig.schedule_policy), and
+``--prefix-caching off|on|both`` (RuntimeConfig.prefix_caching; the flag alone: on): every
+rate in each variant, on a fresh set of ranks each. With prefix caching a rank's cache lives
+across the rates of a variant (the warmup's prompts share no prefix); ``cached``: the prompt
+tokens served from it over all prompt tokens.
 """
 
 from __future__ import annotations
@@ -115,6 +120,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the mixed steps' token budget (RuntimeConfig.mixed_step_tokens): auto or an int")
     p.add_argument("--policy", default="fcfs", choices=("fcfs", "lof", "both"),
                    help="admission order (RuntimeConfig.schedule_policy); both: fcfs, then lof")
+    p.add_argument("--prefix-caching", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                   help="RuntimeConfig.prefix_caching (the flag alone: on); both: off, then on")
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="every prompt starts with the same this many tokens (then its drawn length)")
     p.add_argument("--probe-tokens", type=int, default=32,
                    help="tokens per decode-probe request (the decode-only bound); 0: no probe")
     p.add_argument("--probe-prompt-len", type=int, default=64, help="prompt tokens of a decode-probe request")
@@ -144,7 +153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("num_requests", "dp", "max_running_requests", "chunked_prefill_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("warmup", "probe_tokens"):
+    for name in ("warmup", "probe_tokens", "shared_prefix_len"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.probe_prompt_len < 1:
@@ -167,7 +176,7 @@ def _model_config(model: str) -> ModelConfig:
 
 
 def build_spec(args: argparse.Namespace, world: int, device: str, requests: list[Request],
-               mixed: bool = True, policy: str = "fcfs") -> RankSpec:
+               mixed: bool = True, policy: str = "fcfs", caching: bool = False) -> RankSpec:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     return RankSpec.create(
         args.model, model_overrides={"num_layers": args.layers} if args.layers else None, dp_size=world,
@@ -175,6 +184,7 @@ def build_spec(args: argparse.Namespace, world: int, device: str, requests: list
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=args.dispatcher, attention=args.attention,
         max_context_len=max(r.max_total_tokens for r in requests), seed=args.seed, mixed_steps=mixed,
         schedule_policy=policy, mixed_step_tokens=args.mixed_step_tokens, kv_cache_dtype=args.kv_cache_dtype,
+        prefix_caching=caching,
     )
 
 
@@ -183,7 +193,7 @@ def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, l
     """Every rate through ``ranks``, then the decode probes (module docstring); the rows and
     the per-request entries on rank 0 (empty elsewhere). Collective under torchrun."""
     rows, per_request = [], []
-    mixed, policy, kv = rt.mixed_steps, rt.schedule_policy, _kv_name(rt)
+    mixed, policy, kv, caching = rt.mixed_steps, rt.schedule_policy, _kv_name(rt), rt.prefix_caching
     for rate, reqs in batches:
         before = step_kinds(ranks.all_metrics)
         results = ranks.run(reqs)
@@ -197,13 +207,16 @@ def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, l
                                 policy, mixed) if math.isinf(rate) else None
         n_steps, most = sum(steps.values()), max(row["max_running"])
         occ = row["output_tokens"] / (n_steps * most) if n_steps and most else None
+        prompt_tokens = sum(r.prompt_len for r in results)
         rows.append(dict(row, mixed=mixed, policy=policy, kv_cache_dtype=kv, steps=steps, occupancy=occ,
-                         ideal_occupancy=ideal)
+                         ideal_occupancy=ideal, prefix_caching=caching, prompt_tokens=prompt_tokens,
+                         cached_tokens=sum(r.cached_tokens for r in results))
                     | ({"gpu": ranks.gpu} if getattr(ranks, "gpu", None) else {}))
         arrival = {r.rid: r.arrival_s for r in reqs}
         per_request += [dict(rid=r.rid, rank=r.rank, arrival_s=arrival[r.rid], prompt_len=r.prompt_len,
                              output_len=len(r.output_ids), queued_s=r.queued_s, ttft_s=r.ttft_s,
-                             latency_s=r.latency_s, error=r.error, mixed=mixed, policy=policy) for r in results]
+                             latency_s=r.latency_s, error=r.error, mixed=mixed, policy=policy,
+                             prefix_caching=caching, cached_tokens=r.cached_tokens) for r in results]
     # The probes' sizes are rank 0's numbers: every rank must run the same ones.
     sizes = ranks.agree(sorted({max(r["max_running"]) for r in rows}) if args.probe_tokens else [])
     step_s = {}
@@ -237,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     mc = _model_config(args.model)
     vocab = mc.vocab_size
     batches = [(rate, make_requests(args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}",
-                                    args.sampling)) for i, rate in enumerate(args.rates)]
+                                    args.sampling, args.shared_prefix_len)) for i, rate in enumerate(args.rates)]
     ray_started = own_group = False
     if args.launcher == "ray":
         import ray
@@ -258,8 +271,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         rank = dist.get_rank() if world > 1 else 0
     failed = True
-    modes = [(m, p) for m in {"on": (True,), "off": (False,), "both": (False, True)}[args.mixed]
-             for p in {"fcfs": ("fcfs",), "lof": ("lof",), "both": ("fcfs", "lof")}[args.policy]]
+    flags = {"on": (True,), "off": (False,), "both": (False, True)}
+    modes = [(m, p, c) for m in flags[args.mixed]
+             for p in {"fcfs": ("fcfs",), "lof": ("lof",), "both": ("fcfs", "lof")}[args.policy]
+             for c in flags[args.prefix_caching]]
     rows, per_request, build_s = [], [], 0.0
     try:
         # Unreported: on every rank a whole-chunk step and an extend with a cached prefix build
@@ -270,8 +285,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         probe = decode_probe_requests(1, 1, vocab, args.seed, prompt_len=args.probe_prompt_len,
                                       new_tokens=max(args.probe_tokens, 1), tag="size")
         everything = [r for _, b in batches for r in b] + warm + (probe if args.probe_tokens else [])
-        for mixed, policy in modes:
-            spec = build_spec(args, world, device, everything, mixed, policy)
+        for mixed, policy, caching in modes:
+            spec = build_spec(args, world, device, everything, mixed, policy, caching)
             t0 = time.perf_counter()
             ranks = (RayRanks(spec, not args.json) if args.launcher == "ray"
                      else InProcessRank(spec, rank, world, rank == 0 and not args.json, args.gpu_spans))
@@ -309,7 +324,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                       repetition_penalty=args.repetition_penalty),
         num_requests=args.num_requests, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=m.get("dispatcher"), attention=m.get("attention"),
-        graphs=m.get("graphs"), build_s=build_s, mixed_steps=[m for m, _ in modes], policies=[p for _, p in modes], kv_slots=m.get("kv_slots"),
+        graphs=m.get("graphs"), build_s=build_s, mixed_steps=[m for m, _, _ in modes], policies=[p for _, p, _ in modes], kv_slots=m.get("kv_slots"),
+        prefix_caching=[c for _, _, c in modes], shared_prefix_len=args.shared_prefix_len,
         memory_gib={k: round(v / 2**30, 3) for k, v in m.get("memory", {}).items()},
     )
     out: dict[str, Any] = dict(header=header, rows=rows)

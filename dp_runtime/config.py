@@ -46,6 +46,8 @@ mixed_step_tokens                     1 <= value <= chunked_prefill_size: the mo
 schedule_policy                       "fcfs" (arrival order) / "lof" (longest output       ("fcfs")
                                       first: the arrived request with the most
                                       max_new_tokens is admitted first)
+prefix_caching                        bool: reuse the K/V of cached prompt prefixes         (False)
+                                      (serving/prefix_cache.py; opt-in until GPU-checked)
 dtype                                 a torch.dtype or a name: bfloat16, bf16, float16,   (bfloat16)
                                       fp16, float32, fp32
 kv_cache_dtype                        ``dtype`` or float8_e4m3fn (names: fp8, fp8_e4m3):  dtype
@@ -152,6 +154,7 @@ class RuntimeConfig:
     mixed_steps: bool = True
     mixed_step_tokens: int | str = "auto"
     schedule_policy: str = "fcfs"
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -239,8 +242,9 @@ class RuntimeConfig:
             out[name] = value
         if not isinstance(self.overlap_schedule, bool):
             raise _fail("overlap_schedule must be a bool", overlap_schedule=self.overlap_schedule)
-        if not isinstance(self.mixed_steps, bool):
-            raise _fail("mixed_steps must be a bool", mixed_steps=self.mixed_steps)
+        for name in ("mixed_steps", "prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(f"{name} must be a bool", **{name: getattr(self, name)})
         mixed = self.mixed_step_tokens
         if mixed == "auto":
             # A mixed step within the largest extend bucket replays graphs: past it the step runs

@@ -231,7 +231,7 @@ class RankWorker:
                    decode_attention=getattr(self.attention, "decode_kernels", self.attention_kind),
                    graphs=self.graphs is not None, kv_slots=self.kv_cache.num_slots,
                    kv_cache_dtype=str(self.kv_cache.dtype).removeprefix("torch."),
-                   free_kv_slots=self.scheduler.allocator.num_free_slots, memory=dict(self._memory))
+                   memory=dict(self._memory), **self.scheduler.kv_metrics())
         return out
 
     def memory_report(self) -> dict[str, int]:

@@ -100,6 +100,11 @@ def serve(
         help="KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes "
         "per token, twice the slots; K/V rounded to e4m3).",
     ),
+    prefix_caching: bool = typer.Option(
+        False,
+        "--prefix-caching",
+        help="Reuse the KV of prompt prefixes cached from earlier requests on the same rank.",
+    ),
     max_queued: int = typer.Option(
         1024, "--max-queued", help="Requests waiting beyond the running ones; more get 429."
     ),
@@ -139,6 +144,7 @@ def serve(
         schedule_policy=schedule_policy,
         mixed_step_tokens=mixed_step_tokens,
         kv_cache_dtype=kv_cache_dtype,
+        prefix_caching=prefix_caching,
         max_queued=max_queued,
         context_len=context_len,
         drain_timeout=drain_timeout,
@@ -180,6 +186,7 @@ def _prepare(o: dict[str, Any]) -> dict[str, Any]:
         schedule_policy=o["schedule_policy"],
         mixed_step_tokens=o["mixed_step_tokens"],
         kv_cache_dtype=o["kv_cache_dtype"],
+        prefix_caching=o["prefix_caching"],
         context_len=o["context_len"],
         max_restarts=o["max_restarts"],
         log_level=o["log_level"],

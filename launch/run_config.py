@@ -58,6 +58,7 @@ class RunConfig:
     schedule_policy: str = "fcfs"  # admission order: fcfs (arrival) | lof (longest output first)
     mixed_step_tokens: int | str = "auto"  # a mixed step's token budget; auto: the largest extend graph
     kv_cache_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | fp8_e4m3 (alias fp8)
+    prefix_caching: bool = False  # reuse the K/V of cached prompt prefixes (per rank)
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -73,6 +74,8 @@ class RunConfig:
         check_choice("--dtype", self.dtype, DTYPES)
         check_choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
         check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if not isinstance(self.prefix_caching, bool):
+            raise UsageError(f"--prefix-caching is a flag (true or false), got {self.prefix_caching!r}")
         mixed = self.mixed_step_tokens
         if mixed != "auto" and (isinstance(mixed, bool) or not isinstance(mixed, int)
                                 or not 1 <= mixed <= self.chunked_prefill_size):
@@ -103,7 +106,7 @@ class RunConfig:
             max_running_requests=self.max_running_requests, chunked_prefill_size=self.chunked_prefill_size,
             dp_sync_timeout_s=self.dp_sync_timeout_s, seed=self.seed, max_context_len=self.context_len,
             schedule_policy=self.schedule_policy, mixed_step_tokens=self.mixed_step_tokens,
-            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_dtype=self.kv_cache_dtype, prefix_caching=self.prefix_caching,
         )
 
     def model_config(self) -> ModelConfig:

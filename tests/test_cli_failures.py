@@ -140,7 +140,8 @@ def test_check_gang_options_is_the_shared_entry():
                 workload=None, launcher="local", ray_address=None, max_restarts=None, device="cpu",
                 dtype="auto", max_running_requests=4, chunked_prefill_size=64, context_len=None,
                 hang_timeout=None, num_cpus=None, seed=0, as_json=False, with_results=False,
-                log_level="warning", schedule_policy="fcfs", mixed_step_tokens="auto", kv_cache_dtype="auto")
+                log_level="warning", schedule_policy="fcfs", mixed_step_tokens="auto", kv_cache_dtype="auto",
+                prefix_caching=False)
     assert check_run_options(base).cfg.requests == 2
     typed = check_run_options({**base, "schedule_policy": "lof", "mixed_step_tokens": "16", "kv_cache_dtype": "fp8"})
     assert (typed.spec.runtime.schedule_policy, typed.spec.runtime.mixed_step_tokens) == ("lof", 16)

@@ -1,5 +1,7 @@
 """`dp-runtime serve` of a preset (random weights, no tokenizer): token-id prompts work, text and
-chat prompts get 400 saying why; /health needs no key; Ctrl-C exits 0."""
+chat prompts get 400 saying why; /health needs no key; Ctrl-C exits 0. The server runs with
+``--prefix-caching``: a repeated prompt gives the same tokens and its usage and /metrics count
+the prompt tokens served from the cache."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ def server(tmp_path_factory):
         "tiny",
         "--launcher",
         "local",
+        "--prefix-caching",
         env={"DP_RUNTIME_API_KEY": "k"},
     ) as srv:
         yield srv
@@ -55,6 +58,24 @@ def test_text_and_chat_are_400_saying_there_is_no_tokenizer(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert info.value.body["param"] == "messages" and "send token ids" in info.value.body["message"]
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(server, client):
+    before = server.metrics("k")
+    kw = dict(model="tiny", prompt=list(range(30, 60)), max_tokens=4, temperature=0)
+    first = client.completions.create(**kw)
+    again = client.completions.create(**kw)
+    streamed = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 29  # all but the last prompt token
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == 29
+    ids = first.choices[0].model_extra["token_ids"]
+    assert again.choices[0].model_extra["token_ids"] == ids
+    assert [t for c in streamed if c.choices for t in c.choices[0].model_extra["token_ids"]] == ids
+    after = server.metrics("k")
+    key = ("dp_runtime_prefix_cache_hit_tokens_total", (("rank", "0"),))
+    assert after[key] - before.get(key, 0) == 2 * 29
+    assert after[("dp_runtime_prefix_cache_tokens", (("rank", "0"),))] >= 33
 
 
 def test_api_key_from_the_environment(server):

@@ -18,7 +18,7 @@ from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.serving.forward_batch import ForwardBatch
 from dp_runtime.serving.kv_allocator import KVAllocator
 
-__all__ = ["decode_forward_batch", "extend_forward_batch"]
+__all__ = ["decode_forward_batch", "extend_forward_batch", "write_prefix"]
 
 
 def _host_block(cache, n: int) -> torch.Tensor:
@@ -151,3 +151,16 @@ def extend_forward_batch(
         extend_seq_lens_cpu=ext,
         extend_prefix_lens_cpu=prefix,
     )
+
+
+def write_prefix(allocator: KVAllocator, row: int, slots: torch.Tensor) -> None:
+    """Row ``row``'s first ``len(slots)`` tokens live in ``slots`` (host int64: a prefix cache
+    match, K/V already written): the allocator's host record, and one asynchronous copy and
+    write of ``req_to_token[row, :n]`` (stream order puts it after the steps that used the row
+    before and before the request's first step)."""
+    cache = allocator.cache
+    n = int(slots.numel())
+    host = _host_block(cache, n)
+    host.copy_(slots)
+    allocator.record(torch.full((n,), int(row), dtype=torch.int64), torch.arange(n), host)
+    cache.req_to_token[row, :n] = host.to(cache.device, non_blocking=True).to(torch.int32)

@@ -273,7 +273,8 @@ class RequestResult:
     ``token_times_s``: from arrival to each output token (so ``ttft_s`` is the first and
     ``latency_s`` the last; empty for a request refused before running). ``decode_steps``
     counts the decode forwards it took part in. ``logprobs``: one ``TokenLogprob`` per output
-    token when the request asked (``SamplingParams.logprobs``), else None.
+    token when the request asked (``SamplingParams.logprobs``), else None. ``cached_tokens``:
+    its prompt tokens served from the rank's prefix cache (``RuntimeConfig.prefix_caching``).
     """
 
     rid: str
@@ -291,6 +292,7 @@ class RequestResult:
     error: str | None = None
     token_times_s: tuple[float, ...] = ()
     logprobs: tuple[TokenLogprob, ...] | None = None
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not prefilled)
 
     @property
     def ok(self) -> bool:

@@ -41,6 +41,11 @@ how long until the next one). A request's times count from its arrival.
 Slots are allocated when a token is scheduled and freed when the request finishes. Times are
 ``time.perf_counter`` seconds.
 
+Prefix caching (``prefix_caching``, off by default; prefix_reuse.py has the rules): a request
+starts from the K/V of its prompt's longest cached prefix and reserves the rest of its
+``max_total_tokens``; the cache's slots in use by running requests count as taken, so the
+guarantee above holds; a finished request's known tokens are cached.
+
 Overlap: a step's bookkeeping that does not depend on token values (K/V lengths, slots) is
 done when it is scheduled, so the next step can be scheduled before this one's tokens are
 read. A decode batch, and the decode rows of a mixed one, take their input ids on the device
@@ -57,79 +62,19 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 
 from dp_runtime.config import SCHEDULE_POLICIES, RuntimeConfig
-from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.serving.admission import check_request, kv_refusal, refused_result
-from dp_runtime.serving.forward_batch import ForwardBatch
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.paged_batches import decode_forward_batch, extend_forward_batch
+from dp_runtime.serving.prefix_reuse import PrefixReuse
 from dp_runtime.serving.request import Request, RequestResult, TokenLogprob
 from dp_runtime.serving.sampling import RowFailure
+from dp_runtime.serving.scheduled_step import RequestState, ScheduledStep
 
 __all__ = ["ScheduledStep", "Scheduler"]
-
-
-@dataclass(eq=False)
-class _Req:
-    """A request on this rank, with the scheduler's bookkeeping."""
-
-    request: Request
-    t_arrival: float
-    row: int = -1  # req_to_token row once admitted
-    kv_len: int = 0  # tokens whose K/V are in the cache
-    output: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
-    t_first_forward: float | None = None
-    t_first_token: float | None = None
-    token_times: list[float] = field(default_factory=list)  # seconds after arrival
-    decode_steps: int = 0
-    inflight: int = 0  # sampling steps scheduled whose token advance has not recorded yet
-    done: bool = False  # finished: later tokens of steps already in flight are dropped
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_ids)
-
-    @property
-    def prefilled(self) -> bool:
-        return self.kv_len >= self.prompt_len
-
-    @property
-    def decodable(self) -> bool:
-        """Prefilled (maybe still in flight), and its next token is not known to be its last."""
-        return self.prefilled and len(self.output) + self.inflight < self.request.sampling.max_new_tokens
-
-
-@dataclass(frozen=True)
-class ScheduledStep:
-    """One step's batch and what the scheduler needs back: for each request of the batch (in
-    batch order) the tokens it runs, and whether its logits row samples a token."""
-
-    batch: ForwardBatch
-    reqs: tuple[_Req, ...]
-    num_new: tuple[int, ...]
-    samples: tuple[bool, ...]
-    num_decode: int = 0  # an EXTEND batch's leading decode rows (a mixed step); 0 otherwise
-    draws: tuple[int, ...] = ()  # where a row samples: the index in its output of the token drawn
-
-    @property
-    def is_extend(self) -> bool:
-        return self.batch.forward_mode is ForwardMode.EXTEND
-
-    @property
-    def kind(self) -> str:
-        """"decode", "extend" (prefill chunks only) or "mixed" (decode rows and chunks)."""
-        if not self.is_extend:
-            return "decode"
-        return "mixed" if self.num_decode else "extend"
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new)
 
 
 class Scheduler:
@@ -145,11 +90,13 @@ class Scheduler:
         vocab_size: the model's vocabulary; prompt token ids must lie below it (None: unchecked).
         eos_token_ids: the checkpoint's EOS ids: a request stops at one (reason "stop") unless
             its sampling says ``ignore_eos``.
+        prefix_caching: reuse cached prefixes' K/V (RuntimeConfig.prefix_caching).
     """
 
     def __init__(self, allocator: KVAllocator, *, max_running_requests: int, chunked_prefill_size: int,
                  rank: int = 0, vocab_size: int | None = None, eos_token_ids: Iterable[int] = (),
-                 mixed_steps: bool = True, mixed_step_tokens: int | None = None, policy: str = "fcfs") -> None:
+                 mixed_steps: bool = True, mixed_step_tokens: int | None = None, policy: str = "fcfs",
+                 prefix_caching: bool = False) -> None:
         cache = allocator.cache
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"Scheduler: policy must be one of {SCHEDULE_POLICIES}, got {policy!r}")
@@ -166,9 +113,10 @@ class Scheduler:
         self.rank = rank
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[_Req] = deque()
-        self.running: list[_Req] = []
-        self._reserved = 0  # KV slots the running requests may hold at their end
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self._reserved = 0  # KV slots the running requests may still take (RequestState.reserved)
+        self.prefix = PrefixReuse(allocator) if prefix_caching else None
         self._rids: set[str] = set()
         # The token each request row sampled last, on the device: decode input ids (module docstring).
         self.last_tokens = torch.zeros(cache.req_to_token.shape[0], dtype=torch.int64, device=cache.device)
@@ -180,7 +128,8 @@ class Scheduler:
         return cls(allocator, max_running_requests=cfg.max_running_requests,
                    chunked_prefill_size=cfg.chunked_prefill_size, rank=rank, vocab_size=vocab_size,
                    eos_token_ids=eos_token_ids, mixed_steps=cfg.mixed_steps,
-                   mixed_step_tokens=cfg.mixed_step_tokens, policy=cfg.schedule_policy)
+                   mixed_step_tokens=cfg.mixed_step_tokens, policy=cfg.schedule_policy,
+                   prefix_caching=cfg.prefix_caching)
 
     # -- requests in -----------------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> list[RequestResult]:
@@ -206,7 +155,7 @@ class Scheduler:
                 refused.append(refused_result(r, kv_refusal(r, self.cache.num_slots), rank=self.rank))
                 continue
             # insort_right: arrival order, and submission order among equal arrivals (FCFS).
-            bisect.insort_right(self.waiting, _Req(r, now + r.arrival_s), key=lambda q: q.t_arrival)
+            bisect.insort_right(self.waiting, RequestState(r, now + r.arrival_s), key=lambda q: q.t_arrival)
             self._rids.add(r.rid)
         return refused
 
@@ -219,6 +168,14 @@ class Scheduler:
         """Queued requests, those that have not arrived yet included."""
         return len(self.waiting)
 
+    def kv_metrics(self) -> dict[str, int]:
+        """``free_kv_slots``: the slots new tokens can take (the prefix cache's evictable ones
+        included); ``prefix_hit_tokens``: prompt tokens served from the prefix cache, in all;
+        ``prefix_cached_tokens``: tokens it holds."""
+        p = self.prefix
+        return dict(free_kv_slots=self.allocator.num_free_slots if p is None else p.free_slots,
+                    prefix_hit_tokens=p.hit_tokens if p else 0, prefix_cached_tokens=p.tree.cached_tokens if p else 0)
+
     def next_arrival_in(self, now: float | None = None) -> float | None:
         """Seconds from ``now`` (default: the clock) until the head of the queue arrives: 0 when
         it has (it arrived after the last ``next_step`` looked, or waits for room); None for an
@@ -229,11 +186,27 @@ class Scheduler:
         return max(0.0, self.waiting[0].t_arrival - now)
 
     # -- batches out -----------------------------------------------------------------------------
-    def _admissible(self, r: _Req) -> bool:
-        return (
-            len(self.running) < self.max_running_requests
-            and self._reserved + r.request.max_total_tokens <= self.cache.num_slots
-        )
+    def _admit(self, r: RequestState) -> bool:
+        """Give ``r`` a row, its reservation and its cached prefix if it fits (module
+        docstring: admission, prefix caching); False, changing nothing, if it does not."""
+        if len(self.running) >= self.max_running_requests:
+            return False
+        m = self.prefix.claim(r.request.prompt_ids) if self.prefix is not None else None
+        need = r.request.max_total_tokens - (0 if m is None else m.n)
+        if self._reserved + need + (0 if m is None else self.prefix.locked_tokens) > self.cache.num_slots:
+            if m is not None:
+                self.prefix.unclaim(m)
+            return False
+        r.row, r.reserved, r.match = self.allocator.alloc_row(), need, m
+        self._reserved += need
+        if m is not None:
+            r.kv_len = r.cached = m.n
+            self.prefix.place(r.row, m)
+        return True
+
+    def _make_room(self, n: int) -> None:
+        if self.prefix is not None:
+            self.prefix.make_room(n)
 
     def next_step(self) -> ScheduledStep | None:
         """The batch of this rank's next step, or None when it has nothing to run now (the
@@ -245,23 +218,21 @@ class Scheduler:
             return self._extend(decode if mixed else [], picks)
         return self._decode(decode) if decode else None
 
-    def _prefill_picks(self, budget: int) -> list[tuple[_Req, int]]:
+    def _prefill_picks(self, budget: int) -> list[tuple[RequestState, int]]:
         """The prefill chunks of a step within ``budget`` tokens: the partly prefilled request
         first, then arrived requests admitted from the queue while they fit."""
         now = time.perf_counter()
-        picks: list[tuple[_Req, int]] = []
+        picks: list[tuple[RequestState, int]] = []
         for r in self.running:
             if not r.prefilled and budget > 0:
                 take = min(r.prompt_len - r.kv_len, budget)
                 picks.append((r, take))
                 budget -= take
-        while budget > 0 and (i := self._next_admission(now)) is not None and self._admissible(self.waiting[i]):
+        while budget > 0 and (i := self._next_admission(now)) is not None and self._admit(self.waiting[i]):
             r = self.waiting[i]
             del self.waiting[i]
-            r.row = self.allocator.alloc_row()
-            self._reserved += r.request.max_total_tokens
             self.running.append(r)
-            take = min(r.prompt_len, budget)
+            take = min(r.prompt_len - r.kv_len, budget)
             picks.append((r, take))
             budget -= take
         return picks
@@ -277,17 +248,18 @@ class Scheduler:
         # max() keeps the first of equals: arrival order among the same max_new_tokens.
         return max(range(arrived), key=lambda i: self.waiting[i].request.sampling.max_new_tokens)
 
-    def _stamp(self, reqs: Iterable[_Req]) -> None:
+    def _stamp(self, reqs: Iterable[RequestState]) -> None:
         now = time.perf_counter()
         for r in reqs:
             if r.t_first_forward is None:
                 r.t_first_forward = now
 
-    def _extend(self, decode: list[_Req], picks: list[tuple[_Req, int]]) -> ScheduledStep:
+    def _extend(self, decode: list[RequestState], picks: list[tuple[RequestState, int]]) -> ScheduledStep:
         # Decode rows first: their ids are one device gather from last_tokens (paged_batches).
         reqs = (*decode, *(r for r, _ in picks))
         takes = (1,) * len(decode) + tuple(n for _, n in picks)
         ids = [t for r, n in picks for t in r.request.prompt_ids[r.kv_len : r.kv_len + n]]
+        self._make_room(sum(takes))
         batch = extend_forward_batch(self.allocator, [r.row for r in reqs], [r.kv_len for r in reqs], takes, ids,
                                      decode_rows=len(decode), token_table=self.last_tokens if decode else None)
         self._stamp(r for r, _ in picks)
@@ -298,10 +270,18 @@ class Scheduler:
         for r, n, sample in zip(reqs, takes, samples, strict=True):
             r.kv_len += n
             r.inflight += sample
+        for r, _ in picks if self.prefix is not None else ():
+            if r.prefilled and (m := self.prefix.share(r.request.prompt_ids, self.allocator.slots_of(r.row, r.kv_len),
+                                                        r.match)) is not None:
+                # Its prompt's slots are the cache's now (locked): its reservation shrinks as much.
+                r.reserved -= m.n - r.match.n
+                self._reserved -= m.n - r.match.n
+                r.match = m
         return ScheduledStep(batch, reqs, takes, samples, num_decode=len(decode), draws=draws)
 
-    def _decode(self, running: list[_Req]) -> ScheduledStep:
+    def _decode(self, running: list[RequestState]) -> ScheduledStep:
         reqs = tuple(running)
+        self._make_room(len(reqs))
         batch = decode_forward_batch(self.allocator, [r.row for r in reqs], [r.kv_len for r in reqs],
                                      token_table=self.last_tokens)
         draws = tuple(len(r.output) + r.inflight for r in reqs)
@@ -363,12 +343,16 @@ class Scheduler:
             out.append(self._finish(r, "abort", now))
         return out
 
-    def _finish(self, r: _Req, reason: str, now: float, error: str | None = None) -> RequestResult:
+    def _finish(self, r: RequestState, reason: str, now: float, error: str | None = None) -> RequestResult:
         r.done = True
         if r.row >= 0:  # admitted: it holds a row and slots
-            self.allocator.free_slots(self.allocator.slots_of(r.row, r.kv_len))
+            slots = self.allocator.slots_of(r.row, r.kv_len)
+            if self.prefix is not None:  # the known tokens go to the cache (prefix_reuse.py)
+                n = r.match.n if reason == "error" else min(r.kv_len, r.prompt_len + len(r.output))
+                slots = self.prefix.release([*r.request.prompt_ids, *r.output][:n], slots, r.match)
+            self.allocator.free_slots(slots)
             self.allocator.free_row(r.row)
-            self._reserved -= r.request.max_total_tokens
+            self._reserved -= r.reserved
         self._rids.discard(r.request.rid)
         return RequestResult(
             rid=r.request.rid, prompt_len=r.prompt_len, output_ids=tuple(r.output),
@@ -377,4 +361,6 @@ class Scheduler:
             ttft_s=(r.t_first_token or now) - r.t_arrival, latency_s=now - r.t_arrival,
             decode_steps=r.decode_steps, token_times_s=tuple(r.token_times), error=error,
             logprobs=tuple(r.logprobs) if r.request.sampling.logprobs is not None else None,
+            cached_tokens=r.cached,
         )
+

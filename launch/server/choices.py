@@ -65,7 +65,7 @@ def submit_choices(
         for flow in flows:
             flow.close()
         raise
-    return Choices(flows, prompt_tokens=sum(len(ids) for ids, _ in prompts))
+    return Choices(flows, prompt_tokens=sum(len(ids) for ids, _ in prompts), per_prompt=n)
 
 
 class Choices:
@@ -74,9 +74,10 @@ class Choices:
     One task per choice moves its Flow's events onto a shared queue, so a choice that runs
     ahead (another rank, or its sibling still queued) is never held up by the others."""
 
-    def __init__(self, flows: list[Flow], *, prompt_tokens: int):
+    def __init__(self, flows: list[Flow], *, prompt_tokens: int, per_prompt: int = 1):
         self.flows = flows
         self.prompt_tokens = prompt_tokens  # each prompt once, however many choices it has
+        self._per_prompt = per_prompt  # flows j*n .. j*n + n-1 are prompt j's choices
         self._open = len(flows)  # choices whose last event has not been read yet
         self._merged: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -97,6 +98,14 @@ class Choices:
     @property
     def completion_tokens(self) -> int:
         return sum(f.completion_tokens for f in self.flows)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, each prompt once (its best choice), as
+        ``prompt_tokens`` counts them; a choice that a stop string ended before the engine's
+        last output came counts none."""
+        n = self._per_prompt
+        return sum(max(f.cached_tokens for f in self.flows[i : i + n]) for i in range(0, len(self.flows), n))
 
     async def next(self) -> tuple[int, Event]:
         """The next event of any choice; do not call once ``finished``."""

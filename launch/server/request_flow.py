@@ -115,6 +115,7 @@ class Flow:
         self._state, self.rid = state, rid
         self._queue, self._text = queue, text
         self.completion_tokens = 0
+        self.cached_tokens = 0  # its prompt tokens served from the prefix cache (known at the end)
         self.logprobs: list = []  # every event's logprobs, in order (when the request asked)
         self.done = False  # the client has its finish reason
         self._engine_done = False  # the engine's last output arrived
@@ -133,6 +134,7 @@ class Flow:
         if out.finished:
             self._engine_done = True
             result = out.result
+            self.cached_tokens = getattr(result, "cached_tokens", 0)
             reason = result.finish_reason
             delta = self._text.add(ids, finished=True, stop_by_token=reason == "stop")
             self.done = True

@@ -61,7 +61,7 @@ async def whole_response(
     finally:
         gone.cancel()
         choices.close()
-    use = usage(choices.prompt_tokens, choices.completion_tokens)
+    use = usage(choices.prompt_tokens, choices.completion_tokens, choices.cached_tokens)
     bodies = [
         response(kind, rid, model, created, "".join(parts[i]), ev.finish_reason, use)
         for i, ev in enumerate(last)
@@ -183,7 +183,7 @@ async def stream_response(
                     yield _sse(body)
                 got = None if choices.finished else await choices.next()
             if include_usage:
-                use = usage(choices.prompt_tokens, choices.completion_tokens)
+                use = usage(choices.prompt_tokens, choices.completion_tokens, choices.cached_tokens)
                 yield _sse(chunk(kind, rid, model, created, None, None, use=use))
             yield "data: [DONE]\n\n"
         finally:
