@@ -102,6 +102,7 @@
 #                                   #   --prefix-caching (PREFIX 1024 shared tokens, RUNNING 64, rates RATES inf,16)
 #   bash bench/run_gpu.sh adj19     # one GPU: penalty GPU tests; serve_load with every penalty at RUNNING (256) in
 #                                   #   .bases/b12 (torch ops) and here (one Triton pass), then plain here
+#   bash bench/run_gpu.sh owed19    # one GPU: session 19's owed GPU tests (sampling, overlap, rank memory)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 #   bash bench/run_gpu.sh dp2a      # two GPUs: serve_step bs 1/64/256 at DP 2 (flashinfer, all_gather; all_to_all
 #                                   #   eager last) beside DP 1 on GPU 0, every gpu2 test; tok/s per GPU side by side
@@ -698,6 +699,11 @@ case "${1:-one}" in
     TAIL=12 step prefix${n} timeout ${TLOAD:-420} python bench/serve_load.py --model qwen3-30b-a3b --device cuda \
       --rates ${RATES:-inf,16} --num-requests $(( n * 4 )) --max-running-requests $n --lengths random:256:128:0.5 \
       --shared-prefix-len ${PREFIX:-1024} --prefix-caching both
+    ;;
+  owed19)  # one GPU: session 19's GPU tests not yet run to the end: the repetition penalty's no-sync draw (its fix),
+            # the one-launch penalties, every overlap test, the rank-memory tests (the profile's draw with the marks)
+    step gpu_tests timeout ${TTESTS:-420} python -m pytest -m gpu -p no:cacheprovider -q -rs \
+      tests/test_sampling_gpu.py tests/test_overlap_gpu.py tests/test_rank_memory_gpu.py
     ;;
   plan13)  # one GPU: the planner's estimates against the rank's own accounting, 64 and 256 running (a rank each)
     plan_measures 115
