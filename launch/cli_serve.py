@@ -168,7 +168,18 @@ def _prepare(o: dict[str, Any]) -> dict[str, Any]:
     ValueError/OSError) for a user error."""
     from launch.engine_types import SAMPLING_DEFAULTS
 
-    check_choice("--sampling-defaults", o["sampling_defaults"], SAMPLING_DEFAULTS)  # before torch
+    # The server's own options first: they need no torch (a second of imports) to be checked.
+    check_choice("--sampling-defaults", o["sampling_defaults"], SAMPLING_DEFAULTS)
+    if o["max_queued"] < 1:
+        raise UsageError(f"--max-queued must be an integer >= 1, got {o['max_queued']}")
+    if not (o["drain_timeout"] >= 0 and o["drain_timeout"] < float("inf")):
+        raise UsageError(
+            f"--drain-timeout must be a number of seconds >= 0, got {o['drain_timeout']}"
+        )
+    if not 1 <= o["port"] <= 65535:
+        raise UsageError(f"--port must be in [1, 65535], got {o['port']}")
+    if o["api_key"] is not None and not o["api_key"].strip():
+        raise UsageError("--api-key (or DP_RUNTIME_API_KEY) must not be empty")
     from launch.cli_options import check_gang_options
     from launch.engine import Engine, EngineOptions
 
@@ -192,16 +203,6 @@ def _prepare(o: dict[str, Any]) -> dict[str, Any]:
         log_level=o["log_level"],
         seed=o["seed"],
     )
-    if o["max_queued"] < 1:
-        raise UsageError(f"--max-queued must be an integer >= 1, got {o['max_queued']}")
-    if not (o["drain_timeout"] >= 0 and o["drain_timeout"] < float("inf")):
-        raise UsageError(
-            f"--drain-timeout must be a number of seconds >= 0, got {o['drain_timeout']}"
-        )
-    if not 1 <= o["port"] <= 65535:
-        raise UsageError(f"--port must be in [1, 65535], got {o['port']}")
-    if o["api_key"] is not None and not o["api_key"].strip():
-        raise UsageError("--api-key (or DP_RUNTIME_API_KEY) must not be empty")
     cfg, choice, spec = checked.cfg, checked.launch, checked.spec
     options = EngineOptions(
         launcher=choice["launcher"],
