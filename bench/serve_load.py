@@ -324,7 +324,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                       repetition_penalty=args.repetition_penalty),
         num_requests=args.num_requests, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=m.get("dispatcher"), attention=m.get("attention"),
-        graphs=m.get("graphs"), build_s=build_s, mixed_steps=[m for m, _, _ in modes], policies=[p for _, p, _ in modes], kv_slots=m.get("kv_slots"),
+        graphs=m.get("graphs"), build_s=build_s, mixed_steps=[m for m, _, _ in modes],
+        policies=[p for _, p, _ in modes], kv_slots=m.get("kv_slots"),
         prefix_caching=[c for _, _, c in modes], shared_prefix_len=args.shared_prefix_len,
         memory_gib={k: round(v / 2**30, 3) for k, v in m.get("memory", {}).items()},
     )

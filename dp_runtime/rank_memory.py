@@ -140,11 +140,11 @@ def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
     ``graph_reserve``, ``allocator_cache`` (torch's reserved memory less ``memory["weights"]``,
     ``memory["penalty_counts"]`` and the device bytes of ``pool``, the rank's buffer pool) and
     ``cuda_context`` (device memory outside torch's allocator: total - free - reserved) recorded
-    in ``memory``: total - free at sizing is those two, the weights, the penalty tables and the pool. ``eager_runner(model, backend)`` makes the
-    rank's eager runner of a model over an attention backend; the profile runs a copy of ``model``
-    bound to a probe backend and cache, so ``model`` itself stays unbound (it is bound once, to
-    the real cache). RuntimeError with the numbers when one request of the full context does not
-    fit."""
+    in ``memory``: total - free at sizing is those two, the weights, the penalty tables and the
+    pool. ``eager_runner(model, backend)`` makes the rank's eager runner of a model over an
+    attention backend; the profile runs a copy of ``model`` bound to a probe backend and cache, so
+    ``model`` itself stays unbound (it is bound once, to the real cache). RuntimeError with the
+    numbers when one request of the full context does not fit."""
     cfg, mc = spec.runtime, spec.model_config()
     memory["activation_peak"] = 0
     if spec.kv_cache_tokens is not None or device.type != "cuda":

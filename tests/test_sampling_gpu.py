@@ -209,7 +209,8 @@ def test_a_repetition_penalized_draw_never_waits_and_is_the_rule_applied_by_hand
         pc.table_RV[row].index_add_(0, torch.tensor(out, dtype=torch.int64, device="cuda"),
                                     torch.ones(len(out), device="cuda"))
     params = [SamplingParams(temperature=0.0 if i % 4 == 0 else 0.9, top_p=0.9 if i % 2 else 1.0, seed=i,
-                             repetition_penalty=(1.3, 0.8, 1.0, 2.0)[i % 4], frequency_penalty=0.7 if i % 5 == 0 else 0.0,
+                             repetition_penalty=(1.3, 0.8, 1.0, 2.0)[i % 4],
+                             frequency_penalty=0.7 if i % 5 == 0 else 0.0,
                              presence_penalty=-0.5 if i % 3 == 0 else 0.0,
                              logit_bias=((i, 5.0),) if i % 7 == 0 else ()) for i in range(rows)]
     indices = [len(o) for o in outputs]

@@ -21,12 +21,12 @@ the rank's radix tree (prefix_cache.py) between the scheduler and its KVAllocato
 - **At its end** (stop, length, abort; ``release``) a request's tokens whose K/V are written
   and whose ids are known (its prompt and the outputs fed back: ``min(kv_len, prompt_len +
   len(output))``) go into the tree, its match is unlocked, and the slots the tree did not take
-  (duplicates of runs it holds) are freed. After an error only its match is kept (its prompt,
-  once shared: a failed draw is the request's own, e.g. its temperature; its outputs are not). The cached K/V is final when a later request
-  reads it: every position inserted was scheduled, so the step writing it was launched before
-  the request finished (a finished or aborted request's last step may still run), and the
-  reader's steps are launched later on the same stream, after it (as ``Scheduler.abort``
-  reasons for reused slots).
+  (duplicates of runs it holds) are freed. After an error only its match is kept (its prompt, once
+  shared: a failed draw is the request's own, e.g. its temperature; its outputs are not). The cached
+  K/V is final when a later request reads it: every position inserted was scheduled, so the step
+  writing it was launched before the request finished (a finished or aborted request's last step may
+  still run), and the reader's steps are launched later on the same stream, after it (as
+  ``Scheduler.abort`` reasons for reused slots).
 
 Each DP rank has its own tree: requests are not routed to the rank holding their prefix.
 """

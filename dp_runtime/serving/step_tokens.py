@@ -4,11 +4,11 @@ next step before it reads them (``RuntimeConfig.overlap_schedule``).
 ``launch_tokens`` runs right after a step's forward was launched. On the logits' device it
 draws every row's token (``sampling.draw_tokens``: the argmax, or a draw where the request
 samples with a temperature; a request's penalties and ``logit_bias`` on a copy of its row:
-``adjusted_rows``), writes the ids into the scheduler's ``last_tokens`` table (the next decode batch gathers its input ids there,
-in stream order) and, for rows that asked, computes their logprobs (``logprobs.logprob_rows``,
-from the raw logits: never the biased copy). One asynchronous copy per result brings them to
-pinned host buffers, with an event; ``StepTokens.wait`` later waits for that event alone. So
-greedy, sampled and logprobs rows all keep the overlap.
+``adjusted_rows``), writes the ids into the scheduler's ``last_tokens`` table (the next decode batch
+gathers its input ids there, in stream order) and, for rows that asked, computes their logprobs
+(``logprobs.logprob_rows``, from the raw logits: never the biased copy). One asynchronous copy per
+result brings them to pinned host buffers, with an event; ``StepTokens.wait`` later waits for that
+event alone. So greedy, sampled and logprobs rows all keep the overlap.
 
 In a step with a penalized row, the penalties' counts (presence, frequency) and marks
 (repetition: the prompt's and the output's tokens) come from the rank's ``PenaltyCounts`` tables
@@ -139,10 +139,12 @@ def worst_case_draw(logits_BV: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits_BV.shape
     dev = logits_BV.device
     bias = tuple((t, 1.0) for t in range(min(LOGIT_BIAS_LIMIT, vocab)))
-    worst = SamplingParams(temperature=1.0, top_p=0.5, min_p=0.05, logprobs=LOGPROBS_LIMIT, logit_bias=bias,
-                           presence_penalty=PENALTY_MAX, frequency_penalty=PENALTY_MAX, repetition_penalty=1.5)
+    worst = SamplingParams(temperature=1.0, top_p=0.5, min_p=0.05, logprobs=LOGPROBS_LIMIT,
+                           logit_bias=bias, presence_penalty=PENALTY_MAX,
+                           frequency_penalty=PENALTY_MAX, repetition_penalty=1.5)
     counts = StepCounts(torch.ones(1, vocab, device=dev),  # every token seen once
-                        torch.zeros(rows, dtype=torch.int64, device=dev), torch.ones(1, vocab, dtype=torch.bool, device=dev))
+                        torch.zeros(rows, dtype=torch.int64, device=dev),
+                        torch.ones(1, vocab, dtype=torch.bool, device=dev))
     drawn = draw_tokens(logits_BV, [worst] * rows, [1] * rows, counts=counts)
     counts.record(drawn.ids_B)
     logprob_rows(logits_BV, drawn.ids_B, range(rows), [LOGPROBS_LIMIT] * rows)

@@ -7,9 +7,9 @@ aborted it) and its siblings are aborted; a client that leaves aborts them all.
 
 Bodies: ``choices`` indexed 0..k x n - 1 for k prompts (``prompt_index * n + choice``; each
 with its text or message, finish_reason and ``token_ids``); ``usage.prompt_tokens`` counts each
-prompt once, ``completion_tokens`` sums the choices. A stream interleaves the choices' chunks as their tokens arrive, each chunk naming its
-choice's ``index``; each choice ends with its own finish_reason chunk, then comes the usage
-chunk (with ``include_usage``) and one ``[DONE]``.
+prompt once, ``completion_tokens`` sums the choices. A stream interleaves the choices' chunks as
+their tokens arrive, each chunk naming its choice's ``index``; each choice ends with its own
+finish_reason chunk, then comes the usage chunk (with ``include_usage``) and one ``[DONE]``.
 """
 
 from __future__ import annotations
