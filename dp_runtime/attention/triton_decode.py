@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from dp_runtime.model.pdl import pdl_entry, pdl_meta, resolve_pdl
+
 __all__ = ["TRITON_DECODE_MIN_BS", "triton_decode_attention"]
 
 # Decode graph buckets with at least this many requests attend with this kernel (measured on an
@@ -48,7 +50,9 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # Triton's CPU interpreter only: it has no bf16 matmul
     KV_FP8: tl.constexpr,  # an FP8 cache: the dots run in fp16 (module docstring)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    pdl_entry(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(indptr_ptr + b)
@@ -100,12 +104,14 @@ def triton_decode_attention(
     *,
     out: torch.Tensor | None = None,
     block_n: int = 128,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its cached KV (module docstring).
 
     ``q`` (B, Hq, D); ``k_cache``/``v_cache`` (slots, Hk, D) or (slots, 1, Hk, D) (page size 1);
     ``indptr`` (B + 1,) and ``indices`` int32 on the device. Returns ``out`` (B, Hq, D). No host
-    sync: capturable in a CUDA graph, where indptr/indices are the graph's fixed buffers."""
+    sync: capturable in a CUDA graph, where indptr/indices are the graph's fixed buffers.
+    ``pdl``: programmatic dependent launch (None: where the device supports it, ``resolve_pdl``)."""
     if k_cache.dim() == 4:
         k_cache, v_cache = k_cache.squeeze(1), v_cache.squeeze(1)
     bs, hq, d = q.shape
@@ -132,5 +138,6 @@ def triton_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_N=block_n,
         UPCAST_DOT=upcast, KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4, num_stages=2,
+        **pdl_meta(resolve_pdl(pdl, q)),
     )
     return out

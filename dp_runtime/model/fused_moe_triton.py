@@ -44,6 +44,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from dp_runtime.model.moe_align import UNALIGNED_PICKS, align_picks, max_blocks, unaligned_blocks
 from dp_runtime.model.moe_tiles import MoeTileConfig, gemm2_tile_config, tile_config
+from dp_runtime.model.pdl import pdl_entry, pdl_meta, resolve_pdl
 
 __all__ = ["MoeTileConfig", "align_picks", "fused_local_expert_sum", "gemm2_tile_config", "max_blocks",
            "tile_config"]
@@ -76,8 +77,10 @@ def _expert_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (``pdl``)
 ):
     """One program per output tile of the worst case (``num_blocks`` blocks)."""
+    pdl_entry(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
     # The grid covers the worst case; blocks past the used ones exit at once.
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -96,7 +99,7 @@ def _expert_gemm_persistent_kernel(
     a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr, sorted_ptr,
     block_expert_ptr, num_rows_ptr, num_picks, n_out, k_in,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """``_expert_gemm_kernel`` on a fixed grid: program ``p`` takes the tiles in use ``p, p +
     grid, ...``. The tile loop is flattened with the contraction loop into one software
@@ -104,6 +107,7 @@ def _expert_gemm_persistent_kernel(
     current one: a short contraction (GEMM2's K = I = 768, 12 steps of 64) no longer pays a
     pipeline fill and drain per tile. Aligned layouts only: every block in use then belongs to
     a local expert (``align_picks`` gives other ranks' picks no slot), so no tile is skipped."""
+    pdl_entry(PDL)
     num_n = tl.cdiv(n_out, BLOCK_N)
     used = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
     for tile in tl.range(tl.program_id(0), used * num_n, tl.num_programs(0), flatten=True):
@@ -194,7 +198,9 @@ def _sum_picks_kernel(
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ADD_NORM: tl.constexpr,  # one program per row (BLOCK_H >= hidden): residual add and RMSNorm
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = offs < hidden
@@ -221,7 +227,7 @@ def _sum_picks_kernel(
 
 
 def _launch_gemm(cfg: MoeTileConfig, a, w, c, weights_P, sorted_R, block_expert, num_rows, num_local: int,
-                 aligned: bool, *, n_out: int, k_in: int, a_row_div: int, gated: bool) -> None:
+                 aligned: bool, *, n_out: int, k_in: int, a_row_div: int, gated: bool, pdl: bool) -> None:
     """One expert GEMM of ``fused_local_expert_sum``: ``c = a @ w[e].T`` per block, GATED (GEMM1:
     ``cfg.block_n`` split into gate and up halves, SwiGLU epilogue) or weighted (GEMM2)."""
     blocks = block_expert.shape[0]
@@ -232,7 +238,7 @@ def _launch_gemm(cfg: MoeTileConfig, a, w, c, weights_P, sorted_R, block_expert,
     meta = dict(A_ROW_DIV=a_row_div, GATED=gated, EVEN_K=k_in % cfg.block_k == 0,
                 UPCAST_DOT=isinstance(_expert_gemm_kernel, InterpretedFunction), BLOCK_M=cfg.block_m,
                 BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                num_stages=cfg.num_stages, **pdl_meta(pdl))
     if cfg.programs_per_sm and aligned:
         grid = min(tiles, cfg.programs_per_sm * _sm_count(a.device))
         _expert_gemm_persistent_kernel[(grid,)](*args, n_out, k_in, **meta)
@@ -279,6 +285,7 @@ def fused_local_expert_sum(
     extend: bool = False,
     config2: MoeTileConfig | None = None,
     add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``sum_k w[n, k] * expert_{id[n, k]}(x[n])`` over the picks this rank serves: the contract
     of ``experts.local_expert_sum`` in four Triton launches.
@@ -296,6 +303,9 @@ def fused_local_expert_sum(
     sum's launch: ``residual += sum`` in place and ``out = rms_norm(residual) * weight``, what
     ``FlashInferOps.add_rms_norm(sum, residual, weight, eps)`` leaves (a launch per layer fewer
     where combine is the identity: the local dispatcher).
+
+    ``pdl``: launch with programmatic dependent launch (``pdl.resolve_pdl``: None is on where
+    the device supports it).
     """
     _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND)
     residual, norm_w, eps = add_norm if add_norm is not None else (None, None, 0.0)
@@ -324,23 +334,24 @@ def fused_local_expert_sum(
     ids_P = local_ids_NK.contiguous().view(-1)
     weights_P = weights_NK.contiguous().view(-1)
 
+    pdl = resolve_pdl(pdl, x_ND)
     aligned = num_picks > UNALIGNED_PICKS
     if aligned:
-        sorted_R, block_expert, num_rows = align_picks(ids_P, num_local, cfg.block_m)
+        sorted_R, block_expert, num_rows = align_picks(ids_P, num_local, cfg.block_m, pdl=pdl)
     else:
         sorted_R, block_expert, num_rows = unaligned_blocks(ids_P, cfg.block_m)
     act_PI = x_ND.new_empty((num_picks, inter))
     _launch_gemm(cfg, x_ND, w13_L2IH, act_PI, weights_P, sorted_R, block_expert, num_rows, num_local, aligned,
-                 n_out=inter, k_in=hidden, a_row_div=top_k, gated=True)
+                 n_out=inter, k_in=hidden, a_row_div=top_k, gated=True, pdl=pdl)
     y_PH = x_ND.new_empty((num_picks, hidden))
     _launch_gemm(cfg2, act_PI, w2_LHI, y_PH, weights_P, sorted_R, block_expert, num_rows, num_local, aligned,
-                 n_out=hidden, k_in=inter, a_row_div=1, gated=False)
+                 n_out=hidden, k_in=inter, a_row_div=1, gated=False, pdl=pdl)
     # A row's norm needs the whole row in one program; a plain sum takes 1024-column pieces.
     block_h = triton.next_power_of_2(hidden) if add_norm is not None else min(triton.next_power_of_2(hidden), 1024)
     if add_norm is None:
         residual = norm_w = out_ND  # unread: ADD_NORM is off
     _sum_picks_kernel[(n, triton.cdiv(hidden, block_h))](
         y_PH, ids_P, out_ND, out_ND.stride(0), hidden, num_local, residual, residual.stride(0), norm_w, eps,
-        TOP_K=top_k, BLOCK_H=block_h, ADD_NORM=add_norm is not None, num_warps=4,
+        TOP_K=top_k, BLOCK_H=block_h, ADD_NORM=add_norm is not None, num_warps=4, **pdl_meta(pdl),
     )
     return out_ND

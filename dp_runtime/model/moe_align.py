@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dp_runtime.model.pdl import pdl_entry, pdl_meta
+
 __all__ = ["PARALLEL_PICKS", "UNALIGNED_PICKS", "align_picks", "max_blocks", "unaligned_blocks"]
 
 
@@ -95,11 +97,13 @@ def _align_by_expert_kernel(
     BLOCK_E: tl.constexpr,  # next power of two >= num_local
     CHUNK: tl.constexpr,  # picks per step
     CHUNK_B: tl.constexpr,  # blocks per step
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
     """The whole layout in one launch, one program per local expert: every program counts all
     picks (cheap for a few thousand, read from L2), so each knows where its expert's blocks
     start without waiting for another program; it then places its own picks in pick order,
     pads its last block with the sentinel, and writes its share of the unused blocks."""
+    pdl_entry(PDL)
     e = tl.program_id(0)
     counts = _expert_counts(ids_ptr, num_picks, num_local, BLOCK_E, CHUNK)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
@@ -133,9 +137,10 @@ def _align_by_expert_kernel(
 
 @triton.jit(do_not_specialize=["num_picks", "per_prog"])
 def _chunk_counts_kernel(ids_ptr, table_ptr, num_picks, num_local, per_prog, BLOCK_E: tl.constexpr,
-                         CHUNK: tl.constexpr):
+                         CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Parallel layout, launch 1 of 3: program c counts its picks [c * per_prog, (c + 1) *
     per_prog) per expert into row c of the table."""
+    pdl_entry(PDL)
     c = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -154,9 +159,11 @@ def _chunk_offsets_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     ROWS: tl.constexpr,  # table rows per step: a (ROWS, BLOCK_E) tile
+    PDL: tl.constexpr,
 ):
     """Parallel layout, launch 2 of 3 (one program): each expert's picks and blocks, the slots
     in use, and each program's first slot per expert (an exclusive prefix over the rows)."""
+    pdl_entry(PDL)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for r0 in range(0, num_progs, ROWS):
@@ -180,9 +187,10 @@ def _chunk_offsets_kernel(
 @triton.jit(do_not_specialize=["num_picks", "num_blocks", "per_prog"])
 def _chunk_scatter_kernel(ids_ptr, table_ptr, experts_ptr, sorted_ptr, block_expert_ptr, num_picks, num_local,
                           num_blocks, per_prog, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                          CHUNK_B: tl.constexpr):
+                          CHUNK_B: tl.constexpr, PDL: tl.constexpr):
     """Parallel layout, launch 3 of 3: program c places its picks in their slots, in pick order,
     and writes its share of the blocks (every num_programs-th tile of CHUNK_B blocks)."""
+    pdl_entry(PDL)
     c = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.load(experts_ptr + experts)
@@ -225,7 +233,8 @@ def unaligned_blocks(ids_P: torch.Tensor, block_m: int) -> tuple[torch.Tensor, t
     return sorted_R, ids_P, num_rows
 
 
-def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int,
+                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert-aligned blocks of the picks ``ids_P`` (P,) (local expert ids; outside
     [0, ``num_local``) = not computed here). Returns int32 device tensors
     ``(sorted_R, block_expert, num_rows)``: R = ``max_blocks(P, num_local, block_m) * block_m``
@@ -261,15 +270,15 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int) -> tuple[torc
         # One chunk size for every P: no recompile per step size (masked lanes cost little).
         _align_by_expert_kernel[(num_local,)](
             ids_P, sorted_R, block_expert, num_rows, num_picks, num_local, blocks,
-            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=chunk_b, num_warps=4,
+            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=chunk_b, num_warps=4, **pdl_meta(pdl),
         )
         return sorted_R, block_expert, num_rows
     table, per_expert = tables[: progs * block_e], tables[progs * block_e :]
     _chunk_counts_kernel[(progs,)](ids_P, table, num_picks, num_local, per_prog, BLOCK_E=block_e, CHUNK=chunk,
-                                   num_warps=4)
+                                   num_warps=4, **pdl_meta(pdl))
     _chunk_offsets_kernel[(1,)](table, per_expert, num_rows, progs, BLOCK_M=block_m, BLOCK_E=block_e,
-                                ROWS=max(1, 8192 // block_e), num_warps=4)
+                                ROWS=max(1, 8192 // block_e), num_warps=4, **pdl_meta(pdl))
     _chunk_scatter_kernel[(progs,)](ids_P, table, per_expert, sorted_R, block_expert, num_picks, num_local, blocks,
                                     per_prog, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, CHUNK_B=chunk_b,
-                                    num_warps=4)
+                                    num_warps=4, **pdl_meta(pdl))
     return sorted_R, block_expert, num_rows

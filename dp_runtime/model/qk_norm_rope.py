@@ -40,6 +40,7 @@ except ImportError:  # CPU installs: the torch reference below serves
 
 
 if triton is not None:
+    from dp_runtime.model.pdl import pdl_entry, pdl_meta, resolve_pdl
 
     @triton.jit
     def _clamp(x, bound: tl.constexpr):
@@ -55,7 +56,9 @@ if triton is not None:
         eps, num_tokens,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
         BLOCK_T: tl.constexpr, FP8_MAX: tl.constexpr,  # > 0: the cache is FP8, saturate at it
+        PDL: tl.constexpr,  # launched with programmatic dependent launch
     ):
+        pdl_entry(PDL)
         ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # this program's tokens
         h = tl.program_id(1)  # [0, HQ): q heads; [HQ, HQ + HKV): k heads (and their v)
         half = HALF
@@ -128,8 +131,10 @@ def qk_norm_rope_store(
     num_kv_heads: int,
     head_dim: int,
     eps: float,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Norm, rotate and store one layer's q/k/v (module docstring); one launch.
+    """Norm, rotate and store one layer's q/k/v (module docstring); one launch (``pdl``: with
+    programmatic dependent launch; None: where the device supports it, ``pdl.resolve_pdl``).
 
     Takes the fused projection output ``[T, (Hq + 2 Hkv) * D]`` (rows may be strided), the norm
     weights (None: no q/k norm, e.g. Mixtral), the cos|sin table, positions and cache slots, and
@@ -153,7 +158,7 @@ def qk_norm_rope_store(
         eps, t,
         HQ=num_heads, HKV=num_kv_heads, D=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm, BLOCK_T=block_t,
         FP8_MAX=FP8_KV_MAX if k_cache_SHD.dtype == torch.float8_e4m3fn else 0.0,
-        num_warps=(1 if head_dim <= 128 else 2) if block_t == 1 else 4,
+        num_warps=(1 if head_dim <= 128 else 2) if block_t == 1 else 4, **pdl_meta(resolve_pdl(pdl, qkv_TX)),
     )
     return q, k
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dp_runtime.model.pdl import pdl_entry, pdl_meta, resolve_pdl
 from dp_runtime.model.routing import PADDING_ID, check_top_k
 
 __all__ = ["softmax_topk_triton"]
@@ -34,7 +35,9 @@ def _softmax_topk_kernel(
     ROUND_BF16: tl.constexpr,  # round the weights through bf16 (what Hugging Face's models do)
     HAS_LIVE: tl.constexpr,
     PADDING_ID: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    pdl_entry(PDL)
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     is_expert = experts < num_experts
@@ -66,13 +69,15 @@ def _softmax_topk_kernel(
 
 
 def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, *, renormalize: bool, round_bf16: bool = False,
-                        live_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        live_rows: torch.Tensor | None = None,
+                        pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing.softmax_topk`` in one launch: logits (T, E) in bf16, fp16 or fp32 to
     ``(weights_TK fp32, ids_TK int32)``, largest weight first, rounded through bf16 when
     ``round_bf16`` (a bf16 model's weights, as transformers rounds them). T = 0 launches nothing;
     no host sync. Weights match torch's within fp32 rounding (tens of ulp at most: the order of the
     sum differs, and on GPUs Triton's exp is the hardware's approximate exp2). ``live_rows``:
-    as ``softmax_topk``'s (rows from it on get ``PADDING_ID`` and weight 0)."""
+    as ``softmax_topk``'s (rows from it on get ``PADDING_ID`` and weight 0). ``pdl``: launch with
+    programmatic dependent launch (None: where the device supports it, ``pdl.resolve_pdl``)."""
     check_top_k(logits_TE, top_k)
     t, e = logits_TE.shape
     weights_TK = torch.empty((t, top_k), dtype=torch.float32, device=logits_TE.device)
@@ -88,6 +93,6 @@ def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, *, renormalize: boo
         ROUND_BF16=round_bf16, HAS_LIVE=live_rows is not None, PADDING_ID=PADDING_ID,
         # A row of up to 1024 experts fits one warp's registers (32 per thread): the reductions
         # stay within the warp, with no shared-memory round trips.
-        num_warps=1 if block_e <= 1024 else 4,
+        num_warps=1 if block_e <= 1024 else 4, **pdl_meta(resolve_pdl(pdl, logits_TE)),
     )
     return weights_TK, ids_TK

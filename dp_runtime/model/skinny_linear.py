@@ -59,6 +59,7 @@ _ACC_PER_THREAD = 32
 
 
 if triton is not None:
+    from dp_runtime.model.pdl import pdl_entry, pdl_meta, resolve_pdl
 
     @triton.jit
     def _row_fma(acc, w, x_row_ptrs, mask_k, EVEN_K: tl.constexpr):
@@ -78,7 +79,9 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask, so nothing stops 16-byte loads
         NUM_STAGES: tl.constexpr,
+        PDL: tl.constexpr,  # launched with programmatic dependent launch
     ):
+        pdl_entry(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
@@ -184,11 +187,12 @@ def use_skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool
     )
 
 
-def skinny_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, *, tiles: tuple[int, int, int, int] | None = None
-                  ) -> torch.Tensor:
+def skinny_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, *, tiles: tuple[int, int, int, int] | None = None,
+                  pdl: bool | None = None) -> torch.Tensor:
     """``x_MK @ w_NK.T`` (``F.linear`` without bias) for M <= SKINNY_MAX_ROWS, one launch, in x's
     dtype with fp32 accumulation. ``tiles`` overrides ``_tiles(N, K)`` (the tuning benchmark's
-    sweep). M = 0 launches nothing. Raises ValueError for arguments it cannot take
+    sweep); ``pdl``: programmatic dependent launch (None: where the device supports it,
+    ``pdl.resolve_pdl``). M = 0 launches nothing. Raises ValueError for arguments it cannot take
     (``check_skinny_args``)."""
     check_skinny_args(x_MK, w_NK)
     if triton is None:
@@ -204,6 +208,6 @@ def skinny_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, *, tiles: tuple[int, i
     _skinny_linear_kernel[(triton.cdiv(n, block_n),)](
         x_MK, w_NK, y_MN, n, k, x_MK.stride(0), w_NK.stride(0),
         M=m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, NUM_STAGES=num_stages,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_meta(resolve_pdl(pdl, x_MK)),
     )
     return y_MN

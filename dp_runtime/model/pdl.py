@@ -1,0 +1,68 @@
+"""Programmatic dependent launch (PDL) for the runtime's Triton kernels (Hopper and later).
+
+A decode step is ~500 short kernels in a row (about ten a layer). Launched plainly, a kernel's
+programs start only once the kernel before it has finished and its completion has been seen;
+the GPU idles in between (a profiled bs-1 step: 584 gaps under 4 us, 0.32 ms). Launched
+with PDL, a kernel's programs may be placed on the SMs while its predecessor's last programs
+still run; each waits at ``gdc_wait`` until the predecessor has completed and its writes are
+visible, then lets its own successor launch (``gdc_launch_dependents``).
+
+The rule that keeps this safe: a PDL kernel calls ``pdl_entry`` before it touches memory, so it
+reads nothing a predecessor writes and writes nothing a predecessor reads until that predecessor
+is complete; its successor's wait then covers every kernel before it too. FlashInfer's norm and
+attention kernels launch the same way on sm90 (their ``enable_pdl`` default); cuBLAS, torch's
+ops and copies launch plainly and are waited for as always.
+
+``resolve_pdl(pdl, tensor)``: None (the default of every launcher) means on where the device
+supports it: a CUDA device of compute capability 9.0 or later. Triton's CPU interpreter runs
+the kernels with PDL off.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["pdl_entry", "pdl_meta", "pdl_supported", "resolve_pdl"]
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    """A device's compute capability major (a hardware fact: cached, as launches are hot)."""
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can launch with PDL: CUDA, compute capability >= 9.0."""
+    if device.type != "cuda":
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+def resolve_pdl(pdl: bool | None, tensor: torch.Tensor) -> bool:
+    """``pdl`` for a launch on ``tensor``'s device: None is ``pdl_supported``; True where the
+    device cannot is refused, naming the device."""
+    supported = pdl_supported(tensor.device)
+    if pdl is None:
+        return supported
+    if pdl and not supported:
+        raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9.0, got {tensor.device}")
+    return bool(pdl)
+
+
+@triton.jit
+def pdl_entry(PDL: tl.constexpr):
+    """The first statement of a PDL kernel (module docstring): wait for the kernel before to
+    complete, then let the kernel after launch. No-op with ``PDL`` off."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_meta(pdl: bool) -> dict[str, bool]:
+    """A launch's PDL arguments: the kernel's ``PDL`` constexpr and Triton's ``launch_pdl``
+    option (passed only when on: the CPU interpreter knows no such option)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
