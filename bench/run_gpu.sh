@@ -103,6 +103,7 @@
 #   bash bench/run_gpu.sh adj19     # one GPU: penalty GPU tests; serve_load with every penalty at RUNNING (256) in
 #                                   #   .bases/b12 (torch ops) and here (one Triton pass), then plain here
 #   bash bench/run_gpu.sh pdl20     # one GPU: PDL kernel tests; decode and mixed steps in .bases/* (no PDL) and here
+#   bash bench/run_gpu.sh pdlload20 # one GPU: serve_load at 64 running in .bases/b13 and here (prefix caching off, on)
 #   bash bench/run_gpu.sh owed19    # one GPU: session 19's owed GPU tests (sampling, overlap, rank memory)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 #   bash bench/run_gpu.sh dp2a      # two GPUs: serve_step bs 1/64/256 at DP 2 (flashinfer, all_gather; all_to_all
@@ -707,11 +708,22 @@ case "${1:-one}" in
     [ "${TESTS:-1}" = 0 ] || step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs \
       tests/test_pdl_gpu.py tests/test_fused_moe.py tests/test_triton_decode.py tests/test_qk_norm_rope.py \
       tests/test_skinny_linear.py tests/test_routing_triton.py tests/test_graph_gpu.py
-    step decode_compare timeout ${TDEC:-300} python bench/compare_trees.py $(bases) -- python bench/serve_step.py \
-      --batch-sizes ${COMPARE_BS:-1,64,256} --prompt-len ${CTX:-600} --iters 30 --modes graph
+    [ "${DECODE:-1}" = 0 ] || step decode_compare timeout ${TDEC:-300} python bench/compare_trees.py $(bases) -- \
+      python bench/serve_step.py --batch-sizes ${COMPARE_BS:-1,64,256} --prompt-len ${CTX:-600} --iters 30 --modes graph
     [ "${MIXED:-1}" = 0 ] || step mixed_compare timeout ${TMIX:-240} python bench/compare_trees.py --key shape \
       --metric decode_ms,mixed_ms $(bases) -- python bench/mixed_step.py --decode-rows 64 --decode-context ${CTX:-600} \
       --modes graph --prompts ${PROMPTS:-1x256,1x704}
+    ;;
+  pdlload20)  # one GPU: issue 27's 64-running row (sharegpt, lof, rate inf, 6 x RUNNING requests) in .bases/b13 (no
+               # PDL) and here, here without and with prefix caching (the workload shares no prefix: its cost alone)
+    bases > /dev/null; b=/tmp/bases/${BASE:-b13}
+    n=${RUNNING:-64}
+    TAIL=3 step load${n}_base timeout ${TLOAD:-240} env PYTHONPATH=$b:$PYTHONPATH python $b/bench/serve_load.py \
+      --model qwen3-30b-a3b --device cuda --rates inf --num-requests $(( n * 6 )) --max-running-requests $n \
+      --policy lof --json --gpu-spans
+    TAIL=4 step load${n}_here timeout ${TLOAD2:-300} python bench/serve_load.py --model qwen3-30b-a3b --device cuda \
+      --rates inf --num-requests $(( n * 6 )) --max-running-requests $n --policy lof --json --gpu-spans \
+      --prefix-caching both
     ;;
   owed19)  # one GPU: session 19's GPU tests not yet run to the end: the repetition penalty's no-sync draw (its fix),
             # the one-launch penalties, every overlap test, the rank-memory tests (the profile's draw with the marks)

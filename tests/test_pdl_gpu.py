@@ -75,11 +75,11 @@ def _inputs(t: int, seed: int, dev: torch.device) -> dict[str, torch.Tensor]:
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, device=dev) * scale).bfloat16()
 
-    slots = 4096
     lens = torch.randint(1, 200, (t,), generator=g, device=dev)
     indptr = torch.zeros(t + 1, dtype=torch.int32, device=dev)
     indptr[1:] = torch.cumsum(lens, 0)
-    indices = torch.randperm(slots - 1, generator=g, device=dev)[: int(indptr[-1])].to(torch.int32) + 1
+    slots = int(indptr[-1]) + 64  # every context row a slot of its own, slot 0 unused
+    indices = torch.randperm(slots - 1, generator=g, device=dev)[: slots - 64].to(torch.int32) + 1
     new_slots = indices[indptr[1:].long() - 1]  # each row's last context slot: written, then read
     return dict(
         x=rand(t, H), residual=rand(t, H), w_router=rand(E, H, scale=0.05), w13=rand(E, 2 * I, H, scale=0.05),
