@@ -60,9 +60,9 @@ def test_resolve_pdl_on_a_cpu_tensor():
     from dp_runtime.model.pdl import pdl_meta, resolve_pdl
 
     x = torch.zeros(1)
-    assert resolve_pdl(None, x) is False and resolve_pdl(False, x) is False
+    assert resolve_pdl(None, x, 1) is False and resolve_pdl(False, x, 1) is False
     with pytest.raises(ValueError, match=r"pdl=True needs a CUDA device of compute capability >= 9.0, got cpu"):
-        resolve_pdl(True, x)
+        resolve_pdl(True, x, 1)
     assert pdl_meta(False) == {"PDL": False}
     assert pdl_meta(True) == {"PDL": True, "launch_pdl": True}
 

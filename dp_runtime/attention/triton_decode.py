@@ -138,6 +138,6 @@ def triton_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_N=block_n,
         UPCAST_DOT=upcast, KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4, num_stages=2,
-        **pdl_meta(resolve_pdl(pdl, q)),
+        **pdl_meta(resolve_pdl(pdl, q, bs)),
     )
     return out

@@ -334,7 +334,7 @@ def fused_local_expert_sum(
     ids_P = local_ids_NK.contiguous().view(-1)
     weights_P = weights_NK.contiguous().view(-1)
 
-    pdl = resolve_pdl(pdl, x_ND)
+    pdl = resolve_pdl(pdl, x_ND, x_ND.shape[0])
     aligned = num_picks > UNALIGNED_PICKS
     if aligned:
         sorted_R, block_expert, num_rows = align_picks(ids_P, num_local, cfg.block_m, pdl=pdl)

@@ -13,9 +13,9 @@ is complete; its successor's wait then covers every kernel before it too. FlashI
 attention kernels launch the same way on sm90 (their ``enable_pdl`` default); cuBLAS, torch's
 ops and copies launch plainly and are waited for as always.
 
-``resolve_pdl(pdl, tensor)``: None (the default of every launcher) means on where the device
-supports it: a CUDA device of compute capability 9.0 or later. Triton's CPU interpreter runs
-the kernels with PDL off.
+``resolve_pdl(pdl, tensor, rows)``: None (the default of every launcher) means on where the
+device supports it (a CUDA device of compute capability 9.0 or later) for calls of decode size
+(``PDL_MAX_ROWS``). Triton's CPU interpreter runs the kernels with PDL off.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["pdl_entry", "pdl_meta", "pdl_supported", "resolve_pdl"]
+__all__ = ["PDL_MAX_ROWS", "pdl_entry", "pdl_meta", "pdl_supported", "resolve_pdl"]
 
 
 @functools.cache
@@ -42,12 +42,21 @@ def pdl_supported(device: torch.device) -> bool:
     return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
-def resolve_pdl(pdl: bool | None, tensor: torch.Tensor) -> bool:
-    """``pdl`` for a launch on ``tensor``'s device: None is ``pdl_supported``; True where the
-    device cannot is refused, naming the device."""
+# Calls of up to this many rows (tokens) launch with PDL by default: decode steps. On an H100
+# (`run_gpu.sh pdl20`, 2026-11-27) PDL on every call took graphed decode steps at 600-token
+# contexts from 4.011 / 19.325 / 19.034 ms to 3.649 / 19.165 / 18.899 at bs 1 / 64 / 256, but
+# mixed steps of 64 decode rows and a 256- or 704-token prompt from 26.84 / 31.03 ms to 28.83 /
+# 34.66 (+7%, +12%); why the larger calls lose is not yet understood, so they launch plainly.
+PDL_MAX_ROWS = 256
+
+
+def resolve_pdl(pdl: bool | None, tensor: torch.Tensor, rows: int) -> bool:
+    """``pdl`` for a launch of ``rows`` rows on ``tensor``'s device: None is on where the device
+    supports it (``pdl_supported``) for up to ``PDL_MAX_ROWS`` rows; True where the device
+    cannot is refused, naming the device."""
     supported = pdl_supported(tensor.device)
     if pdl is None:
-        return supported
+        return supported and rows <= PDL_MAX_ROWS
     if pdl and not supported:
         raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9.0, got {tensor.device}")
     return bool(pdl)

@@ -93,6 +93,6 @@ def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, *, renormalize: boo
         ROUND_BF16=round_bf16, HAS_LIVE=live_rows is not None, PADDING_ID=PADDING_ID,
         # A row of up to 1024 experts fits one warp's registers (32 per thread): the reductions
         # stay within the warp, with no shared-memory round trips.
-        num_warps=1 if block_e <= 1024 else 4, **pdl_meta(resolve_pdl(pdl, logits_TE)),
+        num_warps=1 if block_e <= 1024 else 4, **pdl_meta(resolve_pdl(pdl, logits_TE, t)),
     )
     return weights_TK, ids_TK

@@ -208,6 +208,6 @@ def skinny_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, *, tiles: tuple[int, i
     _skinny_linear_kernel[(triton.cdiv(n, block_n),)](
         x_MK, w_NK, y_MN, n, k, x_MK.stride(0), w_NK.stride(0),
         M=m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, NUM_STAGES=num_stages,
-        num_warps=num_warps, num_stages=num_stages, **pdl_meta(resolve_pdl(pdl, x_MK)),
+        num_warps=num_warps, num_stages=num_stages, **pdl_meta(resolve_pdl(pdl, x_MK, m)),
     )
     return y_MN
