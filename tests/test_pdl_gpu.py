@@ -24,12 +24,18 @@ import pytest
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-E, K, H, I, HQ, HKV, D = 128, 8, 512, 256, 8, 2, 128
+E, K, H, INTER, HQ, HKV, D = 128, 8, 512, 256, 8, 2, 128
 
 
 def _pdl_kernels():
     from dp_runtime.attention import triton_decode
-    from dp_runtime.model import fused_moe_triton, moe_align, qk_norm_rope, routing_triton, skinny_linear
+    from dp_runtime.model import (
+        fused_moe_triton,
+        moe_align,
+        qk_norm_rope,
+        routing_triton,
+        skinny_linear,
+    )
 
     for module in (fused_moe_triton, moe_align, routing_triton, qk_norm_rope, skinny_linear, triton_decode):
         for name, obj in vars(module).items():
@@ -82,8 +88,8 @@ def _inputs(t: int, seed: int, dev: torch.device) -> dict[str, torch.Tensor]:
     indices = torch.randperm(slots - 1, generator=g, device=dev)[: slots - 64].to(torch.int32) + 1
     new_slots = indices[indptr[1:].long() - 1]  # each row's last context slot: written, then read
     return dict(
-        x=rand(t, H), residual=rand(t, H), w_router=rand(E, H, scale=0.05), w13=rand(E, 2 * I, H, scale=0.05),
-        w2=rand(E, H, I, scale=0.05), norm_w=rand(H).abs(), w_qkv=rand((HQ + 2 * HKV) * D, H, scale=0.05),
+        x=rand(t, H), residual=rand(t, H), w_router=rand(E, H, scale=0.05), w13=rand(E, 2 * INTER, H, scale=0.05),
+        w2=rand(E, H, INTER, scale=0.05), norm_w=rand(H).abs(), w_qkv=rand((HQ + 2 * HKV) * D, H, scale=0.05),
         q_norm=rand(D).abs(), k_norm=rand(D).abs(), k_cache=rand(slots, HKV, D), v_cache=rand(slots, HKV, D),
         cos_sin=RotaryEmbedding(D, 4096, 1e6, dev).cos_sin_PD, positions=(lens - 1).to(torch.int64),
         slots=new_slots.to(torch.int64), indptr=indptr, indices=indices,
@@ -144,6 +150,6 @@ def test_pdl_launches_give_the_same_bits(t, extend, graph):
     plain = _run(t, pdl=False, graph=graph, extend=extend)
     with_pdl = _run(t, pdl=True, graph=graph, extend=extend)
     names = ["weights", "ids", "normed", "residual", "qkv", "q", "k", "attention", "k_cache", "v_cache"]
-    for name, a, b in zip(names, plain, with_pdl):
+    for name, a, b in zip(names, plain, with_pdl, strict=True):
         assert torch.equal(a, b), f"{name} differs with PDL (t={t}, graph={graph})"
     assert plain[7].abs().sum() > 0 and torch.isfinite(plain[7].float()).all()
