@@ -104,6 +104,7 @@
 #                                   #   .bases/b12 (torch ops) and here (one Triton pass), then plain here
 #   bash bench/run_gpu.sh pdl20     # one GPU: PDL kernel tests; decode and mixed steps in .bases/* (no PDL) and here
 #   bash bench/run_gpu.sh pdlload20 # one GPU: serve_load at 64 running in .bases/b13 and here (prefix caching off, on)
+#   bash bench/run_gpu.sh owed20    # one GPU: serving GPU tests with prefix caching on by default and PDL
 #   bash bench/run_gpu.sh owed19    # one GPU: session 19's owed GPU tests (sampling, overlap, rank memory)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
 #   bash bench/run_gpu.sh dp2a      # two GPUs: serve_step bs 1/64/256 at DP 2 (flashinfer, all_gather; all_to_all
@@ -724,6 +725,12 @@ case "${1:-one}" in
     TAIL=4 step load${n}_here timeout ${TLOAD2:-300} python bench/serve_load.py --model qwen3-30b-a3b --device cuda \
       --rates inf --num-requests $(( n * 6 )) --max-running-requests $n --policy lof --json --gpu-spans \
       --prefix-caching both
+    ;;
+  owed20)  # one GPU: the serving GPU tests with prefix caching on by default and PDL in the decode graphs (model,
+            # mixed steps, rank memory, overlap, FP8 KV, sampling)
+    step gpu_tests timeout ${TTESTS:-560} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_model_gpu.py \
+      tests/test_mixed_steps_gpu.py tests/test_rank_memory_gpu.py tests/test_overlap_gpu.py tests/test_kv_fp8_gpu.py \
+      tests/test_sampling_gpu.py
     ;;
   owed19)  # one GPU: session 19's GPU tests not yet run to the end: the repetition penalty's no-sync draw (its fix),
             # the one-launch penalties, every overlap test, the rank-memory tests (the profile's draw with the marks)
