@@ -137,7 +137,7 @@ def _serve(kv_cache_dtype: str):
     with RankWorker(spec, keep_logits=True) as w:
         assert w.kv_cache.k[0].dtype == (FP8 if kv_cache_dtype != "auto" else torch.float32)
         out = {r.rid: r.output_ids for r in w.generate(reqs)}
-        assert w.scheduler.allocator.num_free_slots == w.kv_cache.num_slots
+        assert w.scheduler.kv_metrics()["free_kv_slots"] == w.kv_cache.num_slots
         return out, {rid: torch.stack(rows) for rid, rows in w.sampled_logits.items()}, w.metrics()
 
 

@@ -136,7 +136,7 @@ def _serve(ckpt, attention, kv_cache_dtype, graphs):
         assert w.kv_cache.k[0].dtype == (FP8 if kv_cache_dtype == "fp8" else torch.bfloat16)
         tokens = {r.rid: r.output_ids for r in w.generate(reqs)}
         logits = {rid: torch.stack(rows) for rid, rows in w.sampled_logits.items()}
-        assert w.scheduler.allocator.num_free_slots == w.kv_cache.num_slots
+        assert w.scheduler.kv_metrics()["free_kv_slots"] == w.kv_cache.num_slots
         return tokens, logits, w.metrics()
 
 

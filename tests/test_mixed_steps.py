@@ -275,7 +275,7 @@ def _serve(ckpt, prompts, *, mixed: bool, graphs: str):
     reqs = [_req(f"r{i}", p, new=n) for i, (p, n) in enumerate(zip(prompts, _NEW, strict=True))]
     with RankWorker(spec, keep_logits=True) as w:
         results = w.generate(reqs)
-        assert w.scheduler.allocator.num_free_slots == w.kv_cache.num_slots
+        assert w.scheduler.kv_metrics()["free_kv_slots"] == w.kv_cache.num_slots
         return results, w.metrics(), w.sampled_logits
 
 

@@ -39,7 +39,7 @@ def _serve(ckpt, attention: str, graphs: bool, mixed: bool):
     with RankWorker(spec, keep_logits=True) as w:
         tokens = {r.rid: r.output_ids for r in w.generate(reqs)}
         logits = {rid: torch.stack(rows) for rid, rows in w.sampled_logits.items()}
-        assert w.scheduler.allocator.num_free_slots == w.kv_cache.num_slots
+        assert w.scheduler.kv_metrics()["free_kv_slots"] == w.kv_cache.num_slots
         return tokens, logits, w.metrics()
 
 

@@ -70,7 +70,7 @@ def test_overlap_gives_the_tokens_of_step_by_step_serving(ckpt, attention, sampl
         with RankWorker(_spec(ckpt, attention, overlap)) as w:
             outs.append({r.rid: (r.output_ids, r.logprobs) for r in w.generate(_requests(**sampling))})
             assert w.metrics()["graph_steps"] > 0
-            assert w.scheduler.allocator.num_free_slots == w.kv_cache.num_slots
+            assert w.scheduler.kv_metrics()["free_kv_slots"] == w.kv_cache.num_slots
     assert outs[0] == outs[1]
 
 
