@@ -31,7 +31,7 @@ _FIELDS = (
     (r"prompt_ids", "prompt_ids"),
     (r"KV tokens", "max_new_tokens"),
     (r"\b(max_new_tokens|temperature|top_p|top_k|min_p|seed|stop_token_ids|ignore_eos|logit_bias|presence_penalty"
-     r"|frequency_penalty|repetition_penalty)\b", None),
+     r"|frequency_penalty|repetition_penalty|min_tokens)\b", None),
     (r"\brid\b", "rid"),
 )
 

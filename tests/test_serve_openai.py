@@ -21,6 +21,7 @@ from tests.hf_reference import greedy_reference, load_reference
 from tests.served_bias import TestLogitBiasServed  # noqa: F401  (runs here, on this server)
 from tests.served_choices import TestChoicesServed  # noqa: F401  (runs here, on this server)
 from tests.served_logprobs import TestLogprobsServed  # noqa: F401  (runs here, on this server)
+from tests.served_min_tokens import TestMinTokensServed  # noqa: F401  (runs here, on this server)
 from tests.served_penalties import TestPenaltiesServed  # noqa: F401  (runs here, on this server)
 from tests.served_prompts import TestPromptsServed  # noqa: F401  (runs here, on this server)
 from tests.served_sampling import TestSamplingServed  # noqa: F401  (runs here, on this server)

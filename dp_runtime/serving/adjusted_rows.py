@@ -1,5 +1,6 @@
 """The rows of a step chosen from adjusted logits: a request's repetition, presence and
-frequency penalties and its ``logit_bias``, applied on the device to a float32 copy of its row,
+frequency penalties, its ``logit_bias`` and the ids it may not take yet (``min_tokens``: the
+step's ``bans``), applied on the device to a float32 copy of its row,
 ``chunk`` rows at a time (``sampling.draw_tokens`` then takes the argmax or draws from the copy;
 the logits the logprobs read are never written, so they stay raw).
 
@@ -7,7 +8,7 @@ Per row, with ``seen`` the token ids in the request's prompt or output so far, `
 repetition penalty and ``c`` the count of each token id in its output so far (not its prompt)::
 
     x = logits / r  where seen and logits > 0;  logits * r  where seen and not;  logits elsewhere
-    x = x - frequency_penalty * c - presence_penalty * (c > 0) + bias
+    x = x - frequency_penalty * c - presence_penalty * (c > 0) + bias    (-inf at a banned id)
 
 Repetition first, then presence and frequency, then the bias: vLLM's order (its
 ``apply_penalties``, then the bias). The repetition step divides and multiplies as transformers'
@@ -59,18 +60,19 @@ class _Entries:
 
 
 def adjusted_chunks(logits_BV: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams | None],
-                    counts: StepCounts | None, chunk: int,
-                    use_triton: bool = False) -> Iterator[tuple[Sequence[int], torch.Tensor, torch.Tensor]]:
+                    counts: StepCounts | None, chunk: int, use_triton: bool = False,
+                    bans: Sequence[Sequence[int]] = ()) -> Iterator[tuple[Sequence[int], torch.Tensor, torch.Tensor]]:
     """For rows ``rows`` of ``logits_BV`` (ascending, each with a bias or a penalty), ``chunk``
     at a time: ``(the chunk's rows, those rows on the device, x_CV)``, x_CV a float32 copy of
     their logits with penalties and bias applied (module docstring). ``counts``: each row's
     output-token counts and prompt-or-output marks so far, needed where a row has a penalty.
     ``use_triton``: a chunk with a penalty is built in one launch (``adjust_triton``, CUDA).
+    ``bans[row]`` (empty, or one entry per row of ``logits_BV``): ids set to -inf after the bias.
     Raises ValueError for a bias outside the vocabulary or a penalized row without its table."""
     vocab, dev = logits_BV.shape[1], logits_BV.device
     ints, floats = _Entries(), _Entries()
     ints.add(rows)
-    plans = [_plan(rows[lo : lo + chunk], params, counts, vocab, ints, floats)
+    plans = [_plan(rows[lo : lo + chunk], params, counts, vocab, ints, floats, bans)
              for lo in range(0, len(rows), chunk)]
     index = host_to_device(ints.values, torch.int64, dev)
     value = host_to_device(floats.values, torch.float32, dev) if floats.values else None
@@ -116,7 +118,7 @@ def _repetition(x_CV: torch.Tensor, seen_CV: torch.Tensor, r_C1: torch.Tensor) -
 
 
 def _plan(part: Sequence[int], params: Sequence[SamplingParams | None], counts: StepCounts | None, vocab: int,
-          ints: _Entries, floats: _Entries):
+          ints: _Entries, floats: _Entries, bans: Sequence[Sequence[int]] = ()):
     """One chunk's host entries, appended to ``ints`` / ``floats``; returns the chunk's rows and
     its segments: bias (flat index, value), the repetition penalties and the presence and
     frequency ones (frequencies then presences); None: no such penalty in the chunk."""
@@ -129,6 +131,11 @@ def _plan(part: Sequence[int], params: Sequence[SamplingParams | None], counts: 
                                  f"outside the vocabulary of {vocab}")
             bias_i.append(j * vocab + tid)
             bias_v.append(b)
+        for tid in bans[row] if bans else ():  # -inf added: the token cannot be drawn, bias or not
+            if not 0 <= tid < vocab:
+                raise ValueError(f"draw_tokens: row {row} bans token {tid}, outside the vocabulary of {vocab}")
+            bias_i.append(j * vocab + tid)
+            bias_v.append(-torch.inf)
         if p.penalized and (counts is None or counts.table_RV is None):
             raise ValueError(f"draw_tokens: row {row} has a penalty and no StepCounts was given")
         if p.repeats_penalized and (counts is None or counts.seen_RV is None):

@@ -73,6 +73,9 @@ def check_sampling(sp: SamplingParams) -> str | None:
     r = sp.repetition_penalty
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
         return f"SamplingParams.repetition_penalty must be a finite number > 0 (1: off), got {r!r}"
+    m = sp.min_tokens
+    if not is_int(m) or not 0 <= m <= n:
+        return f"SamplingParams.min_tokens must be an int in [0, max_new_tokens={n}], got {m!r}"
     return _check_logit_bias(sp.logit_bias)
 
 
@@ -183,6 +186,10 @@ class SamplingParams:
     repeats, r < 1 favours them. No upper limit (vLLM has none, and a checkpoint's
     generation_config.json may recommend any r > 0: ``sampling_defaults``). Order: repetition
     first, then presence and frequency, then ``logit_bias`` (vLLM's). The logprobs stay raw.
+
+    ``min_tokens`` (0..``max_new_tokens``; vLLM's): the first ``min_tokens`` tokens are never a
+    stop token nor, unless ``ignore_eos``, an EOS id: their logits are -inf in the draw (greedy
+    too; the logprobs stay raw), and stop strings are looked for only after them.
     """
 
     max_new_tokens: int = 16
@@ -198,6 +205,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):

@@ -81,8 +81,8 @@ class DrawnTokens:
     """A step's tokens on the device: ``ids_B`` (int64, one per logits row: the argmax, or the
     draw where the row sampled); ``drawn`` the rows that sampled (host tuple) and ``failed_R``
     (bool on the device, one per drawn row, in ``drawn``'s order) where that draw was not
-    defined. ``drawn`` is ascending, except that rows with a ``logit_bias`` or a penalty come
-    after the others (each group ascending)."""
+    defined. ``drawn`` is ascending, except that rows with a ``logit_bias``, a penalty or a ban
+    come after the others (each group ascending)."""
 
     ids_B: torch.Tensor
     drawn: tuple[int, ...] = ()
@@ -97,7 +97,8 @@ def draw_failure(p: SamplingParams) -> RowFailure:
 
 
 def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None], indices: Sequence[int],
-                *, counts: StepCounts | None = None, use_triton: bool | None = None) -> DrawnTokens:
+                *, counts: StepCounts | None = None, use_triton: bool | None = None,
+                bans: Sequence[Sequence[int]] = ()) -> DrawnTokens:
     """One token per row of ``logits_BV`` (float32, B rows) by ``params[i]`` (None: the argmax,
     e.g. a prompt chunk that does not sample); row i chooses the token at output index
     ``indices[i]`` of its request (a sampled row's noise is keyed by it: module docstring). A row
@@ -105,14 +106,15 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
     (``adjusted_rows``; ``counts``: how often each row's request generated each token before
     and which tokens its prompt and output hold, on the device, needed where a row has a
     penalty): ``logits_BV`` itself is never written, so the logprobs read from it after the draw
-    stay raw. ``use_triton``: the Triton kernels, the top-p search and the race (default: on CUDA
+    stay raw. ``bans[i]`` (empty, or one entry per row): ids row i may not take (-inf in its
+    copy; ``SamplingParams.min_tokens``). ``use_triton``: the Triton kernels, the top-p search and the race (default: on CUDA
     tensors)."""
     if logits_BV.shape[0] != len(params) or len(params) != len(indices):
         raise ValueError(f"draw_tokens: {logits_BV.shape[0]} logits rows, {len(params)} params, "
                          f"{len(indices)} indices")
     ids_B = logits_BV.argmax(dim=-1)
     drawn = tuple(i for i, p in enumerate(params) if p is not None and not p.greedy)
-    adjusted = [i for i, p in enumerate(params) if p is not None and p.adjusted]
+    adjusted = [i for i, p in enumerate(params) if p is not None and (p.adjusted or (bans and bans[i]))]
     if not drawn and not adjusted:
         return DrawnTokens(ids_B)
     if use_triton is None:
@@ -125,7 +127,7 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
                                                 [indices[i] for i in plain], use_triton)
         ids_B.index_copy_(0, rows_R, tokens_R)
         fails.append(failed_R)
-    for chunk, rows_C, x_CV in adjusted_chunks(logits_BV, adjusted, params, counts, ROW_CHUNK, use_triton):
+    for chunk, rows_C, x_CV in adjusted_chunks(logits_BV, adjusted, params, counts, ROW_CHUNK, use_triton, bans):
         ids_C = x_CV.argmax(dim=-1)
         sampled = [j for j, row in enumerate(chunk) if not params[row].greedy]
         if sampled:  # raced on the copy as they would be on logits_BV (the race: rows of one tensor)

@@ -58,6 +58,9 @@ class ScheduledStep:
     samples: tuple[bool, ...]
     num_decode: int = 0  # an EXTEND batch's leading decode rows (a mixed step); 0 otherwise
     draws: tuple[int, ...] = ()  # where a row samples: the index in its output of the token drawn
+    # Per request, the ids its draw may not take (``SamplingParams.min_tokens``: its stop ids and
+    # EOS ids while the token drawn is one of its first min_tokens); () where no row bans any.
+    bans: tuple[tuple[int, ...], ...] = ()
 
     @property
     def is_extend(self) -> bool:

@@ -111,7 +111,7 @@ def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens
         if marked:
             penalty_counts.mark_prompts((r.row, r.request.prompt_ids) for r, p in first if p.repeats_penalized)
         counts = penalty_counts.step(rows_B, counts=counted, seen=marked)
-    drawn = draw_tokens(logits_BV, params, scheduled.draws, counts=counts)
+    drawn = draw_tokens(logits_BV, params, scheduled.draws, counts=counts, bans=scheduled.bans)
     if counts is not None:
         counts.record(drawn.ids_B)
     last_tokens.index_copy_(0, rows_B, drawn.ids_B)

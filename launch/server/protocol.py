@@ -22,7 +22,9 @@ of its prompts, so ``max_tokens`` fits every one (its message names the prompt i
 to biases in [-100, 100], at most 300) are checked once per request, in their own modules.
 ``presence_penalty`` and ``frequency_penalty`` are OpenAI's: finite, in [-2, 2], 0 or null off
 (the engine's rule: ``SamplingParams``). ``repetition_penalty`` is vLLM's extra: finite, > 0, 1
-off; unset or null takes the checkpoint's default, else 1.
+off; unset or null takes the checkpoint's default, else 1. ``min_tokens`` is vLLM's extra: in
+[0, max_tokens], null 0; the first min_tokens tokens are no stop or EOS token and end at no stop
+string.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class _Common(BaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None  # vLLM's extra (SamplingParams.repetition_penalty)
+    min_tokens: int | None = None  # vLLM's extra (SamplingParams.min_tokens)
     logit_bias: dict[str, Any] | None = None  # checked in logit_bias.py (400 naming it)
     user: str | None = None
 
@@ -186,6 +189,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def params(self) -> dict[str, Any]:
         """The keywords of ``SamplingParams``."""
@@ -203,6 +207,7 @@ class Sampling:
             frequency_penalty=self.frequency_penalty,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
         )
 
 
@@ -259,6 +264,9 @@ def sampling_of(
             f"{prompt_len} tokens), got {max_tokens}",
             code="context_length_exceeded",
         )
+    min_tokens = 0 if req.min_tokens is None else req.min_tokens
+    if not 0 <= min_tokens <= max_tokens:
+        raise bad("min_tokens", f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
     temperature = defaults.pick("temperature", req.temperature, 1.0)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise bad("temperature", f"temperature must be a finite number >= 0, got {temperature}")
@@ -306,6 +314,7 @@ def sampling_of(
         include_usage=include_usage,
         min_p=float(min_p),
         repetition_penalty=float(repetition),
+        min_tokens=min_tokens,
         **penalties,
     )
 

@@ -104,7 +104,7 @@ def submit(state: Any, rid: str, prompt_ids: list[int], sampling: Sampling) -> F
     hidden = set(sampling.stop_token_ids)
     if not sampling.ignore_eos:
         hidden |= set(engine.eos_token_ids)
-    text = TextStream(state.tokenizer, sampling.stop, tuple(hidden))
+    text = TextStream(state.tokenizer, sampling.stop, tuple(hidden), min_tokens=sampling.min_tokens)
     return Flow(state, rid, queue, text)
 
 

@@ -91,12 +91,15 @@ class TextStream:
     """The text of one request's output, fed token ids as its rank samples them.
 
     ``hidden_ids``: ids that end a request without being text when they come last (the EOS ids
-    unless ignore_eos, plus the request's stop token ids). ``stop``: stop strings. Without a
-    tokenizer the text is always empty (token-id clients read the ids).
+    unless ignore_eos, plus the request's stop token ids). ``stop``: stop strings, looked for
+    only in the text decoded once ``min_tokens`` ids have come (vLLM's rule: the first
+    min_tokens tokens end at no stop string, so their text is never cut). Without a tokenizer
+    the text is always empty (token-id clients read the ids).
     """
 
     def __init__(
-        self, tokenizer: Any | None, stop: Sequence[str] = (), hidden_ids: Sequence[int] = ()
+        self, tokenizer: Any | None, stop: Sequence[str] = (), hidden_ids: Sequence[int] = (),
+        *, min_tokens: int = 0,
     ):
         self._tok = tokenizer
         self._stop = tuple(s for s in stop if s)
@@ -107,6 +110,8 @@ class TextStream:
         self._read = 0
         self.text = ""  # every character decoded so far (before any stop string)
         self._sent = 0  # characters of ``text`` handed out
+        self._min_tokens = min_tokens
+        self._stop_from = 0 if min_tokens == 0 else None  # where stop strings may start
         self.stopped = False
 
     @property
@@ -129,7 +134,9 @@ class TextStream:
         self._ids.extend(ids)
         if self._tok is not None:
             self.text += self._decode_new(finished)
-        if self._stop:
+        if self._stop_from is None and len(self._ids) >= self._min_tokens:
+            self._stop_from = len(self.text)
+        if self._stop and self._stop_from is not None:
             cut = self._find_stop()
             if cut is not None:
                 self.text = self.text[:cut]
@@ -160,6 +167,6 @@ class TextStream:
 
     def _find_stop(self) -> int | None:
         # Only text not yet cleared can hold a new match: start where a stop string could begin.
-        start = max(0, self._sent - self._hold)
+        start = max(self._stop_from, self._sent - self._hold)
         hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
         return min(hits) if hits else None
