@@ -30,7 +30,9 @@ class TestMinTokensServed:
         model, eos = ckpt[1], list(model_eos(ckpt))
         plain, _ = greedy_reference(model, PROMPT, 12)
         # the earliest new token the greedy output reaches: without min_tokens it ends the request
-        i, stop = next((i, t) for i, t in enumerate(plain) if i >= 1 and t not in plain[:i] and t not in eos)
+        i, stop = next(
+            (i, t) for i, t in enumerate(plain) if i >= 1 and t not in plain[:i] and t not in eos
+        )
         kw = dict(model=name, prompt=PROMPT, max_tokens=12, temperature=0)
         early = client.completions.create(**kw, extra_body={"stop_token_ids": [stop]})
         assert _ids(early) == plain[: i + 1] and early.choices[0].finish_reason == "stop"
@@ -39,30 +41,45 @@ class TestMinTokensServed:
         got = _ids(r)
         ends = {stop, *eos}
         want, _ = greedy_reference(model, PROMPT, 12, min_new_tokens=k, eos_token_id=sorted(ends))
-        end = next((j for j, t in enumerate(want) if t in ends), len(want) - 1)  # generate pads after it
+        end = next(
+            (j for j, t in enumerate(want) if t in ends), len(want) - 1
+        )  # generate pads after it
         assert got == want[: end + 1]
         assert len(got) >= k and not ends & set(got[:k])
         assert r.choices[0].finish_reason == ("stop" if got[-1] in ends else "length")
 
     def test_stop_strings_wait_for_min_tokens(self, client, name):
-        kw = dict(model=name, prompt="The quick brown fox", max_tokens=16, temperature=0,
-                  extra_body={"ignore_eos": True})
+        kw = dict(
+            model=name,
+            prompt="The quick brown fox",
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         full = client.completions.create(**kw)
         text = full.choices[0].text
         stop = next(text[j] for j in range(1, len(text)) if text[j] not in "\ufffd ")
         cut = client.completions.create(**kw, stop=[stop])
         assert cut.choices[0].finish_reason == "stop" and len(cut.choices[0].text) < len(text)
-        held = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "min_tokens": 16}},
-                                         stop=[stop])
+        held = client.completions.create(
+            **{**kw, "extra_body": {"ignore_eos": True, "min_tokens": 16}}, stop=[stop]
+        )
         assert held.choices[0].text == text and held.choices[0].finish_reason == "length"
 
-    @pytest.mark.parametrize("value,text", [(5, "min_tokens must be in [0, max_tokens=4], got 5"),
-                                            (-1, "got -1")])
+    @pytest.mark.parametrize(
+        "value,text", [(5, "min_tokens must be in [0, max_tokens=4], got 5"), (-1, "got -1")]
+    )
     def test_out_of_range_is_400_naming_the_field(self, client, name, value, text):
         with pytest.raises(openai.BadRequestError) as info:
-            client.completions.create(model=name, prompt=PROMPT, max_tokens=4, extra_body={"min_tokens": value})
+            client.completions.create(
+                model=name, prompt=PROMPT, max_tokens=4, extra_body={"min_tokens": value}
+            )
         err = info.value.body
-        assert info.value.status_code == 400 and err["param"] == "min_tokens" and text in err["message"], err
+        assert (
+            info.value.status_code == 400
+            and err["param"] == "min_tokens"
+            and text in err["message"]
+        ), err
 
 
 def model_eos(ckpt) -> tuple[int, ...]:

@@ -78,7 +78,8 @@ class TestPromptsServed:
         assert texts == _texts(r) and got == ids and reasons == [["length"]] * 4
         # The counts alike; the prompts' cached tokens may differ (the prefix cache warmed).
         cached = "prompt_tokens_details"
-        assert [u.model_dump(exclude={cached}) for u in usages] == [r.usage.model_dump(exclude={cached})]
+        whole = r.usage.model_dump(exclude={cached})
+        assert [u.model_dump(exclude={cached}) for u in usages] == [whole]
 
     def test_a_streamed_batch_ends_with_one_usage_chunk_and_one_done(self, server, client, name):
         _idle(server, client.api_key)

@@ -147,7 +147,8 @@ def test_request_failing_in_a_step_fails_alone():
         reference = w.generate(_good(3))
         results = w.generate([*_good(3)[:2], bad, *_good(3)[2:]])
         assert not w.has_work
-        assert w.scheduler.kv_metrics()["free_kv_slots"] == w.kv_cache.num_slots  # its slots came back
+        # its slots came back (free, or the prefix cache's to evict)
+        assert w.scheduler.kv_metrics()["free_kv_slots"] == w.kv_cache.num_slots
         after = w.generate(_good(3))  # the rank goes on serving
     by_rid = {r.rid: r for r in results}
     failed = by_rid.pop("bad")

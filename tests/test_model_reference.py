@@ -78,7 +78,8 @@ def test_more_requests_than_max_running_requests_all_finish(ckpt, prompts, refer
     with RankWorker(_spec(ckpt, max_running_requests=2, cuda_graph_max_bs=2)) as w:
         results = w.generate(_requests(many))
         assert w.metrics()["finished_requests"] == len(many)
-        assert w.scheduler.kv_metrics()["free_kv_slots"] == w.kv_cache.num_slots  # every slot came back
+        # every slot came back (free, or the prefix cache's to evict)
+        assert w.scheduler.kv_metrics()["free_kv_slots"] == w.kv_cache.num_slots
     for i, res in enumerate(results):
         assert res.output_ids == tuple(reference[i % len(prompts)][0])
 

@@ -37,10 +37,19 @@ def _pdl_kernels():
         skinny_linear,
     )
 
-    for module in (fused_moe_triton, moe_align, routing_triton, qk_norm_rope, skinny_linear, triton_decode):
+    for module in (
+        fused_moe_triton,
+        moe_align,
+        routing_triton,
+        qk_norm_rope,
+        skinny_linear,
+        triton_decode,
+    ):
         for name, obj in vars(module).items():
             fn = getattr(obj, "fn", None)  # a @triton.jit function's Python source
-            defined_here = fn is not None and fn.__module__ == module.__name__  # not pdl_entry itself
+            defined_here = (
+                fn is not None and fn.__module__ == module.__name__
+            )  # not pdl_entry itself
             if defined_here and "PDL" in inspect.signature(fn).parameters:
                 yield f"{module.__name__}.{name}", fn
 
@@ -53,12 +62,24 @@ def test_every_pdl_kernel_waits_before_it_touches_memory():
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]  # the docstring
         first = ast.unparse(body[0])
-        assert first == "pdl_entry(PDL)", f"{name}: first statement is {first!r}, not pdl_entry(PDL)"
+        assert first == "pdl_entry(PDL)", (
+            f"{name}: first statement is {first!r}, not pdl_entry(PDL)"
+        )
         names.append(name.rsplit(".", 1)[1])
     # every kernel of a decode layer's Triton chain (a new kernel must opt in, or be named here)
-    assert {"_softmax_topk_kernel", "_align_by_expert_kernel", "_chunk_counts_kernel", "_chunk_offsets_kernel",
-            "_chunk_scatter_kernel", "_expert_gemm_kernel", "_expert_gemm_persistent_kernel", "_sum_picks_kernel",
-            "_qk_norm_rope_store_kernel", "_skinny_linear_kernel", "_decode_kernel"} <= set(names)
+    assert {
+        "_softmax_topk_kernel",
+        "_align_by_expert_kernel",
+        "_chunk_counts_kernel",
+        "_chunk_offsets_kernel",
+        "_chunk_scatter_kernel",
+        "_expert_gemm_kernel",
+        "_expert_gemm_persistent_kernel",
+        "_sum_picks_kernel",
+        "_qk_norm_rope_store_kernel",
+        "_skinny_linear_kernel",
+        "_decode_kernel",
+    } <= set(names)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -67,7 +88,9 @@ def test_resolve_pdl_on_a_cpu_tensor():
 
     x = torch.zeros(1)
     assert resolve_pdl(None, x, 1) is False and resolve_pdl(False, x, 1) is False
-    with pytest.raises(ValueError, match=r"pdl=True needs a CUDA device of compute capability >= 9.0, got cpu"):
+    with pytest.raises(
+        ValueError, match=r"pdl=True needs a CUDA device of compute capability >= 9.0, got cpu"
+    ):
         resolve_pdl(True, x, 1)
     assert pdl_meta(False) == {"PDL": False}
     assert pdl_meta(True) == {"PDL": True, "launch_pdl": True}
@@ -88,11 +111,22 @@ def _inputs(t: int, seed: int, dev: torch.device) -> dict[str, torch.Tensor]:
     indices = torch.randperm(slots - 1, generator=g, device=dev)[: slots - 64].to(torch.int32) + 1
     new_slots = indices[indptr[1:].long() - 1]  # each row's last context slot: written, then read
     return dict(
-        x=rand(t, H), residual=rand(t, H), w_router=rand(E, H, scale=0.05), w13=rand(E, 2 * INTER, H, scale=0.05),
-        w2=rand(E, H, INTER, scale=0.05), norm_w=rand(H).abs(), w_qkv=rand((HQ + 2 * HKV) * D, H, scale=0.05),
-        q_norm=rand(D).abs(), k_norm=rand(D).abs(), k_cache=rand(slots, HKV, D), v_cache=rand(slots, HKV, D),
-        cos_sin=RotaryEmbedding(D, 4096, 1e6, dev).cos_sin_PD, positions=(lens - 1).to(torch.int64),
-        slots=new_slots.to(torch.int64), indptr=indptr, indices=indices,
+        x=rand(t, H),
+        residual=rand(t, H),
+        w_router=rand(E, H, scale=0.05),
+        w13=rand(E, 2 * INTER, H, scale=0.05),
+        w2=rand(E, H, INTER, scale=0.05),
+        norm_w=rand(H).abs(),
+        w_qkv=rand((HQ + 2 * HKV) * D, H, scale=0.05),
+        q_norm=rand(D).abs(),
+        k_norm=rand(D).abs(),
+        k_cache=rand(slots, HKV, D),
+        v_cache=rand(slots, HKV, D),
+        cos_sin=RotaryEmbedding(D, 4096, 1e6, dev).cos_sin_PD,
+        positions=(lens - 1).to(torch.int64),
+        slots=new_slots.to(torch.int64),
+        indptr=indptr,
+        indices=indices,
     )
 
 
@@ -106,17 +140,41 @@ def _chain(v: dict[str, torch.Tensor], pdl: bool, extend: bool) -> list[torch.Te
     from dp_runtime.model.skinny_linear import SKINNY_MAX_ROWS, skinny_linear
 
     x = v["x"]
-    weights, ids = softmax_topk_triton(x @ v["w_router"].T, K, renormalize=True, round_bf16=True, pdl=pdl)
-    normed = fused_local_expert_sum(x, ids, weights, v["w13"], v["w2"], extend=extend, pdl=pdl,
-                                    add_norm=(v["residual"], v["norm_w"], 1e-6))
+    weights, ids = softmax_topk_triton(
+        x @ v["w_router"].T, K, renormalize=True, round_bf16=True, pdl=pdl
+    )
+    normed = fused_local_expert_sum(
+        x,
+        ids,
+        weights,
+        v["w13"],
+        v["w2"],
+        extend=extend,
+        pdl=pdl,
+        add_norm=(v["residual"], v["norm_w"], 1e-6),
+    )
     if x.shape[0] <= SKINNY_MAX_ROWS:
         qkv = skinny_linear(normed, v["w_qkv"], pdl=pdl)
     else:
         qkv = normed @ v["w_qkv"].T
-    q, k = qk_norm_rope_store(qkv, v["q_norm"], v["k_norm"], v["cos_sin"], v["positions"], v["slots"],
-                              v["k_cache"], v["v_cache"], num_heads=HQ, num_kv_heads=HKV, head_dim=D, eps=1e-6,
-                              pdl=pdl)
-    o = triton_decode_attention(q, v["k_cache"], v["v_cache"], v["indptr"], v["indices"], D ** -0.5, pdl=pdl)
+    q, k = qk_norm_rope_store(
+        qkv,
+        v["q_norm"],
+        v["k_norm"],
+        v["cos_sin"],
+        v["positions"],
+        v["slots"],
+        v["k_cache"],
+        v["v_cache"],
+        num_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        eps=1e-6,
+        pdl=pdl,
+    )
+    o = triton_decode_attention(
+        q, v["k_cache"], v["v_cache"], v["indptr"], v["indices"], D**-0.5, pdl=pdl
+    )
     return [weights, ids, normed, v["residual"], qkv, q, k, o, v["k_cache"], v["v_cache"]]
 
 
@@ -141,7 +199,9 @@ def _run(t: int, pdl: bool, graph: bool, extend: bool) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-@pytest.mark.parametrize("t,extend", [(2, False), (64, False), (640, True)], ids=["t2", "t64", "t640x"])
+@pytest.mark.parametrize(
+    "t,extend", [(2, False), (64, False), (640, True)], ids=["t2", "t64", "t640x"]
+)
 def test_pdl_launches_give_the_same_bits(t, extend, graph):
     from dp_runtime.model.pdl import pdl_supported
 
@@ -149,7 +209,18 @@ def test_pdl_launches_give_the_same_bits(t, extend, graph):
         pytest.skip("PDL needs compute capability >= 9.0")
     plain = _run(t, pdl=False, graph=graph, extend=extend)
     with_pdl = _run(t, pdl=True, graph=graph, extend=extend)
-    names = ["weights", "ids", "normed", "residual", "qkv", "q", "k", "attention", "k_cache", "v_cache"]
+    names = [
+        "weights",
+        "ids",
+        "normed",
+        "residual",
+        "qkv",
+        "q",
+        "k",
+        "attention",
+        "k_cache",
+        "v_cache",
+    ]
     for name, a, b in zip(names, plain, with_pdl, strict=True):
         assert torch.equal(a, b), f"{name} differs with PDL (t={t}, graph={graph})"
     assert plain[7].abs().sum() > 0 and torch.isfinite(plain[7].float()).all()

@@ -99,7 +99,8 @@ def _expert_gemm_persistent_kernel(
     a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr, sorted_ptr,
     block_expert_ptr, num_rows_ptr, num_picks, n_out, k_in,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``_expert_gemm_kernel`` on a fixed grid: program ``p`` takes the tiles in use ``p, p +
     grid, ...``. The tile loop is flattened with the contraction loop into one software
@@ -227,7 +228,8 @@ def _sum_picks_kernel(
 
 
 def _launch_gemm(cfg: MoeTileConfig, a, w, c, weights_P, sorted_R, block_expert, num_rows, num_local: int,
-                 aligned: bool, *, n_out: int, k_in: int, a_row_div: int, gated: bool, pdl: bool) -> None:
+                 aligned: bool, *, n_out: int, k_in: int, a_row_div: int, gated: bool,
+                 pdl: bool) -> None:
     """One expert GEMM of ``fused_local_expert_sum``: ``c = a @ w[e].T`` per block, GATED (GEMM1:
     ``cfg.block_n`` split into gate and up halves, SwiGLU epilogue) or weighted (GEMM2)."""
     blocks = block_expert.shape[0]

@@ -270,7 +270,8 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int,
         # One chunk size for every P: no recompile per step size (masked lanes cost little).
         _align_by_expert_kernel[(num_local,)](
             ids_P, sorted_R, block_expert, num_rows, num_picks, num_local, blocks,
-            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=chunk_b, num_warps=4, **pdl_meta(pdl),
+            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=chunk_b, num_warps=4,
+            **pdl_meta(pdl),
         )
         return sorted_R, block_expert, num_rows
     table, per_expert = tables[: progs * block_e], tables[progs * block_e :]

@@ -39,7 +39,10 @@ def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can launch with PDL: CUDA, compute capability >= 9.0."""
     if device.type != "cuda":
         return False
-    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    return (
+        _capability_major(device.index if device.index is not None else torch.cuda.current_device())
+        >= 9
+    )
 
 
 # Calls of up to this many rows (tokens) launch with PDL by default: decode steps. On an H100
@@ -58,7 +61,9 @@ def resolve_pdl(pdl: bool | None, tensor: torch.Tensor, rows: int) -> bool:
     if pdl is None:
         return supported and rows <= PDL_MAX_ROWS
     if pdl and not supported:
-        raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9.0, got {tensor.device}")
+        raise ValueError(
+            f"pdl=True needs a CUDA device of compute capability >= 9.0, got {tensor.device}"
+        )
     return bool(pdl)
 
 

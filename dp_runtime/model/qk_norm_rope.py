@@ -158,7 +158,8 @@ def qk_norm_rope_store(
         eps, t,
         HQ=num_heads, HKV=num_kv_heads, D=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm, BLOCK_T=block_t,
         FP8_MAX=FP8_KV_MAX if k_cache_SHD.dtype == torch.float8_e4m3fn else 0.0,
-        num_warps=(1 if head_dim <= 128 else 2) if block_t == 1 else 4, **pdl_meta(resolve_pdl(pdl, qkv_TX, t)),
+        num_warps=(1 if head_dim <= 128 else 2) if block_t == 1 else 4,
+        **pdl_meta(resolve_pdl(pdl, qkv_TX, t)),
     )
     return q, k
 

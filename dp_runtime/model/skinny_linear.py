@@ -187,7 +187,8 @@ def use_skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool
     )
 
 
-def skinny_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, *, tiles: tuple[int, int, int, int] | None = None,
+def skinny_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, *,
+                  tiles: tuple[int, int, int, int] | None = None,
                   pdl: bool | None = None) -> torch.Tensor:
     """``x_MK @ w_NK.T`` (``F.linear`` without bias) for M <= SKINNY_MAX_ROWS, one launch, in x's
     dtype with fp32 accumulation. ``tiles`` overrides ``_tiles(N, K)`` (the tuning benchmark's

@@ -61,7 +61,8 @@ class _Entries:
 
 def adjusted_chunks(logits_BV: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams | None],
                     counts: StepCounts | None, chunk: int, use_triton: bool = False,
-                    bans: Sequence[Sequence[int]] = ()) -> Iterator[tuple[Sequence[int], torch.Tensor, torch.Tensor]]:
+                    bans: Sequence[Sequence[int]] = ()
+                    ) -> Iterator[tuple[Sequence[int], torch.Tensor, torch.Tensor]]:
     """For rows ``rows`` of ``logits_BV`` (ascending, each with a bias or a penalty), ``chunk``
     at a time: ``(the chunk's rows, those rows on the device, x_CV)``, x_CV a float32 copy of
     their logits with penalties and bias applied (module docstring). ``counts``: each row's
@@ -133,7 +134,8 @@ def _plan(part: Sequence[int], params: Sequence[SamplingParams | None], counts: 
             bias_v.append(b)
         for tid in bans[row] if bans else ():  # -inf added: the token cannot be drawn, bias or not
             if not 0 <= tid < vocab:
-                raise ValueError(f"draw_tokens: row {row} bans token {tid}, outside the vocabulary of {vocab}")
+                raise ValueError(f"draw_tokens: row {row} bans token {tid}, outside the "
+                                 f"vocabulary of {vocab}")
             bias_i.append(j * vocab + tid)
             bias_v.append(-torch.inf)
         if p.penalized and (counts is None or counts.table_RV is None):

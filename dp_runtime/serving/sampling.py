@@ -107,14 +107,15 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
     and which tokens its prompt and output hold, on the device, needed where a row has a
     penalty): ``logits_BV`` itself is never written, so the logprobs read from it after the draw
     stay raw. ``bans[i]`` (empty, or one entry per row): ids row i may not take (-inf in its
-    copy; ``SamplingParams.min_tokens``). ``use_triton``: the Triton kernels, the top-p search and the race (default: on CUDA
-    tensors)."""
+    copy; ``SamplingParams.min_tokens``). ``use_triton``: the Triton kernels, the top-p search
+    and the race (default: on CUDA tensors)."""
     if logits_BV.shape[0] != len(params) or len(params) != len(indices):
         raise ValueError(f"draw_tokens: {logits_BV.shape[0]} logits rows, {len(params)} params, "
                          f"{len(indices)} indices")
     ids_B = logits_BV.argmax(dim=-1)
     drawn = tuple(i for i, p in enumerate(params) if p is not None and not p.greedy)
-    adjusted = [i for i, p in enumerate(params) if p is not None and (p.adjusted or (bans and bans[i]))]
+    adjusted = [i for i, p in enumerate(params)
+                if p is not None and (p.adjusted or (bans and bans[i]))]
     if not drawn and not adjusted:
         return DrawnTokens(ids_B)
     if use_triton is None:
@@ -127,7 +128,8 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
                                                 [indices[i] for i in plain], use_triton)
         ids_B.index_copy_(0, rows_R, tokens_R)
         fails.append(failed_R)
-    for chunk, rows_C, x_CV in adjusted_chunks(logits_BV, adjusted, params, counts, ROW_CHUNK, use_triton, bans):
+    chunks = adjusted_chunks(logits_BV, adjusted, params, counts, ROW_CHUNK, use_triton, bans)
+    for chunk, rows_C, x_CV in chunks:
         ids_C = x_CV.argmax(dim=-1)
         sampled = [j for j, row in enumerate(chunk) if not params[row].greedy]
         if sampled:  # raced on the copy as they would be on logits_BV (the race: rows of one tensor)

@@ -291,13 +291,15 @@ class Scheduler:
             r.inflight += 1
             r.decode_steps += 1
         samples = (True,) * len(reqs)
-        return ScheduledStep(batch, reqs, (1,) * len(reqs), samples, draws=draws, bans=self._bans(reqs, samples, draws))
+        return ScheduledStep(batch, reqs, (1,) * len(reqs), samples, draws=draws,
+                             bans=self._bans(reqs, samples, draws))
 
     def _bans(self, reqs: Sequence[RequestState], samples: Sequence[bool],
               draws: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """``ScheduledStep.bans``: a sampling row whose token is one of its first ``min_tokens``
         may not draw a stop id nor, unless ``ignore_eos``, an EOS id."""
-        bans = tuple(self._stop_ids(r.request.sampling) if s and d < r.request.sampling.min_tokens else ()
+        bans = tuple(self._stop_ids(r.request.sampling)
+                     if s and d < r.request.sampling.min_tokens else ()
                      for r, s, d in zip(reqs, samples, draws, strict=True))
         return bans if any(bans) else ()
 

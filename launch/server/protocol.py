@@ -266,7 +266,8 @@ def sampling_of(
         )
     min_tokens = 0 if req.min_tokens is None else req.min_tokens
     if not 0 <= min_tokens <= max_tokens:
-        raise bad("min_tokens", f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+        raise bad("min_tokens",
+                  f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
     temperature = defaults.pick("temperature", req.temperature, 1.0)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise bad("temperature", f"temperature must be a finite number >= 0, got {temperature}")
