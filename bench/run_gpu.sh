@@ -104,6 +104,7 @@
 #                                   #   .bases/b12 (torch ops) and here (one Triton pass), then plain here
 #   bash bench/run_gpu.sh pdl20     # one GPU: PDL kernel tests; decode and mixed steps in .bases/* (no PDL) and here
 #   bash bench/run_gpu.sh pdlload20 # one GPU: serve_load at 64 running in .bases/b13 and here (prefix caching off, on)
+#   bash bench/run_gpu.sh owed21    # one GPU: min_tokens/sampling GPU tests; HBM read vs copy bandwidth
 #   bash bench/run_gpu.sh owed20    # one GPU: serving GPU tests with prefix caching on by default and PDL
 #   bash bench/run_gpu.sh owed19    # one GPU: session 19's owed GPU tests (sampling, overlap, rank memory)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
@@ -725,6 +726,19 @@ case "${1:-one}" in
     TAIL=4 step load${n}_here timeout ${TLOAD2:-300} python bench/serve_load.py --model qwen3-30b-a3b --device cuda \
       --rates inf --num-requests $(( n * 6 )) --max-running-requests $n --policy lof --json --gpu-spans \
       --prefix-caching both
+    ;;
+  owed21)  # one GPU: session 20's GPU tests not yet run (min_tokens' Triton draws, the sampling ones beside it); the
+            # HBM read bandwidth (a bf16 sum over 8 GiB) beside the copy bandwidth, the expert stream's ceiling
+    step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_min_tokens.py \
+      tests/test_sampling_gpu.py
+    TAIL=4 step hbm_read timeout 120 python -c "import torch, time
+from launch.gpu_specs import measure_copy_bandwidth
+x = torch.ones(4 * 2**30, dtype=torch.bfloat16, device='cuda')
+for _ in range(3): x.sum()
+torch.cuda.synchronize(); t = time.perf_counter()
+for _ in range(20): x.sum()
+torch.cuda.synchronize(); dt = (time.perf_counter() - t) / 20
+print(f'read {x.numel() * 2 / dt / 1e12:.3f} TB/s (torch sum over 8 GiB bf16); copy {measure_copy_bandwidth(0) / 1e12:.3f} TB/s')"
     ;;
   owed20)  # one GPU: the serving GPU tests with prefix caching on by default and PDL in the decode graphs (model,
             # mixed steps, rank memory, overlap, FP8 KV, sampling)
