@@ -89,7 +89,9 @@ def test_resolve_pdl_on_a_cpu_tensor():
     x = torch.zeros(1)
     assert resolve_pdl(None, x, 1) is False and resolve_pdl(False, x, 1) is False
     with pytest.raises(
-        ValueError, match=r"pdl=True needs a CUDA device of compute capability >= 9.0, got cpu"
+        ValueError,
+        match=r"pdl=True needs a CUDA device of compute capability >= 9.0 and Triton >= 3.4, "
+        r"got cpu",
     ):
         resolve_pdl(True, x, 1)
     assert pdl_meta(False) == {"PDL": False}
@@ -206,7 +208,7 @@ def test_pdl_launches_give_the_same_bits(t, extend, graph):
     from dp_runtime.model.pdl import pdl_supported
 
     if not pdl_supported(torch.device("cuda")):
-        pytest.skip("PDL needs compute capability >= 9.0")
+        pytest.skip("PDL needs compute capability >= 9.0 and Triton >= 3.4")
     plain = _run(t, pdl=False, graph=graph, extend=extend)
     with_pdl = _run(t, pdl=True, graph=graph, extend=extend)
     names = [

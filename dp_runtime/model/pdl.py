@@ -26,7 +26,24 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PDL_MAX_ROWS", "pdl_entry", "pdl_meta", "pdl_supported", "resolve_pdl"]
+# Triton 3.4 brought the grid dependency calls (the names ``pdl_entry`` calls) and the
+# ``launch_pdl`` option; older Triton launches everything plainly (a dead ``if PDL:`` branch is
+# never compiled).
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+except ImportError:
+    TRITON_HAS_PDL = False
+else:
+    TRITON_HAS_PDL = True
+
+__all__ = [
+    "PDL_MAX_ROWS",
+    "TRITON_HAS_PDL",
+    "pdl_entry",
+    "pdl_meta",
+    "pdl_supported",
+    "resolve_pdl",
+]
 
 
 @functools.cache
@@ -36,8 +53,9 @@ def _capability_major(index: int) -> int:
 
 
 def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can launch with PDL: CUDA, compute capability >= 9.0."""
-    if device.type != "cuda":
+    """Whether kernels on ``device`` can launch with PDL: CUDA, compute capability >= 9.0, and a
+    Triton that has it (``TRITON_HAS_PDL``)."""
+    if device.type != "cuda" or not TRITON_HAS_PDL:
         return False
     return (
         _capability_major(device.index if device.index is not None else torch.cuda.current_device())
@@ -62,7 +80,8 @@ def resolve_pdl(pdl: bool | None, tensor: torch.Tensor, rows: int) -> bool:
         return supported and rows <= PDL_MAX_ROWS
     if pdl and not supported:
         raise ValueError(
-            f"pdl=True needs a CUDA device of compute capability >= 9.0, got {tensor.device}"
+            f"pdl=True needs a CUDA device of compute capability >= 9.0 and Triton >= 3.4, got "
+            f"{tensor.device} and Triton {triton.__version__}"
         )
     return bool(pdl)
 
