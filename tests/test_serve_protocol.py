@@ -73,6 +73,7 @@ def test_fields_resolve():
         ignore_eos=True,
         stream=True,
         stream_options={"include_usage": True},
+        min_tokens=2,
     )
     assert s.params() == dict(
         max_new_tokens=5,
@@ -88,6 +89,7 @@ def test_fields_resolve():
         frequency_penalty=0.0,
         min_p=0.25,
         repetition_penalty=1.0,
+        min_tokens=2,
     )
     assert s.stop == ("ab",) and s.stream and s.include_usage
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from dp_runtime.forward_mode import ForwardMode
@@ -10,7 +11,7 @@ from dp_runtime.serving.forward_batch import ForwardBatch
 from dp_runtime.serving.prefix_cache import PrefixMatch
 from dp_runtime.serving.request import Request, TokenLogprob
 
-__all__ = ["RequestState", "ScheduledStep"]
+__all__ = ["RequestState", "ScheduledStep", "draw_bans"]
 
 
 @dataclass(eq=False)
@@ -76,3 +77,14 @@ class ScheduledStep:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new)
+
+
+def draw_bans(reqs: Sequence[RequestState], samples: Sequence[bool], draws: Sequence[int],
+              eos_token_ids: Collection[int]) -> tuple[tuple[int, ...], ...]:
+    """``ScheduledStep.bans`` of a step: a sampling row whose token is one of its request's first
+    ``min_tokens`` may not draw one of its stop ids nor, unless ``ignore_eos``, an EOS id."""
+    eos = tuple(sorted(eos_token_ids))
+    bans = tuple(r.request.sampling.stop_token_ids + (() if r.request.sampling.ignore_eos else eos)
+                 if s and d < r.request.sampling.min_tokens else ()
+                 for r, s, d in zip(reqs, samples, draws, strict=True))
+    return bans if any(bans) else ()

@@ -61,7 +61,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
@@ -70,9 +70,9 @@ from dp_runtime.serving.admission import check_request, kv_refusal, refused_resu
 from dp_runtime.serving.kv_allocator import KVAllocator
 from dp_runtime.serving.paged_batches import decode_forward_batch, extend_forward_batch
 from dp_runtime.serving.prefix_reuse import PrefixReuse
-from dp_runtime.serving.request import Request, RequestResult, SamplingParams, TokenLogprob
+from dp_runtime.serving.request import Request, RequestResult, TokenLogprob
 from dp_runtime.serving.sampling import RowFailure
-from dp_runtime.serving.scheduled_step import RequestState, ScheduledStep
+from dp_runtime.serving.scheduled_step import RequestState, ScheduledStep, draw_bans
 
 __all__ = ["ScheduledStep", "Scheduler"]
 
@@ -278,7 +278,7 @@ class Scheduler:
                 self._reserved -= m.n - r.match.n
                 r.match = m
         return ScheduledStep(batch, reqs, takes, samples, num_decode=len(decode), draws=draws,
-                             bans=self._bans(reqs, samples, draws))
+                             bans=draw_bans(reqs, samples, draws, self.eos_token_ids))
 
     def _decode(self, running: list[RequestState]) -> ScheduledStep:
         reqs = tuple(running)
@@ -292,19 +292,7 @@ class Scheduler:
             r.decode_steps += 1
         samples = (True,) * len(reqs)
         return ScheduledStep(batch, reqs, (1,) * len(reqs), samples, draws=draws,
-                             bans=self._bans(reqs, samples, draws))
-
-    def _bans(self, reqs: Sequence[RequestState], samples: Sequence[bool],
-              draws: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-        """``ScheduledStep.bans``: a sampling row whose token is one of its first ``min_tokens``
-        may not draw a stop id nor, unless ``ignore_eos``, an EOS id."""
-        bans = tuple(self._stop_ids(r.request.sampling)
-                     if s and d < r.request.sampling.min_tokens else ()
-                     for r, s, d in zip(reqs, samples, draws, strict=True))
-        return bans if any(bans) else ()
-
-    def _stop_ids(self, sp: SamplingParams) -> tuple[int, ...]:
-        return sp.stop_token_ids + (() if sp.ignore_eos else tuple(sorted(self.eos_token_ids)))
+                             bans=draw_bans(reqs, samples, draws, self.eos_token_ids))
 
     # -- results ---------------------------------------------------------------------------------
     def advance(self, step: ScheduledStep, tokens: list[int | RowFailure | None],
