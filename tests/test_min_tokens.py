@@ -9,31 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dp_runtime.serving.kv_allocator import KVAllocator
-from dp_runtime.serving.kv_cache import KVCache
 from dp_runtime.serving.request import Request, SamplingParams
 from dp_runtime.serving.sampling import draw_tokens
-from dp_runtime.serving.scheduler import Scheduler
-
-
-def _scheduler() -> Scheduler:
-    cache = KVCache(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=4,
-        num_slots=64,
-        max_reqs=4,
-        max_context_len=32,
-        dtype=torch.float32,
-        device="cpu",
-    )
-    return Scheduler(
-        KVAllocator(cache), max_running_requests=4, chunked_prefill_size=64, eos_token_ids=(2, 1)
-    )
+from tests.support.small_scheduler import small_scheduler
 
 
 def test_the_first_min_tokens_draws_ban_the_stop_and_eos_ids():
-    s = _scheduler()
+    s = small_scheduler(eos_token_ids=(2, 1))
     s.submit(
         [
             Request(
@@ -60,7 +42,7 @@ def test_the_first_min_tokens_draws_ban_the_stop_and_eos_ids():
 
 
 def test_a_stop_id_ends_a_request_only_after_min_tokens():
-    s = _scheduler()
+    s = small_scheduler(eos_token_ids=(2, 1))
     s.submit(
         [Request("a", [3, 4], SamplingParams(max_new_tokens=8, min_tokens=2, stop_token_ids=(9,)))]
     )

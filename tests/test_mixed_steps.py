@@ -23,14 +23,13 @@ from dp_runtime.sync.padding_mode import PaddingMode
 from dp_runtime.sync.step_plan import plan_step
 from dp_runtime.sync.step_table import LocalStepInfo, StepTable
 from tests.hf_reference import greedy_reference, load_reference, write_tiny_checkpoint
+from tests.support.small_scheduler import small_scheduler
 from tests.support.synthetic_batch import add_requests, decode_batch, extend_batch
 
 
 def _scheduler(budget: int = 8, *, mixed: bool = True, max_running: int = 4) -> Scheduler:
-    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_slots=128, max_reqs=max_running,
-                    max_context_len=64, dtype=torch.float32, device="cpu")
-    return Scheduler(KVAllocator(cache), max_running_requests=max_running, chunked_prefill_size=budget,
-                     mixed_steps=mixed)
+    return small_scheduler(num_slots=128, max_context_len=64, max_running=max_running, chunk=budget,
+                           mixed_steps=mixed)
 
 
 def _req(rid: str, prompt, new: int = 5, **sampling) -> Request:

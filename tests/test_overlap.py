@@ -9,11 +9,9 @@ import torch
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
-from dp_runtime.serving.kv_allocator import KVAllocator
-from dp_runtime.serving.kv_cache import KVCache
 from dp_runtime.serving.request import Request, SamplingParams
-from dp_runtime.serving.scheduler import Scheduler
 from tests.hf_reference import write_tiny_checkpoint
+from tests.support.small_scheduler import small_scheduler
 
 pytest.importorskip("transformers")
 
@@ -65,14 +63,8 @@ def test_overlapped_steps_give_the_tokens_of_step_by_step_serving(ckpt, graphs):
     assert m_on["generated_tokens"] == m_off["generated_tokens"] == sum(len(r.output_ids) for r in overlapped)
 
 
-def _scheduler() -> Scheduler:
-    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_slots=64, max_reqs=4, max_context_len=32,
-                    dtype=torch.float32, device="cpu")
-    return Scheduler(KVAllocator(cache), max_running_requests=4, chunked_prefill_size=64)
-
-
 def test_scheduler_runs_ahead_of_its_tokens_without_passing_max_new_tokens():
-    s = _scheduler()
+    s = small_scheduler()
     s.submit([Request("a", [3, 4, 5], SamplingParams(max_new_tokens=3))])
     first = s.next_step()  # the prompt; its first token is in flight
     assert first.is_extend and first.samples == (True,)
@@ -91,7 +83,7 @@ def test_scheduler_runs_ahead_of_its_tokens_without_passing_max_new_tokens():
 
 
 def test_a_token_after_a_stop_is_dropped_and_its_slot_freed():
-    s = _scheduler()
+    s = small_scheduler()
     s.submit([Request("a", [3, 4], SamplingParams(max_new_tokens=8, stop_token_ids=(9,)))])
     first = s.next_step()
     second = s.next_step()  # scheduled before the host knows the first token is a stop token
