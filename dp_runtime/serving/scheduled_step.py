@@ -82,9 +82,15 @@ class ScheduledStep:
 def draw_bans(reqs: Sequence[RequestState], samples: Sequence[bool], draws: Sequence[int],
               eos_token_ids: Collection[int]) -> tuple[tuple[int, ...], ...]:
     """``ScheduledStep.bans`` of a step: a sampling row whose token is one of its request's first
-    ``min_tokens`` may not draw one of its stop ids nor, unless ``ignore_eos``, an EOS id."""
+    ``min_tokens`` may not draw one of its stop ids nor, unless ``ignore_eos``, an EOS id. Runs
+    every step: one pass finds the held rows (usually none), and only those are built."""
+    held = [i for i, (r, d) in enumerate(zip(reqs, draws, strict=True))
+            if d < r.request.sampling.min_tokens and samples[i]]
+    if not held:
+        return ()
     eos = tuple(sorted(eos_token_ids))
-    bans = tuple(r.request.sampling.stop_token_ids + (() if r.request.sampling.ignore_eos else eos)
-                 if s and d < r.request.sampling.min_tokens else ()
-                 for r, s, d in zip(reqs, samples, draws, strict=True))
-    return bans if any(bans) else ()
+    bans: list[tuple[int, ...]] = [()] * len(reqs)
+    for i in held:
+        sp = reqs[i].request.sampling
+        bans[i] = sp.stop_token_ids + (() if sp.ignore_eos else eos)
+    return tuple(bans) if any(bans) else ()
