@@ -105,6 +105,7 @@
 #   bash bench/run_gpu.sh pdl20     # one GPU: PDL kernel tests; decode and mixed steps in .bases/* (no PDL) and here
 #   bash bench/run_gpu.sh pdlload20 # one GPU: serve_load at 64 running in .bases/b13 and here (prefix caching off, on)
 #   bash bench/run_gpu.sh owed21    # one GPU: min_tokens/sampling GPU tests; HBM read vs copy bandwidth
+#   bash bench/run_gpu.sh mem21     # one GPU: memory_growth.py (serving beyond the profiled peak), rank-memory tests
 #   bash bench/run_gpu.sh owed20    # one GPU: serving GPU tests with prefix caching on by default and PDL
 #   bash bench/run_gpu.sh owed19    # one GPU: session 19's owed GPU tests (sampling, overlap, rank memory)
 #   bash bench/run_gpu.sh extend1  # one GPU: GPU tests with extend graphs, extend steps graph vs eager, decode vs trees
@@ -739,6 +740,11 @@ torch.cuda.synchronize(); t = time.perf_counter()
 for _ in range(20): x.sum()
 torch.cuda.synchronize(); dt = (time.perf_counter() - t) / 20
 print(f'read {x.numel() * 2 / dt / 1e12:.3f} TB/s (torch sum over 8 GiB bf16); copy {measure_copy_bandwidth(0) / 1e12:.3f} TB/s')"
+    ;;
+  mem21)  # one GPU: where serving with prefix caching outgrows the profiled peak (bench/memory_growth.py, off and
+           # on), then the rank-memory tests (the third profiled shape, the prefix-caching variant)
+    TAIL=30 step memory_growth timeout 240 python bench/memory_growth.py --top 15
+    step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py
     ;;
   owed20)  # one GPU: the serving GPU tests with prefix caching on by default and PDL in the decode graphs (model,
             # mixed steps, rank memory, overlap, FP8 KV, sampling)

@@ -55,14 +55,19 @@ def run_largest_step(eager: Any, cfg: Any, device: torch.device, context_len: in
     """One eager forward of each largest step and its costliest draw, on every rank alike (a
     collective when the dispatcher exchanges; the batch carries the plan it lays out from): the
     token budget over the most requests (``memory_sizing.largest_step_tokens``: the most logit
-    rows), then as one request as long as the context allows (an attention backend that forms a
-    request's scores, SDPA's, needs most for the longest request). Its requests all read request
-    row 0 and KV slot 0, the padding targets, as a graph capture's do: nothing live is touched."""
+    rows); as one request as long as the context allows (an attention backend that forms a
+    request's scores, SDPA's, needs most for the longest request); and as one request's last
+    chunk after a prefix that fills the context (a prompt's later chunk or a cached prefix: the
+    attention then also reads the prefix, and FlashInfer merges a second pass over it). Its
+    requests all read request row 0 and KV slot 0, the padding targets, as a graph capture's do:
+    nothing live is touched."""
     tokens, requests = ms.largest_step_tokens(cfg, context_len)
-    # dict.fromkeys: one forward where the two shapes are one (a single request of the budget)
-    for n, reqs in dict.fromkeys(((tokens, requests), (min(tokens, context_len), 1))):
+    last = min(tokens, context_len - 1)
+    shapes = [(tokens, requests, 0), (min(tokens, context_len), 1, 0)] + ([(last, 1, context_len - last)] * (last > 0))
+    # dict.fromkeys: one forward where two shapes are one (a single request of the budget)
+    for n, reqs, prefix in dict.fromkeys(shapes):
         plan = plan_step(StepTable.from_counts([n] * cfg.dp_size, can_run_graph=False, is_extend=True), cfg)
-        batch = capture_batch(reqs, n, plan, device=device, forward_mode=ForwardMode.EXTEND)
+        batch = capture_batch(reqs, n, plan, device=device, forward_mode=ForwardMode.EXTEND, prefix_len=prefix)
         worst_case_draw(eager.run(batch))
 
 

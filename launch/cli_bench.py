@@ -48,6 +48,7 @@ BENCHES: dict[str, BenchInfo] = {
     "prefill_attention": BenchInfo(False, "causal prefill attention: FlashInfer FA2 vs FA3 vs SDPA"),
     "draw_tokens": BenchInfo(False, "a step's token draw alone per sampling config (temperature, top-k/p) vs greedy"),
     "sync_probe": BenchInfo(False, "serve_load under torch's sync debug mode: where serving makes the host wait"),
+    "memory_growth": BenchInfo(False, "what serving allocates beyond the profiled peak, by call site (prefix caching)"),
 }
 
 

@@ -20,12 +20,15 @@ def _spec(**kw):
     return RankSpec.create("tiny", **{**base, **kw})
 
 
-def test_serving_stays_within_the_profiled_peak_and_graphs_within_their_reserve():
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
+def test_serving_stays_within_the_profiled_peak_and_graphs_within_their_reserve(caching):
     # cuBLAS's workspace made before the rank: the profile's peak must bound serving without it
     # (a process's first GEMM makes it, and in a fresh process it hid a 4x shortfall: the profile
     # spread its tokens over 16 short requests, and SDPA's scores grow with the longest request).
+    # With prefix caching the later prompts start with an earlier one's tokens: extends after a
+    # cached prefix (the profile's third shape).
     torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
-    with RankWorker(_spec()) as w:
+    with RankWorker(_spec(prefix_caching=caching)) as w:
         mem = w.memory_report()
         assert mem["activation_peak"] > 0 and 0 < mem["graph_pool"] <= mem["graph_reserve"], mem
         # torch held at least the weights and the pool when the rank sized its cache
@@ -39,13 +42,16 @@ def test_serving_stays_within_the_profiled_peak_and_graphs_within_their_reserve(
         g = torch.Generator().manual_seed(0)
         costly = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, logprobs=20, ignore_eos=True,
                                 logit_bias=tuple((t, 1.0) for t in range(0, 200, 2)))
-        reqs = [Request(f"r{i}", torch.randint(1, 200, (n,), generator=g).tolist(),
+        shared = torch.randint(1, 200, (100,), generator=g).tolist() if caching else []
+        reqs = [Request(f"r{i}", (shared + torch.randint(1, 200, (n,), generator=g).tolist())[:230],
                         costly if i % 2 else SamplingParams(max_new_tokens=24))
                 for i, n in enumerate((200, 180, 120, 12, 230, 64, 90, 17))]
-        results = w.generate(reqs)
+        # with the cache, in two waves: the later prompts find the first two's prefix cached
+        results = w.generate(reqs[:2]) + w.generate(reqs[2:]) if caching else w.generate(reqs)
         torch.cuda.synchronize()
         grew = torch.cuda.max_memory_allocated() - base
     assert all(r.ok and len(r.output_ids) == 24 for r in results)
+    assert (sum(r.cached_tokens for r in results) > 0) == caching
     assert 0 < grew <= mem["activation_peak"], (grew, mem)
 
 

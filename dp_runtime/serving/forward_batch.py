@@ -105,13 +105,15 @@ def capture_batch(
     device: torch.device | str,
     forward_mode: ForwardMode = ForwardMode.DECODE,
     seq_len_fill_value: int = 1,
+    prefix_len: int = 0,
 ) -> ForwardBatch:
     """A dummy batch of ``bs`` requests to capture a graph with (``GraphRunner.capture_batch``).
 
     Every index points at the reserved padding targets (request row 0, KV slot 0) with length
     ``seq_len_fill_value``, so the capture's warm-up runs read and write nothing live. An
     EXTEND batch (extend graphs) spreads ``num_tokens`` new tokens over the ``bs`` requests as
-    evenly as it can, with no prefix (each request's length is its new tokens).
+    evenly as it can, each after ``prefix_len`` cached tokens (default none: a request's length
+    is its new tokens; the prefix reads slot 0 too).
     """
     device = torch.device(device)
     zeros_t = torch.zeros(num_tokens, dtype=torch.int64, device=device)
@@ -120,10 +122,13 @@ def capture_batch(
     if forward_mode is ForwardMode.EXTEND:
         if not 1 <= bs <= num_tokens:
             raise ValueError(f"capture_batch: an EXTEND batch needs 1 <= bs <= num_tokens, got {bs} and {num_tokens}")
-        lens = [num_tokens // bs + (i < num_tokens % bs) for i in range(bs)]
-        extend = dict(extend_seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
-                      extend_prefix_lens=torch.zeros(bs, dtype=torch.int64, device=device),
-                      extend_seq_lens_cpu=tuple(lens), extend_prefix_lens_cpu=(0,) * bs)
+        new = [num_tokens // bs + (i < num_tokens % bs) for i in range(bs)]
+        extend = dict(extend_seq_lens=torch.tensor(new, dtype=torch.int64, device=device),
+                      extend_prefix_lens=torch.full((bs,), prefix_len, dtype=torch.int64, device=device),
+                      extend_seq_lens_cpu=tuple(new), extend_prefix_lens_cpu=(prefix_len,) * bs)
+        lens = [n + prefix_len for n in new]
+    elif prefix_len:
+        raise ValueError(f"capture_batch: prefix_len={prefix_len} needs an EXTEND batch")
     return ForwardBatch(
         forward_mode=forward_mode,
         batch_size=bs,
