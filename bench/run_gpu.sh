@@ -695,7 +695,7 @@ case "${1:-one}" in
       qwen3-30b-a3b --device cuda --rates inf --num-requests $(( n * 2 )) --max-running-requests $n --policy lof \
       --json --gpu-spans
     ;;
-  prefix20)  # one GPU: prefix caching (opt-in until this run): its GPU tests (bf16, SDPA/FlashInfer, eager/graphs,
+  prefix20)  # one GPU: prefix caching (opt-in until this run, 2026-11-27): its GPU tests (bf16, SDPA/FlashInfer, eager/graphs,
               # one by one/together, eviction) with the mixed/overlap ones (extends after a cached prefix), then
               # serve_load where every prompt starts with the same PREFIX (1024) tokens, off then on, side by side
     [ "${TESTS:-1}" = 0 ] || step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q \

@@ -45,7 +45,7 @@ tokens over steps x R, the batch's fill; ``ideal`` is the occupancy the workload
 rank under the same admission rules (``load_summary.ideal_occupancy``: every step equally long,
 no KV limit), the ceiling of ``eff`` where steps run at the decode step's speed. ``--mixed both``
 and ``--policy both`` (the scheduler's admission order, RuntimeConfig.schedule_policy), and
-``--prefix-caching off|on|both`` (RuntimeConfig.prefix_caching; the flag alone: on): every
+``--prefix-caching off|on|both`` (RuntimeConfig.prefix_caching; default and the flag alone: on): every
 rate in each variant, on a fresh set of ranks each. With prefix caching a rank's cache lives
 across the rates of a variant (the warmup's prompts share no prefix); ``cached``: the prompt
 tokens served from it over all prompt tokens.
@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the mixed steps' token budget (RuntimeConfig.mixed_step_tokens): auto or an int")
     p.add_argument("--policy", default="fcfs", choices=("fcfs", "lof", "both"),
                    help="admission order (RuntimeConfig.schedule_policy); both: fcfs, then lof")
-    p.add_argument("--prefix-caching", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+    p.add_argument("--prefix-caching", nargs="?", const="on", default="on", choices=("off", "on", "both"),
                    help="RuntimeConfig.prefix_caching (the flag alone: on); both: off, then on")
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="every prompt starts with the same this many tokens (then its drawn length)")

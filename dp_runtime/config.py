@@ -46,8 +46,8 @@ mixed_step_tokens                     1 <= value <= chunked_prefill_size: the mo
 schedule_policy                       "fcfs" (arrival order) / "lof" (longest output       ("fcfs")
                                       first: the arrived request with the most
                                       max_new_tokens is admitted first)
-prefix_caching                        bool: reuse the K/V of cached prompt prefixes         (False)
-                                      (serving/prefix_cache.py; opt-in until GPU-checked)
+prefix_caching                        bool: reuse the K/V of cached prompt prefixes         (True)
+                                      (serving/prefix_cache.py)
 dtype                                 a torch.dtype or a name: bfloat16, bf16, float16,   (bfloat16)
                                       fp16, float32, fp32
 kv_cache_dtype                        ``dtype`` or float8_e4m3fn (names: fp8, fp8_e4m3):  dtype
@@ -154,7 +154,7 @@ class RuntimeConfig:
     mixed_steps: bool = True
     mixed_step_tokens: int | str = "auto"
     schedule_policy: str = "fcfs"
-    prefix_caching: bool = False
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         self._check_ints()

@@ -156,7 +156,7 @@ def run(
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=(
         "KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes per token, "
         "twice the slots; K/V rounded to e4m3).")),
-    prefix_caching: bool = typer.Option(False, "--prefix-caching", help=(
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help=(
         "Reuse the KV of prompt prefixes cached from earlier requests on the same rank.")),
     context_len: int = typer.Option(None, "--context-len", show_default="min(model limit, 4096)",
                                     help="Longest prompt + output; a request over it is refused alone."),

@@ -101,8 +101,8 @@ def serve(
         "per token, twice the slots; K/V rounded to e4m3).",
     ),
     prefix_caching: bool = typer.Option(
-        False,
-        "--prefix-caching",
+        True,
+        "--prefix-caching/--no-prefix-caching",
         help="Reuse the KV of prompt prefixes cached from earlier requests on the same rank.",
     ),
     max_queued: int = typer.Option(

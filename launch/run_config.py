@@ -58,7 +58,7 @@ class RunConfig:
     schedule_policy: str = "fcfs"  # admission order: fcfs (arrival) | lof (longest output first)
     mixed_step_tokens: int | str = "auto"  # a mixed step's token budget; auto: the largest extend graph
     kv_cache_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | fp8_e4m3 (alias fp8)
-    prefix_caching: bool = False  # reuse the K/V of cached prompt prefixes (per rank)
+    prefix_caching: bool = True  # reuse the K/V of cached prompt prefixes (per rank)
 
     def __post_init__(self) -> None:
         for name in _COUNTS:

@@ -1,6 +1,7 @@
 """`--prefix-caching` as a user meets it: `dp-runtime run` of the tiny preset on the CPU with
 the prefix cache serves a workload of shared prompts in full; the flag reaches the rank's
-RuntimeConfig from run, serve's shared check and the torchrun entry (off by default)."""
+RuntimeConfig from run, serve's shared check and the torchrun entry (on by default; the
+``--no-`` form turns it off)."""
 
 from __future__ import annotations
 
@@ -26,14 +27,14 @@ def test_a_local_run_with_prefix_caching_serves_shared_prompts(tmp_path):
 
 
 def test_the_flag_reaches_the_runtime_config(monkeypatch, capsys):
-    assert check_gang_options(launcher="local", device="cpu", prefix_caching=True).spec.runtime.prefix_caching
-    assert not check_gang_options(launcher="local", device="cpu").spec.runtime.prefix_caching
+    assert check_gang_options(launcher="local", device="cpu").spec.runtime.prefix_caching
+    assert not check_gang_options(launcher="local", device="cpu", prefix_caching=False).spec.runtime.prefix_caching
     with pytest.raises(ValueError, match="--prefix-caching is a flag"):
         RunConfig(prefix_caching="yes")
     from launch import torchrun_main
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert torchrun_main.main(["--prefix-caching", "--requests", "2", "--max-new-tokens", "3",
-                               "--prompt-len", "8", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["output_tokens"] == 6
+    for flag in ("--prefix-caching", "--no-prefix-caching"):
+        assert torchrun_main.main([flag, "--requests", "2", "--max-new-tokens", "3", "--prompt-len", "8", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["output_tokens"] == 6

@@ -1,7 +1,7 @@
 """The prefix cache of one rank: a radix tree from token ids to the KV slots holding their K/V,
 so a request whose prompt starts with ids an earlier request ran reuses those slots instead of
 prefilling them (SGLang's RadixAttention, vLLM's automatic prefix caching; page size 1, so at
-token granularity). Opt-in: ``RuntimeConfig.prefix_caching``.
+token granularity). On by default: ``RuntimeConfig.prefix_caching``.
 
 A node holds a run of token ids and their slots (one slot per token); its children are keyed
 by the first id of their run; the path from the root to a node spells a cached prefix. A node

@@ -1,4 +1,4 @@
-"""Prefix caching on one rank's scheduler (``RuntimeConfig.prefix_caching``, off by default):
+"""Prefix caching on one rank's scheduler (``RuntimeConfig.prefix_caching``, on by default):
 the rank's radix tree (prefix_cache.py) between the scheduler and its KVAllocator.
 
 - **Admission** (``claim``): an arrived request's prompt is matched against the tree (never

@@ -41,7 +41,7 @@ how long until the next one). A request's times count from its arrival.
 Slots are allocated when a token is scheduled and freed when the request finishes. Times are
 ``time.perf_counter`` seconds.
 
-Prefix caching (``prefix_caching``, off by default; prefix_reuse.py has the rules): a request
+Prefix caching (``prefix_caching``, on by default; prefix_reuse.py has the rules): a request
 starts from the K/V of its prompt's longest cached prefix and reserves the rest of its
 ``max_total_tokens``; the cache's slots in use by running requests count as taken, so the
 guarantee above holds; a finished request's known tokens are cached.
