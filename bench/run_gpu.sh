@@ -104,6 +104,8 @@
 #                                   #   .bases/b12 (torch ops) and here (one Triton pass), then plain here
 #   bash bench/run_gpu.sh pdl20     # one GPU: PDL kernel tests; decode and mixed steps in .bases/* (no PDL) and here
 #   bash bench/run_gpu.sh pdlload20 # one GPU: serve_load at 64 running in .bases/b13 and here (prefix caching off, on)
+#   bash bench/run_gpu.sh proj21    # one GPU: stream_linear GPU tests; serve_step bs 1/64/256 vs .bases/*; the
+#                                   #   projections at 3-256 rows (cuBLAS, skinny, stream) and stream's tilings
 #   bash bench/run_gpu.sh owed21    # one GPU: min_tokens/sampling GPU tests; HBM read vs copy bandwidth
 #   bash bench/run_gpu.sh mem21     # one GPU: memory_growth.py (serving beyond the profiled peak), rank-memory tests
 #   bash bench/run_gpu.sh owed20    # one GPU: serving GPU tests with prefix caching on by default and PDL
@@ -727,6 +729,19 @@ case "${1:-one}" in
     TAIL=4 step load${n}_here timeout ${TLOAD2:-300} python bench/serve_load.py --model qwen3-30b-a3b --device cuda \
       --rates inf --num-requests $(( n * 6 )) --max-running-requests $n --policy lof --json --gpu-spans \
       --prefix-caching both
+    ;;
+  proj21)  # one GPU: the split-K projection kernel (stream_linear): its GPU tests with the skinny and model ones,
+            # decode steps beside .bases/* (cuBLAS projections), the kernel against cuBLAS, then its tilings swept
+    [ "${TESTS:-1}" = 0 ] || step gpu_tests timeout ${TTESTS:-200} python -m pytest -m gpu -p no:cacheprovider -q -rs \
+      tests/test_stream_linear.py tests/test_skinny_linear.py tests/test_model_gpu.py
+    step decode_compare timeout ${TDEC:-150} python bench/compare_trees.py $(bases) -- \
+      python bench/serve_step.py --batch-sizes ${COMPARE_BS:-1,64,256} --prompt-len ${CTX:-64} --iters 30 --modes graph
+    TAIL=40 step projections timeout ${TPROJ:-90} python bench/skinny_linear.py --rows 3 4 16 64 128 256
+    [ "${TUNE:-1}" = 0 ] || TAIL=60 step stream_tune timeout ${TTUNE:-240} python bench/skinny_linear.py --rows 64 \
+      --tune-stream ${TUNE_ROWS:-64 256}
+    [ "${MIXED:-0}" = 0 ] || step mixed_compare timeout ${TMIX:-200} python bench/compare_trees.py --key shape \
+      --metric decode_ms,mixed_ms $(bases) -- python bench/mixed_step.py --decode-rows 64 --decode-context ${CTX:-64} \
+      --modes graph --prompts ${PROMPTS:-1x256,1x704}
     ;;
   owed21)  # one GPU: session 20's GPU tests not yet run (min_tokens' Triton draws, the sampling ones beside it); the
             # HBM read bandwidth (a bf16 sum over 8 GiB) beside the copy bandwidth, the expert stream's ceiling

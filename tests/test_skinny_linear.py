@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dp_runtime.model import elementwise_ops
-from dp_runtime.model.elementwise_ops import FlashInferOps, TorchOps
+from dp_runtime.model.elementwise_ops import TorchOps, decode_linear
 from dp_runtime.model.skinny_linear import (
     SKINNY_USE_ROWS,
     _tiles,
@@ -104,7 +104,7 @@ def test_ops_seam_picks_the_kernel_up_to_max_rows(m, monkeypatch):
     x, w = _case(m, 2048, 4096, torch.bfloat16, "cuda")
     picked = 1 <= m <= SKINNY_USE_ROWS
     assert use_skinny(x, w, None) == picked
-    y = FlashInferOps.linear(x, w, None)
+    y = decode_linear(x, w, None, None)  # no StreamLinear: tests/test_stream_linear.py has it
     assert calls == ([m] if picked else [])
     assert y.shape == (m, 2048)
     if picked:
@@ -112,7 +112,7 @@ def test_ops_seam_picks_the_kernel_up_to_max_rows(m, monkeypatch):
     else:  # 0 rows (an IDLE rank) and more than SKINNY_USE_ROWS: F.linear itself
         assert torch.equal(y, F.linear(x, w))
     b = torch.randn(2048, device="cuda").bfloat16()
-    assert torch.equal(FlashInferOps.linear(x, w, b), F.linear(x, w, b))  # a bias: F.linear
+    assert torch.equal(decode_linear(x, w, b, None), F.linear(x, w, b))  # a bias: F.linear
     assert len(calls) == (1 if picked else 0)
     assert torch.equal(TorchOps.linear(x, w, None), F.linear(x, w))
 
@@ -188,8 +188,7 @@ def test_ops_seam_falls_back_to_f_linear_on_cpu(m, bias):
     b = torch.randn(48).bfloat16() if bias else None
     assert not use_skinny(x, w, b)
     want = F.linear(x, w, b)
-    for ops in (TorchOps, FlashInferOps):  # linear is a staticmethod: no flashinfer needed
-        got = ops.linear(x, w, b)
+    for got in (TorchOps.linear(x, w, b), decode_linear(x, w, b, None)):  # FlashInferOps.linear's
         assert got.shape == (m, 48) and torch.equal(got, want)
 
 

@@ -6,12 +6,13 @@ with torch ops an RMSNorm is about 8 kernels, a residual add one more, a rotary 
 15. On CUDA in bf16/fp16 with flashinfer importable, ``FlashInferOps`` uses FlashInfer's
 ``rmsnorm``, ``fused_add_rmsnorm`` (the residual add folded into the next norm) and
 ``silu_and_mul``, one launch each, and, with Triton, the q/k prologue of attention (per-head
-norm, rotary, KV store) as one kernel (``qk_norm_rope``), and runs the attention block's
-projections at 1-4 rows without bias as a GEMV that streams the weight once (``skinny_linear``:
-cuBLAS runs those shapes as a split-K GEMM plus a reduce, 1.6-2.3x the weight's bytes floor),
-as F.linear otherwise. ``elementwise_ops(device, dtype)`` picks once, at model construction;
-the torch versions serve everywhere else. Both compute in float32 inside and return the input
-dtype, rounding at the same points.
+norm, rotary, KV store) as one kernel (``qk_norm_rope``), and runs the projections of decode
+steps without bias as kernels that stream the weight once: a GEMV at 1-2 rows
+(``skinny_linear``), a split-K tensor-core GEMM in one launch at 3-256 (``stream_linear``);
+cuBLAS takes 1.4-2.3x the weight's bytes floor at those sizes (a split-K GEMM plus a reduce
+kernel for o_proj). F.linear otherwise. ``elementwise_ops(device, dtype)`` picks once, at model
+construction; the torch versions serve everywhere else. Both compute in float32 inside and
+return the input dtype, rounding at the same points.
 """
 
 from __future__ import annotations
@@ -24,8 +25,22 @@ import torch.nn.functional as F
 from dp_runtime.model.fallback_log import log_fallback
 from dp_runtime.model.layers import RotaryEmbedding, rms_norm
 from dp_runtime.model.skinny_linear import skinny_linear, use_skinny
+from dp_runtime.model.stream_linear import StreamLinear
 
-__all__ = ["FlashInferOps", "TorchOps", "elementwise_ops"]
+__all__ = ["FlashInferOps", "TorchOps", "decode_linear", "elementwise_ops"]
+
+
+def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                  stream: StreamLinear | None) -> torch.Tensor:
+    """``F.linear(x, w, b)``; without bias at decode sizes a kernel that streams the weight once:
+    ``skinny_linear`` at 1..SKINNY_USE_ROWS rows, ``stream`` at STREAM_MIN_ROWS..STREAM_MAX_ROWS
+    (``use_skinny`` / ``StreamLinear.takes`` say when). An IDLE rank's 0 rows go to F.linear,
+    which returns the empty (0, N) output."""
+    if use_skinny(x, w, b):
+        return skinny_linear(x, w)
+    if stream is not None and stream.takes(x, w, b):
+        return stream(x, w)
+    return F.linear(x, w, b)
 
 
 class TorchOps:
@@ -65,7 +80,7 @@ class FlashInferOps:
 
     name = "flashinfer"
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cuda") -> None:
         import flashinfer
 
         self._norm = flashinfer.norm.rmsnorm
@@ -77,7 +92,10 @@ class FlashInferOps:
             from dp_runtime.model.qk_norm_rope import qk_norm_rope_store
 
             self.qk_norm_rope_store = qk_norm_rope_store
+            # The model's one owner of stream_linear's split-K counters on its device.
+            self._stream = StreamLinear(device)
         else:
+            self._stream = None
             self.name = "flashinfer (no triton: q/k prologue unfused, F.linear)"
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -93,14 +111,10 @@ class FlashInferOps:
             return x[:, : x.shape[1] // 2]
         return self._silu_and_mul(x)
 
-    @staticmethod
-    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, w, b)``; at 1..SKINNY_USE_ROWS rows without bias (decode at small batch
-        sizes) ``skinny_linear``, one launch near the weight's bytes floor (``use_skinny`` says
-        when). An IDLE rank's 0 rows go to F.linear, which returns the empty (0, N) output."""
-        if use_skinny(x, w, b):
-            return skinny_linear(x, w)
-        return F.linear(x, w, b)
+    def linear(self, x: torch.Tensor, w: torch.Tensor,
+               b: torch.Tensor | None = None) -> torch.Tensor:
+        """``decode_linear`` with this model's StreamLinear."""
+        return decode_linear(x, w, b, self._stream)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.shape[0] == 0:  # an IDLE rank's eager forward: the kernel refuses an empty grid
@@ -128,7 +142,7 @@ def elementwise_ops(device: torch.device, dtype: torch.dtype) -> TorchOps | Flas
     elif importlib.util.find_spec("flashinfer") is None:
         why = "flashinfer does not import"
     else:
-        ops = FlashInferOps()
+        ops = FlashInferOps(device)
         if not ops.fused_qk_prologue:
             log_fallback("fused q/k norm + RoPE + KV store kernel and skinny linear not used (triton does "
                       "not import): FlashInfer's norm and RoPE, separate KV copies, F.linear")
