@@ -196,5 +196,8 @@ def check_template(tokenizer: Any | None, model_name: str) -> None:
     except (ValueError, TypeError):
         source = ""
     if not _TOOLS_VARIABLE.search(source or ""):
-        raise bad("tools", f"model {model_name!r}: the model's chat template does not render "
-                           "tools (it never reads the 'tools' variable)")
+        raise bad(
+            "tools",
+            f"model {model_name!r}: the model's chat template does not render "
+            "tools (it never reads the 'tools' variable)",
+        )

@@ -82,6 +82,7 @@ async def whole_response(
 
 def _body(kind: Kind, rid: str, model: str, created: int, text: str, reason: str, use: dict,
           tool_names: frozenset[str]) -> dict:
+    """One choice's whole body; with ``tool_names`` its calls read from ``text``."""
     calls = None
     if tool_names:  # the calls in the text; the rest of it is the content
         text, calls = parse_tool_calls(text, tool_names)
