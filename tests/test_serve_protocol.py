@@ -9,6 +9,7 @@ import pytest
 
 from dp_runtime.model.sampling_defaults import SamplingDefaults
 from dp_runtime.serving.request import SamplingParams
+from launch.server.chat_request import messages_of
 from launch.server.logit_bias import logit_bias_of
 from launch.server.prompts import MAX_CHOICES, prompts_of
 from launch.server.protocol import (
@@ -16,7 +17,6 @@ from launch.server.protocol import (
     ChatRequest,
     CompletionRequest,
     check_prompt_ids,
-    messages_of,
     sampling_of,
 )
 
@@ -286,16 +286,14 @@ def test_choice_seeds_follow_the_request_seed_or_draw_their_own():
     assert drawn[0] == 7 and len(drawn) == 4 and all(0 <= s < 2**64 for s in drawn)
 
 
-@pytest.mark.parametrize("fields, param", [
-    (dict(response_format={"type": "json_object"}), "response_format"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (dict(tool_choice="auto"), "tool_choice"),
-    (dict(functions=[{"name": "f"}]), "functions"),
-    (dict(function_call="auto"), "function_call"),
+@pytest.mark.parametrize("fields, param, match", [
+    (dict(response_format={"type": "json_object"}), "response_format", "not supported"),
+    (dict(functions=[{"name": "f"}]), "functions", "not supported .*deprecated.*use tools"),
+    (dict(function_call="auto"), "function_call", "deprecated.*use tool_choice"),
 ])
-def test_chat_structured_output_and_tools_are_refused_by_name(fields, param):
+def test_chat_structured_output_and_deprecated_functions_are_refused_by_name(fields, param, match):
     chat = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], **fields)
-    _refused(param, "not supported", sampling_of, chat, prompt_len=10, context_len=CTX, vocab_size=VOCAB,
+    _refused(param, match, sampling_of, chat, prompt_len=10, context_len=CTX, vocab_size=VOCAB,
              default_max_tokens=None)
 
 

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from launch.server.bodies import Kind, now
+from launch.server.chat_request import check_template, messages_of, tools_of
 from launch.server.choices import submit_choices
 from launch.server.logit_bias import logit_bias_of
 from launch.server.logprobs import ChoiceLogprobs, logprobs_of
@@ -35,7 +36,6 @@ from launch.server.protocol import (
     CompletionRequest,
     check_prompt_ids,
     error_body,
-    messages_of,
     sampling_of,
 )
 from launch.server.respond import stream_response, whole_response
@@ -160,9 +160,13 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         _check_model(engine, body.model)
-        messages = messages_of(body)
-        ids = await _encode(state.encoder.chat(messages), "messages")
-        return await _serve(state, request, "chat", body, [ids], ["messages"], None)
+        messages, tools = messages_of(body), tools_of(body)
+        if tools.specs is not None:
+            check_template(state.tokenizer, engine.model_name)
+        ids = await _encode(state.encoder.chat(messages, tools.specs), "messages")
+        return await _serve(
+            state, request, "chat", body, [ids], ["messages"], None, tools.names
+        )
 
     return app
 
@@ -220,9 +224,10 @@ async def _serve(
     prompts: list[list[int]],
     params: list[str],
     default_max_tokens: int | None,
+    tool_names: frozenset[str] = frozenset(),
 ):
     """Check each prompt (``params``: how errors name it) and the fields for it, submit ``n``
-    choices of each, and answer."""
+    choices of each, and answer (reading calls of ``tool_names`` from a chat's text)."""
     engine = state.engine
     for ids, param in zip(prompts, params, strict=True):
         check_prompt_ids(
@@ -256,6 +261,9 @@ async def _serve(
     created = now()
     if sampling.stream:
         return await stream_response(
-            choices, request, kind, rid, body.model, created, sampling.include_usage, lps
+            choices, request, kind, rid, body.model, created, sampling.include_usage, lps,
+            tool_names,
         )
-    return await whole_response(choices, request, kind, rid, body.model, created, lps)
+    return await whole_response(
+        choices, request, kind, rid, body.model, created, lps, tool_names
+    )

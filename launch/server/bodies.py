@@ -31,12 +31,17 @@ def response(
     text: str,
     finish_reason: str,
     use: dict[str, int],
+    tool_calls: list[dict] | None = None,
 ) -> dict[str, Any]:
-    """The whole (non-streamed) response body."""
+    """The whole (non-streamed) response body; ``tool_calls``: a chat message's calls (its
+    content then null when empty, as OpenAI's)."""
     if kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message = {**message, "content": text or None, "tool_calls": tool_calls}
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": None,
             "finish_reason": finish_reason,
         }
@@ -64,12 +69,16 @@ def chunk(
     *,
     first: bool = False,
     use: dict[str, int] | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict[str, Any]:
-    """One streamed event body; ``text`` None with ``use`` is the final usage-only chunk."""
+    """One streamed event body; ``text`` None with ``use`` is the final usage-only chunk;
+    ``tool_calls``: a chat delta's calls (each with its ``index``)."""
     if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choices = (
             []
             if text is None

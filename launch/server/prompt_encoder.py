@@ -38,13 +38,16 @@ class PromptEncoder:
         """``encode_text`` of ``text``, on the encoder's thread."""
         return await self._run(encode_text, text)
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """``encode_chat`` of ``messages``, on the encoder's thread."""
-        return await self._run(encode_chat, messages)
+    async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None
+                   ) -> list[int]:
+        """``encode_chat`` of ``messages`` and ``tools``, on the encoder's thread."""
+        return await self._run(encode_chat, messages, tools)
 
-    async def _run(self, fn, arg) -> list[int]:
+    async def _run(self, fn, *args) -> list[int]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, fn, self._tokenizer, self._model_name, arg)
+        return await loop.run_in_executor(
+            self._pool, fn, self._tokenizer, self._model_name, *args
+        )
 
     def close(self) -> None:
         """Stop the thread; prompts still queued are cancelled (their requests are ending with

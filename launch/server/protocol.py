@@ -130,41 +130,41 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string (chat_request.py)
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (a turn the client sends back with the tool's answer)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
-    # Structured output and tool calls change what a response must be: refused, never ignored.
+    # Structured output changes what a response must be: refused, never ignored.
     response_format: dict[str, Any] | None = None
+    # Checked in chat_request.py (400 naming e.g. tools[2].function.name).
     tools: list[Any] | None = None
     tool_choice: Any = None
+    # OpenAI's deprecated forms of tools/tool_choice: refused, naming those.
     functions: list[Any] | None = None
     function_call: Any = None
-
-
-def messages_of(req: ChatRequest) -> list[dict[str, str]]:
-    """The chat messages as the template takes them (content parts joined; only text parts)."""
-    if not req.messages:
-        raise bad("messages", "messages must hold at least one message")
-    out = []
-    for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            kinds = sorted({part.type for part in content if part.type != "text"})
-            if kinds:
-                raise bad(
-                    f"messages[{i}].content",
-                    f"messages[{i}].content: only text parts are supported, got {', '.join(kinds)}",
-                )
-            content = "".join(part.text or "" for part in content)
-        out.append({"role": m.role, "content": content or ""})
-    return out
 
 
 @dataclass(frozen=True)
@@ -345,6 +345,6 @@ def _refuse_unsupported(req: _Common) -> None:
         fmt = req.response_format
         if fmt is not None and fmt.get("type", "text") != "text":
             raise bad("response_format", f"response_format {fmt.get('type')!r} is not supported (only text)")
-        for name in ("tools", "tool_choice", "functions", "function_call"):
-            if getattr(req, name) not in (None, [], "none"):
-                raise bad(name, f"{name} is not supported: this server does not call tools")
+        for name, now in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(req, name) not in (None, []):
+                raise bad(name, f"{name} is not supported (OpenAI's deprecated form): use {now}")

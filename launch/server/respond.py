@@ -10,6 +10,10 @@ with its text or message, finish_reason and ``token_ids``); ``usage.prompt_token
 prompt once, ``completion_tokens`` sums the choices. A stream interleaves the choices' chunks as
 their tokens arrive, each chunk naming its choice's ``index``; each choice ends with its own
 finish_reason chunk, then comes the usage chunk (with ``include_usage``) and one ``[DONE]``.
+
+A chat request with tools (``tool_names``) has each choice's calls read from its text
+(tool_calls.py): the whole message's ``tool_calls``, or in a stream one chunk per call as its
+block closes; finish_reason ``tool_calls`` where the choice called one and ended on a stop.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from launch.server.choices import Choices
 from launch.server.logprobs import ChoiceLogprobs
 from launch.server.protocol import ApiError, error_body
 from launch.server.request_flow import Event
+from launch.server.tool_calls import ToolCallStream, parse_tool_calls
 
 __all__ = ["raise_for_failure", "stream_response", "whole_response"]
 
@@ -39,9 +44,11 @@ async def whole_response(
     model: str,
     created: int,
     lps: list[ChoiceLogprobs] | None = None,
+    tool_names: frozenset[str] = frozenset(),
 ) -> Response:
     """The non-streamed response, once every choice finished; 499 when the client left.
-    ``lps``: each choice's logprobs object, when the request asked for logprobs."""
+    ``lps``: each choice's logprobs object, when the request asked for logprobs;
+    ``tool_names``: the functions whose calls are read from the text (none: plain text)."""
     n = len(choices.flows)
     parts: list[list[str]] = [[] for _ in range(n)]
     token_ids: list[list[int]] = [[] for _ in range(n)]
@@ -63,7 +70,7 @@ async def whole_response(
         choices.close()
     use = usage(choices.prompt_tokens, choices.completion_tokens, choices.cached_tokens)
     bodies = [
-        response(kind, rid, model, created, "".join(parts[i]), ev.finish_reason, use)
+        _body(kind, rid, model, created, "".join(parts[i]), ev.finish_reason, use, tool_names)
         for i, ev in enumerate(last)
     ]
     out = bodies[0]
@@ -71,6 +78,16 @@ async def whole_response(
     for i, lp in enumerate(lps or ()):
         out["choices"][i]["logprobs"] = lp.next(token_ids[i], choices.flows[i].logprobs)
     return JSONResponse(out)
+
+
+def _body(kind: Kind, rid: str, model: str, created: int, text: str, reason: str, use: dict,
+          tool_names: frozenset[str]) -> dict:
+    """One choice's whole body; with ``tool_names`` its calls read from ``text``."""
+    calls = None
+    if tool_names:  # the calls in the text; the rest of it is the content
+        text, calls = parse_tool_calls(text, tool_names)
+        reason = "tool_calls" if calls and reason == "stop" else reason
+    return response(kind, rid, model, created, text, reason, use, tool_calls=calls)
 
 
 def _choice(body: dict, index: int, token_ids: list[int]) -> dict:
@@ -133,11 +150,13 @@ async def stream_response(
     created: int,
     include_usage: bool,
     lps: list[ChoiceLogprobs] | None = None,
+    tool_names: frozenset[str] = frozenset(),
 ) -> Response:
     """Server-sent events. The first event (of any choice) is awaited before the response
     starts, so a request that fails at once still gets its HTTP status (500/503) instead of a
     broken stream; a client that leaves while its request is still queued aborts it. A choice
-    failing later is one error event, its siblings aborted, then the stream ends."""
+    failing later is one error event, its siblings aborted, then the stream ends. With
+    ``tool_names`` each choice's text goes through its own ``ToolCallStream``."""
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         first = await _next_or_gone(choices, gone)
@@ -152,6 +171,9 @@ async def stream_response(
     if _failed(first[1]):
         choices.close()
         raise_for_failure(first[1])
+
+    head = (kind, rid, model, created)
+    calls = [ToolCallStream(tool_names) for _ in choices.flows] if tool_names else None
 
     async def sse() -> AsyncIterator[str]:
         try:
@@ -175,10 +197,16 @@ async def stream_response(
                     break
                 # A step with ids but no text yet (held back, or no tokenizer) is still sent:
                 # token-id clients read the ids as they are sampled.
-                if ev.text or ev.token_ids or ev.finish_reason is not None:
-                    body = _indexed(chunk(kind, rid, model, created, ev.text, ev.finish_reason), i)
-                    body["choices"][0]["token_ids"] = list(ev.token_ids)
-                    if lps is not None:  # the entries of the ids this chunk carries
+                if calls is not None:
+                    bodies = _tool_chunks(calls[i], ev, head)
+                elif ev.text or ev.token_ids or ev.finish_reason is not None:
+                    bodies = [chunk(*head, ev.text, ev.finish_reason)]
+                else:
+                    bodies = []
+                for k, body in enumerate(bodies):  # the step's ids on its first chunk
+                    ids = list(ev.token_ids) if k == 0 else []
+                    _indexed(body, i)["choices"][0]["token_ids"] = ids
+                    if lps is not None and k == 0:  # the entries of the ids this chunk carries
                         body["choices"][0]["logprobs"] = lps[i].next(ev.token_ids, ev.logprobs)
                     yield _sse(body)
                 got = None if choices.finished else await choices.next()
@@ -196,6 +224,23 @@ async def stream_response(
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+def _tool_chunks(calls: ToolCallStream, ev: Event, head: tuple) -> list[dict]:
+    """The chunks of one event of a choice whose calls are read: its content and each call its
+    text completes, in order (none while a block is held and the step has no ids); the
+    finish_reason on the last."""
+    parts = calls.add(ev.text, finished=ev.finish_reason is not None)
+    reason = "tool_calls" if ev.finish_reason == "stop" and calls.calls else ev.finish_reason
+    if not parts and not ev.token_ids and reason is None:
+        return []
+    parts = parts or [""]
+    return [
+        chunk(*head, part, reason if k == len(parts) - 1 else None)
+        if isinstance(part, str)
+        else chunk(*head, "", reason if k == len(parts) - 1 else None, tool_calls=[part])
+        for k, part in enumerate(parts)
+    ]
 
 
 def _indexed(body: dict, index: int) -> dict:

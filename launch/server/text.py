@@ -62,11 +62,14 @@ def encode_text(tokenizer: Any | None, model_name: str, text: str) -> list[int]:
 
 
 def encode_chat(
-    tokenizer: Any | None, model_name: str, messages: list[dict[str, str]]
+    tokenizer: Any | None,
+    model_name: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """``messages`` rendered by the checkpoint's chat template, with the assistant's generation
-    prompt, as token ids. Raises TokenizerMissing without a tokenizer, ValueError without a
-    chat template."""
+    prompt and ``tools`` (function specs; None: the template is given none), as token ids.
+    Raises TokenizerMissing without a tokenizer, ValueError without a chat template."""
     tok = _need(tokenizer, model_name, "a chat request")
     if not getattr(tok, "chat_template", None):
         raise ValueError(
@@ -74,7 +77,9 @@ def encode_chat(
             f"'chat_template'); use /v1/completions"
         )
     # Rendered to text, then encoded without extra specials: the template already writes them.
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
     return list(tok(text, add_special_tokens=False).input_ids)
 
 
