@@ -106,6 +106,8 @@
 #   bash bench/run_gpu.sh pdlload20 # one GPU: serve_load at 64 running in .bases/b13 and here (prefix caching off, on)
 #   bash bench/run_gpu.sh proj21    # one GPU: stream_linear GPU tests; serve_step bs 1/64/256 vs .bases/*; the
 #                                   #   projections at 3-256 rows (cuBLAS, skinny, stream) and stream's tilings
+#   bash bench/run_gpu.sh proj21b   # one GPU: stream_linear at 3-16 rows of o_proj and the router: its tests and the
+#                                   #   model's, decode at bs 1/4/8/16/64 vs .bases/*, the projections at 3-16 rows
 #   bash bench/run_gpu.sh owed21    # one GPU: min_tokens/sampling GPU tests; HBM read vs copy bandwidth
 #   bash bench/run_gpu.sh mem21     # one GPU: memory_growth.py (serving beyond the profiled peak), rank-memory tests
 #   bash bench/run_gpu.sh owed20    # one GPU: serving GPU tests with prefix caching on by default and PDL
@@ -742,6 +744,13 @@ case "${1:-one}" in
     [ "${MIXED:-0}" = 0 ] || step mixed_compare timeout ${TMIX:-200} python bench/compare_trees.py --key shape \
       --metric decode_ms,mixed_ms $(bases) -- python bench/mixed_step.py --decode-rows 64 --decode-context ${CTX:-64} \
       --modes graph --prompts ${PROMPTS:-1x256,1x704}
+    ;;
+  proj21b)  # one GPU: stream_linear in its narrowed domain (3-16 rows, weights up to 4096 rows: o_proj, router)
+    [ "${TESTS:-1}" = 0 ] || step gpu_tests timeout ${TTESTS:-300} python -m pytest -m gpu -p no:cacheprovider -q -rs \
+      tests/test_stream_linear.py tests/test_model_gpu.py
+    step decode_compare timeout ${TDEC:-150} python bench/compare_trees.py $(bases) -- \
+      python bench/serve_step.py --batch-sizes ${COMPARE_BS:-1,4,8,16,64} --prompt-len ${CTX:-64} --iters 30 --modes graph
+    TAIL=16 step projections timeout ${TPROJ:-60} python bench/skinny_linear.py --rows 3 4 8 16
     ;;
   owed21)  # one GPU: session 20's GPU tests not yet run (min_tokens' Triton draws, the sampling ones beside it); the
             # HBM read bandwidth (a bf16 sum over 8 GiB) beside the copy bandwidth, the expert stream's ceiling

@@ -1,6 +1,7 @@
 """The split-K projection kernel (dp_runtime/model/stream_linear.py) against float64 math on the
 same bf16/fp16 inputs; its split-K counters (zero after every launch, the same bits every call,
-in a CUDA graph too); its argument checks; and the ops seam that picks it (decode_linear).
+in a CUDA graph too); its argument checks; and the ops seam that picks it (decode_linear: 3-16
+rows of weights up to SEAM_MAX_N rows).
 
 Tolerance. Products of two bf16 (or fp16) values are exact in fp32; the fp32 additions and the
 final rounding err. A program adds K / BLOCK_K tile products of 16-wide MMA sums into its
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from dp_runtime.model import elementwise_ops
 from dp_runtime.model.elementwise_ops import decode_linear
 from dp_runtime.model.stream_linear import (
-    STREAM_MAX_ROWS,
+    SEAM_MAX_ROWS,
     STREAM_MIN_ROWS,
     StreamLinear,
     StreamTiles,
@@ -78,7 +79,7 @@ def test_matches_fp64_reference_gpu(m, n, k, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", [StreamTiles(64, 64, 1, 4, 3), StreamTiles(64, 128, 8, 4, 4),
                                    StreamTiles(64, 256, 3, 4, 3), StreamTiles(128, 64, 2, 8, 3)])
-@pytest.mark.parametrize("m", [5, 64, 200])
+@pytest.mark.parametrize("m", [5, 16, 64])
 def test_other_tilings_and_strided_rows_gpu(m, tiles):
     # x and w as slices of wider tensors (unit stride along K only), as a fused output's view
     xb, wb = _case(m, 2100, 4160, torch.bfloat16, "cuda")
@@ -109,8 +110,8 @@ def test_cuda_graph_replays_every_shape_in_order():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [0, 2, 3, 64, 256, 257])
-def test_ops_seam_picks_the_kernel_from_3_to_256_rows(m):
+@pytest.mark.parametrize("m", [0, 2, 3, 16, 17, 64])
+def test_ops_seam_picks_the_kernel_for_narrow_weights_from_3_to_16_rows(m):
     calls = []
 
     class Spy(StreamLinear):
@@ -120,8 +121,10 @@ def test_ops_seam_picks_the_kernel_from_3_to_256_rows(m):
 
     stream = Spy("cuda")
     x, w = _case(m, 2048, 4096, torch.bfloat16, "cuda")
-    picked = STREAM_MIN_ROWS <= m <= STREAM_MAX_ROWS
+    picked = STREAM_MIN_ROWS <= m <= SEAM_MAX_ROWS
     assert stream.takes(x, w, None) == picked
+    x_qkv, w_qkv = _case(m, 5120, 2048, torch.bfloat16, "cuda")
+    assert not stream.takes(x_qkv, w_qkv, None)  # wider than SEAM_MAX_N: cuBLAS was faster
     y = decode_linear(x, w, None, stream)
     assert calls == ([m] if picked else [])
     assert y.shape == (m, 2048)
@@ -130,7 +133,7 @@ def test_ops_seam_picks_the_kernel_from_3_to_256_rows(m):
         ops = elementwise_ops.elementwise_ops(torch.device("cuda"), torch.bfloat16)
         if isinstance(ops, elementwise_ops.FlashInferOps):  # the model's seam: the same bits
             assert torch.equal(ops.linear(x, w), y)
-    elif m > STREAM_MAX_ROWS:
+    elif m != 2:  # 2 rows: skinny_linear (tests/test_skinny_linear.py)
         assert torch.equal(y, F.linear(x, w))
     b = torch.randn(2048, device="cuda").bfloat16()
     assert not stream.takes(x, w, b)  # a bias: F.linear

@@ -8,11 +8,11 @@ with torch ops an RMSNorm is about 8 kernels, a residual add one more, a rotary 
 ``silu_and_mul``, one launch each, and, with Triton, the q/k prologue of attention (per-head
 norm, rotary, KV store) as one kernel (``qk_norm_rope``), and runs the projections of decode
 steps without bias as kernels that stream the weight once: a GEMV at 1-2 rows
-(``skinny_linear``), a split-K tensor-core GEMM in one launch at 3-256 (``stream_linear``);
-cuBLAS takes 1.4-2.3x the weight's bytes floor at those sizes (a split-K GEMM plus a reduce
-kernel for o_proj). F.linear otherwise. ``elementwise_ops(device, dtype)`` picks once, at model
-construction; the torch versions serve everywhere else. Both compute in float32 inside and
-return the input dtype, rounding at the same points.
+(``skinny_linear``), a split-K tensor-core GEMM in one launch at 3-16 rows for o_proj and the
+router (``stream_linear``); cuBLAS takes 1.4-2.3x the weight's bytes floor at those sizes (a
+split-K GEMM plus a reduce kernel for o_proj). F.linear otherwise. ``elementwise_ops(device,
+dtype)`` picks once, at model construction; the torch versions serve everywhere else. Both
+compute in float32 inside and return the input dtype, rounding at the same points.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ __all__ = ["FlashInferOps", "TorchOps", "decode_linear", "elementwise_ops"]
 def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                   stream: StreamLinear | None) -> torch.Tensor:
     """``F.linear(x, w, b)``; without bias at decode sizes a kernel that streams the weight once:
-    ``skinny_linear`` at 1..SKINNY_USE_ROWS rows, ``stream`` at STREAM_MIN_ROWS..STREAM_MAX_ROWS
-    (``use_skinny`` / ``StreamLinear.takes`` say when). An IDLE rank's 0 rows go to F.linear,
-    which returns the empty (0, N) output."""
+    ``skinny_linear`` at 1..SKINNY_USE_ROWS rows, ``stream`` where ``StreamLinear.takes`` it
+    (3..16 rows of narrow weights; ``use_skinny`` says the rest). An IDLE rank's 0 rows go to
+    F.linear, which returns the empty (0, N) output."""
     if use_skinny(x, w, b):
         return skinny_linear(x, w)
     if stream is not None and stream.takes(x, w, b):

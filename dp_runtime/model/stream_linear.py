@@ -1,10 +1,11 @@
-"""``y = x @ w.T`` at decode batch sizes (3..256 rows) in one Triton launch that streams the
-weight once: the attention block's projections and the router of a decode step.
+"""``y = x @ w.T`` for a few rows (3..256) in one Triton launch that streams the weight once.
+The ops seam takes it for the narrow projections of small decode batches (``StreamLinear.takes``:
+3..16 rows, weights of up to 4096 rows: o_proj and the router).
 
-At these sizes a projection is bound by its weight's bytes, yet cuBLAS takes 1.4-2.3x the
-bytes floor on an H100 (docs/BENCHMARKS.md, session 19: qkv [5120, 2048] 9.95 us at 64 rows
-against 6.96; o_proj [2048, 4096] a split-K GEMM plus a reduce kernel, 10.23 against 5.57;
-the router [128, 2048] 5.4 us against 0.17). Here:
+At decode sizes a projection is bound by its weight's bytes, yet cuBLAS takes 1.4-2.3x the
+bytes floor on an H100 (docs/BENCHMARKS.md, session 19: o_proj [2048, 4096] as a split-K GEMM
+plus a reduce kernel, 9.9 us against 5.6; the router [128, 2048] 5.3 us against 0.2, launch and
+latency). Here:
 
 - **swap AB**: each program computes ``y.T``'s tile ``w[n-tile] @ x.T``, so the weight's rows
   are the MMA's M (64 per warpgroup on Hopper) and the few rows of x its N (any multiple of 8);
@@ -25,6 +26,12 @@ fp32 accumulation, output in x's dtype (rounded once), no bias. Capturable in a 
 host sync; the workspace is the only allocation). Triton's CPU interpreter
 (``TRITON_INTERPRET=1``) runs it on CPU tensors for the tests.
 
+Measured (H100, session 21, ``bench/skinny_linear.py``, us per call): at 3-16 rows o_proj 8.4-8.6
+against cuBLAS's 9.8-9.9 and the router 3.0-3.9 against 5.2-5.3; but qkv [5120, 2048] 9.4-12.4
+against 9.6-10.0, and at 64-256 rows every shape at 0.35-1.02x cuBLAS (25-55% of the bytes
+floor: the split-K partials and the swapped x tiles cost more than the stream gains). Hence
+the seam's narrow domain.
+
 Shapes: M rows of x, N output features (rows of w), K input features.
 """
 
@@ -35,7 +42,15 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["STREAM_MAX_ROWS", "STREAM_MIN_ROWS", "StreamLinear", "StreamTiles", "stream_tiles"]
+__all__ = [
+    "SEAM_MAX_N",
+    "SEAM_MAX_ROWS",
+    "STREAM_MAX_ROWS",
+    "STREAM_MIN_ROWS",
+    "StreamLinear",
+    "StreamTiles",
+    "stream_tiles",
+]
 
 try:
     import triton
@@ -47,6 +62,10 @@ except ImportError:  # CPU installs: the ops seam uses F.linear
 # skinny_linear (no tensor cores, no split-K) is the faster kernel.
 STREAM_MIN_ROWS = 3
 STREAM_MAX_ROWS = 256
+# The seam's domain (``StreamLinear.takes``), where it beat cuBLAS on an H100 (the module
+# docstring): up to 16 rows, weights of up to 4096 rows (o_proj, the router; not the fused qkv).
+SEAM_MAX_ROWS = 16
+SEAM_MAX_N = 4096
 _DTYPES = (torch.bfloat16, torch.float16)
 # Programs for about one wave of an H100's 132 SMs: split-K grows until the grid has this many.
 _MIN_PROGRAMS = 120
@@ -197,8 +216,8 @@ class StreamLinear:
 
     def takes(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
         """Whether the ops seam runs ``F.linear(x, w, b)`` here: no bias, CUDA on this device,
-        STREAM_MIN_ROWS..STREAM_MAX_ROWS rows, bf16/fp16 and the layout the kernel takes. Never
-        raises."""
+        STREAM_MIN_ROWS..SEAM_MAX_ROWS rows, a weight of up to SEAM_MAX_N rows, bf16/fp16 and the
+        layout the kernel takes. Never raises."""
         return (
             b is None
             and x.is_cuda
@@ -206,7 +225,8 @@ class StreamLinear:
             and w.device == self.device
             and x.dim() == 2
             and w.dim() == 2
-            and STREAM_MIN_ROWS <= x.shape[0] <= STREAM_MAX_ROWS
+            and STREAM_MIN_ROWS <= x.shape[0] <= SEAM_MAX_ROWS
+            and w.shape[0] <= SEAM_MAX_N
             and x.dtype in _DTYPES
             and w.dtype == x.dtype
             and x.shape[1] == w.shape[1]
@@ -243,7 +263,7 @@ class StreamLinear:
         _stream_linear_kernel[(tiles_n, splits)](
             x_MK, w_NK, y_MN, part, self._counters, m, n, k, k_split, x_MK.stride(0),
             w_NK.stride(0), BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=splits,
-            EVEN_K=k == splits * k_split, UPCAST_DOT=not x_MK.is_cuda, NUM_STAGES=t.num_stages, num_warps=t.num_warps,
-            num_stages=t.num_stages, **pdl_meta(resolve_pdl(pdl, x_MK, m)),
+            EVEN_K=k == splits * k_split, UPCAST_DOT=not x_MK.is_cuda, NUM_STAGES=t.num_stages,
+            num_warps=t.num_warps, num_stages=t.num_stages, **pdl_meta(resolve_pdl(pdl, x_MK, m)),
         )
         return y_MN
