@@ -35,6 +35,7 @@ def _pdl_kernels():
         qk_norm_rope,
         routing_triton,
         skinny_linear,
+        stream_linear,
     )
 
     for module in (
@@ -43,6 +44,7 @@ def _pdl_kernels():
         routing_triton,
         qk_norm_rope,
         skinny_linear,
+        stream_linear,
         triton_decode,
     ):
         for name, obj in vars(module).items():
@@ -78,6 +80,7 @@ def test_every_pdl_kernel_waits_before_it_touches_memory():
         "_sum_picks_kernel",
         "_qk_norm_rope_store_kernel",
         "_skinny_linear_kernel",
+        "_stream_linear_kernel",
         "_decode_kernel",
     } <= set(names)
 
