@@ -32,29 +32,20 @@ from dp_runtime.model.skinny_linear import (
     skinny_linear,
     use_skinny,
 )
+from tests.support.linear_cases import check_against_fp64, linear_case
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 SHAPES = [(2048, 4096), (5120, 2048), (128, 2048), (33, 100)]  # (N, K): o_proj, qkv, router, odd
 interpreter = pytest.mark.skipif(
     torch.cuda.is_available() or not HAS_TRITON,
     reason="Triton's CPU interpreter: CPU machines with triton (gpu tests cover GPUs)")
 
 
-def _case(m, n, k, dtype, device, seed=0):
-    g = torch.Generator().manual_seed(seed * 7919 + m * n + k)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)  # outputs of order 1, as a layer's
-    return x.to(device), w.to(device)
+_case = linear_case
 
 
 def _check(y, x, w, *, truncating=False):
-    assert y.shape == (x.shape[0], w.shape[0]) and y.dtype == x.dtype and y.device == x.device
-    ref = F.linear(x.double(), w.double())
-    sum_abs = F.linear(x.double().abs(), w.double().abs())
-    u = UNIT_ROUNDOFF[x.dtype] * (2 if truncating else 1)
-    excess = (y.double() - ref).abs() - (u * ref.abs() + 2.0**-18 * sum_abs)
-    assert excess.max().item() <= 0, f"worst element exceeds its bound by {excess.max().item():.3g}"
+    check_against_fp64(y, x, w, sum_term=2.0**-18, truncating=truncating)
 
 
 # -- GPU ---------------------------------------------------------------------------------------

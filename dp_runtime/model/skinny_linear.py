@@ -28,9 +28,9 @@ Shapes: M rows of x, N output features (rows of W), K input features.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from dp_runtime.model.linear_args import check_linear_args, linear_layout_ok, linear_output
 
 __all__ = ["SKINNY_MAX_ROWS", "SKINNY_USE_ROWS", "check_skinny_args", "skinny_linear", "use_skinny"]
 
@@ -49,7 +49,6 @@ SKINNY_MAX_ROWS = 4
 # Up to 2 rows it is never slower; at 4 the qkv shape loses by half.
 SKINNY_USE_ROWS = 2
 
-_DTYPES = (torch.bfloat16, torch.float16)
 # Programs for about two waves of the 132 SMs of an H100 / H200: with one wave a slow SM is the
 # whole kernel's tail; with many more, each program's fixed start-up and final reduction add up.
 _TARGET_PROGRAMS = 2 * 132
@@ -144,47 +143,16 @@ def _tiles(N: int, K: int) -> tuple[int, int, int, int]:
 
 def check_skinny_args(x_MK: torch.Tensor, w_NK: torch.Tensor) -> None:
     """Raise ValueError, naming the value and the limit, where ``skinny_linear`` cannot take
-    ``x_MK`` and ``w_NK``. Reads only shapes, strides and dtypes: no device work."""
-    if x_MK.dim() != 2 or w_NK.dim() != 2:
-        raise ValueError(f"skinny_linear: x and w must be 2-D, got x {tuple(x_MK.shape)} and "
-                         f"w {tuple(w_NK.shape)}")
-    m, k = x_MK.shape
-    if m > SKINNY_MAX_ROWS:
-        raise ValueError(f"skinny_linear: x has {m} rows, more than SKINNY_MAX_ROWS={SKINNY_MAX_ROWS}")
-    if w_NK.shape[1] != k:
-        raise ValueError(f"skinny_linear: x has K={k} columns but w has K={w_NK.shape[1]}")
-    if x_MK.dtype not in _DTYPES or w_NK.dtype != x_MK.dtype:
-        raise ValueError(f"skinny_linear: x and w must share a dtype of bfloat16/float16, got "
-                         f"x {x_MK.dtype} and w {w_NK.dtype}")
-    if x_MK.stride(1) != 1 or w_NK.stride(1) != 1:
-        raise ValueError(f"skinny_linear: x and w must be contiguous along K (stride 1), got "
-                         f"strides x {x_MK.stride()} and w {w_NK.stride()}")
-    if x_MK.device != w_NK.device:
-        raise ValueError(f"skinny_linear: x is on {x_MK.device} but w on {w_NK.device}")
-    if not x_MK.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"skinny_linear: needs CUDA tensors, got {x_MK.device} "
-                         "(TRITON_INTERPRET=1 runs it on CPU ones)")
+    ``x_MK`` and ``w_NK`` (``linear_args.check_linear_args``). No device work."""
+    check_linear_args("skinny_linear", x_MK, w_NK, max_rows=SKINNY_MAX_ROWS,
+                      max_rows_name="SKINNY_MAX_ROWS")
 
 
 def use_skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     """Whether the ops seam runs ``F.linear(x, w, b)`` as ``skinny_linear``: Triton importable,
-    no bias, CUDA, 1..SKINNY_USE_ROWS rows (an IDLE rank's 0 rows and anything larger go to
-    F.linear), bf16/fp16 and the layout the kernel takes. Never raises: what ``skinny_linear``
-    would refuse goes to F.linear, which raises its own errors for shapes that do not fit."""
-    return (
-        triton is not None
-        and b is None
-        and x.is_cuda
-        and x.device == w.device
-        and x.dim() == 2
-        and w.dim() == 2
-        and 1 <= x.shape[0] <= SKINNY_USE_ROWS
-        and x.dtype in _DTYPES
-        and w.dtype == x.dtype
-        and x.shape[1] == w.shape[1]
-        and x.stride(1) == 1
-        and w.stride(1) == 1
-    )
+    1..SKINNY_USE_ROWS rows (an IDLE rank's 0 rows and anything larger go to F.linear) and the
+    layout the kernel takes (``linear_args.linear_layout_ok``). Never raises."""
+    return triton is not None and linear_layout_ok(x, w, b) and 1 <= x.shape[0] <= SKINNY_USE_ROWS
 
 
 def skinny_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, *,
@@ -198,13 +166,10 @@ def skinny_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, *,
     check_skinny_args(x_MK, w_NK)
     if triton is None:
         raise RuntimeError("skinny_linear: needs triton")
-    m, k = x_MK.shape
-    n = w_NK.shape[0]
-    y_MN = torch.empty((m, n), dtype=x_MK.dtype, device=x_MK.device)
-    if m == 0 or n == 0:
+    y_MN, done = linear_output(x_MK, w_NK)
+    if done:
         return y_MN
-    if k == 0:
-        return y_MN.zero_()
+    (m, k), n = x_MK.shape, w_NK.shape[0]
     block_n, block_k, num_warps, num_stages = tiles or _tiles(n, k)
     _skinny_linear_kernel[(triton.cdiv(n, block_n),)](
         x_MK, w_NK, y_MN, n, k, x_MK.stride(0), w_NK.stride(0),

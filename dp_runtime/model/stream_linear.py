@@ -37,10 +37,11 @@ Shapes: M rows of x, N output features (rows of w), K input features.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
+
+from dp_runtime.model.linear_args import check_linear_args, linear_layout_ok, linear_output
 
 __all__ = [
     "SEAM_MAX_N",
@@ -66,7 +67,6 @@ STREAM_MAX_ROWS = 256
 # docstring): up to 16 rows, weights of up to 4096 rows (o_proj, the router; not the fused qkv).
 SEAM_MAX_ROWS = 16
 SEAM_MAX_N = 4096
-_DTYPES = (torch.bfloat16, torch.float16)
 # Programs for about one wave of an H100's 132 SMs: split-K grows until the grid has this many.
 _MIN_PROGRAMS = 120
 # Counters per StreamLinear: n-tiles of the widest weight it can take (5120 rows / 64: 80).
@@ -175,31 +175,6 @@ def stream_tiles(m: int, n: int, k: int) -> StreamTiles:
     return StreamTiles(block_n, block_k, split_k, num_warps=4, num_stages=4 if block_m <= 64 else 3)
 
 
-def _check_args(x_MK: torch.Tensor, w_NK: torch.Tensor) -> None:
-    """Raise ValueError, naming the value and the limit, where the kernel cannot take ``x_MK``
-    and ``w_NK``. Reads only shapes, strides and dtypes: no device work."""
-    if x_MK.dim() != 2 or w_NK.dim() != 2:
-        raise ValueError(f"stream_linear: x and w must be 2-D, got x {tuple(x_MK.shape)} and "
-                         f"w {tuple(w_NK.shape)}")
-    m, k = x_MK.shape
-    if m > STREAM_MAX_ROWS:
-        raise ValueError(f"stream_linear: x has {m} rows, more than "
-                         f"STREAM_MAX_ROWS={STREAM_MAX_ROWS}")
-    if w_NK.shape[1] != k:
-        raise ValueError(f"stream_linear: x has K={k} columns but w has K={w_NK.shape[1]}")
-    if x_MK.dtype not in _DTYPES or w_NK.dtype != x_MK.dtype:
-        raise ValueError(f"stream_linear: x and w must share a dtype of bfloat16/float16, got "
-                         f"x {x_MK.dtype} and w {w_NK.dtype}")
-    if x_MK.stride(1) != 1 or w_NK.stride(1) != 1:
-        raise ValueError(f"stream_linear: x and w must be contiguous along K (stride 1), got "
-                         f"strides x {x_MK.stride()} and w {w_NK.stride()}")
-    if x_MK.device != w_NK.device:
-        raise ValueError(f"stream_linear: x is on {x_MK.device} but w on {w_NK.device}")
-    if not x_MK.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"stream_linear: needs CUDA tensors, got {x_MK.device} "
-                         "(TRITON_INTERPRET=1 runs it on CPU ones)")
-
-
 class StreamLinear:
     """The kernel with the split-K counters it needs, for one device. A model's ops hold one;
     its launches run in stream order (see the module docstring)."""
@@ -219,19 +194,10 @@ class StreamLinear:
         STREAM_MIN_ROWS..SEAM_MAX_ROWS rows, a weight of up to SEAM_MAX_N rows, bf16/fp16 and the
         layout the kernel takes. Never raises."""
         return (
-            b is None
-            and x.is_cuda
+            linear_layout_ok(x, w, b)
             and x.device == self.device
-            and w.device == self.device
-            and x.dim() == 2
-            and w.dim() == 2
             and STREAM_MIN_ROWS <= x.shape[0] <= SEAM_MAX_ROWS
             and w.shape[0] <= SEAM_MAX_N
-            and x.dtype in _DTYPES
-            and w.dtype == x.dtype
-            and x.shape[1] == w.shape[1]
-            and x.stride(1) == 1
-            and w.stride(1) == 1
         )
 
     def __call__(self, x_MK: torch.Tensor, w_NK: torch.Tensor, *, tiles: StreamTiles | None = None,
@@ -240,16 +206,14 @@ class StreamLinear:
         x's dtype with fp32 accumulation. ``tiles`` overrides ``stream_tiles`` (the tuning
         benchmark's sweep); ``pdl`` as ``pdl.resolve_pdl``'s. Raises ValueError for arguments
         it cannot take, naming them."""
-        _check_args(x_MK, w_NK)
+        check_linear_args("stream_linear", x_MK, w_NK, max_rows=STREAM_MAX_ROWS,
+                          max_rows_name="STREAM_MAX_ROWS")
         if x_MK.device != self.device:
             raise ValueError(f"stream_linear: x is on {x_MK.device}, its counters on {self.device}")
-        m, k = x_MK.shape
-        n = w_NK.shape[0]
-        y_MN = torch.empty((m, n), dtype=x_MK.dtype, device=x_MK.device)
-        if m == 0 or n == 0:
+        y_MN, done = linear_output(x_MK, w_NK)
+        if done:
             return y_MN
-        if k == 0:
-            return y_MN.zero_()
+        (m, k), n = x_MK.shape, w_NK.shape[0]
         t = tiles or stream_tiles(m, n, k)
         block_m = max(16, _next_pow2(m))
         tiles_n = triton.cdiv(n, t.block_n)
