@@ -29,8 +29,8 @@ host sync; the workspace is the only allocation). Triton's CPU interpreter
 Measured (H100, session 21, ``bench/skinny_linear.py``, us per call): at 3-16 rows o_proj 8.4-8.6
 against cuBLAS's 9.8-9.9 and the router 3.0-3.9 against 5.2-5.3; but qkv [5120, 2048] 9.4-12.4
 against 9.6-10.0, and at 64-256 rows every shape at 0.35-1.02x cuBLAS (25-55% of the bytes
-floor: the split-K partials and the swapped x tiles cost more than the stream gains). Hence
-the seam's narrow domain.
+floor; a sweep of 27 tilings found none that streams there, and why is not yet measured).
+Hence the seam's narrow domain.
 
 Shapes: M rows of x, N output features (rows of w), K input features.
 """
@@ -69,7 +69,8 @@ SEAM_MAX_ROWS = 16
 SEAM_MAX_N = 4096
 # Programs for about one wave of an H100's 132 SMs: split-K grows until the grid has this many.
 _MIN_PROGRAMS = 120
-# Counters per StreamLinear: n-tiles of the widest weight it can take (5120 rows / 64: 80).
+# Counters per StreamLinear, one per n-tile: weights of up to 4096 tiles (262,144 rows at 64 a
+# tile; the seam's widest, 4096 rows, has 64). A wider split-K launch is refused, naming both.
 _MAX_TILES = 4096
 
 
