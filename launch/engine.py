@@ -32,6 +32,7 @@ from dp_runtime.serving.admission import check_request, refused_result
 from dp_runtime.serving.request import Request, RequestResult
 from launch.engine_errors import EngineUnavailable, QueueFull, RequestRejected, rejection
 from launch.engine_types import LAUNCHERS, EngineHealth, EngineOptions, EngineStats, RequestOutput
+from launch.prefix_routing import prefix_router
 from launch.rank_session import CLOSED, DONE, ERROR, RankStatus
 
 __all__ = ["LAUNCHERS", "Engine", "EngineHealth", "EngineOptions", "EngineStats", "EngineUnavailable",
@@ -86,6 +87,7 @@ class Engine:
         self._number = 0
         self._live: dict[str, _Live] = {}
         self._views = [_RankView() for _ in range(self.world_size)]
+        self._prefixes = prefix_router(self.world_size, spec.runtime.prefix_caching)
         self._state, self._detail = "starting", ""
         self._restarts = 0
         self._ranks: Any = None
@@ -202,7 +204,7 @@ class Engine:
             if len(self._live) >= self._capacity:
                 raise QueueFull(f"{len(self._live)} requests in flight, the limit is {self._capacity} "
                                 f"(max_running_requests x ranks + max_queued)", retry_after_s=1.0)
-            rank = self._pick_rank()
+            rank = self._pick_rank(request.prompt_ids)
             self._live[request.rid] = _Live(request, rank, on_output)
             self._views[rank].routed += 1
             self._number += 1
@@ -215,11 +217,17 @@ class Engine:
             raise rejection(str(e)) from None
         return rank
 
-    def _pick_rank(self) -> int:
-        load = [0] * self.world_size
+    def _pick_rank(self, prompt: Sequence[int]) -> int:
+        """The rank left with the least outstanding tokens (``prefix_routing.py``)."""
+        return self._prefixes.route(prompt, self._loads()[0], [v.routed for v in self._views])
+
+    def _loads(self) -> tuple[list[int], list[int]]:
+        """Each rank's outstanding tokens and requests in flight (under the lock)."""
+        load, count = [0] * self.world_size, [0] * self.world_size
         for live in self._live.values():
             load[live.rank] += live.outstanding
-        return min(range(self.world_size), key=lambda r: (load[r], self._views[r].routed))
+            count[live.rank] += 1
+        return load, count
 
     def abort(self, rid: str) -> bool:
         """End ``rid`` now (finish_reason "abort"; its rank frees its KV within a step). False
@@ -335,6 +343,7 @@ class Engine:
             return
         with self._lock:
             self._ranks, self._views = ranks, [_RankView() for _ in range(self.world_size)]
+            self._prefixes = prefix_router(self.world_size, self.spec.runtime.prefix_caching)
             self._state, self._detail = "ready", ""
         self._start_pollers(ranks)
 
@@ -361,10 +370,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            load, count = [0] * self.world_size, [0] * self.world_size
-            for live in self._live.values():
-                load[live.rank] += live.outstanding
-                count[live.rank] += 1
+            load, count = self._loads()
             ranks = tuple({**v.metrics, "rank": r, "outstanding_tokens": load[r], "in_flight": count[r],
                            "routed_requests": v.routed} for r, v in enumerate(self._views))
             running = sum(int(v.metrics.get("running", 0)) for v in self._views)

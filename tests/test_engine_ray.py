@@ -1,7 +1,8 @@
 """The engine on a 2-rank Ray gang (a private local cluster on loopback, gloo): concurrent
 requests spread over both ranks give transformers' tokens, idle ranks wake for a late request,
-logprobs come back with their tokens (streamed and whole), and a killed rank fails its in-flight
-requests as retryable, then the gang comes back."""
+prompts sharing a prefix go to the rank that caches it, logprobs come back with their tokens
+(streamed and whole), and a killed rank fails its in-flight requests as retryable, then the
+gang comes back."""
 
 from __future__ import annotations
 
@@ -44,6 +45,15 @@ def test_two_ranks_serve_concurrent_requests_and_survive_a_killed_rank(setup):
         time.sleep(0.5)  # every rank asleep; one request wakes them all
         late = eng.generate([Request("late", prompts[2], SamplingParams(max_new_tokens=NEW))], timeout_s=60)
         assert list(late[0].output_ids) == reference[2]
+
+        # Prefix caching is on by default: prompts sharing a 34-token prefix (a whole 32-token
+        # routing block) go to the rank that took the first one, whose cache serves the prefix.
+        shared = [(7 * i + 3) % 256 for i in range(34)]
+        first = eng.generate([Request("p0", [*shared, 1], SamplingParams(max_new_tokens=NEW))], 60)
+        after = [eng.generate([Request(f"p{i}", [*shared, i + 1], SamplingParams(max_new_tokens=NEW))],
+                              60)[0] for i in range(1, 4)]
+        assert {r.rank for r in after} == {first[0].rank}
+        assert first[0].cached_tokens == 0 and all(r.cached_tokens >= 32 for r in after)
 
         # Logprobs cross the actor boundary with their tokens: streamed per step, whole at the end.
         streamed = []
