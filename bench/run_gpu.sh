@@ -108,6 +108,8 @@
 #                                   #   projections at 3-256 rows (cuBLAS, skinny, stream) and stream's tilings
 #   bash bench/run_gpu.sh proj21b   # one GPU: stream_linear at 3-16 rows of o_proj and the router: its tests and the
 #                                   #   model's, decode at bs 1/4/8/16/64 vs .bases/*, the projections at 3-16 rows
+#   bash bench/run_gpu.sh route22   # two GPUs: HTTP at DP 2 (Ray gang) with a shared prompt prefix in .bases/* (least
+#                                   #   outstanding tokens) and here (cache-aware routing), this tree's bench/ in both
 #   bash bench/run_gpu.sh owed21    # one GPU: min_tokens/sampling GPU tests; HBM read vs copy bandwidth
 #   bash bench/run_gpu.sh mem21     # one GPU: memory_growth.py (serving beyond the profiled peak), rank-memory tests
 #   bash bench/run_gpu.sh owed20    # one GPU: serving GPU tests with prefix caching on by default and PDL
@@ -751,6 +753,24 @@ case "${1:-one}" in
     step decode_compare timeout ${TDEC:-150} python bench/compare_trees.py $(bases) -- \
       python bench/serve_step.py --batch-sizes ${COMPARE_BS:-1,4,8,16,64} --prompt-len ${CTX:-64} --iters 30 --modes graph
     TAIL=16 step projections timeout ${TPROJ:-60} python bench/skinny_linear.py --rows 3 4 8 16
+    ;;
+  route22)  # two GPUs: cache-aware DP routing (launch/prefix_routing.py) beside the least-outstanding rule of
+             # .bases/*: serve_http at DP 2 over a Ray gang, every prompt starting with the same PREFIX tokens
+             # (needs .gpubundle-ray: carry .fic2, a one-archive FlashInfer cache, instead of .ficache)
+    [ -d .fic2 ] && mkdir -p .ficache && cp .fic2/* .ficache/
+    bases > /tmp/base_flags
+    for d in /tmp/bases/*/; do cp bench/*.py "$d/bench/"; done  # the same harness in every tree
+    sh="bench/serve_http.py --model qwen3-30b-a3b --device cuda --launcher ray --dp 2 --policy lof --paths http
+      --rates ${RATES:-inf,16} --num-requests ${REQ:-256} --max-running-requests ${RUNNING:-64} --json
+      --lengths ${LENGTHS:-random:256:128:0.5} --shared-prefix-len ${PREFIX:-1024}"
+    for d in /tmp/bases/*/; do n=$(basename "$d")
+      TAIL=0 dstep "http_$n" 230 90 env -C "$d" python $sh; done  # the base tree's code, from its root
+    TAIL=0 dstep http_here 230 90 python $sh
+    python bench/side_by_side.py --key rate --where path=http \
+      --metric output_tok_s,ttft_s.p50,ttft_s.p99,itl_s.p50,itl_s.p99,e2e_s.p50 \
+      --title "== HTTP at DP 2, shared prefix: least outstanding tokens (bases) against cache-aware routing" \
+      $(for d in /tmp/bases/*/; do n=$(basename "$d"); echo "$n=$log/http_$n.log"; done) here="$log/http_here.log" \
+      2>&1 | tee "$log/summary.txt"
     ;;
   owed21)  # one GPU: session 20's GPU tests not yet run (min_tokens' Triton draws, the sampling ones beside it); the
             # HBM read bandwidth (a bf16 sum over 8 GiB) beside the copy bandwidth, the expert stream's ceiling

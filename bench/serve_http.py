@@ -6,7 +6,9 @@
         --rates 4,16,inf
 
 The workload is ``bench/serve_load.py``'s (``--lengths``, ``--rates``, ``--arrival``,
-``--num-requests``, ``--seed``: the same requests), and so are the columns. The paths
+``--num-requests``, ``--seed``, ``--shared-prefix-len``: the same requests), and so are the
+columns. Prefix caching is on (the default); at ``--dp 2`` the engine's routing is then
+cache-aware (launch/prefix_routing.py): with a shared prefix, run it beside an earlier tree. The paths
 (``--paths``) run one after the other on the same machine (the server first: its process gives
 its GPU memory back when it exits):
 
@@ -70,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--lengths", default="sharegpt", help="sharegpt | random:IN:OUT[:RATIO]")
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="every prompt starts with the same this many tokens (as serve_load's)")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--paths", default="rank,http",
@@ -91,6 +95,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"--paths must name some of {', '.join(PATHS)}, got {','.join(args.paths)!r}")
     if args.launcher == "local" and args.dp != 1:
         raise UsageError(f"--launcher local runs one rank; got --dp {args.dp}")
+    if args.shared_prefix_len < 0:
+        raise UsageError(f"--shared-prefix-len must be >= 0, got {args.shared_prefix_len}")
     return args
 
 
@@ -315,7 +321,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         (
             rate,
             make_requests(
-                args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}"
+                args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}",
+                shared_prefix_len=args.shared_prefix_len,
             ),
         )
         for i, rate in enumerate(args.rates)
