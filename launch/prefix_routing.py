@@ -1,19 +1,21 @@
-"""The engine's routing: each request to the rank left with the least outstanding tokens, and,
-at DP > 1 with prefix caching, to the rank that last took the prompt's prefix where that leaves
-less work (SGLang's router and vLLM's prefix-aware routing do the same).
+"""The engine's routing: each request to the rank left with the least outstanding tokens; at
+DP > 1 with prefix caching, counting the prompt tokens a rank's cache would spare it, as far as
+the engine knows where it sent earlier prompts (SGLang's router and vLLM's prefix-aware routing
+do the same).
 
 Each rank caches the prompts it served (dp_runtime/serving/prefix_cache.py), so a request whose
 prompt starts like an earlier one's prefills less on that earlier request's rank. The engine
 cannot see the ranks' caches; it remembers instead where it sent each prompt: a prompt's
-``BLOCK``-token prefixes (the first block, the first two, ...) each map to the rank that last
-took a prompt with that prefix. The map is bounded (least recently used out first), and a rank
-may have evicted what the map still names: then the request just prefills, as it would have.
+``BLOCK``-token prefixes (the first block, the first two, ...) each map to the ranks that took a
+prompt with that prefix (a bit per rank). The map is bounded (least recently used out first),
+and a rank may have evicted what the map still names: then the request just prefills, as it
+would have.
 
-``PrefixRouter.pick(prompt, load)`` chooses the rank that leaves the least work outstanding
-after this request: ``load[r]`` (the engine's outstanding tokens on rank r) plus the prompt
-tokens rank r would prefill, which is the whole prompt except on the rank that took its
-longest known prefix. So a shared prefix draws requests to one rank until that rank is busier
-than the others by more than the prefix saves; ties go to the rank with fewer routed requests.
+``PrefixRouter.pick(prompt, load, routed)`` chooses the rank that leaves the least work
+outstanding after this request: ``load[r]`` (the engine's outstanding tokens on rank r) plus
+the prompt tokens rank r would prefill, the prompt less its longest prefix remembered for r.
+So a shared prefix draws requests to the ranks that took it until they are busier than the
+others by more than the prefix saves; ties go to the rank with fewer routed requests.
 Without prefix caching, or with one rank, nothing is remembered (``remember`` False) and the
 rule is the least outstanding tokens. Pure host bookkeeping, no device work; not thread-safe
 (the engine calls it under its lock).
@@ -46,7 +48,7 @@ class PrefixRouter:
             )
         self.world_size, self.block, self.max_blocks = world_size, block, max_blocks
         self.remember = remember
-        self._rank_of: OrderedDict[int, int] = OrderedDict()  # prefix key -> rank
+        self._ranks_of: OrderedDict[int, int] = OrderedDict()  # prefix key -> bit per rank
 
     def _keys(self, prompt: Sequence[int]) -> list[int]:
         """One key per whole block of ``prompt``: a hash of every id up to that block's end."""
@@ -56,28 +58,26 @@ class PrefixRouter:
             keys.append(h)
         return keys
 
-    def match(self, prompt: Sequence[int]) -> tuple[int | None, int]:
-        """``(rank, tokens)``: the rank that took ``prompt``'s longest remembered prefix and that
-        prefix's length, or ``(None, 0)``."""
-        rank, tokens = None, 0
+    def matched(self, prompt: Sequence[int]) -> list[int]:
+        """Per rank, the length of ``prompt``'s longest prefix remembered for it (whole blocks;
+        0 where none)."""
+        out, alive = [0] * self.world_size, (1 << self.world_size) - 1
         for i, key in enumerate(self._keys(prompt)):
-            r = self._rank_of.get(key)
-            if r is None:
+            alive &= self._ranks_of.get(key, 0)
+            if not alive:
                 break
-            rank, tokens = r, (i + 1) * self.block
-        return rank, tokens
+            for r in range(self.world_size):
+                if alive >> r & 1:
+                    out[r] = (i + 1) * self.block
+        return out
 
     def pick(self, prompt: Sequence[int], load: Sequence[int], routed: Sequence[int]) -> int:
         """The rank for ``prompt`` given each rank's outstanding tokens (``load``) and routed
         request counts (``routed``, the tie-break); see the module docstring. Does not record:
-        ``record`` does, once the request is queued."""
-        cached_rank, cached = self.match(prompt)
-
-        def cost(r: int) -> tuple[int, int]:
-            prefill = len(prompt) - (cached if r == cached_rank else 0)
-            return load[r] + prefill, routed[r]
-
-        return min(range(self.world_size), key=cost)
+        ``record`` does."""
+        cached = self.matched(prompt)
+        return min(range(self.world_size),
+                   key=lambda r: (load[r] + len(prompt) - cached[r], routed[r]))
 
     def route(self, prompt: Sequence[int], load: Sequence[int], routed: Sequence[int]) -> int:
         """``pick``, then ``record`` the pick."""
@@ -86,17 +86,17 @@ class PrefixRouter:
         return rank
 
     def record(self, prompt: Sequence[int], rank: int) -> None:
-        """``rank`` took ``prompt``: each of its whole-block prefixes now maps to ``rank``."""
+        """``rank`` took ``prompt``: each of its whole-block prefixes now names ``rank`` too."""
         if not self.remember:
             return
         for key in self._keys(prompt):
-            self._rank_of[key] = rank
-            self._rank_of.move_to_end(key)
-        while len(self._rank_of) > self.max_blocks:
-            self._rank_of.popitem(last=False)
+            self._ranks_of[key] = self._ranks_of.get(key, 0) | 1 << rank
+            self._ranks_of.move_to_end(key)
+        while len(self._ranks_of) > self.max_blocks:
+            self._ranks_of.popitem(last=False)
 
     def __len__(self) -> int:
-        return len(self._rank_of)
+        return len(self._ranks_of)
 
 
 def prefix_router(world_size: int, prefix_caching: bool) -> PrefixRouter:

@@ -28,18 +28,20 @@ def test_without_memory_the_rule_is_least_outstanding_then_fewest_routed():
     assert len(PrefixRouter(3, remember=False)) == 0
 
 
-def test_the_longest_remembered_prefix_names_its_rank():
+def test_each_rank_matches_the_longest_prefix_remembered_for_it():
     router = PrefixRouter(4)
     base = _prompt(1, 3 * BLOCK + 5)
     router.record(base, 2)
     assert len(router) == 3  # whole blocks only: the 5 trailing ids are not a prefix step
-    assert router.match(base) == (2, 3 * BLOCK)
-    assert router.match(base[: 2 * BLOCK] + [7] * BLOCK) == (2, 2 * BLOCK)
-    assert router.match([*base[:BLOCK - 1], base[BLOCK - 1] + 1, *base[BLOCK:]]) == (None, 0)
-    assert router.match(base[: BLOCK - 1]) == (None, 0)  # shorter than a block
-    router.record(base[: 2 * BLOCK], 0)  # the latest rank to take a prefix wins it ...
-    assert router.match(base[: 2 * BLOCK] + [7] * BLOCK) == (0, 2 * BLOCK)
-    assert router.match(base) == (2, 3 * BLOCK)  # ... but rank 2 still took the longer one
+    assert router.matched(base) == [0, 0, 3 * BLOCK, 0]
+    assert router.matched(base[: 2 * BLOCK] + [7] * BLOCK) == [0, 0, 2 * BLOCK, 0]
+    changed = [*base[: BLOCK - 1], base[BLOCK - 1] + 1, *base[BLOCK:]]
+    assert router.matched(changed) == [0] * 4  # a prefix differs from its first block on
+    assert router.matched(base[: BLOCK - 1]) == [0] * 4  # shorter than a block
+    router.record(base[: 2 * BLOCK], 0)  # another rank took the first two blocks
+    assert router.matched(base) == [2 * BLOCK, 0, 3 * BLOCK, 0]
+    router.record(changed, 3)
+    assert router.matched(base) == [2 * BLOCK, 0, 3 * BLOCK, 0]  # shares no first block
 
 
 def test_a_shared_prefix_draws_requests_until_its_rank_is_busier_than_the_prefix_saves():
@@ -53,6 +55,9 @@ def test_a_shared_prefix_draws_requests_until_its_rank_is_busier_than_the_prefix
     assert router.pick(prompt, [0, 4 * BLOCK], [1, 0]) == 1
     assert router.pick(prompt, [0, 4 * BLOCK + 1], [1, 0]) == 0  # busier than the prefix saves
     assert router.pick(_prompt(3, 3), [0, 0], [0, 0]) == 0  # nothing shared: the old rule
+    router.record(shared, 0)  # both ranks took the prefix: the load decides again
+    assert router.pick(prompt, [10, 0], [0, 0]) == 1
+    assert router.pick(prompt, [0, 10], [0, 0]) == 0
 
 
 def test_the_map_forgets_the_least_recently_used_prefixes_first():
@@ -63,8 +68,8 @@ def test_the_map_forgets_the_least_recently_used_prefixes_first():
     router.record(a, 0)  # a used again: b is now the oldest
     router.record(c, 1)
     assert len(router) == 4
-    assert router.match(a) == (0, 2 * BLOCK) and router.match(c) == (1, 2 * BLOCK)
-    assert router.match(b) == (None, 0)
+    assert router.matched(a) == [2 * BLOCK, 0] and router.matched(c) == [0, 2 * BLOCK]
+    assert router.matched(b) == [0, 0]
 
 
 def test_prefix_router_remembers_only_where_caching_can_help():
