@@ -87,7 +87,7 @@ class Engine:
         self._number = 0
         self._live: dict[str, _Live] = {}
         self._views = [_RankView() for _ in range(self.world_size)]
-        self._prefixes = prefix_router(self.world_size, spec.runtime.prefix_caching)
+        self._router = prefix_router(self.world_size, spec.runtime.prefix_caching)
         self._state, self._detail = "starting", ""
         self._restarts = 0
         self._ranks: Any = None
@@ -219,7 +219,7 @@ class Engine:
 
     def _pick_rank(self, prompt: Sequence[int]) -> int:
         """The rank left with the least outstanding tokens (``prefix_routing.py``)."""
-        return self._prefixes.route(prompt, self._loads()[0], [v.routed for v in self._views])
+        return self._router.route(prompt, self._loads()[0], [v.routed for v in self._views])
 
     def _loads(self) -> tuple[list[int], list[int]]:
         """Each rank's outstanding tokens and requests in flight (under the lock)."""
@@ -343,7 +343,7 @@ class Engine:
             return
         with self._lock:
             self._ranks, self._views = ranks, [_RankView() for _ in range(self.world_size)]
-            self._prefixes = prefix_router(self.world_size, self.spec.runtime.prefix_caching)
+            self._router = prefix_router(self.world_size, self.spec.runtime.prefix_caching)
             self._state, self._detail = "ready", ""
         self._start_pollers(ranks)
 

@@ -51,7 +51,10 @@ class PrefixRouter:
         self._ranks_of: OrderedDict[int, int] = OrderedDict()  # prefix key -> bit per rank
 
     def _keys(self, prompt: Sequence[int]) -> list[int]:
-        """One key per whole block of ``prompt``: a hash of every id up to that block's end."""
+        """One key per whole block of ``prompt``: a hash of every id up to that block's end.
+        Empty where nothing is remembered: a DP-1 engine's submits hash nothing."""
+        if not self.remember:
+            return []
         keys, h = [], 0
         for end in range(self.block, len(prompt) + 1, self.block):
             h = hash((h, tuple(prompt[end - self.block : end])))
@@ -61,8 +64,28 @@ class PrefixRouter:
     def matched(self, prompt: Sequence[int]) -> list[int]:
         """Per rank, the length of ``prompt``'s longest prefix remembered for it (whole blocks;
         0 where none)."""
+        return self._matched(self._keys(prompt))
+
+    def pick(self, prompt: Sequence[int], load: Sequence[int], routed: Sequence[int]) -> int:
+        """The rank for ``prompt`` given each rank's outstanding tokens (``load``) and routed
+        request counts (``routed``, the tie-break); see the module docstring. Does not record:
+        ``record`` does."""
+        return self._pick(len(prompt), self.matched(prompt), load, routed)
+
+    def route(self, prompt: Sequence[int], load: Sequence[int], routed: Sequence[int]) -> int:
+        """``pick``, then ``record`` the pick, hashing the prompt's prefixes once."""
+        keys = self._keys(prompt)
+        rank = self._pick(len(prompt), self._matched(keys), load, routed)
+        self._record(keys, rank)
+        return rank
+
+    def record(self, prompt: Sequence[int], rank: int) -> None:
+        """``rank`` took ``prompt``: each of its whole-block prefixes now names ``rank`` too."""
+        self._record(self._keys(prompt), rank)
+
+    def _matched(self, keys: list[int]) -> list[int]:
         out, alive = [0] * self.world_size, (1 << self.world_size) - 1
-        for i, key in enumerate(self._keys(prompt)):
+        for i, key in enumerate(keys):
             alive &= self._ranks_of.get(key, 0)
             if not alive:
                 break
@@ -71,25 +94,11 @@ class PrefixRouter:
                     out[r] = (i + 1) * self.block
         return out
 
-    def pick(self, prompt: Sequence[int], load: Sequence[int], routed: Sequence[int]) -> int:
-        """The rank for ``prompt`` given each rank's outstanding tokens (``load``) and routed
-        request counts (``routed``, the tie-break); see the module docstring. Does not record:
-        ``record`` does."""
-        cached = self.matched(prompt)
-        return min(range(self.world_size),
-                   key=lambda r: (load[r] + len(prompt) - cached[r], routed[r]))
+    def _pick(self, n: int, cached: list[int], load: Sequence[int], routed: Sequence[int]) -> int:
+        return min(range(self.world_size), key=lambda r: (load[r] + n - cached[r], routed[r]))
 
-    def route(self, prompt: Sequence[int], load: Sequence[int], routed: Sequence[int]) -> int:
-        """``pick``, then ``record`` the pick."""
-        rank = self.pick(prompt, load, routed)
-        self.record(prompt, rank)
-        return rank
-
-    def record(self, prompt: Sequence[int], rank: int) -> None:
-        """``rank`` took ``prompt``: each of its whole-block prefixes now names ``rank`` too."""
-        if not self.remember:
-            return
-        for key in self._keys(prompt):
+    def _record(self, keys: list[int], rank: int) -> None:
+        for key in keys:
             self._ranks_of[key] = self._ranks_of.get(key, 0) | 1 << rank
             self._ranks_of.move_to_end(key)
         while len(self._ranks_of) > self.max_blocks:
