@@ -79,27 +79,33 @@ def arrival_times(n: int, rate: float, process: str, rng: random.Random) -> list
 
 
 def make_requests(n: int, rate: float, lengths: Lengths, process: str, vocab: int, seed: int,
-                  tag: str, sampling: SamplingParams | None = None, shared_prefix_len: int = 0) -> list[Request]:
+                  tag: str, sampling: SamplingParams | None = None, shared_prefix_len: int = 0,
+                  prefix_groups: int = 1) -> list[Request]:
     """The requests of one rate, in arrival order (rids ``{tag}-00000``, ...). ``sampling``:
     every request's fields but its output length and seed (request i draws with seed i);
-    default greedy. ``shared_prefix_len``: every prompt starts with the same that many tokens
-    (``shared_prefix``; a system prompt), followed by its drawn length of its own."""
+    default greedy. ``shared_prefix_len``: every prompt starts with that many tokens of one of
+    ``prefix_groups`` prefixes (``shared_prefix``; one group: a system prompt; several: many
+    system prompts or conversations), drawn uniformly per request, followed by its drawn length
+    of its own."""
+    if prefix_groups < 1:
+        raise ValueError(f"prefix_groups must be >= 1, got {prefix_groups}")
     rng = random.Random(f"{seed}-{tag}")
     base = sampling or SamplingParams()
-    head = shared_prefix(shared_prefix_len, vocab, seed)
+    heads = [shared_prefix(shared_prefix_len, vocab, seed, g) for g in range(prefix_groups)]
     out = []
     for i, t in enumerate(arrival_times(n, rate, process, rng)):
         n_in, n_out = lengths.draw(rng)
+        head = heads[rng.randrange(prefix_groups)] if prefix_groups > 1 else heads[0]
         prompt = head + [rng.randrange(vocab) for _ in range(n_in)]
         out.append(Request(f"{tag}-{i:05d}", prompt, dataclasses.replace(base, max_new_tokens=n_out, seed=i),
                            arrival_s=t))
     return out
 
 
-def shared_prefix(n: int, vocab: int, seed: int) -> list[int]:
-    """The ``n`` token ids every prompt of ``--shared-prefix-len n`` starts with (the same for
-    every rate of a seed)."""
-    rng = random.Random(f"{seed}-shared-prefix")
+def shared_prefix(n: int, vocab: int, seed: int, group: int = 0) -> list[int]:
+    """The ``n`` token ids the prompts of prefix group ``group`` start with under
+    ``--shared-prefix-len n`` (the same for every rate of a seed)."""
+    rng = random.Random(f"{seed}-shared-prefix" + (f"-{group}" if group else ""))
     return [rng.randrange(vocab) for _ in range(n)]
 
 

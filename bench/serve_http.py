@@ -6,7 +6,8 @@
         --rates 4,16,inf
 
 The workload is ``bench/serve_load.py``'s (``--lengths``, ``--rates``, ``--arrival``,
-``--num-requests``, ``--seed``, ``--shared-prefix-len``: the same requests), and so are the
+``--num-requests``, ``--seed``, ``--shared-prefix-len``, ``--prefix-groups``: the same
+requests), and so are the
 columns. Prefix caching is on (the default); at ``--dp 2`` the engine's routing is then
 cache-aware (launch/prefix_routing.py): with a shared prefix, run it beside an earlier tree. The paths
 (``--paths``) run one after the other on the same machine (the server first: its process gives
@@ -74,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="every prompt starts with the same this many tokens (as serve_load's)")
+    p.add_argument("--prefix-groups", type=int, default=1,
+                   help="--shared-prefix-len's prefixes: each prompt starts with one of this many, drawn")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--paths", default="rank,http",
@@ -97,6 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"--launcher local runs one rank; got --dp {args.dp}")
     if args.shared_prefix_len < 0:
         raise UsageError(f"--shared-prefix-len must be >= 0, got {args.shared_prefix_len}")
+    if args.prefix_groups < 1:
+        raise UsageError(f"--prefix-groups must be >= 1, got {args.prefix_groups}")
     return args
 
 
@@ -322,7 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rate,
             make_requests(
                 args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}",
-                shared_prefix_len=args.shared_prefix_len,
+                shared_prefix_len=args.shared_prefix_len, prefix_groups=args.prefix_groups,
             ),
         )
         for i, rate in enumerate(args.rates)

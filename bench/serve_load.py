@@ -18,7 +18,9 @@ default). Every request generates exactly its output length (no stop token), gre
 ``--temperature`` (with ``--top-p``, ``--top-k``; request i draws with seed i);
 ``--frequency-penalty`` / ``--presence-penalty`` / ``--repetition-penalty`` on every request.
 ``--shared-prefix-len N``: every prompt of every rate starts with the same N tokens (a system
-prompt; the drawn prompt length follows them), the workload prefix caching serves.
+prompt; the drawn prompt length follows them), the workload prefix caching serves;
+``--prefix-groups G`` draws each prompt's N tokens from G distinct prefixes (many system
+prompts or conversations: at DP > 1 the engine's cache-aware routing keeps a group on a rank).
 Arrivals:
 a Poisson process at each of ``--rates`` requests/s (``--arrival fixed``: evenly spaced;
 ``inf``: all at once), the first at 0.
@@ -124,6 +126,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="RuntimeConfig.prefix_caching (the flag alone: on); both: off, then on")
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="every prompt starts with the same this many tokens (then its drawn length)")
+    p.add_argument("--prefix-groups", type=int, default=1,
+                   help="--shared-prefix-len's prefixes: each prompt starts with one of this many, drawn")
     p.add_argument("--probe-tokens", type=int, default=32,
                    help="tokens per decode-probe request (the decode-only bound); 0: no probe")
     p.add_argument("--probe-prompt-len", type=int, default=64, help="prompt tokens of a decode-probe request")
@@ -156,6 +160,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("warmup", "probe_tokens", "shared_prefix_len"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.prefix_groups < 1:
+        raise UsageError(f"--prefix-groups must be >= 1, got {args.prefix_groups}")
     if args.probe_prompt_len < 1:
         raise UsageError(f"--probe-prompt-len must be >= 1, got {args.probe_prompt_len}")
     try:  # SamplingParams names the field and its rule
@@ -250,7 +256,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     mc = _model_config(args.model)
     vocab = mc.vocab_size
     batches = [(rate, make_requests(args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}",
-                                    args.sampling, args.shared_prefix_len)) for i, rate in enumerate(args.rates)]
+                                    args.sampling, args.shared_prefix_len, args.prefix_groups))
+               for i, rate in enumerate(args.rates)]
     ray_started = own_group = False
     if args.launcher == "ray":
         import ray
@@ -327,7 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         graphs=m.get("graphs"), build_s=build_s, mixed_steps=[m for m, _, _ in modes],
         policies=[p for _, p, _ in modes], kv_slots=m.get("kv_slots"),
         prefix_caching=[c for _, _, c in modes], shared_prefix_len=args.shared_prefix_len,
-        memory_gib={k: round(v / 2**30, 3) for k, v in m.get("memory", {}).items()},
+        prefix_groups=args.prefix_groups, memory_gib={k: round(v / 2**30, 3) for k, v in m.get("memory", {}).items()},
     )
     out: dict[str, Any] = dict(header=header, rows=rows)
     if args.per_request:

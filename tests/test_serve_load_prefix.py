@@ -31,3 +31,22 @@ def test_a_negative_shared_prefix_is_a_usage_error(capsys):
     bench = load_bench("serve_load")
     assert bench.main(["--device", "cpu", "--shared-prefix-len", "-1"]) == 2
     assert "--shared-prefix-len must be >= 0" in capsys.readouterr().err
+
+
+def test_prefix_groups_start_each_prompt_with_one_of_that_many_prefixes():
+    from bench.load_workload import Lengths, make_requests
+
+    reqs = make_requests(64, float("inf"), Lengths.parse("random:5:2"), "poisson", 1000, 0, "g",
+                         shared_prefix_len=12, prefix_groups=4)
+    heads = {tuple(r.prompt_ids[:12]) for r in reqs}
+    assert len(heads) == 4  # 64 draws from 4 groups: every group drawn
+    assert all(len(r.prompt_ids) == 17 for r in reqs)
+    one = make_requests(8, float("inf"), Lengths.parse("random:5:2"), "poisson", 1000, 0, "g",
+                        shared_prefix_len=12)
+    assert {tuple(r.prompt_ids[:12]) for r in one} <= heads  # group 0 is the single prefix
+
+
+def test_a_zero_prefix_groups_is_a_usage_error(capsys):
+    bench = load_bench("serve_load")
+    assert bench.main(["--device", "cpu", "--prefix-groups", "0"]) == 2
+    assert "--prefix-groups must be >= 1" in capsys.readouterr().err
