@@ -755,7 +755,7 @@ case "${1:-one}" in
     TAIL=16 step projections timeout ${TPROJ:-60} python bench/skinny_linear.py --rows 3 4 8 16
     ;;
   route22)  # two GPUs: cache-aware DP routing (launch/prefix_routing.py) beside the least-outstanding rule of
-             # .bases/*: serve_http at DP 2 over a Ray gang, each prompt starting with one of GROUPS PREFIX-token
+             # .bases/*: serve_http at DP 2 over a Ray gang, each prompt starting with one of PGROUPS PREFIX-token
              # prefixes (many system prompts or conversations; one shared prefix is soon cached on every rank)
              # (needs .gpubundle-ray: carry .fic2, a one-archive FlashInfer cache, instead of .ficache)
     [ -d .fic2 ] && mkdir -p .ficache && cp .fic2/* .ficache/
@@ -763,7 +763,7 @@ case "${1:-one}" in
     for d in /tmp/bases/*/; do cp bench/*.py "$d/bench/"; done  # the same harness in every tree
     sh="bench/serve_http.py --model qwen3-30b-a3b --device cuda --launcher ray --dp 2 --policy lof --paths http
       --rates ${RATES:-inf,16} --num-requests ${REQ:-384} --max-running-requests ${RUNNING:-64} --json
-      --lengths ${LENGTHS:-random:256:128:0.5} --shared-prefix-len ${PREFIX:-1024} --prefix-groups ${GROUPS:-128}"
+      --lengths ${LENGTHS:-random:256:128:0.5} --shared-prefix-len ${PREFIX:-1024} --prefix-groups ${PGROUPS:-128}"
     for d in /tmp/bases/*/; do n=$(basename "$d")
       TAIL=0 dstep "http_$n" 260 90 env -C "$d" python $sh; done  # the base tree's code, from its root
     TAIL=0 dstep http_here 260 90 python $sh
