@@ -127,7 +127,7 @@ cd "$(dirname "$0")/.."
 source .gpubundle/setup.sh
 export PYTHONPATH=$PWD:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
 if [ "$FLASHINFER_WORKSPACE_BASE" = /tmp/fi ]; then  # the tarballs hold fi/.cache/flashinfer/...
-  for t in .ficache/*.tar.xz .ficache/*.tar.xz.aa; do
+  for t in .ficache/*.tar.xz .ficache/*.tar.xz.aa .fic2/*.tar.xz; do  # .fic2: one archive, to carry beside Ray
     [ -f "$t" ] && [ ! -e "/tmp/fi/.unpacked-${t##*/}" ] || continue
     cat "${t%.aa}"$([ "${t%.aa}" != "$t" ] && echo ".*") | tar xJ -C /tmp && touch "/tmp/fi/.unpacked-${t##*/}" \
       && echo "FlashInfer JIT cache: $t unpacked under /tmp/fi"
@@ -758,7 +758,6 @@ case "${1:-one}" in
              # .bases/*: serve_http at DP 2 over a Ray gang, each prompt starting with one of PGROUPS PREFIX-token
              # prefixes (many system prompts or conversations; one shared prefix is soon cached on every rank)
              # (needs .gpubundle-ray: carry .fic2, a one-archive FlashInfer cache, instead of .ficache)
-    [ -d .fic2 ] && mkdir -p .ficache && cp .fic2/* .ficache/
     bases > /tmp/base_flags
     for d in /tmp/bases/*/; do cp bench/*.py "$d/bench/"; done  # the same harness in every tree
     sh="bench/serve_http.py --model qwen3-30b-a3b --device cuda --launcher ray --dp 2 --policy lof --paths http
