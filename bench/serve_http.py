@@ -257,7 +257,10 @@ def run_http(args, batches, warm, context_len: int) -> list[list[RequestResult]]
         name = _wait_up(url, server)
 
         async def all_batches() -> list[list[RequestResult]]:
-            limits = aiohttp.TCPConnector(limit=0)
+            # A connection per request (force_close): a pooled connection that a server (an
+            # earlier tree's, at uvicorn's 5 s keep-alive) closes as a request goes out on it
+            # fails that request with "Server disconnected" and with it the run.
+            limits = aiohttp.TCPConnector(limit=0, force_close=True)
             async with aiohttp.ClientSession(
                 connector=limits, timeout=aiohttp.ClientTimeout(total=None)
             ) as http:

@@ -3,8 +3,8 @@
 The model, launcher, device, dtype, dp, Ray and batch options are ``dp-runtime run``'s and are
 checked by the same code (``cli_run.check_launch``, ``RunConfig``); serve adds ``--host``
 (default 127.0.0.1: loopback unless asked), ``--port`` (8000), ``--api-key`` (or
-``DP_RUNTIME_API_KEY``), ``--max-queued``, ``--context-len``, ``--drain-timeout`` and
-``--sampling-defaults`` (``model``: a request's unset temperature, top_p, top_k, min_p and
+``DP_RUNTIME_API_KEY``), ``--max-queued``, ``--context-len``, ``--drain-timeout``,
+``--keep-alive-timeout`` and ``--sampling-defaults`` (``model``: a request's unset temperature, top_p, top_k, min_p and
 repetition_penalty take the checkpoint's generation_config.json values; ``none``: OpenAI's).
 
 Order: every option is checked, the checkpoint's generation_config.json and tokenizer read and
@@ -116,6 +116,11 @@ def serve(
     drain_timeout: float = typer.Option(
         30.0, "--drain-timeout", help="Seconds in-flight requests get on SIGTERM/Ctrl-C."
     ),
+    keep_alive_timeout: int = typer.Option(
+        30,
+        "--keep-alive-timeout",
+        help="Seconds an idle HTTP connection stays open for its client's next request.",
+    ),
     sampling_defaults: str = typer.Option(
         "model",
         "--sampling-defaults",
@@ -148,6 +153,7 @@ def serve(
         max_queued=max_queued,
         context_len=context_len,
         drain_timeout=drain_timeout,
+        keep_alive_timeout=keep_alive_timeout,
         sampling_defaults=sampling_defaults,
         seed=seed,
         log_level=log_level,
@@ -175,6 +181,11 @@ def _prepare(o: dict[str, Any]) -> dict[str, Any]:
     if not (o["drain_timeout"] >= 0 and o["drain_timeout"] < float("inf")):
         raise UsageError(
             f"--drain-timeout must be a number of seconds >= 0, got {o['drain_timeout']}"
+        )
+    if o["keep_alive_timeout"] < 1:
+        raise UsageError(
+            f"--keep-alive-timeout must be an integer number of seconds >= 1, "
+            f"got {o['keep_alive_timeout']}"
         )
     if not 1 <= o["port"] <= 65535:
         raise UsageError(f"--port must be in [1, 65535], got {o['port']}")
@@ -297,6 +308,11 @@ def _serve(p: dict[str, Any], o: dict[str, Any], debug: bool) -> None:
         app,
         log_level=o["log_level"],
         timeout_graceful_shutdown=max(1, int(o["drain_timeout"])),
+        # Longer than clients keep idle connections pooled (httpx, under the openai client: 5 s;
+        # aiohttp: 15 s). At uvicorn's default of 5 s the server closes connections a client
+        # still holds, and a request sent on one as it closes fails with "Server disconnected"
+        # (a loaded HTTP benchmark at DP 2 lost its run to it).
+        timeout_keep_alive=o["keep_alive_timeout"],
         access_log=o["log_level"] in ("debug", "info"),
     )
     server = _make_server(config)

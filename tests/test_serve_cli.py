@@ -49,6 +49,10 @@ def _serve(*args, env=None):
         ),
         (["--drain-timeout", "-1"], "--drain-timeout must be a number of seconds >= 0, got -1.0"),
         (
+            ["--keep-alive-timeout", "0"],
+            "--keep-alive-timeout must be an integer number of seconds >= 1, got 0",
+        ),
+        (
             ["--launcher", "local", "--sampling-defaults", "openai"],
             "--sampling-defaults must be one of model, none; got 'openai'",
         ),

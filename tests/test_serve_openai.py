@@ -399,3 +399,26 @@ def test_a_request_failing_in_its_step_is_500_and_fails_alone(server, client, na
     assert info.value.status_code == 500 and "sampling failed" in info.value.body["message"]
     reasons = [c.choices[0].finish_reason for c in other if c.choices]
     assert reasons[-1] == "length"
+
+
+def test_an_idle_connection_outlives_uvicorns_default_keep_alive(server):
+    """A connection left idle past uvicorn's default keep-alive (5 s) still serves the next
+    request on the same socket: the server keeps idle connections --keep-alive-timeout (30 s),
+    longer than clients keep them pooled, so no client sends on one the server is closing."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        first.read()
+        sock = conn.sock
+        time.sleep(6)
+        conn.request("GET", "/health")  # raises RemoteDisconnected had the server closed it
+        second = conn.getresponse()
+        second.read()
+        assert (first.status, second.status) == (200, 200) and conn.sock is sock
+    finally:
+        conn.close()
