@@ -115,7 +115,7 @@ class RankWorker:
         self.dispatcher = None
         self.sync: DPStepSync | None = None
         self._own_cpu_group = None
-        self._pending: StepTokens | None = None  # the last step's tokens, not recorded yet (overlap)
+        self._pending: StepTokens | None = None  # the last step's tokens, unrecorded (overlap)
         self.penalty_counts: PenaltyCounts | None = None
         try:
             self._build(group)
@@ -191,7 +191,7 @@ class RankWorker:
                 cfg=cfg, forward=self.model.forward, split=self.model.attention, attention=self.attention, pool=pool,
                 device=dev, max_context_len=spec.context_len,
                 show_progress=self._show_progress, on_phase=self._on_phase)
-        self._memory["graph_pool"] = 0 if self.rank_graphs is None else self.rank_graphs.memory_bytes
+        self._memory["graph_pool"] = self.rank_graphs.memory_bytes if self.rank_graphs else 0
         self._memory["graph_inputs"] = pool.total_bytes() - pool_before
         if "graph_reserve" in self._memory:  # profiled: the largest step must still fit
             self._on_phase("checking the largest step")
@@ -250,7 +250,7 @@ class RankWorker:
         else:
             runner, size = self.graphs, step.batch.batch_size
         graph_ok = runner is not None and self.graph_enabled and size <= runner.sizes[-1]
-        return LocalStepInfo(step.num_tokens, can_run_graph=graph_ok, is_extend=step.is_extend)
+        return LocalStepInfo(step.num_tokens, sum(step.samples), graph_ok, step.is_extend)
 
     def step(self) -> StepPlan:
         """One DP step (module docstring): a collective that every rank calls the same number of
@@ -276,6 +276,9 @@ class RankWorker:
             with self._lock:
                 scheduled = self.scheduler.next_step()
         plan = self.sync.sync(self._local_info(scheduled))
+        lp = plan.global_num_tokens_for_logprob_cpu  # the rows that sample: that peer decodes next
+        with self._lock:
+            self.scheduler.note_peers_decoding(any(n for r, n in enumerate(lp) if r != self.rank))
         c = self._counters
         if plan.skip:
             c["skipped_steps"] += 1

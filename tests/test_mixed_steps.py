@@ -93,6 +93,25 @@ def test_without_mixed_steps_a_prefill_stalls_the_running_requests():
     assert first.kind == "extend"
 
 
+def test_a_rank_whose_dp_peers_decode_keeps_its_prefill_to_the_mixed_budget():
+    """With nothing of its own to decode a rank prefills whole chunks, unless a DP peer sampled
+    in the last step (the rank worker says so): the ranks step together, so the chunk keeps to
+    the mixed budget while the peer's requests wait. Without mixed steps nothing changes."""
+    s = small_scheduler(num_slots=128, max_context_len=64, chunk=16, mixed_step_tokens=4)
+    s.submit([_req("a", range(1, 41))])
+    steps = [s.next_step()]
+    s.note_peers_decoding(True)
+    steps += [s.next_step(), s.next_step()]
+    s.note_peers_decoding(False)
+    steps.append(s.next_step())
+    assert [st.num_new for st in steps] == [(16,), (4,), (4,), (16,)]
+    assert [st.kind for st in steps] == ["extend"] * 4 and steps[-1].samples == (True,)
+    plain = small_scheduler(num_slots=128, max_context_len=64, chunk=16, mixed_steps=False)
+    plain.submit([_req("a", range(1, 41))])
+    plain.note_peers_decoding(True)
+    assert plain.next_step().num_new == (16,)
+
+
 def test_decode_rows_that_fill_the_budget_leave_the_prefill_to_run_alone():
     # Two decode rows and a budget of 2: no room for a chunk, so the prefill runs as it would
     # without mixed steps (admission never starves behind the running requests).

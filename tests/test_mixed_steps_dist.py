@@ -1,6 +1,7 @@
 """Mixed steps under DP (torchrun, gloo): rank 0 prefills a long prompt in chunks, with its
 decode rows, while the other ranks only decode; the ranks step together (one rank EXTEND, the
-others DECODE in the same plan) and every rank's tokens equal its single-rank run."""
+others DECODE in the same plan) and every rank's tokens equal its single-rank run. A rank with
+only a prompt to prefill keeps its chunks to the mixed budget while its peers decode."""
 
 from __future__ import annotations
 
@@ -87,3 +88,26 @@ def test_a_rank_prefilling_beside_decoding_ranks_gives_the_single_rank_tokens(se
     assert all(kinds["mixed"] == 0 and kinds["decode"] > 0 for _, _, kinds, _ in report[1:])
     # with graphs every such step replayed the extend pieces, the decoding ranks' rows included
     assert all(g == (b if graphs else 0) for _, b, _, g in report), report
+
+
+def test_a_rank_only_prefilling_keeps_to_the_mixed_budget_while_its_peers_decode(setup):
+    """Rank 0 has only the 40-token prompt: its first step takes a whole chunk (no peer has
+    sampled yet), then, while the peers' requests decode, chunks of the mixed budget (4), so it
+    never holds their next tokens up for a whole chunk; the tokens are the single-rank run's."""
+    ckpt, rank, world, alone = setup
+    reqs = _requests(rank)[1:] if rank == 0 else _requests(rank)
+    with RankWorker(_spec(ckpt, world, mixed_step_tokens=4), rank=rank, world_size=world) as w:
+        w.submit(reqs)
+        sizes, peers_sampled = [], []  # rank 0's tokens per step; whether a peer sampled before
+        before = False
+        while not (plan := w.step()).skip:
+            sizes.append(plan.raw_num_tokens[0])
+            peers_sampled.append(before)
+            before = any(plan.global_num_tokens_for_logprob_cpu[1:])
+        w.wait_tokens()
+        got = {r.rid: r.output_ids for r in w.pop_finished()}
+    assert got == {r.rid: alone[r.rid] for r in reqs}
+    prefill = [(n, p) for n, p in zip(sizes, peers_sampled, strict=True) if n > 1]
+    assert prefill[0] == (CHUNK, False)  # the first step: nobody decodes yet
+    assert all(n <= 4 for n, p in prefill if p) and sum(p for _, p in prefill) >= 4
+    assert sum(n for n, _ in prefill) == 40

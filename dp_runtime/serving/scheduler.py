@@ -17,6 +17,10 @@ A step's kind (``ScheduledStep.kind``):
 - **Decode** otherwise: one token for every decodable running request, a DECODE batch (decode
   graphs serve it).
 
+Under DP the ranks step together: a rank with nothing to decode whose peers sampled in the last
+step (``note_peers_decoding``) keeps its prefill-only step to the mixed budget too, lest a whole
+chunk hold up every peer's running requests.
+
 A prompt longer than the budget is prefilled in chunks over several steps; only the chunk that
 completes a prompt samples (its first output token); every decode row samples.
 
@@ -118,7 +122,8 @@ class Scheduler:
         self._reserved = 0  # KV slots the running requests may still take (RequestState.reserved)
         self.prefix = PrefixReuse(allocator) if prefix_caching else None
         self._rids: set[str] = set()
-        # The token each request row sampled last, on the device: decode input ids (module docstring).
+        self._peers_decoding = False  # note_peers_decoding: a DP peer's requests decode next
+        # The token each request row sampled last, on the device: decode input ids (docstring).
         self.last_tokens = torch.zeros(cache.req_to_token.shape[0], dtype=torch.int64, device=cache.device)
 
     @classmethod
@@ -146,13 +151,14 @@ class Scheduler:
             if problem is not None:
                 raise ValueError(problem)
             if r.rid in seen:
-                raise ValueError(f"request {r.rid!r} is already queued or running on rank {self.rank}")
+                raise ValueError(f"request {r.rid!r} is already queued or running on rank "
+                                 f"{self.rank}")
             seen.add(r.rid)
         now = time.perf_counter()
         refused = []
         for r in reqs:
             if r.max_total_tokens > self.cache.num_slots:
-                refused.append(refused_result(r, kv_refusal(r, self.cache.num_slots), rank=self.rank))
+                refused.append(refused_result(r, kv_refusal(r, self.cache.num_slots), self.rank))
                 continue
             # insort_right: arrival order, and submission order among equal arrivals (FCFS).
             bisect.insort_right(self.waiting, RequestState(r, now + r.arrival_s), key=lambda q: q.t_arrival)
@@ -208,12 +214,17 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.make_room(n)
 
+    def note_peers_decoding(self, decoding: bool) -> None:
+        """Whether a DP peer sampled in the last step: its requests decode next (docstring)."""
+        self._peers_decoding = decoding
+
     def next_step(self) -> ScheduledStep | None:
         """The batch of this rank's next step, or None when it has nothing to run now (the
         step kinds and the budget: module docstring)."""
         decode = [r for r in self.running if r.decodable]
         mixed = self.mixed_steps and 0 < len(decode) < self.mixed_step_tokens
-        picks = self._prefill_picks(self.mixed_step_tokens - len(decode) if mixed else self.chunked_prefill_size)
+        short = mixed or (self.mixed_steps and not decode and self._peers_decoding)  # DP peers wait
+        picks = self._prefill_picks(self.mixed_step_tokens - len(decode) if short else self.chunked_prefill_size)
         if picks:
             return self._extend(decode if mixed else [], picks)
         return self._decode(decode) if decode else None
@@ -309,7 +320,7 @@ class Scheduler:
             if not samples:
                 continue
             r.inflight -= 1
-            if r.done:  # stopped by the token of the step before (overlap): this one ran for nothing
+            if r.done:  # stopped by the step before's token (overlap): this one ran for nothing
                 continue
             if isinstance(tok, RowFailure):
                 finished.append(self._finish(r, "error", now, error=f"request {r.request.rid!r}: {tok.error}"))
