@@ -108,8 +108,10 @@
 #                                   #   projections at 3-256 rows (cuBLAS, skinny, stream) and stream's tilings
 #   bash bench/run_gpu.sh proj21b   # one GPU: stream_linear at 3-16 rows of o_proj and the router: its tests and the
 #                                   #   model's, decode at bs 1/4/8/16/64 vs .bases/*, the projections at 3-16 rows
-#   bash bench/run_gpu.sh route22   # two GPUs: HTTP at DP 2 (Ray gang) with a shared prompt prefix in .bases/* (least
-#                                   #   outstanding tokens) and here (cache-aware routing), this tree's bench/ in both
+#   bash bench/run_gpu.sh route22   # two GPUs: HTTP at DP 2 (Ray gang), prompts starting with one of PGROUPS shared
+#                                   #   prefixes, in .bases/* and here, this tree's bench/ in all (b16: least
+#                                   #   outstanding tokens; b22 = 01941a3: cache-aware routing without the DP prefill
+#                                   #   bound); WARM=1 first warms the Triton caches
 #   bash bench/run_gpu.sh owed21    # one GPU: min_tokens/sampling GPU tests; HBM read vs copy bandwidth
 #   bash bench/run_gpu.sh mem21     # one GPU: memory_growth.py (serving beyond the profiled peak), rank-memory tests
 #   bash bench/run_gpu.sh owed20    # one GPU: serving GPU tests with prefix caching on by default and PDL
