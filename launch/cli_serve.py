@@ -273,8 +273,10 @@ def _serve(p: dict[str, Any], o: dict[str, Any], debug: bool) -> None:
 
     given = engine.sampling_defaults.items()
     if given:
-        phase("unset sampling fields take the checkpoint's generation_config.json: "
-              + ", ".join(f"{k}={v}" for k, v in given.items()))
+        phase(
+            "unset sampling fields take the checkpoint's generation_config.json: "
+            + ", ".join(f"{k}={v}" for k, v in given.items())
+        )
 
     try:
         engine.start(on_phase=phase)
