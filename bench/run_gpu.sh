@@ -772,7 +772,7 @@ case "${1:-one}" in
       TAIL=0 dstep "http_$n" ${CAP:-260} 90 env -C "$d" python $sh; done  # the base tree's code, from its root
     TAIL=0 dstep http_here ${CAP:-260} 90 python $sh
     python bench/side_by_side.py --key rate --where path=http \
-      --metric output_tok_s,ttft_s.p50,ttft_s.p99,itl_s.p50,itl_s.p99,e2e_s.p50 \
+      --metric output_tok_s,ttft_s.p50,ttft_s.p99,itl_s.p50,itl_s.p99,e2e_s.p50,server_cached_tokens \
       --title "== HTTP at DP 2, shared prefix: least outstanding tokens (bases) against cache-aware routing" \
       $(for d in /tmp/bases/*/; do n=$(basename "$d"); echo "$n=$log/http_$n.log"; done) here="$log/http_here.log" \
       2>&1 | tee "$log/summary.txt"

@@ -21,7 +21,10 @@ its GPU memory back when it exits):
 - ``http``: ``python -m launch serve`` in a subprocess with the same options; each request is a
   streaming ``POST /v1/completions`` (token-id prompt, greedy, ``ignore_eos``, ``max_tokens`` its
   output length) sent at its arrival time by an aiohttp client, tokens counted from each
-  chunk's ``token_ids``.
+  chunk's ``token_ids``. Its rows also give the server's own counts over the rate, read from
+  ``/metrics`` before and after it: ``server_prefilled_tokens`` (prompt tokens the ranks
+  prefilled), ``server_cached_tokens`` (served from their prefix caches) and
+  ``server_prefilled_by_rank`` (how routing spread the prefill work).
 
 For http and engine, TTFT and E2E run from the request's send to its first / last token as the
 client sees it; ITL is the gap between consecutive token arrivals. The last table lines compare
@@ -156,7 +159,11 @@ def _spec(args, context_len: int):
     )
 
 
-def run_engine(args, batches, warm, context_len: int) -> list[list[RequestResult]]:
+# A path's results per rate, and per rate what it adds to its row (the http path's server counts).
+Runs = tuple[list[list[RequestResult]], list[dict[str, Any]]]
+
+
+def run_engine(args, batches, warm, context_len: int) -> Runs:
     from launch.engine import Engine, EngineOptions
 
     engine = Engine(
@@ -175,12 +182,12 @@ def run_engine(args, batches, warm, context_len: int) -> list[list[RequestResult
 
     try:
         asyncio.run(_paced(warm, one))
-        return [asyncio.run(_paced(reqs, one)) for _, reqs in batches]
+        return [asyncio.run(_paced(reqs, one)) for _, reqs in batches], [{} for _ in batches]
     finally:
         engine.shutdown()
 
 
-def run_ranks(args, batches, warm, context_len: int) -> list[list[RequestResult]]:
+def run_ranks(args, batches, warm, context_len: int) -> Runs:
     """serve_load's in-process run: the requests go to the ranks with their arrival times and
     are timed by the step loop itself (no client, no asyncio beside the ranks)."""
     from bench.load_ranks import InProcessRank, RayRanks
@@ -196,7 +203,7 @@ def run_ranks(args, batches, warm, context_len: int) -> list[list[RequestResult]
         try:
             if warm:
                 ranks.run(warm)
-            return [ranks.run(reqs) for _, reqs in batches]
+            return [ranks.run(reqs) for _, reqs in batches], [{} for _ in batches]
         finally:
             ranks.close()
     finally:
@@ -212,7 +219,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_http(args, batches, warm, context_len: int) -> list[list[RequestResult]]:
+def run_http(args, batches, warm, context_len: int) -> Runs:
     import aiohttp
 
     port = _free_port()
@@ -290,11 +297,51 @@ def run_http(args, batches, warm, context_len: int) -> list[list[RequestResult]]
                     return _result(req, sent, times, ids, 0, error)
 
                 await _paced(warm, one)
-                return [await _paced(reqs, one) for _, reqs in batches]
+                out, before = [], await _server_counts(http, url)
+                for _, reqs in batches:
+                    out.append(await _paced(reqs, one))
+                    after = await _server_counts(http, url)
+                    counts.append(_counts_row(before, after))
+                    before = after
+                return out
 
-        return asyncio.run(all_batches())
+        counts: list[dict[str, Any]] = []
+        return asyncio.run(all_batches()), counts
     finally:  # a run being stopped (SIGTERM, Ctrl-C) has seconds: timeout -k kills it 10 s later
         _stop(server, 8 if sys.exc_info()[0] in (SystemExit, KeyboardInterrupt) else 120)
+
+
+# The per-rank counters of the server's /metrics the http rows report (launch/server/metrics.py).
+_COUNTERS = {
+    "dp_runtime_prompt_tokens_total": "prefilled",
+    "dp_runtime_prefix_cache_hit_tokens_total": "cached",
+}
+
+
+async def _server_counts(http, url: str) -> dict[str, dict[str, float]]:
+    """The server's per-rank prefill and prefix-cache counters now: {"prefilled": {rank: n},
+    "cached": {rank: n}}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, dict[str, float]] = {"prefilled": {}, "cached": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in _COUNTERS:
+                out[_COUNTERS[sample.name]][sample.labels["rank"]] = sample.value
+    return out
+
+
+def _counts_row(before: dict, after: dict) -> dict[str, Any]:
+    """The server counts of one rate: what ``after`` adds to ``before``."""
+    delta = {k: {r: int(v - before[k].get(r, 0)) for r, v in after[k].items()} for k in after}
+    ranks = sorted(delta["prefilled"], key=int)
+    return dict(
+        server_prefilled_tokens=sum(delta["prefilled"].values()),
+        server_cached_tokens=sum(delta["cached"].values()),
+        server_prefilled_by_rank=[delta["prefilled"][r] for r in ranks],
+    )
 
 
 def _stop(server: subprocess.Popen, wait_s: float) -> None:
@@ -352,12 +399,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # engine's stays cached in this process (the server after it ran out of memory on an H100).
     runs = {"rank": run_ranks, "engine": run_engine, "http": run_http}
     for path in sorted(args.paths, key=lambda p: p != "http"):
-        results = runs[path](args, batches, warm, context_len)
+        results, extra = runs[path](args, batches, warm, context_len)
         gc.collect()  # the in-process ranks' memory goes before the next path's are built
-        for (rate, reqs), res in zip(batches, results, strict=True):
+        for (rate, reqs), res, more in zip(batches, results, extra, strict=True):
             # The client cannot tell which rank served a request: http/engine rows are one "rank".
             world = args.dp if path == "rank" else 1
-            rows.append({"path": path, **summarize_rate(rate, reqs, res, world)})
+            rows.append({"path": path, **summarize_rate(rate, reqs, res, world), **more})
     header = dict(
         commit=_commit(),
         command=" ".join(sys.argv),
