@@ -95,6 +95,7 @@ def make_requests(n: int, rate: float, lengths: Lengths, process: str, vocab: in
     out = []
     for i, t in enumerate(arrival_times(n, rate, process, rng)):
         n_in, n_out = lengths.draw(rng)
+        # one group draws nothing: its requests stay those of a seed before --prefix-groups
         head = heads[rng.randrange(prefix_groups)] if prefix_groups > 1 else heads[0]
         prompt = head + [rng.randrange(vocab) for _ in range(n_in)]
         out.append(Request(f"{tag}-{i:05d}", prompt, dataclasses.replace(base, max_new_tokens=n_out, seed=i),

@@ -263,7 +263,7 @@ def run_http(args, batches, warm, context_len: int) -> Runs:
     try:
         name = _wait_up(url, server)
 
-        async def all_batches() -> list[list[RequestResult]]:
+        async def all_batches() -> Runs:
             # A connection per request (force_close): a pooled connection that a server (an
             # earlier tree's, at uvicorn's 5 s keep-alive) closes as a request goes out on it
             # fails that request with "Server disconnected" and with it the run.
@@ -297,16 +297,15 @@ def run_http(args, batches, warm, context_len: int) -> Runs:
                     return _result(req, sent, times, ids, 0, error)
 
                 await _paced(warm, one)
-                out, before = [], await _server_counts(http, url)
+                out, counts, before = [], [], await _server_counts(http, url)
                 for _, reqs in batches:
                     out.append(await _paced(reqs, one))
                     after = await _server_counts(http, url)
                     counts.append(_counts_row(before, after))
                     before = after
-                return out
+                return out, counts
 
-        counts: list[dict[str, Any]] = []
-        return asyncio.run(all_batches()), counts
+        return asyncio.run(all_batches())
     finally:  # a run being stopped (SIGTERM, Ctrl-C) has seconds: timeout -k kills it 10 s later
         _stop(server, 8 if sys.exc_info()[0] in (SystemExit, KeyboardInterrupt) else 120)
 
