@@ -768,6 +768,8 @@ case "${1:-one}" in
     # A fresh machine compiles every Triton kernel in the first run (minutes): this tree once,
     # short and unreported, so that the timed runs find the caches warm alike.
     [ -n "${WARM:-}" ] && TAIL=0 dstep http_warm ${WARM_CAP:-200} 60 python ${sh/--rates * --num-requests * --max/--rates inf --num-requests 64 --max}
+    # SAVE_FI=1: the FlashInfer modules the warm run built come back as fic2.tar.xz (carry it as .fic2/ next time)
+    [ -n "${SAVE_FI:-}" ] && XZ_OPT=-T8 tar cJf "$log/fic2.tar.xz" -C /tmp fi && ls -l "$log/fic2.tar.xz"
     for d in /tmp/bases/*/; do n=$(basename "$d")
       TAIL=0 dstep "http_$n" ${CAP:-260} 90 env -C "$d" python $sh; done  # the base tree's code, from its root
     TAIL=0 dstep http_here ${CAP:-260} 90 python $sh
