@@ -6,13 +6,24 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterator
 from itertools import pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 from dp_runtime.serving.request import Request, RequestResult
 from launch.run_report import percentile
 
-__all__ = ["STEP_KINDS", "decode_step_s", "ideal_occupancy", "max_overlap", "step_kinds", "summarize_rate"]
+__all__ = ["STEP_KINDS", "IdealStep", "decode_step_s", "ideal_occupancy", "ideal_steps", "max_overlap",
+           "step_kinds", "summarize_rate"]
+
+
+class IdealStep(NamedTuple):
+    """One step of ``ideal_steps``: its decode rows, its prompt tokens, and the requests (rids)
+    it gave a token (the decode rows' and those whose prompt it completed)."""
+
+    decode_rows: int
+    prompt_tokens: int
+    gave: tuple[str, ...]
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
@@ -78,20 +89,18 @@ def decode_step_s(results: list[RequestResult], world: int) -> float | None:
     return statistics.median(gaps) if gaps else None
 
 
-def ideal_occupancy(requests: list[Request], running: int, chunk: int, mixed_tokens: int, policy: str,
-                    mixed: bool = True) -> float | None:
-    """The occupancy (output tokens / (steps x ``running``)) of one ideal rank serving
-    ``requests`` under the scheduler's rules (``Scheduler``: admission order ``policy``, at most
-    ``running`` at once, a step's prompt tokens within ``chunk``, or ``mixed_tokens`` minus the
-    decode rows in a mixed step; a prompt's chunk that completes it gives its first token, every
-    running prefilled request one token a step) with no KV limit and every step equally long:
-    the ceiling the workload puts on serve_load's ``eff`` where steps run at the decode step's
-    speed. Arrival times are ignored (every request waits from the start): meant for rate inf."""
+def ideal_steps(requests: list[Request], running: int, chunk: int, mixed_tokens: int, policy: str,
+                mixed: bool = True) -> Iterator[IdealStep]:
+    """The steps of one ideal rank serving ``requests`` under the scheduler's rules
+    (``Scheduler``: admission order ``policy``, at most ``running`` at once, a step's prompt
+    tokens within ``chunk``, or ``mixed_tokens`` minus the decode rows in a mixed step; a
+    prompt's chunk that completes it gives its first token, every running prefilled request one
+    token a step) with no KV limit. Arrival times are ignored (every request waits from the
+    start): meant for rate inf."""
     queue = sorted(requests, key=lambda r: -r.sampling.max_new_tokens) if policy == "lof" else list(requests)
     queue.reverse()  # pop() from the end: the next admission (sorted() is stable: arrival order)
-    left: dict[int, int] = {}  # per running request: prompt tokens not yet prefilled
-    out: dict[int, int] = {}  # per running request: output tokens still to come
-    steps = tokens = 0
+    left: dict[str, int] = {}  # per running request: prompt tokens not yet prefilled
+    out: dict[str, int] = {}  # per running request: output tokens still to come
     while queue or out:
         decode = [k for k in out if not left[k]]
         is_mixed = mixed and 0 < len(decode) < mixed_tokens
@@ -104,17 +113,28 @@ def ideal_occupancy(requests: list[Request], running: int, chunk: int, mixed_tok
                 break
         while queue and budget > 0 and len(out) < running:
             r = queue.pop()
-            k = id(r)
+            k = r.rid
             left[k], out[k] = len(r.prompt_ids), r.sampling.max_new_tokens
             picks.append((k, min(left[k], budget)))
             budget -= picks[-1][1]
         for k, n in picks:
             left[k] -= n
         gave = (decode if is_mixed or not picks else []) + [k for k, n in picks if n and not left[k]]
-        steps += 1
-        tokens += len(gave)
+        rows = len(decode) if is_mixed or not picks else 0
+        yield IdealStep(rows, sum(n for _, n in picks), tuple(gave))
         for k in gave:
             out[k] -= 1
             if not out[k]:
                 del out[k], left[k]
+
+
+def ideal_occupancy(requests: list[Request], running: int, chunk: int, mixed_tokens: int,
+                    policy: str, mixed: bool = True) -> float | None:
+    """The occupancy (output tokens / (steps x ``running``)) of ``ideal_steps``, every step
+    equally long: the ceiling the workload puts on serve_load's ``eff`` where steps run at the
+    decode step's speed."""
+    steps = tokens = 0
+    for step in ideal_steps(requests, running, chunk, mixed_tokens, policy, mixed):
+        steps += 1
+        tokens += len(step.gave)
     return tokens / (steps * running) if steps else None

@@ -41,6 +41,7 @@ BENCHES: dict[str, BenchInfo] = {
     "serve_load": BenchInfo(True, "arriving requests at several rates: throughput, TTFT, ITL, TPOT, concurrency"),
     "serve_http": BenchInfo(False, "serve_load's workload through dp-runtime serve (HTTP, streaming) vs in-process"),
     "mixed_step": BenchInfo(False, "a mixed prefill+decode step against a decode step at the same batch"),
+    "step_model": BenchInfo(False, "serve_load's steps at modelled costs: what a cheaper prompt token is worth"),
     "prefill": BenchInfo(True, "prefill throughput and MFU of the rank worker (one chunk, 8 x 1024, 64 x 128)"),
     "moe_layer": BenchInfo(False, "one MoE layer's experts: grouped GEMM vs Triton fused vs the bytes floor"),
     "skinny_linear": BenchInfo(False, "1-4 row projections: the skinny Triton kernel vs cuBLAS vs the bytes floor"),
