@@ -96,7 +96,7 @@ def ideal_steps(requests: list[Request], running: int, chunk: int, mixed_tokens:
     tokens within ``chunk``, or ``mixed_tokens`` minus the decode rows in a mixed step; a
     prompt's chunk that completes it gives its first token, every running prefilled request one
     token a step) with no KV limit. Arrival times are ignored (every request waits from the
-    start): meant for rate inf."""
+    start): meant for rate inf. tests/test_step_model.py holds it to the Scheduler's own steps."""
     queue = sorted(requests, key=lambda r: -r.sampling.max_new_tokens) if policy == "lof" else list(requests)
     queue.reverse()  # pop() from the end: the next admission (sorted() is stable: arrival order)
     left: dict[str, int] = {}  # per running request: prompt tokens not yet prefilled

@@ -1,13 +1,20 @@
-"""bench/step_model.py: the scheduler's ideal steps costed by a step model, on a run small
-enough to cost by hand, and its command line."""
+"""bench/step_model.py: the ideal steps are the real Scheduler's, the step model costs a run
+small enough to cost by hand, and its command line."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from bench.load_summary import ideal_steps
+from bench.load_workload import Lengths, make_requests
 from bench.step_model import main, model_run
+from dp_runtime.serving.kv_allocator import KVAllocator
+from dp_runtime.serving.kv_cache import KVCache
 from dp_runtime.serving.request import Request, SamplingParams
+from dp_runtime.serving.scheduler import Scheduler
 from launch.run_report import percentile
 
 D, F, U = 20.0, 1.5, 10.0  # decode step ms, a prompt step's fixed ms, us a prompt token
@@ -15,6 +22,28 @@ D, F, U = 20.0, 1.5, 10.0  # decode step ms, a prompt step's fixed ms, us a prom
 
 def _req(rid: str, prompt_len: int, new: int) -> Request:
     return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=new))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lof"])
+def test_the_ideal_steps_are_the_schedulers_on_a_sharegpt_mix(policy):
+    reqs = make_requests(40, math.inf, Lengths.parse("sharegpt"), "poisson", 1000, 3, "m")
+    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_slots=40 * 2048, max_reqs=8,
+                    max_context_len=2048, dtype=torch.float32, device="cpu")
+    s = Scheduler(KVAllocator(cache), max_running_requests=8, chunked_prefill_size=512,
+                  mixed_step_tokens=64, policy=policy)
+    s.submit(reqs)
+    real = []
+    while (step := s.next_step()) is not None:
+        rows = len(step.reqs) if step.kind == "decode" else step.num_decode
+        prompt = step.num_tokens - step.num_decode if step.is_extend else 0
+        gave = [r.request.rid for r, smp in zip(step.reqs, step.samples, strict=True) if smp]
+        real.append((rows, prompt, sorted(gave)))
+        s.advance(step, [7 if smp else None for smp in step.samples])
+    ideal = [(x.decode_rows, x.prompt_tokens, sorted(x.gave))
+             for x in ideal_steps(reqs, 8, 512, 64, policy)]
+    kinds = {(rows > 0, prompt > 0) for rows, prompt, _ in real}
+    assert kinds == {(True, False), (False, True), (True, True)}  # decode, extend and mixed
+    assert real == ideal
 
 
 def test_a_finished_request_makes_room_for_a_mixed_step_and_its_cost_lands_on_the_decoding_row():
