@@ -69,6 +69,8 @@
 #   bash bench/run_gpu.sh pencounts # one GPU: sampling/penalty GPU tests; serve_load 256 running penalized and not
 #   bash bench/run_gpu.sh mixtile   # one GPU: a mixed step's routing (128 decode rows + 1x896), the expert kernels
 #                                   #   split on it (TUNE=1: + the tile sweep; ROUTING=file: reuse a routing)
+#   bash bench/run_gpu.sh ncu23     # one GPU: Nsight Compute on the expert GEMMs of that routing and of its decode
+#                                   #   rows alone (throughputs, L2 hit rate, stall reasons)
 #   bash bench/run_gpu.sh gaps15    # one GPU: span GPU test; plan --measure at 256; serve_load (lof) at 64 and 128
 #                                   #   running with each step's GPU span and the GPU's idle gaps (--gpu-spans)
 #   bash bench/run_gpu.sh weak15    # one GPU: graph/extend/mixed/rank-memory GPU tests; plan --measure at 64 and 256
@@ -435,6 +437,37 @@ case "${1:-one}" in
       --layers 8
     [ -n "${TUNE:-}" ] && step tune timeout ${TUNE_TIMEOUT:-450} python bench/moe_layer.py --routing "$r" --extend \
       --tune --ep 1 --layers 8
+    ;;
+  ncu23)  # one GPU: Nsight Compute on the expert GEMMs of a mixed step's routing (128 decode rows + 1x896, extend
+           # tiles) and of its 128 decode rows alone (decode tiles): DRAM, L2 and SM throughput, stall reasons
+    r=${ROUTING:-$log/mixed_routing.pt}
+    [ -e "$r" ] || step routing timeout 240 python bench/mixed_step.py --decode-rows 128 --prompts ${PROMPTS:-1x896} \
+      --modes eager --iters 1 --warmup 0 --save-routing "$r"
+    cat > /tmp/expert_ncu.py <<'PY'
+import sys, torch
+from dp_runtime.model.fused_moe_triton import fused_local_expert_sum
+routed, rows, layer = torch.load(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+ids, w = routed[layer]
+ids, w = ids.cuda().to(torch.int32), w.cuda().float()
+if rows == "decode":
+    ids, w = ids[:128].contiguous(), w[:128].contiguous()
+g = torch.Generator(device="cuda").manual_seed(layer)
+w13 = (torch.randn(128, 1536, 2048, generator=g, device="cuda") / 2048**0.5).bfloat16()
+w2 = (torch.randn(128, 2048, 768, generator=g, device="cuda") / 768**0.5).bfloat16()
+x = torch.randn(ids.shape[0], 2048, generator=g, device="cuda").bfloat16()
+for _ in range(3):  # two warm calls (builds), the third profiled: ncu --launch-skip 4 of the GEMMs
+    fused_local_expert_sum(x, ids, w, w13, w2, extend=rows != "decode")
+torch.cuda.synchronize()
+print(rows, "rows", ids.shape[0], "experts touched", torch.unique(ids).numel())
+PY
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    for rows in mixed decode; do
+      TAIL=${NCU_TAIL:-400} step ncu_$rows timeout ${NCU_TIMEOUT:-150} "$ncu" --clock-control none --kernel-name regex:_expert_gemm \
+        --launch-skip 4 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+        --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum,l1tex__t_bytes.sum \
+        python /tmp/expert_ncu.py "$r" $rows ${LAYER:-5}
+    done
     ;;
   mem14)  # one GPU: rank-memory GPU tests; plan --measure (64 running) in .bases/b4 and here; HTTP at rate 16
     step gpu_tests timeout 200 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py
