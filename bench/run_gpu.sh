@@ -71,6 +71,7 @@
 #                                   #   split on it (TUNE=1: + the tile sweep; ROUTING=file: reuse a routing)
 #   bash bench/run_gpu.sh ncu23     # one GPU: Nsight Compute on the expert GEMMs of that routing and of its decode
 #                                   #   rows alone (throughputs, L2 hit rate, stall reasons)
+#   bash bench/run_gpu.sh skew23    # one GPU: the expert path on that routing against balanced routing of 1,024 rows
 #   bash bench/run_gpu.sh gaps15    # one GPU: span GPU test; plan --measure at 256; serve_load (lof) at 64 and 128
 #                                   #   running with each step's GPU span and the GPU's idle gaps (--gpu-spans)
 #   bash bench/run_gpu.sh weak15    # one GPU: graph/extend/mixed/rank-memory GPU tests; plan --measure at 64 and 256
@@ -468,6 +469,12 @@ PY
         --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum,l1tex__t_bytes.sum \
         python /tmp/expert_ncu.py "$r" $rows ${LAYER:-5}
     done
+    ;;
+  skew23)  # one GPU: the expert path on a mixed step's routing (ROUTING, 1,024 rows) against random routing of as
+            # many rows (softmax of random logits: every expert ~64 rows, as a router trained to balance load)
+    r=${ROUTING:-.routing/mixed_routing.pt}
+    TAIL=14 step skewed timeout 200 python bench/moe_layer.py --routing "$r" --extend --split --ep 1 --layers 8
+    TAIL=14 step balanced timeout 200 python bench/moe_layer.py --tokens 1024 --extend --split --ep 1 --layers 8
     ;;
   mem14)  # one GPU: rank-memory GPU tests; plan --measure (64 running) in .bases/b4 and here; HTTP at rate 16
     step gpu_tests timeout 200 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py
