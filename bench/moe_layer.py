@@ -94,6 +94,10 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--persistent", nargs="*", default=[], metavar="G1,G2",
                    help="also time the rule's tiles with GEMM1 and GEMM2 on persistent grids of G1 and G2 "
                         "programs per SM (MoeTileConfig.programs_per_sm; 0: a program per tile), e.g. 3,4 0,4")
+    p.add_argument("--configs", nargs="*", default=[], metavar="G1/G2",
+                   help="also time these tile configs of GEMM1 and GEMM2, each 'block_m,block_n,block_k,"
+                        "group_m,warps,stages[,programs_per_sm[,split_m]]' (MoeTileConfig's fields), GEMM1's "
+                        "then '/' then GEMM2's, e.g. 128,128,64,8,8,3,0,1/128,64,64,8,4,3,0,1")
     p.add_argument("--touched", type=int, default=None,
                    help="route each layer's tokens among this many random experts only (a prompt's tokens "
                         "share experts: a 128-token extend of the random preset touches ~30 of 128)")
@@ -109,6 +113,12 @@ def _parse() -> argparse.Namespace:
         args.persistent = None
     if args.persistent is None or any(len(pair) != 2 or min(pair) < 0 for pair in args.persistent):
         p.error("--persistent takes G1,G2 pairs of programs per SM >= 0 (0: a program per tile), e.g. 3,4 0,4")
+    try:
+        args.configs = [tuple(_tile(part) for part in spec.split("/")) for spec in args.configs]
+    except (TypeError, ValueError) as exc:
+        p.error(f"--configs: {exc}")
+    if any(len(pair) != 2 for pair in args.configs):
+        p.error("--configs takes GEMM1/GEMM2 pairs of tile configs")
     args.routed = None
     if args.routing:
         if not os.path.isfile(args.routing):
@@ -123,6 +133,29 @@ def _parse() -> argparse.Namespace:
         if ep < 1 or args.experts % ep:
             p.error(f"--ep {ep}: must divide --experts {args.experts}")
     return args
+
+
+def _tile(text: str):
+    """A MoeTileConfig from 'block_m,block_n,block_k,group_m,warps,stages[,programs_per_sm[,split_m]]'."""
+    from dp_runtime.model.fused_moe_triton import MoeTileConfig
+
+    values = [int(v) for v in text.split(",")]
+    if not 6 <= len(values) <= 8:
+        raise ValueError(f"{text!r}: 6 to 8 comma-separated ints")
+    return MoeTileConfig(*values[:7], *(bool(v) for v in values[7:]))
+
+
+def _configs(args, layers: list[Layer], baseline_us: float, split: bool) -> str:
+    """Each ``--configs`` pair on these layers, one line: us per layer, the ratio to the rule
+    (and the kernel split with ``split``)."""
+    outs = [torch.empty_like(layer.x) for layer in layers]
+    parts = []
+    for cfg, cfg2 in args.configs:
+        run = _fused_with(layers, outs, cfg, cfg2)
+        us = graph_us(run, len(layers), args.repeats, args.inner)
+        parts.append(f"{cfg} / {cfg2}: {us:.1f} us ({us / baseline_us:.3f})"
+                     + (f" [{_kernel_split(run, len(layers))}]" if split else ""))
+    return "; ".join(parts)
 
 
 def _experts(args, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -437,6 +470,9 @@ def main() -> None:
             if args.persistent and "triton" in us:
                 tune_lines.append(f"ep {ep} tokens {n} persistent grids, rule's tiles ({us['triton']:.1f} us as "
                                   f"the rule stands): " + _persistent(args, layers, us["triton"], args.split))
+            if args.configs and "triton" in us:
+                tune_lines.append(f"ep {ep} tokens {n} configs ({us['triton']:.1f} us as the rule stands): "
+                                  + _configs(args, layers, us["triton"], args.split))
             if args.tune and "triton" in us:
                 tune_lines.append(f"ep {ep} tokens {n}: " + _tune(args, layers, us["triton"]))
             del layers, outs, paths
