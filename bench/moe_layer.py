@@ -96,8 +96,8 @@ def _parse() -> argparse.Namespace:
                         "programs per SM (MoeTileConfig.programs_per_sm; 0: a program per tile), e.g. 3,4 0,4")
     p.add_argument("--configs", nargs="*", default=[], metavar="G1/G2",
                    help="also time these tile configs of GEMM1 and GEMM2, each 'block_m,block_n,block_k,"
-                        "group_m,warps,stages[,programs_per_sm[,split_m]]' (MoeTileConfig's fields), GEMM1's "
-                        "then '/' then GEMM2's, e.g. 128,128,64,8,8,3,0,1/128,64,64,8,4,3,0,1")
+                        "group_m,warps,stages[,programs_per_sm]' (MoeTileConfig's fields), GEMM1's then '/' "
+                        "then GEMM2's, e.g. 128,128,64,8,8,3/128,64,64,8,4,3")
     p.add_argument("--touched", type=int, default=None,
                    help="route each layer's tokens among this many random experts only (a prompt's tokens "
                         "share experts: a 128-token extend of the random preset touches ~30 of 128)")
@@ -136,13 +136,13 @@ def _parse() -> argparse.Namespace:
 
 
 def _tile(text: str):
-    """A MoeTileConfig from 'block_m,block_n,block_k,group_m,warps,stages[,programs_per_sm[,split_m]]'."""
+    """A MoeTileConfig from 'block_m,block_n,block_k,group_m,warps,stages[,programs_per_sm]'."""
     from dp_runtime.model.fused_moe_triton import MoeTileConfig
 
     values = [int(v) for v in text.split(",")]
-    if not 6 <= len(values) <= 8:
-        raise ValueError(f"{text!r}: 6 to 8 comma-separated ints")
-    return MoeTileConfig(*values[:7], *(bool(v) for v in values[7:]))
+    if not 6 <= len(values) <= 7:
+        raise ValueError(f"{text!r}: 6 or 7 comma-separated ints")
+    return MoeTileConfig(*values)
 
 
 def _configs(args, layers: list[Layer], baseline_us: float, split: bool) -> str:

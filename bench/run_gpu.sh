@@ -72,7 +72,6 @@
 #   bash bench/run_gpu.sh ncu23     # one GPU: Nsight Compute on the expert GEMMs of that routing and of its decode
 #                                   #   rows alone (throughputs, L2 hit rate, stall reasons)
 #   bash bench/run_gpu.sh skew23    # one GPU: the expert path on that routing against balanced routing of 1,024 rows
-#   bash bench/run_gpu.sh split23   # one GPU: fused-MoE tests; split 128-row blocks and other tiles beside the rule's
 #   bash bench/run_gpu.sh gaps15    # one GPU: span GPU test; plan --measure at 256; serve_load (lof) at 64 and 128
 #                                   #   running with each step's GPU span and the GPU's idle gaps (--gpu-spans)
 #   bash bench/run_gpu.sh weak15    # one GPU: graph/extend/mixed/rank-memory GPU tests; plan --measure at 64 and 256
@@ -476,17 +475,6 @@ PY
     r=${ROUTING:-.routing/mixed_routing.pt}
     TAIL=14 step skewed timeout 200 python bench/moe_layer.py --routing "$r" --extend --split --ep 1 --layers 8
     TAIL=14 step balanced timeout 200 python bench/moe_layer.py --tokens 1024 --extend --split --ep 1 --layers 8
-    ;;
-  split23)  # one GPU: the fused-MoE tests; 128-row blocks split in halves (MoeTileConfig.split_m) and other tiles
-             # beside the rule's on a mixed step's routing (ROUTING) and on balanced routing of 1,024 rows
-    step gpu_tests timeout ${TTESTS:-240} python -m pytest -q -p no:cacheprovider tests/test_fused_moe.py
-    r=${ROUTING:-.routing/mixed_routing.pt}
-    cf=${CONFIGS:-"128,128,64,8,8,3,0,1/128,64,64,8,4,3,0,1 128,128,64,8,4,3,0,1/128,64,64,8,4,3,0,1
-      128,128,64,8,8,3/128,64,64,8,4,3 64,128,64,8,4,3/64,64,64,8,4,3"}
-    TAIL=10 step skewed timeout 240 python bench/moe_layer.py --routing "$r" --extend --ep 1 --layers 8 --split \
-      --configs $cf
-    TAIL=10 step balanced timeout 240 python bench/moe_layer.py --tokens 1024 --extend --ep 1 --layers 8 --split \
-      --configs $cf
     ;;
   mem14)  # one GPU: rank-memory GPU tests; plan --measure (64 running) in .bases/b4 and here; HTTP at rate 16
     step gpu_tests timeout 200 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py

@@ -188,27 +188,6 @@ def test_a_persistent_grid_writes_what_a_program_per_tile_writes(num_tokens, pro
         MoeTileConfig(16, 32, 32, 1, 4, 2, programs_per_sm=-1)
 
 
-@pytest.mark.parametrize("num_tokens", [3, 33])  # 12 picks: one block per pick; 132: aligned blocks
-def test_split_blocks_write_what_half_size_blocks_write(num_tokens):
-    # split_m runs a 32-row block as two 16-row halves on each weight tile and leaves an empty
-    # upper half out: the same 16-row products, so the same bits as 16-row blocks. 132 picks on
-    # 6 experts: some fill both halves of a block, some only the lower one.
-    x, ids, weights, w13, w2 = _layer(8, 4, 80, 48, num_tokens, 6, DEVICE, seed=5)
-    halves = (MoeTileConfig(16, 32, 32, 2, 4, 2), MoeTileConfig(16, 64, 16, 1, 4, 2))
-    split = [dataclasses.replace(c, block_m=32, split_m=True) for c in halves]
-    counts = torch.bincount(ids[ids >= 0].flatten(), minlength=6)
-    if num_tokens > 3:
-        assert ((counts % 32 > 16) | (counts % 32 == 0)).any() and ((counts % 32 > 0) & (counts % 32 <= 16)).any()
-    want = fused_local_expert_sum(x, ids, weights, w13, w2, config=halves[0], config2=halves[1])
-    got = fused_local_expert_sum(x, ids, weights, w13, w2, config=split[0], config2=split[1])
-    assert torch.equal(got, want)
-    _assert_within_bound(got, x, ids, weights, w13, w2)
-    with pytest.raises(ValueError, match="split_m needs block_m >= 32"):
-        MoeTileConfig(16, 32, 32, 1, 4, 2, split_m=True)
-    with pytest.raises(ValueError, match=r"a program per tile \(programs_per_sm 0\)"):
-        MoeTileConfig(32, 32, 32, 1, 4, 2, programs_per_sm=2, split_m=True)
-
-
 def test_no_rows_launches_nothing_and_returns_out():
     x, ids, weights, w13, w2 = _layer(8, 2, 64, 32, 0, 4, DEVICE)
     out = torch.empty(0, 64, dtype=torch.bfloat16, device=DEVICE)

@@ -42,7 +42,6 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from dp_runtime.model.expert_tile import expert_tile, tile_coords
 from dp_runtime.model.moe_align import UNALIGNED_PICKS, align_picks, max_blocks, unaligned_blocks
 from dp_runtime.model.moe_tiles import MoeTileConfig, gemm2_tile_config, tile_config
 from dp_runtime.model.pdl import pdl_entry, pdl_meta, resolve_pdl
@@ -78,12 +77,11 @@ def _expert_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    SPLIT_M: tl.constexpr,  # a block in two halves, an empty upper one left out (``expert_tile``)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (``pdl``)
 ):
     """One program per output tile of the worst case (``num_blocks`` blocks)."""
     pdl_entry(PDL)
-    pid_m, pid_n = tile_coords(tl.program_id(0), num_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
     # The grid covers the worst case; blocks past the used ones exit at once.
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
@@ -91,9 +89,9 @@ def _expert_gemm_kernel(
     # Unaligned blocks carry a pick's raw id: another rank's expert or a padding row is skipped.
     if (expert < 0) | (expert >= num_local):
         return
-    expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
-                sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
-                A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_M)
+    _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
+                 sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
+                 A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["num_picks"])
@@ -102,7 +100,7 @@ def _expert_gemm_persistent_kernel(
     block_expert_ptr, num_rows_ptr, num_picks, n_out, k_in,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_M: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``_expert_gemm_kernel`` on a fixed grid: program ``p`` takes the tiles in use ``p, p +
     grid, ...``. The tile loop is flattened with the contraction loop into one software
@@ -114,11 +112,76 @@ def _expert_gemm_persistent_kernel(
     num_n = tl.cdiv(n_out, BLOCK_N)
     used = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
     for tile in tl.range(tl.program_id(0), used * num_n, tl.num_programs(0), flatten=True):
-        pid_m, pid_n = tile_coords(tile, used, num_n, GROUP_M)
+        pid_m, pid_n = _tile_coords(tile, used, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
-                    sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
-                    A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K, False)
+        _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
+                     sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
+                     A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _tile_coords(tile, num_blocks, num_n, GROUP_M: tl.constexpr):
+    """(block, column tile) of a tile index. GROUP_M blocks (consecutive blocks are mostly one
+    expert's) take the same column tile one after another, so that weight tile is read from HBM
+    once and then hit in L2."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
+@triton.jit
+def _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
+                 sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
+                 A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The BLOCK_M x BLOCK_N output tile (``pid_m``, ``pid_n``) of block ``pid_m``, whose picks
+    are all ``expert``'s: the contraction and the epilogue, stored by pick."""
+    pick = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pick < num_picks
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Wrapped column indices keep the weight loads in bounds without a mask; the extra columns
+    # are dropped at the store.
+    offs_wn = offs_n % n_out
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pick // A_ROW_DIV).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up_offset = n_out * stride_wn  # up rows follow the gate rows in w13
+    for kk in range(0, tl.cdiv(k_in, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < k_in - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc=acc)
+        if GATED:
+            if EVEN_K:
+                w_up = tl.load(w_ptrs + up_offset)
+            else:
+                w_up = tl.load(w_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
+            if UPCAST_DOT:
+                w_up = w_up.to(tl.float32)
+            acc_up = tl.dot(a, w_up, acc=acc_up)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+
+    if GATED:
+        out = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32
+    else:
+        weight = tl.load(topk_weights_ptr + pick, mask=row_ok, other=0.0).to(tl.float32)
+        out = acc * weight[:, None]
+    c_ptrs = c_ptr + pick.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < n_out))
 
 
 @triton.jit
@@ -176,8 +239,8 @@ def _launch_gemm(cfg: MoeTileConfig, a, w, c, weights_P, sorted_R, block_expert,
             block_expert, num_rows, c.shape[0])  # c has a row per pick
     meta = dict(A_ROW_DIV=a_row_div, GATED=gated, EVEN_K=k_in % cfg.block_k == 0,
                 UPCAST_DOT=isinstance(_expert_gemm_kernel, InterpretedFunction), BLOCK_M=cfg.block_m,
-                BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_M=cfg.split_m,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_meta(pdl))
+                BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **pdl_meta(pdl))
     if cfg.programs_per_sm and aligned:
         grid = min(tiles, cfg.programs_per_sm * _sm_count(a.device))
         _expert_gemm_persistent_kernel[(grid,)](*args, n_out, k_in, **meta)

@@ -20,9 +20,7 @@ class MoeTileConfig:
     together (L2 reuse of weight tiles); ``num_warps`` / ``num_stages``: Triton launch options;
     ``programs_per_sm``: 0 launches a program per tile of the worst case, n > 0 a persistent grid
     of n programs per SM that walk the tiles in use (``_expert_gemm_persistent_kernel``; aligned
-    layouts only, one program per tile otherwise); ``split_m``: a block runs as two halves of
-    block_m / 2 rows, an upper half without picks left out (``expert_tile``; a program per tile
-    only)."""
+    layouts only, one program per tile otherwise)."""
 
     block_m: int
     block_n: int
@@ -31,7 +29,6 @@ class MoeTileConfig:
     num_warps: int
     num_stages: int
     programs_per_sm: int = 0
-    split_m: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -43,9 +40,6 @@ class MoeTileConfig:
         if self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1 or self.programs_per_sm < 0:
             raise ValueError(f"MoeTileConfig: group_m, num_warps, num_stages must be >= 1 and programs_per_sm >= 0, "
                              f"got {self}")
-        if self.split_m and (self.block_m < 32 or self.programs_per_sm):
-            raise ValueError(f"MoeTileConfig.split_m needs block_m >= 32 (halves of >= 16 rows) and a program "
-                             f"per tile (programs_per_sm 0), got {self}")
 
 
 # Tile configs by tokens on the rank (N), for Qwen3-30B-A3B-like layers (top-8 of 128 experts,
