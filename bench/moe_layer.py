@@ -16,7 +16,7 @@ Paths, on the same rows, routing and weights:
   ``torch._grouped_mm``, SiLU-and-mul, weighted sum);
 - triton: ``fused_moe_triton.fused_local_expert_sum`` (align, two GEMMs with fused epilogues,
   top-k sum; tile config by ``tile_config(N)``);
-- triton_3l: the same with the pick alignment forced into the three-launch parallel form at
+- triton_3l: the same with the pick alignment forced into the parallel form (two launches) at
   every size (beside the one-launch, one-program-per-expert form below
   ``moe_align.PARALLEL_PICKS``);
 - flashinfer: ``cutlass_fused_moe`` on global expert ids with ``ep_size``/``ep_rank``, fc1 laid
@@ -273,7 +273,7 @@ def _paths(layers: list[Layer], ep: int, outs, extend: bool = False) -> dict[str
             from dp_runtime.model import moe_align
 
             def run():
-                # parallel_picks: side by side, the alignment in the three-launch form at every
+                # parallel_picks: side by side, the alignment in the parallel form at every
                 # size; the threshold is read at each call.
                 saved = moe_align.PARALLEL_PICKS
                 moe_align.PARALLEL_PICKS = saved if parallel_picks is None else parallel_picks

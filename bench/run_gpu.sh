@@ -72,6 +72,7 @@
 #   bash bench/run_gpu.sh ncu23     # one GPU: Nsight Compute on the expert GEMMs of that routing and of its decode
 #                                   #   rows alone (throughputs, L2 hit rate, stall reasons)
 #   bash bench/run_gpu.sh skew23    # one GPU: the expert path on that routing against balanced routing of 1,024 rows
+#   bash bench/run_gpu.sh align23   # one GPU: the two-launch parallel alignment's GPU tests; the expert path vs .bases/*
 #   bash bench/run_gpu.sh gaps15    # one GPU: span GPU test; plan --measure at 256; serve_load (lof) at 64 and 128
 #                                   #   running with each step's GPU span and the GPU's idle gaps (--gpu-spans)
 #   bash bench/run_gpu.sh weak15    # one GPU: graph/extend/mixed/rank-memory GPU tests; plan --measure at 64 and 256
@@ -475,6 +476,16 @@ PY
     r=${ROUTING:-.routing/mixed_routing.pt}
     TAIL=14 step skewed timeout 200 python bench/moe_layer.py --routing "$r" --extend --split --ep 1 --layers 8
     TAIL=14 step balanced timeout 200 python bench/moe_layer.py --tokens 1024 --extend --split --ep 1 --layers 8
+    ;;
+  align23)  # one GPU: the alignment's parallel form in two launches (the layout publisher folded into the scatter):
+             # its GPU tests, then the expert path at 640 and 1,024 rows in .bases/* and here
+    step gpu_tests timeout ${TTESTS:-150} python -m pytest -q -p no:cacheprovider tests/test_pdl_gpu.py \
+      tests/test_fused_moe.py -k "align or one_build or replay or pdl or matches"
+    bases > /dev/null
+    for t in /tmp/bases/*/ .; do
+      TAIL=4 step moe_$(basename $(realpath $t)) timeout 120 env PYTHONPATH=$(realpath $t):$PYTHONPATH python \
+        $t/bench/moe_layer.py --tokens 640 1024 --extend --ep 1 --layers 8 --split
+    done
     ;;
   mem14)  # one GPU: rank-memory GPU tests; plan --measure (64 running) in .bases/b4 and here; HTTP at rate 16
     step gpu_tests timeout 200 python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_rank_memory_gpu.py

@@ -232,12 +232,12 @@ def test_bad_shapes_name_the_argument():
         MoeTileConfig(block_m=16, block_n=48, block_k=32, group_m=1, num_warps=4, num_stages=2)
 
 
-@pytest.mark.parametrize("programs", [0, 128, 3], ids=["by-expert", "three-launch", "three-launch-3-programs"])
+@pytest.mark.parametrize("programs", [0, 128, 3], ids=["by-expert", "parallel", "parallel-3-programs"])
 @pytest.mark.parametrize(("num_picks", "num_local", "block_m"),
                          [(1, 8, 16), (56, 4, 16), (300, 12, 16), (512, 128, 16), (700, 64, 64), (4500, 128, 32)])
 def test_align_picks_blocks_by_expert(num_picks, num_local, block_m, programs, monkeypatch):
     # 4500 picks take five 1024-pick chunks (one partial) in each program of the by-expert
-    # form, and 71 chunks of the three-launch form, more than one 64-chunk tile of its count
+    # form, and 71 chunks of the parallel form, more than one 64-chunk tile of its count
     # table; 512 picks over 128 experts leave unused blocks past the used ones to clear.
     # ids include other ranks' (-1) and out-of-range ones. Both layouts are forced by moving the
     # threshold between them; with 3 programs each program of the parallel form counts and
@@ -430,7 +430,7 @@ def test_decode_picks_skip_the_alignment_and_match_the_aligned_path():
 @pytest.mark.gpu
 @pytest.mark.parametrize(("counts", "extend"), [((40, 41, 47, 48), False), ((300, 301, 307, 320), False),
                                                ((700, 701, 709, 720), False), ((200, 201, 213, 240), True)],
-                         ids=["decode-tiles", "one-launch-alignment", "three-launch-alignment", "extend-persistent"])
+                         ids=["decode-tiles", "one-launch-alignment", "parallel-alignment", "extend-persistent"])
 def test_gpu_one_build_serves_every_token_count_of_a_tile_config(counts, extend):
     # Within one tile config a new step size builds nothing: Triton specializes integer
     # arguments on divisibility by 16 and pointers on 16-byte alignment, and would otherwise
@@ -439,15 +439,15 @@ def test_gpu_one_build_serves_every_token_count_of_a_tile_config(counts, extend)
     from dp_runtime.model import fused_moe_triton, moe_align
     from tests.support.triton_builds import compiled_variants
 
-    kernels = (moe_align._align_by_expert_kernel, moe_align._chunk_counts_kernel, moe_align._chunk_offsets_kernel,
-               moe_align._chunk_scatter_kernel, fused_moe_triton._expert_gemm_kernel,
-               fused_moe_triton._expert_gemm_persistent_kernel, fused_moe_triton._sum_picks_kernel)
+    kernels = (moe_align._align_by_expert_kernel, moe_align._chunk_counts_kernel, moe_align._chunk_scatter_kernel,
+               fused_moe_triton._expert_gemm_kernel, fused_moe_triton._expert_gemm_persistent_kernel,
+               fused_moe_triton._sum_picks_kernel)
     assert len({(tile_config(n, extend), gemm2_tile_config(n, extend)) for n in counts}) == 1
     assert len({n * REAL["top_k"] > moe_align.PARALLEL_PICKS for n in counts}) == 1
     fused_local_expert_sum(*_real_layer(counts[0], 128), extend=extend)
     built = [compiled_variants(k) for k in kernels]
     if extend:  # GEMM1 a program per tile, GEMM2 on the persistent grid
-        assert built[4] >= 1 and built[5] >= 1
+        assert built[3] >= 1 and built[4] >= 1
     for n in counts[1:]:
         fused_local_expert_sum(*_real_layer(n, 128), extend=extend)
     assert [compiled_variants(k) for k in kernels] == built

@@ -73,7 +73,6 @@ def test_every_pdl_kernel_waits_before_it_touches_memory():
         "_softmax_topk_kernel",
         "_align_by_expert_kernel",
         "_chunk_counts_kernel",
-        "_chunk_offsets_kernel",
         "_chunk_scatter_kernel",
         "_expert_gemm_kernel",
         "_expert_gemm_persistent_kernel",

@@ -6,14 +6,15 @@ Shapes: N rows a dispatcher delivered, K picks per row, L local experts, H hidde
 intermediate size. P = N*K picks, flat pick index ``p = n*K + k``; R row slots of the aligned
 layout (``max_blocks * BLOCK_M``).
 
-Four launches per call, sizes fixed by (N, K, L, tile config) on the host, counts only on the
-device: no host sync, CUDA-graph capturable.
+Four launches per call (five beyond ``moe_align.PARALLEL_PICKS`` picks, none for the alignment
+of a decode step's few picks), sizes fixed by (N, K, L, tile config) on the host, counts only on
+the device: no host sync, CUDA-graph capturable.
 
-1. ``_align_kernel`` (a single program): each expert's picks get consecutive row slots, padded
-   to a multiple of BLOCK_M, so a BLOCK_M-row block belongs to one expert. Writes
-   ``sorted_R`` (the pick in each slot; P in a padding slot), ``block_expert`` (the expert of
-   each block, -1 past the used blocks) and ``num_rows`` (slots in use). Picks whose local id
-   is outside [0, L) get no slot: they are never computed and never multiplied.
+1. ``moe_align.align_picks`` (one launch, two for many picks): each expert's picks get
+   consecutive row slots, padded to a multiple of BLOCK_M, so a BLOCK_M-row block belongs to one
+   expert. Writes ``sorted_R`` (the pick in each slot; P in a padding slot), ``block_expert``
+   (the expert of each block, -1 past the used blocks) and ``num_rows`` (slots in use). Picks
+   whose local id is outside [0, L) get no slot: they are never computed and never multiplied.
 2. ``_expert_gemm_kernel`` GATED: ``act[p] = silu(x[n] @ gate_e.T) * (x[n] @ up_e.T)`` -> (P, I).
    Each program multiplies its A tile with the matching gate and up tiles, so the SwiGLU is an
    epilogue and the (P, 2I) pre-activation never reaches memory.

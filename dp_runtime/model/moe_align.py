@@ -1,6 +1,6 @@
 """Expert-aligned blocks of a MoE layer's picks, for the fused expert GEMMs
 (``fused_moe_triton``): each local expert's picks gathered into blocks of ``block_m`` row slots,
-in one Triton launch (three for many picks); or, for a handful of picks (decode), one block per pick with no launch.
+in one Triton launch (two for many picks); or, for a handful of picks (decode), one block per pick with no launch.
 
 Shapes: P picks (tokens x top-k), L local experts, R row slots.
 """
@@ -138,7 +138,7 @@ def _align_by_expert_kernel(
 @triton.jit(do_not_specialize=["num_picks", "per_prog"])
 def _chunk_counts_kernel(ids_ptr, table_ptr, num_picks, num_local, per_prog, BLOCK_E: tl.constexpr,
                          CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Parallel layout, launch 1 of 3: program c counts its picks [c * per_prog, (c + 1) *
+    """Parallel layout, launch 1 of 2: program c counts its picks [c * per_prog, (c + 1) *
     per_prog) per expert into row c of the table."""
     pdl_entry(PDL)
     c = tl.program_id(0)
@@ -150,56 +150,34 @@ def _chunk_counts_kernel(ids_ptr, table_ptr, num_picks, num_local, per_prog, BLO
     tl.store(table_ptr + c * BLOCK_E + experts, counts)
 
 
-@triton.jit(do_not_specialize=["num_progs"])
-def _chunk_offsets_kernel(
-    table_ptr,  # (num_progs, BLOCK_E) in: picks per program and expert; out: each program's first slot per expert
-    experts_ptr,  # (2, BLOCK_E) out: picks per expert, and where each expert's blocks end
-    num_rows_ptr,
-    num_progs,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    ROWS: tl.constexpr,  # table rows per step: a (ROWS, BLOCK_E) tile
-    PDL: tl.constexpr,
-):
-    """Parallel layout, launch 2 of 3 (one program): each expert's picks and blocks, the slots
-    in use, and each program's first slot per expert (an exclusive prefix over the rows)."""
+@triton.jit(do_not_specialize=["num_picks", "num_blocks", "per_prog", "num_progs"])
+def _chunk_scatter_kernel(ids_ptr, table_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, num_picks, num_local,
+                          num_blocks, per_prog, num_progs, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                          CHUNK: tl.constexpr, CHUNK_B: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+    """Parallel layout, launch 2 of 2: program c reads the whole count table (at most
+    MAX_PROGRAMS rows, from L2) for each expert's picks and blocks and, from the rows before its
+    own, its first slot per expert; it places its picks in their slots, in pick order, and
+    writes its share of the blocks (every num_programs-th tile of CHUNK_B blocks). Every program
+    derives the same layout, so no launch in between has to publish it."""
     pdl_entry(PDL)
+    c = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)  # picks of programs < c, per expert
     for r0 in range(0, num_progs, ROWS):
         rs = r0 + tl.arange(0, ROWS)
         tile = tl.load(table_ptr + rs[:, None] * BLOCK_E + experts[None, :], mask=rs[:, None] < num_progs, other=0)
         counts += tl.sum(tile, axis=0)
+        before += tl.sum(tl.where(rs[:, None] < c, tile, 0), axis=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, axis=0)
-    tl.store(num_rows_ptr, tl.sum(blocks, axis=0) * BLOCK_M)
-    tl.store(experts_ptr + experts, counts)
-    tl.store(experts_ptr + BLOCK_E + experts, block_end)
-    next_slot = (block_end - blocks) * BLOCK_M
-    for r0 in range(0, num_progs, ROWS):  # each tile is read before it is overwritten
-        rs = r0 + tl.arange(0, ROWS)
-        ptrs = table_ptr + rs[:, None] * BLOCK_E + experts[None, :]
-        tile = tl.load(ptrs, mask=rs[:, None] < num_progs, other=0)
-        tl.store(ptrs, next_slot[None, :] + tl.cumsum(tile, axis=0) - tile, mask=rs[:, None] < num_progs)
-        next_slot += tl.sum(tile, axis=0)
-
-
-@triton.jit(do_not_specialize=["num_picks", "num_blocks", "per_prog"])
-def _chunk_scatter_kernel(ids_ptr, table_ptr, experts_ptr, sorted_ptr, block_expert_ptr, num_picks, num_local,
-                          num_blocks, per_prog, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                          CHUNK_B: tl.constexpr, PDL: tl.constexpr):
-    """Parallel layout, launch 3 of 3: program c places its picks in their slots, in pick order,
-    and writes its share of the blocks (every num_programs-th tile of CHUNK_B blocks)."""
-    pdl_entry(PDL)
-    c = tl.program_id(0)
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.load(experts_ptr + experts)
-    block_end = tl.load(experts_ptr + BLOCK_E + experts)
-    block_start = block_end - (counts + BLOCK_M - 1) // BLOCK_M
-    used_blocks = tl.max(block_end, axis=0)
+    block_start = block_end - blocks
+    used_blocks = tl.sum(blocks, axis=0)
+    if c == 0:
+        tl.store(num_rows_ptr, used_blocks * BLOCK_M)
     _write_blocks(block_expert_ptr, sorted_ptr, counts, block_start, block_end, used_blocks, num_blocks,
                   num_picks, experts, c * CHUNK_B, tl.num_programs(0) * CHUNK_B, BLOCK_M, CHUNK_B)
-    next_slot = tl.load(table_ptr + c * BLOCK_E + experts)
+    next_slot = block_start * BLOCK_M + before
     for start in range(c * per_prog, tl.minimum((c + 1) * per_prog, num_picks), CHUNK):
         next_slot += _scatter_chunk(ids_ptr, sorted_ptr, start, next_slot, num_picks, num_local, experts, CHUNK)
 
@@ -212,7 +190,7 @@ UNALIGNED_PICKS = 16
 
 # Up to this many picks (bs 512 at top-8) the layout is one launch of one program per expert,
 # each counting every pick; beyond, counting all picks in every program costs more than the
-# three launches of the parallel form, whose programs each count a share (see ``align_picks``).
+# two launches of the parallel form, whose programs each count a share (see ``align_picks``).
 PARALLEL_PICKS = 4096
 MAX_PROGRAMS = 128  # programs of the parallel form's counting and scatter launches
 
@@ -243,10 +221,10 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int,
     ones); the number of slots in use, shape (1,). P must be > 0.
 
     Up to ``PARALLEL_PICKS`` picks one launch does it all, one program per local expert;
-    beyond, up to ``MAX_PROGRAMS`` programs each count a share of the picks, one program turns
-    the counts into blocks and each program's first slots, and the programs again place their
-    picks and each write a share of the blocks (three launches; the serial part reads at most
-    MAX_PROGRAMS rows of counts, whatever P)."""
+    beyond, up to ``MAX_PROGRAMS`` programs each count a share of the picks, and the programs
+    again each read every program's counts (at most MAX_PROGRAMS rows, whatever P), turn them
+    into blocks and their own first slots, place their picks and write a share of the blocks
+    (two launches)."""
     num_picks = ids_P.shape[0]
     blocks = max_blocks(num_picks, num_local, block_m)
     slots = blocks * block_m
@@ -258,10 +236,10 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int,
     chunks = triton.cdiv(num_picks, chunk)
     per_prog = triton.cdiv(chunks, MAX_PROGRAMS) * chunk
     progs = triton.cdiv(num_picks, per_prog)
-    # One int32 workspace for the outputs (and the parallel form's tables): one allocation.
+    # One int32 workspace for the outputs (and the parallel form's count table): one allocation.
     # Every part starts 16 bytes in (4 int32): Triton specializes pointers on 16-byte
     # alignment, and a part whose alignment moved with P would build the kernels again.
-    extra = (progs + 2) * block_e if parallel else 0
+    extra = progs * block_e if parallel else 0
     rows_at = slots + triton.cdiv(blocks, 4) * 4
     align_ws = torch.empty(rows_at + 4 + extra, dtype=torch.int32, device=ids_P.device)
     sorted_R, block_expert = align_ws[:slots], align_ws[slots : slots + blocks]
@@ -274,12 +252,9 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int,
             **pdl_meta(pdl),
         )
         return sorted_R, block_expert, num_rows
-    table, per_expert = tables[: progs * block_e], tables[progs * block_e :]
-    _chunk_counts_kernel[(progs,)](ids_P, table, num_picks, num_local, per_prog, BLOCK_E=block_e, CHUNK=chunk,
+    _chunk_counts_kernel[(progs,)](ids_P, tables, num_picks, num_local, per_prog, BLOCK_E=block_e, CHUNK=chunk,
                                    num_warps=4, **pdl_meta(pdl))
-    _chunk_offsets_kernel[(1,)](table, per_expert, num_rows, progs, BLOCK_M=block_m, BLOCK_E=block_e,
-                                ROWS=max(1, 8192 // block_e), num_warps=4, **pdl_meta(pdl))
-    _chunk_scatter_kernel[(progs,)](ids_P, table, per_expert, sorted_R, block_expert, num_picks, num_local, blocks,
-                                    per_prog, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, CHUNK_B=chunk_b,
-                                    num_warps=4, **pdl_meta(pdl))
+    _chunk_scatter_kernel[(progs,)](ids_P, tables, sorted_R, block_expert, num_rows, num_picks, num_local, blocks,
+                                    per_prog, progs, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
+                                    CHUNK_B=chunk_b, ROWS=max(1, 8192 // block_e), num_warps=4, **pdl_meta(pdl))
     return sorted_R, block_expert, num_rows
