@@ -119,9 +119,9 @@ def ideal_steps(requests: list[Request], running: int, chunk: int, mixed_tokens:
             budget -= picks[-1][1]
         for k, n in picks:
             left[k] -= n
-        gave = (decode if is_mixed or not picks else []) + [k for k, n in picks if n and not left[k]]
-        rows = len(decode) if is_mixed or not picks else 0
-        yield IdealStep(rows, sum(n for _, n in picks), tuple(gave))
+        rows = decode if is_mixed or not picks else []  # the decode rows this step runs
+        gave = rows + [k for k, n in picks if n and not left[k]]
+        yield IdealStep(len(rows), sum(n for _, n in picks), tuple(gave))
         for k in gave:
             out[k] -= 1
             if not out[k]:

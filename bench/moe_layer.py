@@ -145,15 +145,15 @@ def _tile(text: str):
     return MoeTileConfig(*values)
 
 
-def _configs(args, layers: list[Layer], baseline_us: float, split: bool) -> str:
-    """Each ``--configs`` pair on these layers, one line: us per layer, the ratio to the rule
-    (and the kernel split with ``split``)."""
+def _timed_pairs(args, layers: list[Layer], pairs, baseline_us: float, split: bool) -> str:
+    """Each ``(label, GEMM1 config, GEMM2 config)`` of ``pairs`` on these layers, one line: us
+    per layer, the ratio to the rule as it stands (and the kernel split with ``split``)."""
     outs = [torch.empty_like(layer.x) for layer in layers]
     parts = []
-    for cfg, cfg2 in args.configs:
+    for label, cfg, cfg2 in pairs:
         run = _fused_with(layers, outs, cfg, cfg2)
         us = graph_us(run, len(layers), args.repeats, args.inner)
-        parts.append(f"{cfg} / {cfg2}: {us:.1f} us ({us / baseline_us:.3f})"
+        parts.append(f"{label} {us:.1f} us ({us / baseline_us:.3f})"
                      + (f" [{_kernel_split(run, len(layers))}]" if split else ""))
     return "; ".join(parts)
 
@@ -326,21 +326,14 @@ def _fused_with(layers: list[Layer], outs: list[torch.Tensor], cfg, cfg2) -> Cal
 
 
 def _persistent(args, layers: list[Layer], baseline_us: float, split: bool) -> str:
-    """The rule's tiles with each ``--persistent`` pair of programs per SM, one line: us per
-    layer, the ratio to the rule as it stands (and the kernel split with ``split``)."""
+    """The rule's tiles with each ``--persistent`` pair of programs per SM (``_timed_pairs``)."""
     from dp_runtime.model.fused_moe_triton import gemm2_tile_config, tile_config
 
     n = layers[0].x.shape[0]
     rule, rule2 = tile_config(n, args.extend), gemm2_tile_config(n, args.extend)
-    outs = [torch.empty_like(layer.x) for layer in layers]
-    parts = []
-    for g1, g2 in args.persistent:
-        run = _fused_with(layers, outs, dataclasses.replace(rule, programs_per_sm=g1),
-                          dataclasses.replace(rule2, programs_per_sm=g2))
-        us = graph_us(run, len(layers), args.repeats, args.inner)
-        parts.append(f"{g1},{g2}/SM {us:.1f} us ({us / baseline_us:.3f})"
-                     + (f" [{_kernel_split(run, len(layers))}]" if split else ""))
-    return "; ".join(parts)
+    pairs = [(f"{g1},{g2}/SM", dataclasses.replace(rule, programs_per_sm=g1),
+              dataclasses.replace(rule2, programs_per_sm=g2)) for g1, g2 in args.persistent]
+    return _timed_pairs(args, layers, pairs, baseline_us, split)
 
 
 def _tune(args, layers: list[Layer], baseline_us: float) -> str:
@@ -472,7 +465,8 @@ def main() -> None:
                                   f"the rule stands): " + _persistent(args, layers, us["triton"], args.split))
             if args.configs and "triton" in us:
                 tune_lines.append(f"ep {ep} tokens {n} configs ({us['triton']:.1f} us as the rule stands): "
-                                  + _configs(args, layers, us["triton"], args.split))
+                                  + _timed_pairs(args, layers, [(f"{c} / {c2}:", c, c2) for c, c2 in args.configs],
+                                                 us["triton"], args.split))
             if args.tune and "triton" in us:
                 tune_lines.append(f"ep {ep} tokens {n}: " + _tune(args, layers, us["triton"]))
             del layers, outs, paths

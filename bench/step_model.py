@@ -34,7 +34,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.load_summary import ideal_steps
+from bench.load_summary import STEP_KINDS, ideal_steps
 from bench.load_workload import Lengths, make_requests
 from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.serving.request import Request
@@ -47,7 +47,7 @@ def model_run(requests: list[Request], running: int, chunk: int, mixed_tokens: i
     """The modelled run (module docstring): steps by kind, duration, out tok/s, TPOT p50 and
     ITL p99 (ms)."""
     now_ms, token_ms = 0.0, {r.rid: [] for r in requests}
-    kinds = {"decode": 0, "extend": 0, "mixed": 0}
+    kinds = dict.fromkeys(STEP_KINDS, 0)
     for step in ideal_steps(requests, running, chunk, mixed_tokens, policy):
         if step.decode_rows:
             now_ms += decode_ms
@@ -72,9 +72,13 @@ def _floats(text: str, name: str) -> list[float]:
         values = [float(x) for x in text.split(",") if x]
     except ValueError:
         raise UsageError(f"--{name} takes numbers, comma-separated, got {text!r}") from None
-    if not values or any(not math.isfinite(v) or v < 0 for v in values):
+    if not values or not all(_non_negative(v) for v in values):
         raise UsageError(f"--{name} takes numbers >= 0, comma-separated, got {text!r}")
     return values
+
+
+def _non_negative(value: float) -> bool:
+    return math.isfinite(value) and value >= 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,7 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.mixed_step_tokens = [int(b) for b in budgets]
     args.prompt_token_us = _floats(args.prompt_token_us, "prompt-token-us")
     for name in ("decode_ms", "mixed_fixed_ms", "probe_ms"):
-        _floats(str(getattr(args, name)), name.replace("_", "-"))
+        value = getattr(args, name)
+        if not _non_negative(value):
+            raise UsageError(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
     if args.probe_ms == 0:
         raise UsageError("--probe-ms must be > 0, got 0")
     return args
