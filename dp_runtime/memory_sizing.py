@@ -22,7 +22,6 @@ per element of the model dtype.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 
 import torch

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "Fp8BlockWeight", "dequantize_blocks", "quantize_blocks",
-           "scale_shape"]
+__all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "Fp8BlockWeight", "dequantize_blocks", "fake_quant_activations",
+           "quantize_blocks", "scale_shape"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -59,7 +59,7 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[to
 def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = BLOCK,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``values * scales`` broadcast over each block, in ``dtype`` (multiplied in float32)."""
-    *lead, n, k = values.shape
+    n, k = values.shape[-2:]
     if tuple(scales.shape) != scale_shape(tuple(values.shape), block):
         raise ValueError(f"dequantize_blocks: scales of shape {tuple(scales.shape)} do not fit values "
                          f"{tuple(values.shape)} in {block[0]}x{block[1]} blocks "
@@ -67,6 +67,19 @@ def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, block: tuple[i
     s = scales.float().repeat_interleave(block[0], dim=-2)[..., :n, :]
     s = s.repeat_interleave(block[1], dim=-1)[..., :k]
     return (values.float() * s).to(dtype)
+
+
+def fake_quant_activations(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """``x`` (M, K) rounded as the W8A8 kernels round it, in float32: per row and group of
+    ``group`` columns, scaled by ``max|x| / 448``, cast to e4m3 and scaled back (the reference
+    that the kernels' in-register quantization is tested against)."""
+    xf = x.float()
+    m, k = xf.shape
+    pad = -k % group
+    blocks = torch.nn.functional.pad(xf, (0, pad)).view(m, -1, group)
+    scale = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    q = (blocks / scale).to(FP8_DTYPE).float() * scale
+    return q.view(m, -1)[:, :k]
 
 
 @dataclass(frozen=True)
