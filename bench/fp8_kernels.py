@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dp_runtime.model.elementwise_ops import decode_linear
 from dp_runtime.model.fp8_blocks import Fp8BlockWeight
-from dp_runtime.model.fp8_gemm_triton import w8a8_block_linear
+from dp_runtime.model.fp8_gemm_triton import fp8_linear_tiles, w8a8_block_linear
 from dp_runtime.model.fused_moe_triton import fused_local_expert_sum
 from dp_runtime.model.stream_linear import StreamLinear
 
@@ -77,6 +77,9 @@ def main() -> None:
             cases[f"{name} bf16"] = partial(decode_linear, xi, w, None, stream)
             cases[f"{name} fp8 w8a16"] = partial(w8a8_block_linear, xi, qw, w8a8=False)
             cases[f"{name} fp8 w8a8"] = partial(w8a8_block_linear, xi, qw, w8a8=True)
+            if m <= 16:  # narrower column tiles: twice the programs streaming the weight
+                narrow = dict(fp8_linear_tiles(m), BLOCK_N=16)
+                cases[f"{name} fp8 bn16"] = partial(w8a8_block_linear, xi, qw, w8a8=False, tiles=narrow)
             floors[name] = w.numel()
         times = {name: timed_us(fn, args.iters) for name, fn in cases.items()}
         for name, us in times.items():

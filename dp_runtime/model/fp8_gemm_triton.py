@@ -56,10 +56,11 @@ def fp8_linear_tiles(m: int) -> dict[str, int]:
 
 
 def w8a8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tensor | None = None,
-                      w8a8: bool | None = None) -> torch.Tensor:
+                      w8a8: bool | None = None, tiles: dict[str, int] | None = None) -> torch.Tensor:
     """``x @ W.T`` in x's dtype (module docstring); ``w8a8`` picks the form (None:
     ``fp8_tile.use_w8a8`` by rows). ``x`` unit-stride along K; ValueError naming the shapes for
-    a K that differs from the weight's or a weight not K-contiguous."""
+    a K that differs from the weight's or a weight not K-contiguous. ``tiles`` overrides
+    ``fp8_linear_tiles`` (a benchmark's sweep)."""
     m, k = x_MK.shape
     n = w.values.shape[0]
     if w.values.dim() != 2 or w.values.shape[1] != k:
@@ -72,7 +73,7 @@ def w8a8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tenso
     y = out_MN if out_MN is not None else x_MK.new_empty((m, n))
     if m == 0 or n == 0:
         return y
-    meta = fp8_linear_tiles(m)
+    meta = tiles or fp8_linear_tiles(m)
     grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
     _w8a8_linear_kernel[grid](x_MK, x_MK.stride(0), w.values, w.values.stride(0), w.scales, w.scales.stride(0),
                               y, y.stride(0), m, n, k, EVEN_K=k % meta["BLOCK_K"] == 0,

@@ -23,14 +23,19 @@ import triton.language as tl
 
 __all__ = ["W8A8_MIN_ROWS", "use_w8a8", "w8a8_dot"]
 
-# Rows of a GEMM call from which the W8A8 form runs (``use_w8a8``); fewer take W8A16.
-W8A8_MIN_ROWS = 2048
+# Rows of a GEMM call from which the W8A8 form runs by default (``use_w8a8``); fewer take
+# W8A16. None: never. On an H200 (bench/fp8_kernels.py, docs/BENCHMARKS.md session 24) W8A16
+# was as fast or faster at every size measured, 1 to 4096 rows (the W8A8 form's per-step
+# rescale keeps its MMAs from chaining; its activation rounding is repeated per column tile).
+W8A8_MIN_ROWS: int | None = None
 
 
 def use_w8a8(rows: int, w8a8: bool | None = None) -> bool:
     """The form a call of ``rows`` rows runs: ``w8a8`` when given, else W8A8 from
-    ``W8A8_MIN_ROWS`` rows (docs/BENCHMARKS.md, session 24)."""
-    return rows >= W8A8_MIN_ROWS if w8a8 is None else w8a8
+    ``W8A8_MIN_ROWS`` rows."""
+    if w8a8 is not None:
+        return w8a8
+    return W8A8_MIN_ROWS is not None and rows >= W8A8_MIN_ROWS
 
 
 @triton.jit
