@@ -30,6 +30,10 @@ the device: no host sync, CUDA-graph capturable.
 GEMM outputs are indexed by pick, not by slot: act and y have exactly P rows and the sum reads
 a token's K terms as one contiguous (K, H) slab.
 
+FP8 experts (``fp8_blocks.Fp8BlockWeight`` stacks for both GEMMs) run the same tiles with
+``fp8_tile.w8a8_dot`` as the contraction: the FP8 weight tiles are scaled in registers (W8A16,
+the default) or multiplied with activations rounded per row and step (W8A8).
+
 The tile configs (``MoeTileConfig`` and the rule by token count) live in ``moe_tiles`` and are
 re-exported here.
 """
@@ -45,6 +49,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from dp_runtime.model.fp8_blocks import Fp8BlockWeight
 from dp_runtime.model.fp8_tile import use_w8a8, w8a8_dot
+from dp_runtime.model.fused_moe_checks import check_expert_args
 from dp_runtime.model.moe_align import UNALIGNED_PICKS, align_picks, max_blocks, unaligned_blocks
 from dp_runtime.model.moe_tiles import MoeTileConfig, gemm2_tile_config, tile_config
 from dp_runtime.model.pdl import pdl_entry, pdl_meta, resolve_pdl
@@ -279,28 +284,6 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND) -> None:
-    if x_ND.dim() != 2:
-        raise ValueError(f"x_ND: expected (N, H), got shape {tuple(x_ND.shape)}")
-    n, h = x_ND.shape
-    if local_ids_NK.dim() != 2 or local_ids_NK.shape[0] != n:
-        raise ValueError(f"local_ids_NK: expected ({n}, K), got shape {tuple(local_ids_NK.shape)}")
-    if tuple(weights_NK.shape) != tuple(local_ids_NK.shape):
-        raise ValueError(f"weights_NK: expected shape {tuple(local_ids_NK.shape)}, got {tuple(weights_NK.shape)}")
-    if isinstance(w13_L2IH, Fp8BlockWeight) != isinstance(w2_LHI, Fp8BlockWeight):
-        raise ValueError("w13_L2IH and w2_LHI: both FP8 block weights or neither")
-    if isinstance(w13_L2IH, Fp8BlockWeight) and (w13_L2IH.shape[1] // 2) % 128:
-        raise ValueError(f"w13_L2IH: FP8 gate/up halves must end on 128-row blocks, got I={w13_L2IH.shape[1] // 2}")
-    if len(w13_L2IH.shape) != 3 or w13_L2IH.shape[2] != h or w13_L2IH.shape[1] % 2:
-        raise ValueError(f"w13_L2IH: expected (L, 2I, {h}), got shape {tuple(w13_L2IH.shape)}")
-    num_local, inter = w13_L2IH.shape[0], w13_L2IH.shape[1] // 2
-    if tuple(w2_LHI.shape) != (num_local, h, inter):
-        raise ValueError(f"w2_LHI: expected {(num_local, h, inter)}, got shape {tuple(w2_LHI.shape)}")
-    if out_ND is not None and (tuple(out_ND.shape) != (n, h) or out_ND.stride(1) != 1):
-        raise ValueError(f"out_ND: expected ({n}, {h}) with unit column stride, got shape "
-                         f"{tuple(out_ND.shape)} strides {out_ND.stride()}")
-
-
 def fused_local_expert_sum(
     x_ND: torch.Tensor,
     local_ids_NK: torch.Tensor,
@@ -337,14 +320,8 @@ def fused_local_expert_sum(
     the device supports it). FP8 weights (Fp8BlockWeight stacks, ``fp8_tile``): ``w8a8`` picks
     W8A8 or W8A16 (None: ``fp8_tile.use_w8a8`` by rows).
     """
-    _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND)
+    check_expert_args(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND, add_norm)
     residual, norm_w, eps = add_norm if add_norm is not None else (None, None, 0.0)
-    if add_norm is not None:
-        if residual.shape != x_ND.shape or residual.stride(1) != 1 or residual.dtype != x_ND.dtype:
-            raise ValueError(f"add_norm residual: expected {tuple(x_ND.shape)} {x_ND.dtype} with unit column stride, "
-                             f"got {tuple(residual.shape)} {residual.dtype} strides {residual.stride()}")
-        if norm_w.shape != (x_ND.shape[1],):
-            raise ValueError(f"add_norm weight: expected ({x_ND.shape[1]},), got {tuple(norm_w.shape)}")
     n, hidden = x_ND.shape
     top_k = local_ids_NK.shape[1]
     num_local, inter = w13_L2IH.shape[0], w13_L2IH.shape[1] // 2
