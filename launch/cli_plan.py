@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from dp_runtime.model.quant_config import QUANTIZATION_CHOICES
 from launch.cli_errors import EXIT_USAGE, UsageError, check_choice
 from launch.gpu_specs import GIB, GPUS, gpu_spec
 from launch.run_config import KV_CACHE_DTYPES
@@ -55,6 +56,9 @@ def plan(
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=(
         "KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes per token, "
         "twice the slots; K/V rounded to e4m3).")),
+    quantization: str = typer.Option("none", "--quantization", help=(
+        "Weights: none (as the checkpoint stores them) | fp8 (float weights quantized at load to FP8 in "
+        "128x128 blocks: a byte per value plus a float32 scale per block).")),
     dp: int = typer.Option(1, "--dp", help="DP size (ranks = GPUs)."),
     ep: int | None = typer.Option(None, "--ep", help="EP size; must divide the world size (default: the world size)."),
     gpu: str | None = typer.Option(None, "--gpu", help=f"GPU name: {', '.join(GPUS)}."),
@@ -76,6 +80,7 @@ def plan(
     """Plan one rank's memory: every component, the KV cache that fits, and the verdict."""
     try:
         check_choice("--kv-cache-dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice("--quantization", quantization, QUANTIZATION_CHOICES)
     except UsageError as exc:
         raise _fail(str(exc)) from None
     if measure:
@@ -91,7 +96,7 @@ def plan(
     try:
         inp = _plan_input(model, dtype, kv_cache_dtype, dp, ep, gpu, gpu_mem_gib, nvlink, max_running_requests,
                           chunked_prefill_size, parse_graph_sizes(cuda_graph_bs), context_len, dispatcher,
-                          no_graphs, kv_tokens_per_request, kv_mem_fraction, measure)
+                          no_graphs, kv_tokens_per_request, kv_mem_fraction, measure, quantization)
         result = plan_capacity(inp)
     except (ValueError, FileNotFoundError) as exc:
         raise _fail(str(exc)) from None
@@ -112,7 +117,8 @@ def plan(
 
 
 def _plan_input(model, dtype, kv_cache_dtype, dp, ep, gpu, gpu_mem_gib, nvlink, mrr, chunk, graph_bs, context_len,
-                dispatcher, no_graphs, kv_tokens_per_request, kv_mem_fraction, measure) -> PlanInput:
+                dispatcher, no_graphs, kv_tokens_per_request, kv_mem_fraction, measure,
+                quantization="none") -> PlanInput:
     from launch.planner import PlanInput
 
     name, mem, link = None, None, True
@@ -136,7 +142,7 @@ def _plan_input(model, dtype, kv_cache_dtype, dp, ep, gpu, gpu_mem_gib, nvlink, 
         nvlink=link if nvlink is None else nvlink, max_running_requests=mrr, chunked_prefill_size=chunk,
         cuda_graph_bs=graph_bs, context_len=context_len, dispatcher=dispatcher,
         use_cuda_graph=False if no_graphs else None, kv_tokens_per_request=kv_tokens_per_request,
-        kv_mem_fraction=kv_mem_fraction,
+        kv_mem_fraction=kv_mem_fraction, quantization=quantization,
     )
 
 
@@ -215,6 +221,8 @@ def _print_plan(p: CapacityPlan) -> None:
 
     console, rt = _console(), p.runtime
     dtype = str(rt.dtype).removeprefix("torch.")
+    if p.model.quantization is not None:
+        dtype += ", FP8 weights (128x128 blocks)"
     if rt.kv_cache_dtype != rt.dtype:
         dtype += f", KV {str(rt.kv_cache_dtype).removeprefix('torch.')}"
     console.print(

@@ -158,6 +158,9 @@ def run(
         "twice the slots; K/V rounded to e4m3).")),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help=(
         "Reuse the KV of prompt prefixes cached from earlier requests on the same rank.")),
+    quantization: str = typer.Option("none", "--quantization", help=(
+        "Weights: none (as the checkpoint stores them; an FP8 checkpoint is served FP8) | fp8 "
+        "(float weights quantized at load to FP8 in 128x128 blocks).")),
     context_len: int = typer.Option(None, "--context-len", show_default="min(model limit, 4096)",
                                     help="Longest prompt + output; a request over it is refused alone."),
     hang_timeout: float = typer.Option(None, "--hang-timeout", show_default="120",
@@ -183,7 +186,7 @@ def run(
                              max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
                              schedule_policy=schedule_policy, mixed_step_tokens=mixed_step_tokens,
                              kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
-                             context_len=context_len, hang_timeout=hang_timeout, num_cpus=num_cpus, seed=seed,
+                             quantization=quantization, context_len=context_len, hang_timeout=hang_timeout, num_cpus=num_cpus, seed=seed,
                              as_json=as_json, with_results=with_results, log_level=log_level), debug)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
@@ -201,7 +204,7 @@ def check_run_options(o: dict[str, Any]) -> CheckedOptions:
     gang_keys = ("model", "launcher", "device", "dtype", "dp", "dispatcher", "ray_address", "max_running_requests",
                  "chunked_prefill_size", "schedule_policy", "mixed_step_tokens", "kv_cache_dtype", "context_len", "num_cpus",
                  "max_restarts", "hang_timeout", "log_level")
-    run_keys = ("requests", "prompt_len", "max_new_tokens", "workload", "seed", "prefix_caching")
+    run_keys = ("requests", "prompt_len", "max_new_tokens", "workload", "seed", "prefix_caching", "quantization")
     opts = check_gang_options(**{k: o[k] for k in gang_keys}, **{k: o[k] for k in run_keys})
     check_synthetic_fits(opts.cfg, opts.spec)
     return opts

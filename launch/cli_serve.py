@@ -105,6 +105,12 @@ def serve(
         "--prefix-caching/--no-prefix-caching",
         help="Reuse the KV of prompt prefixes cached from earlier requests on the same rank.",
     ),
+    quantization: str = typer.Option(
+        "none",
+        "--quantization",
+        help="Weights: none (as the checkpoint stores them; an FP8 checkpoint is served FP8) | "
+        "fp8 (float weights quantized at load to FP8 in 128x128 blocks).",
+    ),
     max_queued: int = typer.Option(
         1024, "--max-queued", help="Requests waiting beyond the running ones; more get 429."
     ),
@@ -150,6 +156,7 @@ def serve(
         mixed_step_tokens=mixed_step_tokens,
         kv_cache_dtype=kv_cache_dtype,
         prefix_caching=prefix_caching,
+        quantization=quantization,
         max_queued=max_queued,
         context_len=context_len,
         drain_timeout=drain_timeout,
@@ -209,6 +216,7 @@ def _prepare(o: dict[str, Any]) -> dict[str, Any]:
         mixed_step_tokens=o["mixed_step_tokens"],
         kv_cache_dtype=o["kv_cache_dtype"],
         prefix_caching=o["prefix_caching"],
+        quantization=o["quantization"],
         context_len=o["context_len"],
         max_restarts=o["max_restarts"],
         log_level=o["log_level"],

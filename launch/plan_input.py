@@ -32,6 +32,8 @@ class PlanInput:
       ``use_cuda_graph`` (None: on, as the rank worker on CUDA; False: eager only).
     - ``kv_tokens_per_request``: KV tokens to guarantee each running request (None:
       ``context_len``); the fit rule in the module docstring.
+    - ``quantization``: ``none`` (weights as stored) or ``fp8`` (quantized at load; RankSpec
+      applies it, so the weights are sized as the rank stores them).
     - ``kv_mem_fraction``: the rank's (``RankSpec.kv_mem_fraction``): the share of the memory
       left after everything else that its KV cache takes; the rest is its headroom.
     """
@@ -52,6 +54,7 @@ class PlanInput:
     use_cuda_graph: bool | None = None
     kv_tokens_per_request: int | None = None
     kv_mem_fraction: float = RankSpec.kv_mem_fraction
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.gpu_mem_bytes <= 0:
@@ -76,7 +79,7 @@ class PlanInput:
             dp_size=self.dp_size, ep_size="auto" if self.ep_size is None else self.ep_size,
             max_running_requests=self.max_running_requests if max_running_requests is None else max_running_requests,
             chunked_prefill_size=self.chunked_prefill_size, dtype=self.dtype,
-            kv_cache_dtype=self.kv_cache_dtype, device=device,
+            kv_cache_dtype=self.kv_cache_dtype, device=device, quantization=self.quantization,
             **graph_kwargs,
         )
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dp_runtime.model.model_config import PRESETS, ModelConfig
+from dp_runtime.model.quant_config import QUANTIZATION_CHOICES
 from launch.cli_errors import UsageError, check_choice
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class RunConfig:
     mixed_step_tokens: int | str = "auto"  # a mixed step's token budget; auto: the largest extend graph
     kv_cache_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | fp8_e4m3 (alias fp8)
     prefix_caching: bool = True  # reuse the K/V of cached prompt prefixes (per rank)
+    quantization: str = "none"  # none (weights as stored) | fp8 (quantized at load: model.quant_config)
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -74,6 +76,7 @@ class RunConfig:
         check_choice("--dtype", self.dtype, DTYPES)
         check_choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
         check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice("--quantization", self.quantization, QUANTIZATION_CHOICES)
         if not isinstance(self.prefix_caching, bool):
             raise UsageError(f"--prefix-caching is a flag (true or false), got {self.prefix_caching!r}")
         mixed = self.mixed_step_tokens
@@ -107,6 +110,7 @@ class RunConfig:
             dp_sync_timeout_s=self.dp_sync_timeout_s, seed=self.seed, max_context_len=self.context_len,
             schedule_policy=self.schedule_policy, mixed_step_tokens=self.mixed_step_tokens,
             kv_cache_dtype=self.kv_cache_dtype, prefix_caching=self.prefix_caching,
+            quantization=self.quantization,
         )
 
     def model_config(self) -> ModelConfig:

@@ -133,6 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                    help="KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the "
                    "bytes per token, twice the slots; K/V rounded to e4m3)")
+    p.add_argument("--quantization", default=d.quantization,
+                   help="weights: none (as stored; an FP8 checkpoint is served FP8) | fp8 (quantized at load)")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes cached from earlier requests on the same rank")
     p.add_argument("--context-len", type=int, default=None, help="longest prompt + output (default: "
@@ -208,7 +210,7 @@ def _main(argv: list[str], rank: int) -> int:
                         chunked_prefill_size=args.chunked_prefill_size, seed=args.seed,
                         context_len=args.context_len, schedule_policy=args.schedule_policy,
                         kv_cache_dtype=args.kv_cache_dtype, prefix_caching=args.prefix_caching,
-                        mixed_step_tokens=parse_mixed_step_tokens(args.mixed_step_tokens,
+                        quantization=args.quantization, mixed_step_tokens=parse_mixed_step_tokens(args.mixed_step_tokens,
                                                                   args.chunked_prefill_size))
         device = process_group.resolve_device(args.device)
         spec = cfg.spec(device)
