@@ -41,6 +41,10 @@ def test_two_ranks_serve_concurrent_requests_and_survive_a_killed_rank(setup):
         assert [list(r.output_ids) for r in results] == reference
         assert {r.rank for r in results} == {0, 1}  # least-outstanding routing used both ranks
         assert [s["routed_requests"] for s in eng.stats().ranks] == [4, 4]
+        # A second start is refused before it touches Ray: no second gang, the first serves on.
+        with pytest.raises(RuntimeError, match="started already"):
+            eng.start()
+        assert eng.health().ok and len(eng.rank_handles()) == 2
 
         time.sleep(0.5)  # every rank asleep; one request wakes them all
         late = eng.generate([Request("late", prompts[2], SamplingParams(max_new_tokens=NEW))], timeout_s=60)
@@ -70,7 +74,7 @@ def test_two_ranks_serve_concurrent_requests_and_survive_a_killed_rank(setup):
         eng.submit(Request("doomed", prompts[0], SamplingParams(max_new_tokens=50)), outs.append)
         while not outs:
             time.sleep(0.005)
-        ray.kill(eng._ranks._gang.actors[1], no_restart=True)  # a real actor death
+        ray.kill(eng.rank_handles()[1], no_restart=True)  # a real actor death
         deadline = time.monotonic() + 60
         while not (outs[-1].finished) and time.monotonic() < deadline:
             time.sleep(0.01)
