@@ -53,11 +53,12 @@ if TYPE_CHECKING:
 __all__ = ["check_launch", "check_run_options", "execute", "run"]
 
 def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_address: str | None = None,
-            max_restarts: int = 2, hang_timeout_s: float = 120.0, num_cpus: int | None = None,
+            max_restarts: int | None = None, hang_timeout_s: float | None = None, num_cpus: int | None = None,
             on_poll=None, on_phase: Callable[[str], None] | None = None, show_progress: bool = False,
             log_to_driver: bool = True, log_level: str | None = None, requests: list | None = None,
             started_at: float | None = None) -> RunReport:
-    """Run ``cfg`` with ``launcher`` and return the RunReport (what the CLI prints).
+    """Run ``cfg`` through one Engine (``engine_run.run_requests``) and return the RunReport
+    (what the CLI prints).
 
     The Ray path connects (or starts a private local cluster with ``num_cpus``, default
     ``max(dp, cpu count)``), resolves ``device`` against the cluster, and stops Ray again when it
@@ -65,10 +66,14 @@ def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_
     starts. The report's ``wall_s`` runs from ``started_at`` (a ``time.perf_counter()``; default:
     now) to the end, Ray's start and stop included; ``ray_start_s`` is starting or joining Ray.
     ``log_level``: the level of this project's logs in the Ray rank processes (None: Ray's).
+    ``max_restarts`` and ``hang_timeout_s`` default to the engine's (EngineOptions).
     Raises ValueError/WorkloadError for bad options, GangFailedError when restarts are exhausted,
     KeyboardInterrupt after cleaning up on Ctrl-C.
     """
     import os
+
+    from launch.engine_run import run_requests
+    from launch.engine_types import EngineOptions
 
     t0 = time.perf_counter() if started_at is None else started_at
     check_choice("--launcher", launcher, LAUNCHERS)
@@ -76,16 +81,20 @@ def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_
     if requests is None:
         requests = cfg.load_requests()  # before any cluster starts: a bad file fails fast
     phase = on_phase or (lambda text: None)
+    bounds = {k: v for k, v in dict(max_restarts=max_restarts, hang_timeout_s=hang_timeout_s).items()
+              if v is not None}
+    # The workload's own sampling fields rule: the checkpoint's generation defaults are a door's.
+    options = EngineOptions(launcher=launcher, ray_address=ray_address, show_progress=show_progress,
+                            sampling_defaults="none", log_to_driver=log_to_driver, log_level=log_level,
+                            **bounds)
     if launcher == "local":
-        from launch.local_launcher import launch_local
         from launch.process_group import resolve_device
 
         spec = cfg.spec(resolve_device(device))
-        report = launch_local(spec, requests, on_poll=on_poll, show_progress=show_progress, on_phase=on_phase)
-        return replace(report, wall_s=time.perf_counter() - t0, nodes=report.nodes or (_this_node(),))
+        report = run_requests(spec, requests, options, on_poll=on_poll, on_phase=on_phase)
+        return replace(report, wall_s=time.perf_counter() - t0)
 
     from launch.ray_cluster import cluster_device, connect_ray, joins_existing_cluster, stop_ray
-    from launch.ray_launcher import LaunchOptions, launch_ray
 
     cpus = num_cpus or max(cfg.dp, os.cpu_count() or 1)
     t_ray = time.perf_counter()
@@ -93,12 +102,12 @@ def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_
         phase(f"connecting to Ray ({ray_address or os.environ.get('RAY_ADDRESS')})")
     else:
         phase(f"starting Ray (a private local cluster, {cpus} CPUs)")
+    # Connected here, not by the engine: the ranks' device is the cluster's, known once joined.
     started = connect_ray(ray_address, num_cpus=cpus, log_to_driver=log_to_driver, log_level=log_level)
     ray_start_s = time.perf_counter() - t_ray
     try:
         spec = cfg.spec(cluster_device(device))
-        options = LaunchOptions(max_restarts=max_restarts, hang_timeout_s=hang_timeout_s, show_progress=show_progress)
-        report = launch_ray(spec, requests, options, on_poll=on_poll, on_phase=on_phase)
+        report = run_requests(spec, requests, options, on_poll=on_poll, on_phase=on_phase)
     finally:
         if started:
             phase("stopping Ray")
@@ -269,14 +278,6 @@ def _run(t0: float, o: dict[str, Any], debug: bool) -> int:
               file=sys.stderr, flush=True)
         return EXIT_REQUESTS_FAILED
     return 0
-
-
-def _this_node() -> str:
-    """This machine's hostname: where a local run's rank ran (no DNS lookup for its IP: a
-    machine whose hostname does not resolve would wait seconds for it)."""
-    import socket
-
-    return socket.gethostname()
 
 
 def _user_error(exc: BaseException, as_json: bool, debug: bool) -> int:

@@ -40,7 +40,7 @@ from launch.engine_types import LAUNCHERS, EngineHealth, EngineOptions, EngineSt
 from launch.gang_faults import HangWatch, gang_failed, name_failures, poll_failure
 from launch.prefix_routing import prefix_router
 from launch.rank_session import CLOSED, DONE, ERROR, RankStatus
-from launch.run_report import RankFailure
+from launch.run_report import GangFailedError, RankFailure
 
 __all__ = ["LAUNCHERS", "Engine", "EngineHealth", "EngineOptions", "EngineStats", "EngineUnavailable",
            "QueueFull", "RequestOutput", "RequestRejected"]
@@ -79,6 +79,7 @@ class Engine:
         self._restarts = 0
         self._failures: list[RankFailure] = []
         self._setup_s = 0.0
+        self._nodes: tuple[str, ...] = ()  # where the ranks of the latest gang run
         self._ranks: Any = None
         self._pollers: list[threading.Thread] = []
         self._hangs = HangWatch(self.world_size, self.options.hang_timeout_s)
@@ -120,7 +121,7 @@ class Engine:
             self._stop_ray()
             raise
         with self._lock:
-            self._ranks, self._state = ranks, "ready"
+            self._ranks, self._state, self._nodes = ranks, "ready", tuple(ranks.nodes)
         self._start_pollers(ranks)
         return self
 
@@ -281,7 +282,7 @@ class Engine:
                 return
             hung = self._hangs.hung(rank, st.steps, self._work_due())
             if hung is not None and self._ranks is ranks:
-                self._rank_failed(ranks, rank, "hung", hung)
+                self._rank_failed(ranks, rank, "hung", hung, also_hung=self._hangs.stopped_with(rank))
                 return
 
     def _work_due(self) -> bool:
@@ -310,7 +311,8 @@ class Engine:
         for live, out in outs:
             call_quietly(live.on_output, out)
 
-    def _rank_failed(self, ranks: Any, rank: int, kind: str, reason: str, detail: str = "") -> None:
+    def _rank_failed(self, ranks: Any, rank: int, kind: str, reason: str, detail: str = "",
+                     also_hung: Sequence[tuple[int, str]] = ()) -> None:
         """A rank of the live gang failed: refuse new requests, end those in flight (retryable),
         name every failed rank (a probe finds the dead ones), kill the gang, and restart it
         while ``max_restarts`` allows."""
@@ -324,7 +326,7 @@ class Engine:
         logger.error("engine: rank %d %s: %s", rank, kind, reason)
         self._fail_in_flight(f"rank {rank} failed: {reason}")
         failure = RankFailure(self._restarts, rank, kind, reason, detail=detail)
-        failures = name_failures(ranks, failure, self.options.probe_timeout_s)
+        failures = name_failures(ranks, failure, self.options.probe_timeout_s, also_hung)
         for f in failures:
             logger.warning("engine: rank failure: %s", f.describe())
         if hasattr(ranks, "kill"):
@@ -345,6 +347,9 @@ class Engine:
                        self.options.max_restarts)
         try:
             ranks = self._launch_gang()
+        except GangFailedError as e:
+            self._set_state("failed", str(e))
+            return
         except Exception as e:
             self._set_state("failed", f"the restart failed: {type(e).__name__}: {e}")
             return
@@ -353,6 +358,7 @@ class Engine:
                 ranks.kill() if hasattr(ranks, "kill") else None
                 return
             self._ranks, self._views = ranks, [RankView() for _ in range(self.world_size)]
+            self._nodes = tuple(ranks.nodes)
             self._router = prefix_router(self.world_size, self.spec.runtime.prefix_caching)
             self._state, self._detail = "ready", ""
         self._start_pollers(ranks)
@@ -384,9 +390,8 @@ class Engine:
             ranks = tuple({**v.metrics, "rank": r, "outstanding_tokens": load[r], "in_flight": count[r],
                            "routed_requests": v.routed} for r, v in enumerate(self._views))
             running = sum(int(v.metrics.get("running", 0)) for v in self._views)
-            nodes = tuple(getattr(self._ranks, "nodes", ()))
             return EngineStats(ranks, self._restarts, max(0, len(self._live) - running),
-                               tuple(self._failures), nodes, self._setup_s)
+                               tuple(self._failures), self._nodes, self._setup_s)
 
     def rank_handles(self) -> tuple[Any, ...]:
         """The live gang's rank actors by rank (Ray; () for the in-process rank or no gang): for

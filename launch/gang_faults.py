@@ -88,10 +88,20 @@ class HangWatch:
             return f"no step completed for {self.hang_timeout_s:g} s (at step {steps})"
         return None
 
+    def stopped_with(self, rank: int, now: float | None = None) -> list[tuple[int, str]]:
+        """``(rank, message)`` of the other ranks whose counters stopped with ``rank``'s (still for
+        at least half the timeout): a rank stuck in a step holds its peers in the next collective,
+        and the pollers notice them a moment apart."""
+        now = time.monotonic() if now is None else now
+        return [(r, f"no step completed for {now - since:.1f} s (at step {steps})")
+                for r, (steps, since) in enumerate(self._last)
+                if r != rank and now - since >= self.hang_timeout_s / 2]
 
-def name_failures(ranks: Any, failure: RankFailure, probe_timeout_s: float) -> list[RankFailure]:
-    """``failure`` (its node filled in from ``ranks.node_ips``) with every other rank that a
-    probe finds dead, classified (``classify``)."""
+
+def name_failures(ranks: Any, failure: RankFailure, probe_timeout_s: float,
+                  also_hung: Sequence[tuple[int, str]] = ()) -> list[RankFailure]:
+    """``failure`` (its node filled in from ``ranks.node_ips``) with the ranks ``also_hung``
+    and every other rank that a probe finds dead, classified (``classify``)."""
     ips = tuple(getattr(ranks, "node_ips", ()))
 
     def ip(rank: int) -> str:
@@ -99,9 +109,13 @@ def name_failures(ranks: Any, failure: RankFailure, probe_timeout_s: float) -> l
 
     f = failure
     found = [RankFailure(f.attempt, f.rank, f.kind, f.message, f.node_ip or ip(f.rank), detail=f.detail)]
-    for rank, msg, detail in probe_dead(ranks, probe_timeout_s):
+    dead = {rank: (msg, detail) for rank, msg, detail in probe_dead(ranks, probe_timeout_s)}
+    for rank, (msg, detail) in sorted(dead.items()):
         if rank != f.rank:
             found.append(RankFailure(f.attempt, rank, "died", msg, ip(rank), detail=detail))
+    for rank, msg in also_hung:
+        if rank != f.rank and rank not in dead:
+            found.append(RankFailure(f.attempt, rank, "hung", msg, ip(rank)))
     return classify(found)
 
 

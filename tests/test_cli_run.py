@@ -18,7 +18,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from launch.cli import app, main
-from launch.local_launcher import launch_local
+from tests.support.engine_runs import run_local
 from launch.rank_phases import summarize_phases
 from launch.report_view import RunProgress
 from launch.run_config import DISPATCHERS, DTYPES, KV_CACHE_DTYPES, SCHEDULE_POLICIES, RunConfig
@@ -134,7 +134,7 @@ def test_option_names_match_the_runtime():
 def test_local_run_reports_phases_and_counts_tokens_while_running():
     cfg = RunConfig(dp=1, requests=3, prompt_len=8, max_new_tokens=40, max_running_requests=4)
     phases, events = [], []
-    report = launch_local(cfg.spec("cpu"), cfg.load_requests(), poll_interval_s=0.005,
+    report = run_local(cfg.spec("cpu"), cfg.load_requests(), poll_interval_s=0.005,
                           on_poll=events.append, on_phase=phases.append)
     assert phases == ["loading weights", "warming up the dispatcher", "running"]
     tokens = [e.tokens for e in events]
