@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from dp_runtime.options import DEFAULTS as D
 from launch.cli_errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -145,7 +146,7 @@ def _launch_logging(console: Any, as_json: bool, level: str):
 def run(
     dp: int = typer.Option(None, "--dp", show_default="2 with --launcher ray, 1 with local", help="DP ranks."),
     model: str = typer.Option("tiny", "--model", help="Preset name (tiny, qwen3-30b-a3b) or a HF checkpoint dir."),
-    dispatcher: str = typer.Option("auto", "--dispatcher", help="auto | local (one rank) | all_gather | all_to_all | flashinfer."),
+    dispatcher: str = typer.Option(D.dispatcher, "--dispatcher", help="auto | local (one rank) | all_gather | all_to_all | flashinfer."),
     requests: int = typer.Option(16, "--requests", help="Synthetic requests (ignored with --workload)."),
     prompt_len: int = typer.Option(32, "--prompt-len", help="Synthetic prompt length in tokens."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Tokens to generate per request."),
@@ -153,27 +154,27 @@ def run(
     launcher: str = typer.Option("ray", "--launcher", help="ray (one actor per rank) | local (1 rank, in-process)."),
     ray_address: str = typer.Option(None, "--ray-address", show_default="a private local cluster", help=(
         "'auto' joins the running cluster; or host:port (under ray job submit: the job's cluster).")),
-    max_restarts: int = typer.Option(None, "--max-restarts", show_default="2", help="Gang restarts allowed after a rank fails."),
+    max_restarts: int = typer.Option(None, "--max-restarts", show_default=str(D.max_restarts), help="Gang restarts allowed after a rank fails."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16."),
-    max_running_requests: int = typer.Option(64, "--max-running-requests", help="Decode batch cap per rank."),
-    chunked_prefill_size: int = typer.Option(2048, "--chunked-prefill-size", help="Prefill chunk in tokens per rank."),
-    schedule_policy: str = typer.Option("fcfs", "--schedule-policy", help=(
+    dtype: str = typer.Option(D.dtype, "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16."),
+    max_running_requests: int = typer.Option(D.max_running_requests, "--max-running-requests", help="Decode batch cap per rank."),
+    chunked_prefill_size: int = typer.Option(D.chunked_prefill_size, "--chunked-prefill-size", help="Prefill chunk in tokens per rank."),
+    schedule_policy: str = typer.Option(D.schedule_policy, "--schedule-policy", help=(
         "Admission order: fcfs (arrival) | lof (longest output first: the most --max-new-tokens).")),
-    mixed_step_tokens: str = typer.Option("auto", "--mixed-step-tokens", show_default="auto: the largest extend graph", help=(
+    mixed_step_tokens: str = typer.Option(str(D.mixed_step_tokens), "--mixed-step-tokens", show_default="auto: the largest extend graph", help=(
         "Most tokens of a mixed prefill+decode step, its decode rows included: 1..--chunked-prefill-size.")),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=(
+    kv_cache_dtype: str = typer.Option(D.kv_cache_dtype, "--kv-cache-dtype", help=(
         "KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes per token, "
         "twice the slots; K/V rounded to e4m3).")),
-    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help=(
+    prefix_caching: bool = typer.Option(D.prefix_caching, "--prefix-caching/--no-prefix-caching", help=(
         "Reuse the KV of prompt prefixes cached from earlier requests on the same rank.")),
     context_len: int = typer.Option(None, "--context-len", show_default="min(model limit, 4096)",
                                     help="Longest prompt + output; a request over it is refused alone."),
-    hang_timeout: float = typer.Option(None, "--hang-timeout", show_default="120",
+    hang_timeout: float = typer.Option(None, "--hang-timeout", show_default=f"{D.hang_timeout_s:g}",
                                        help="Seconds without a step before a rank is hung."),
     num_cpus: int = typer.Option(None, "--num-cpus", show_default="max(dp, cores)",
                                  help="Logical CPUs of the private local Ray cluster (refused when joining one)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic workload and the random weights."),
+    seed: int = typer.Option(D.seed, "--seed", help="Seed of the synthetic workload and the random weights."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     with_results: bool = typer.Option(False, "--results", help="With --json: add every request's output ids."),
     log_level: str = typer.Option("warning", "--log-level", help="debug | info | warning | error (launcher, runtime and rank logs)."),

@@ -14,9 +14,8 @@ submits it again) and, on Ray while ``max_restarts`` allows, a new gang comes up
 retried under the same budget; past it the engine is ``failed`` (``start`` raises
 GangFailedError). An engine starts once: a second ``start`` is refused.
 
-Threads: one poller per rank waits for that rank's outputs (``RankSession.poll``) and calls the
-callbacks; callbacks must be quick and must not call back into the engine while holding their
-own locks. Everything a caller may call is thread-safe.
+Threads: one poller per rank waits for its outputs (``RankSession.poll``) and calls the callbacks,
+which must be quick and not call into the engine under their own locks. All calls are thread-safe.
 """
 
 from __future__ import annotations
@@ -25,13 +24,13 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dp_runtime.model.sampling_defaults import SamplingDefaults, checkpoint_sampling_defaults
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.admission import check_request, refused_result
-from dp_runtime.serving.request import Request, RequestResult
+from dp_runtime.serving.request import Request
 from launch.engine_calls import generate_requests, stream_request
 from launch.engine_errors import EngineUnavailable, QueueFull, RequestRejected, rejection
 from launch.engine_live import Live, RankView, call_quietly
@@ -156,12 +155,12 @@ class Engine:
             ranks, self._state = self._ranks, "stopping"
         timeout = self.options.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + timeout
-        while self._in_flight() and time.monotonic() < deadline:
+        while len(self._live) and time.monotonic() < deadline:
             time.sleep(0.01)
         for rid in list(self._live):
             self.abort(rid)
         deadline = time.monotonic() + 5.0
-        while self._in_flight() and time.monotonic() < deadline:  # the aborts' results
+        while len(self._live) and time.monotonic() < deadline:  # the aborts' results
             time.sleep(0.01)
         if ranks is not None:
             with self._lock:
@@ -252,16 +251,10 @@ class Engine:
             self._ranks.abort(live.rank, [rid], self._number)
         return True
 
-    def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Submit ``request`` and yield its outputs in this event loop; leaving early (break,
-        ``aclose``, cancellation) aborts it. Raises what ``submit`` raises."""
-        return stream_request(self, request)
-
-    def generate(self, requests: Sequence[Request], timeout_s: float | None = None) -> list[RequestResult]:
-        """Submit ``requests`` and wait for all of them; their results in order. Raises what
-        ``submit`` raises (requests already submitted are aborted) or, past ``timeout_s``,
-        TimeoutError after aborting the requests still unfinished (their ranks free them)."""
-        return generate_requests(self, requests, timeout_s)
+    # The waiting forms of submit (engine_calls.py): ``stream(request)``, an async iterator of the
+    # request's outputs; ``generate(requests, timeout_s=None)``, their results in order.
+    stream = stream_request
+    generate = generate_requests
 
     # -- outputs ----------------------------------------------------------------------------------
     def _poll_loop(self, ranks: Any, rank: int) -> None:
@@ -280,16 +273,12 @@ class Engine:
                 return
             if st.state in (DONE, CLOSED):
                 return
-            hung = self._hangs.hung(rank, st.steps, self._work_due())
+            with self._lock:  # every rank steps while some request in flight has arrived
+                due = any(live.due <= time.monotonic() for live in self._live.values())
+            hung = self._hangs.hung(rank, st.steps, due)
             if hung is not None and self._ranks is ranks:
                 self._rank_failed(ranks, rank, "hung", hung, also_hung=self._hangs.stopped_with(rank))
                 return
-
-    def _work_due(self) -> bool:
-        """Whether some request in flight has arrived: every rank should then be stepping."""
-        now = time.monotonic()
-        with self._lock:
-            return any(live.due <= now for live in self._live.values())
 
     def _deliver(self, rank: int, st: RankStatus) -> None:
         outs: list[tuple[Live, RequestOutput]] = []
@@ -319,10 +308,8 @@ class Engine:
         with self._lock:
             if self._ranks is not ranks:  # another poller of this gang got here first
                 return
-            self._ranks = None
-            can_restart = self._may_restart()
-            self._state = "restarting" if can_restart else "failed"
-            self._detail = f"rank {rank} failed: {reason}"
+            self._ranks, can_restart = None, self._may_restart()
+            self._state, self._detail = "restarting" if can_restart else "failed", f"rank {rank} failed: {reason}"
         logger.error("engine: rank %d %s: %s", rank, kind, reason)
         self._fail_in_flight(f"rank {rank} failed: {reason}")
         failure = RankFailure(self._restarts, rank, kind, reason, detail=detail)
@@ -375,10 +362,6 @@ class Engine:
     def _set_state(self, state: str, detail: str = "") -> None:
         with self._lock:
             self._state, self._detail = state, detail
-
-    def _in_flight(self) -> int:
-        with self._lock:
-            return len(self._live)
 
     def health(self) -> EngineHealth:
         with self._lock:

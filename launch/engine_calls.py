@@ -7,20 +7,27 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
 
 from dp_runtime.serving.request import Request, RequestResult
 from launch.engine_types import RequestOutput
 
-if TYPE_CHECKING:
-    from launch.engine import Engine
+
+class Engine(Protocol):
+    """What these forms need of ``launch.engine.Engine``."""
+
+    def submit(self, request: Request, on_output: Callable[[RequestOutput], None]) -> int: ...
+
+    def abort(self, rid: str) -> bool: ...
+
 
 __all__ = ["generate_requests", "stream_request"]
 
 
 async def stream_request(engine: Engine, request: Request) -> AsyncIterator[RequestOutput]:
-    """``Engine.stream``."""
+    """``Engine.stream``: submit ``request`` and yield its outputs in this event loop; leaving
+    early (break, ``aclose``, cancellation) aborts it. Raises what ``submit`` raises."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
     engine.submit(request, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
@@ -35,9 +42,13 @@ async def stream_request(engine: Engine, request: Request) -> AsyncIterator[Requ
             engine.abort(request.rid)
 
 
-def generate_requests(engine: Engine, requests: Sequence[Request],
-                      timeout_s: float | None) -> list[RequestResult]:
-    """``Engine.generate``."""
+def generate_requests(
+    engine: Engine, requests: Sequence[Request], timeout_s: float | None = None
+) -> list[RequestResult]:
+    """``Engine.generate``: submit ``requests`` and wait for all of them; their results in order.
+    Raises what ``submit`` raises (requests already submitted are aborted) or, past
+    ``timeout_s``, TimeoutError after aborting the requests still unfinished (their ranks free
+    them)."""
     results: dict[str, RequestResult] = {}
     done = threading.Event()
 
@@ -60,6 +71,8 @@ def generate_requests(engine: Engine, requests: Sequence[Request],
         gave_up = [rid for rid in submitted if rid not in results]
         for rid in gave_up:
             engine.abort(rid)  # nobody waits for it any more: its rank must not run it on
-        raise TimeoutError(f"generate: {len(gave_up)} of {len(requests)} requests unfinished after "
-                           f"{timeout_s} s (aborted)")
+        raise TimeoutError(
+            f"generate: {len(gave_up)} of {len(requests)} requests unfinished after "
+            f"{timeout_s} s (aborted)"
+        )
     return [results[r.rid] for r in requests]

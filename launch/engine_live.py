@@ -38,7 +38,6 @@ class RankView:
     routed: int = 0
 
 
-
 def call_quietly(callback: Callable[[RequestOutput], None], out: RequestOutput) -> None:
     # A failing callback (a closed client's queue, say) must not stop the poller: the other
     # requests of the step still need their outputs.

@@ -35,10 +35,15 @@ from launch.run_report import GangFailedError, PollEvent, RunReport
 __all__ = ["run_requests"]
 
 
-def run_requests(spec: RankSpec, requests: Sequence[Request], options: EngineOptions | None = None, *,
-                 on_poll: Callable[[PollEvent], None] | None = None,
-                 on_phase: Callable[[str], None] | None = None,
-                 poll_interval_s: float = 0.1) -> RunReport:
+def run_requests(
+    spec: RankSpec,
+    requests: Sequence[Request],
+    options: EngineOptions | None = None,
+    *,
+    on_poll: Callable[[PollEvent], None] | None = None,
+    on_phase: Callable[[str], None] | None = None,
+    poll_interval_s: float = 0.1,
+) -> RunReport:
     """Run ``requests`` on the engine's ranks (module docstring); the RunReport has the results
     in request order, each rid once. ``on_phase`` hears the start-up phases and ``running``.
     Raises ValueError for duplicate rids, SetupError (a rank no gang could build),
@@ -85,8 +90,13 @@ class _Batch:
 
         return take
 
-    def drive(self, engine: Engine, accepted: Sequence[Request],
-              on_poll: Callable[[PollEvent], None] | None, interval_s: float) -> float:
+    def drive(
+        self,
+        engine: Engine,
+        accepted: Sequence[Request],
+        on_poll: Callable[[PollEvent], None] | None,
+        interval_s: float,
+    ) -> float:
         """Submit and wait until every request has a result; returns the seconds the ranks ran
         (the time gang restarts took to set up left out)."""
         pending = deque(accepted)
@@ -103,8 +113,12 @@ class _Batch:
                 stats = engine.stats()
                 run_s = time.perf_counter() - t0 - (stats.setup_s - setup0)
                 report = self.report(engine, run_s)
-                raise GangFailedError(f"{health.detail}; {len(report.results)} of {len(self.requests)} "
-                                      f"requests finished", stats.failures, report)
+                raise GangFailedError(
+                    f"{health.detail}; {len(report.results)} of {len(self.requests)} "
+                    f"requests finished",
+                    stats.failures,
+                    report,
+                )
             if health.state == "ready":
                 self._submit(engine, pending)
             if on_poll is not None:
@@ -128,16 +142,34 @@ class _Batch:
 
     def event(self, engine: Engine) -> PollEvent:
         with self._lock:
-            tokens = sum(len(r.output_ids) for r in self.results.values()) + sum(self.streamed.values())
+            tokens = sum(len(r.output_ids) for r in self.results.values()) + sum(
+                self.streamed.values()
+            )
             finished = len(self.results)
-        return PollEvent(engine.stats().restarts, finished, len(self.requests), engine.rank_handles(), (),
-                         tokens=tokens, total_tokens=self.max_tokens)
+        return PollEvent(
+            engine.stats().restarts,
+            finished,
+            len(self.requests),
+            engine.rank_handles(),
+            (),
+            tokens=tokens,
+            total_tokens=self.max_tokens,
+        )
 
     def report(self, engine: Engine, run_s: float) -> RunReport:
         stats = engine.stats()
         with self._lock:
             results = tuple(self.results[r.rid] for r in self.requests if r.rid in self.results)
-        return RunReport(results=results, world_size=engine.world_size, launcher=engine.options.launcher,
-                         device=engine.spec.runtime.device.type, wall_s=0.0, run_s=run_s,
-                         setup_s=stats.setup_s, restarts=stats.restarts, failures=stats.failures,
-                         rank_metrics=tuple(stats.ranks), nodes=stats.nodes)
+        return RunReport(
+            results=results,
+            world_size=engine.world_size,
+            launcher=engine.options.launcher,
+            device=engine.spec.runtime.device.type,
+            wall_s=0.0,
+            run_s=run_s,
+            setup_s=stats.setup_s,
+            restarts=stats.restarts,
+            failures=stats.failures,
+            rank_metrics=tuple(stats.ranks),
+            nodes=stats.nodes,
+        )

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dp_runtime.options import DEFAULTS
 from dp_runtime.serving.request import RequestResult, TokenLogprob
 from launch.run_report import RankFailure
 
@@ -56,8 +57,8 @@ class EngineOptions:
     max_queued: int = 1024
     poll_timeout_s: float = 0.05
     drain_timeout_s: float = 30.0
-    max_restarts: int = 2
-    hang_timeout_s: float = 120.0
+    max_restarts: int = DEFAULTS.max_restarts
+    hang_timeout_s: float = DEFAULTS.hang_timeout_s
     cpus_per_rank: float = 1
     setup_timeout_s: float = 600.0
     placement_timeout_s: float = 60.0

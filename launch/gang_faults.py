@@ -17,7 +17,15 @@ from typing import Any
 
 from launch.run_report import GangFailedError, RankFailure
 
-__all__ = ["PRIORITY", "HangWatch", "classify", "gang_failed", "name_failures", "poll_failure", "probe_dead"]
+__all__ = [
+    "PRIORITY",
+    "HangWatch",
+    "classify",
+    "gang_failed",
+    "name_failures",
+    "poll_failure",
+    "probe_dead",
+]
 
 PRIORITY = ("died", "setup", "error", "unresponsive", "hung")
 
@@ -61,9 +69,21 @@ def classify(found: Sequence[RankFailure]) -> list[RankFailure]:
     """``found`` with every failure of a kind less telling than the worst one marked secondary,
     primaries first, then by rank."""
     worst = min(PRIORITY.index(f.kind) for f in found)
-    return sorted((RankFailure(f.attempt, f.rank, f.kind, f.message, f.node_ip,
-                               PRIORITY.index(f.kind) > worst, f.detail) for f in found),
-                  key=lambda f: (f.secondary, f.rank))
+    return sorted(
+        (
+            RankFailure(
+                f.attempt,
+                f.rank,
+                f.kind,
+                f.message,
+                f.node_ip,
+                PRIORITY.index(f.kind) > worst,
+                f.detail,
+            )
+            for f in found
+        ),
+        key=lambda f: (f.secondary, f.rank),
+    )
 
 
 class HangWatch:
@@ -93,13 +113,19 @@ class HangWatch:
         at least half the timeout): a rank stuck in a step holds its peers in the next collective,
         and the pollers notice them a moment apart."""
         now = time.monotonic() if now is None else now
-        return [(r, f"no step completed for {now - since:.1f} s (at step {steps})")
-                for r, (steps, since) in enumerate(self._last)
-                if r != rank and now - since >= self.hang_timeout_s / 2]
+        return [
+            (r, f"no step completed for {now - since:.1f} s (at step {steps})")
+            for r, (steps, since) in enumerate(self._last)
+            if r != rank and now - since >= self.hang_timeout_s / 2
+        ]
 
 
-def name_failures(ranks: Any, failure: RankFailure, probe_timeout_s: float,
-                  also_hung: Sequence[tuple[int, str]] = ()) -> list[RankFailure]:
+def name_failures(
+    ranks: Any,
+    failure: RankFailure,
+    probe_timeout_s: float,
+    also_hung: Sequence[tuple[int, str]] = (),
+) -> list[RankFailure]:
     """``failure`` (its node filled in from ``ranks.node_ips``) with the ranks ``also_hung``
     and every other rank that a probe finds dead, classified (``classify``)."""
     ips = tuple(getattr(ranks, "node_ips", ()))
@@ -108,7 +134,9 @@ def name_failures(ranks: Any, failure: RankFailure, probe_timeout_s: float,
         return ips[rank] if rank < len(ips) else ""
 
     f = failure
-    found = [RankFailure(f.attempt, f.rank, f.kind, f.message, f.node_ip or ip(f.rank), detail=f.detail)]
+    found = [
+        RankFailure(f.attempt, f.rank, f.kind, f.message, f.node_ip or ip(f.rank), detail=f.detail)
+    ]
     dead = {rank: (msg, detail) for rank, msg, detail in probe_dead(ranks, probe_timeout_s)}
     for rank, (msg, detail) in sorted(dead.items()):
         if rank != f.rank:
@@ -119,10 +147,15 @@ def name_failures(ranks: Any, failure: RankFailure, probe_timeout_s: float,
     return classify(found)
 
 
-def gang_failed(failures: Sequence[RankFailure], attempt: int, max_restarts: int) -> GangFailedError:
+def gang_failed(
+    failures: Sequence[RankFailure], attempt: int, max_restarts: int
+) -> GangFailedError:
     """The error of a gang that failed at ``attempt`` with no restart left, naming the primary
     failures of that attempt."""
     last = [f for f in failures if f.attempt == attempt]
     primary = [f for f in last if not f.secondary] or last
-    return GangFailedError(f"the gang failed {attempt + 1} times (max_restarts={max_restarts}); last: "
-                           f"{'; '.join(f.describe() for f in primary)}", failures)
+    return GangFailedError(
+        f"the gang failed {attempt + 1} times (max_restarts={max_restarts}); last: "
+        f"{'; '.join(f.describe() for f in primary)}",
+        failures,
+    )

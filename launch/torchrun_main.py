@@ -133,9 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                    help="KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the "
                    "bytes per token, twice the slots; K/V rounded to e4m3)")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                    help="reuse the KV of prompt prefixes cached from earlier requests on the same rank")
-    p.add_argument("--context-len", type=int, default=None, help="longest prompt + output (default: "
+    p.add_argument("--context-len", type=int, default=d.context_len, help="longest prompt + output (default: "
                    "min(model limit, 4096)); a request over it is refused alone")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--pg-timeout", type=float, default=process_group.DEFAULT_TIMEOUT_S,

@@ -14,8 +14,8 @@ from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.admission import admit, check_request
 from dp_runtime.serving.request import Request, SamplingParams
 from launch.engine_errors import rejection
-from tests.support.engine_runs import run_local
 from launch.torchrun_main import run_torchrun
+from tests.support.engine_runs import run_local
 
 VOCAB = 256  # the tiny preset's
 # A temperature that passes every rule (finite, > 0) yet makes the draw fail: logits / T

@@ -40,8 +40,8 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("aiohttp")  # ray[default]: the dashboard and its job server
 
-from tests.support.engine_runs import run_local
 from launch.run_config import RunConfig
+from tests.support.engine_runs import run_local
 from tests.support.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from dp_runtime.serving.request import RequestResult
 from launch.cli import app
-from tests.support.engine_runs import run_local
 from launch.rank_session import RankSession
 from launch.run_config import RunConfig
 from launch.run_report import RunReport, percentile, summarize
 from launch.workload import SyntheticWorkload
+from tests.support.engine_runs import run_local
 
 
 class _FakeWorker:

@@ -14,9 +14,9 @@ import pytest
 import torch.distributed as dist
 
 from launch import torchrun_main
-from tests.support.engine_runs import run_local
 from launch.run_config import RunConfig
 from launch.torchrun_main import run_torchrun
+from tests.support.engine_runs import run_local
 
 REPO = Path(__file__).resolve().parents[1]
 
