@@ -32,6 +32,7 @@ class Options:
     dispatcher: str = "auto"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA (what plan plans)
     kv_cache_dtype: str = "auto"  # the model's dtype
+    quantization: str = "none"  # weights as the checkpoint stores them (fp8: FP8 blocks)
     schedule_policy: str = "fcfs"
     mixed_step_tokens: int | str = "auto"  # the largest extend graph bucket
     prefix_caching: bool = True
