@@ -174,20 +174,21 @@ def check_choices(spec: RankSpec, here: bool) -> None:
     """Refuse what the ranks' choices (``dp_runtime.choices``) would refuse once built: the
     dispatcher for the world size and device, flashinfer where it cannot run. ``here``: the
     ranks run on this machine, so whether flashinfer imports here is theirs to know."""
+    from dispatcher.factory import KINDS
     from dp_runtime.choices import resolve_choices
 
     kind, world, dev = spec.dispatcher, spec.runtime.world_size, spec.runtime.device.type
-    if kind == "local" and world != 1:
-        raise UsageError(f"--dispatcher local runs one rank (it exchanges nothing); got --dp "
-                         f"{world} (use auto, all_gather, all_to_all or flashinfer)")
+    facts = KINDS.get(kind)  # None: auto (RankSpec refused any other name)
+    if facts is not None and facts.single_rank and world != 1:
+        multi = ["auto", *(k for k, cls in KINDS.items() if not cls.single_rank)]
+        raise UsageError(f"--dispatcher {kind} runs one rank (it exchanges nothing); got --dp "
+                         f"{world} (use {', '.join(multi[:-1])} or {multi[-1]})")
     importable = importlib.util.find_spec("flashinfer") is not None
-    if kind == "flashinfer":
-        if dev != "cuda":
-            raise UsageError(f"--dispatcher flashinfer runs on CUDA (FlashInfer's MoeAlltoAll); "
-                             f"the ranks get --device {dev}")
-        if here and not importable:
-            raise UsageError(f"--dispatcher flashinfer needs flashinfer-python, which does not "
-                             f"import here: {INSTALL_GPU}")
+    if facts is not None and facts.cuda_only and dev != "cuda":
+        raise UsageError(f"--dispatcher {kind} runs on CUDA; the ranks get --device {dev}")
+    if facts is not None and facts.package and here and importlib.util.find_spec(facts.package) is None:
+        raise UsageError(f"--dispatcher {kind} needs {facts.package}, which does not import here: "
+                         f"{facts.install_hint}")
     try:
         resolve_choices(dispatcher=kind, use_cuda_graph=spec.use_cuda_graph,
                         attention=spec.attention, world_size=world, device_type=dev,
