@@ -135,11 +135,12 @@ case "${1:-one}" in
       echo "== 2-GPU Ray test: $(grep -s -h -E '(passed|failed|skipped|error).* in [0-9.]+s' "$log/ray_gpu_test.log" | tail -n 1)"
     } 2>&1 | tee "$log/summary.txt"
     ;;
-  fp8)  # one GPU: FP8 kernel tests, then decode steps of qwen3-30b-a3b in bf16 and with --quantization fp8 (same
-        # tree, one call: the step and its HBM floor per batch size); SAVE_FI=1 brings FlashInfer's cache back
+  fp8)  # one GPU: FP8 GPU tests (TESTS=-k... narrows them), the FP8 kernels beside bf16 (fp8_kernels.py), then
+        # decode steps of qwen3-30b-a3b for each of QUANTS (none fp8: bf16 and --quantization fp8, same tree, one call)
     step fp8_tests timeout ${TESTS_TIMEOUT:-240} python -m pytest -m gpu -p no:cacheprovider -q -rs -x \
-      tests/test_fp8_gpu.py
-    for q in none fp8; do
+      tests/test_fp8_gpu.py ${TESTS:-}
+    [ -n "${KERNELS:-1}" ] && TAIL=40 step fp8_kernels timeout ${TKERN:-150} python bench/fp8_kernels.py
+    for q in ${QUANTS:-none fp8}; do
       TAIL=14 step decode_$q timeout ${TDEC:-150} python bench/serve_step.py --batch-sizes ${BS:-1,8,64,256} \
         --iters 20 --modes graph --quantization $q
     done

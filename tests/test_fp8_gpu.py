@@ -1,11 +1,12 @@
 """The FP8 kernels on a GPU against their references (docs/model.md, "FP8 weights").
 
-Tolerances, stated once: against the exact W8A8 reference (activations rounded per 1x128 group
-as the kernel rounds them, ``fake_quant_activations``, times the dequantized weight, in float32)
-an output element may differ by 2% of the output's largest magnitude (fp32 accumulation order,
-bf16 output rounding, and the 64-column groups of tiles with block_k 64, which round finer).
-Against the float reference (the dequantized weight times the unrounded activation) the
-relative error of the whole output (Frobenius) stays under 6%: e4m3 keeps 3 mantissa bits.
+Both forms of ``fp8_tile`` are tested. Tolerances, stated once: an output element may differ
+from its form's exact reference by 2% of the output's largest magnitude (fp32 accumulation
+order, bf16 rounding of the output and, in W8A16, of the scaled weight tile). W8A16's exact
+reference is the float one (the dequantized weight times the activation); W8A8's rounds the
+activation per 1x128 group as the kernel does (``fake_quant_activations``). Against the float
+reference the relative error of the whole output (Frobenius) stays under 2% for W8A16 and 6%
+for W8A8 (e4m3 keeps 3 mantissa bits); the fused MoE's two GEMMs, under 3% and 8%.
 """
 
 from __future__ import annotations
@@ -27,20 +28,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 65, 200, 1024])
+@pytest.mark.parametrize("w8a8", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("m", [1, 17, 65, 1024])
 @pytest.mark.parametrize(("n", "k"), [(5120, 2048), (2048, 4096), (192, 200), (256, 64)])
-def test_w8a8_linear_matches_the_references(m, n, k):
+def test_fp8_linear_matches_the_references(m, n, k, w8a8):
     from dp_runtime.model.fp8_gemm_triton import w8a8_block_linear
 
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     w = Fp8BlockWeight.quantize(torch.randn(n, k, device="cuda", generator=g) * k ** -0.5)
-    y = w8a8_block_linear(x, w)
+    y = w8a8_block_linear(x, w, w8a8=w8a8)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     deq = w.dequantize()
-    exact = fake_quant_activations(x) @ deq.T
+    exact = (fake_quant_activations(x) if w8a8 else x.float()) @ deq.T
     assert (y.float() - exact).abs().max().item() <= 0.02 * exact.abs().max().item()
-    assert _rel(y, x.float() @ deq.T) < 0.06
+    assert _rel(y, x.float() @ deq.T) < (0.06 if w8a8 else 0.02)
 
 
 def test_w8a8_linear_takes_no_rows_and_strided_rows():
@@ -61,10 +63,11 @@ def _experts(num_local, hidden, inter, seed):
     return Fp8BlockWeight.quantize(w13), Fp8BlockWeight.quantize(w2)
 
 
+@pytest.mark.parametrize("w8a8", [False, True], ids=["w8a16", "w8a8"])
 @pytest.mark.parametrize("extend", [False, True], ids=["decode", "extend"])
-@pytest.mark.parametrize("n", [1, 7, 64, 300, 1024])
+@pytest.mark.parametrize("n", [1, 300, 1024])
 @pytest.mark.parametrize(("hidden", "inter"), [(2048, 768), (192, 128)])
-def test_fused_fp8_experts_match_the_float_reference(n, extend, hidden, inter):
+def test_fused_fp8_experts_match_the_float_reference(n, extend, hidden, inter, w8a8):
     """Decode, mixed and prefill row counts (the unaligned and both aligned layouts), picks of
     other ranks (ids outside [0, L)), hidden 192 (K not a multiple of 128)."""
     from dp_runtime.model.experts import local_expert_sum
@@ -76,14 +79,14 @@ def test_fused_fp8_experts_match_the_float_reference(n, extend, hidden, inter):
     x = torch.randn(n, hidden, device="cuda", generator=g).to(torch.bfloat16)
     ids = torch.randint(-4, num_local + 4, (n, top_k), device="cuda", generator=g, dtype=torch.int32)
     weights = torch.rand(n, top_k, device="cuda", generator=g)
-    out = fused_local_expert_sum(x, ids, weights, w13, w2, extend=extend)
+    out = fused_local_expert_sum(x, ids, weights, w13, w2, extend=extend, w8a8=w8a8)
     ref = local_expert_sum(x.float(), ids, weights, w13.dequantize(), w2.dequantize(), use_grouped_mm=False)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    assert _rel(out, ref) < 0.06
+    assert _rel(out, ref) < (0.08 if w8a8 else 0.03)
     # The same kernels on the dequantized bf16 weights land as close: FP8 adds only rounding.
     bf16 = fused_local_expert_sum(x, ids, weights, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16),
                                   extend=extend)
-    assert _rel(out, bf16) < 0.06
+    assert _rel(out, bf16) < (0.08 if w8a8 else 0.03)
 
 
 def test_fp8_model_on_gpu_follows_the_dequantized_reference(tmp_path):
@@ -101,7 +104,7 @@ def test_fp8_model_on_gpu_follows_the_dequantized_reference(tmp_path):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 19, 40)]
     spec = RankSpec.create(str(fp8), max_running_requests=4, chunked_prefill_size=64, dtype="bfloat16",
-                           device="cuda", max_context_len=128)
+                           device="cuda", max_context_len=128, attention="sdpa")
     with RankWorker(spec, keep_logits=True) as w:
         m = w.metrics()
         assert (m["experts"], m["quantization"]) == ("triton", "fp8")
