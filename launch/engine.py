@@ -334,11 +334,11 @@ class Engine:
                        self.options.max_restarts)
         try:
             ranks = self._launch_gang()
-        except GangFailedError as e:
-            self._set_state("failed", str(e))
-            return
-        except Exception as e:
-            self._set_state("failed", f"the restart failed: {type(e).__name__}: {e}")
+        except Exception as e:  # a shutdown meanwhile keeps its own state
+            detail = str(e) if isinstance(e, GangFailedError) else f"the restart failed: {type(e).__name__}: {e}"
+            with self._lock:
+                if self._state == "restarting":
+                    self._state, self._detail = "failed", detail
             return
         with self._lock:
             if self._state != "restarting":  # shut down meanwhile
