@@ -29,6 +29,7 @@ import torch
 from dispatcher.config import DispatcherConfig
 from dispatcher.experts import ExpertInputs
 from dispatcher.groups import EPGroup, default_device
+from dispatcher.kind import DispatcherKind
 from dispatcher.partition import INVALID_EXPERT_ID, ExpertPartition
 from dispatcher.plan import StepPlanLike
 from dispatcher.protocol import DispatchResult
@@ -67,11 +68,26 @@ class AllGatherHandle:
     fingerprint: int
 
 
-class AllGatherDispatcher:
-    """Dispatch by all-gather, combine by reduce-scatter, through the DP buffer service."""
+class AllGatherDispatcher(DispatcherKind):
+    """Dispatch by all-gather, combine by reduce-scatter, through the DP buffer service. Its
+    gathered storage is the service's (counted with the DP buffers): no workspace of its own,
+    and the experts write over the gathered rows."""
 
     kind = "all_gather"
     combine_is_identity = False
+    gathers = True
+    auto_order = 2
+
+    @classmethod
+    def auto_reason(cls, world_size: int, flashinfer_dispatch: tuple[bool, str],
+                    graphs_on_cuda: bool) -> str | None:
+        if not graphs_on_cuda:
+            return None
+        return f"auto: {flashinfer_dispatch[1]}; all_to_all is eager-only, graphs take all_gather"
+
+    @classmethod
+    def expert_rows(cls, dp_size: int, ep_size: int, num_tokens: int) -> int:
+        return int(num_tokens) * dp_size  # every DP rank's: the gathered buffer
 
     def __init__(self, config: DispatcherConfig, ep: EPGroup | None = None, *,
                  buffers: GatherBuffers, device: torch.device | str | None = None) -> None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from dispatcher.config import DispatcherConfig
 from dispatcher.experts import ExpertInputs
 from dispatcher.groups import EPGroup, default_device
+from dispatcher.kind import DispatcherKind
 from dispatcher.partition import ExpertPartition
 from dispatcher.plan import StepPlanLike
 from dispatcher.protocol import DispatchResult
@@ -117,11 +118,25 @@ class AllToAllHandle:
         return sum(self.recv_counts)
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(DispatcherKind):
     """Dispatch and combine by variable-split all-to-all (see the module docstring)."""
 
     kind = "all_to_all"
     combine_is_identity = False
+    capturable = False  # it reads its split sizes on the host: no CUDA graph can hold it
+    separate_expert_output = True
+    transient_workspace = True  # its buffers are allocated per step, at the step's size
+    auto_order = 3
+
+    @classmethod
+    def auto_reason(cls, world_size: int, flashinfer_dispatch: tuple[bool, str],
+                    graphs_on_cuda: bool) -> str | None:
+        return f"auto: {flashinfer_dispatch[1]}"  # the last resort: runs anywhere, eagerly
+
+    @classmethod
+    def workspace_bytes(cls, ep_size: int, max_tokens_per_rank: int, hidden_size: int, top_k: int,
+                        dtype: torch.dtype) -> int:
+        return all_to_all_buffer_bytes(ep_size, max_tokens_per_rank, hidden_size, top_k, dtype)
 
     def __init__(self, config: DispatcherConfig, ep: EPGroup | None = None, *,
                  device: torch.device | str | None = None) -> None:

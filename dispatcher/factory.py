@@ -1,11 +1,16 @@
-"""Building a dispatcher, and the collective check of whether FlashInfer's can run.
+"""The one table of dispatcher kinds, building a dispatcher, and the collective check of
+whether FlashInfer's can run.
 
-``make_dispatcher(kind, config, ...)`` with ``kind`` one of ``"local"``, ``"all_gather"``,
-``"all_to_all"``, ``"flashinfer"``: the kind is chosen above this layer
-(``dp_runtime.choices.resolve_choices``, which the runtime and the planner share). What that
-rule needs to know of the machine, whether every EP rank can run FlashInfer's MoeAlltoAll (one
-host, CUDA, NVLink, flashinfer imports), is ``flashinfer_dispatch_verdict``: one object
-all-gather over the CPU group, so every rank gets the same answer.
+``KINDS`` maps each kind's name to its class, which states its facts and sizing
+(``dispatcher/kind.py``); everything above this layer asks the table (``dispatcher_kind``,
+``auto_kind``), never tests a name. A new dispatcher is one new file plus one row here.
+
+``make_dispatcher(kind, config, ...)`` builds one; the kind is chosen above this layer
+(``dp_runtime.choices.resolve_choices``, which the runtime and the planner share, with
+``auto_kind`` for ``"auto"``). What that rule needs to know of the machine, whether every EP
+rank can run FlashInfer's MoeAlltoAll (one host, CUDA, NVLink, flashinfer imports), is
+``flashinfer_dispatch_verdict``: one object all-gather over the CPU group, so every rank gets
+the same answer.
 """
 
 from __future__ import annotations
@@ -19,13 +24,38 @@ import torch
 from dispatcher.all_gather import AllGatherDispatcher
 from dispatcher.all_to_all import AllToAllDispatcher
 from dispatcher.config import DispatcherConfig
+from dispatcher.flashinfer_a2a import FlashInferDispatcher  # imports flashinfer only when built
 from dispatcher.groups import EPGroup, default_device
+from dispatcher.kind import DispatcherKind
 from dispatcher.local import LocalDispatcher
 from dispatcher.protocol import Dispatcher
 
-__all__ = ["DISPATCHER_KINDS", "flashinfer_dispatch_verdict", "make_dispatcher"]
+__all__ = ["DISPATCHER_KINDS", "KINDS", "auto_kind", "dispatcher_kind", "flashinfer_dispatch_verdict",
+           "make_dispatcher"]
 
-DISPATCHER_KINDS = ("local", "all_gather", "all_to_all", "flashinfer")
+# The one table of kinds (``auto`` asks them in their ``auto_order``).
+KINDS: dict[str, type[DispatcherKind]] = {
+    cls.kind: cls for cls in (LocalDispatcher, AllGatherDispatcher, AllToAllDispatcher, FlashInferDispatcher)
+}
+DISPATCHER_KINDS = tuple(KINDS)
+
+
+def dispatcher_kind(kind: str) -> type[DispatcherKind]:
+    """The class of dispatcher ``kind`` (its facts and sizing). Raises ValueError for a name
+    not in ``KINDS``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown dispatcher kind {kind!r}; expected one of {', '.join(KINDS)}")
+    return KINDS[kind]
+
+
+def auto_kind(world_size: int, flashinfer_dispatch: tuple[bool, str], graphs_on_cuda: bool) -> tuple[str, str]:
+    """``(kind, why)`` that ``dispatcher="auto"`` takes: the first kind, by ``auto_order``, that
+    says it fits (``DispatcherKind.auto_reason``)."""
+    for kind, cls in sorted(KINDS.items(), key=lambda item: item[1].auto_order):
+        why = cls.auto_reason(world_size, flashinfer_dispatch, graphs_on_cuda)
+        if why is not None:
+            return kind, why
+    raise ValueError("no dispatcher kind fits; the last by auto_order must always fit")
 
 logger = logging.getLogger("dispatcher")
 
@@ -77,20 +107,11 @@ def make_dispatcher(kind: str, config: DispatcherConfig, *, ep: EPGroup | None =
     arguments (``buffers``, the rank's DP buffer service, for all_gather). Returns the
     dispatcher; logs it once at INFO on EP rank 0. Collective for ``"flashinfer"``.
     """
-    if kind not in DISPATCHER_KINDS:
-        raise ValueError(f"unknown dispatcher kind {kind!r}; expected one of {DISPATCHER_KINDS}")
+    cls = dispatcher_kind(kind)
     ep = ep if ep is not None else EPGroup.local()
     dev = torch.device(device) if device is not None else default_device()
     if ep.rank == 0:
         logger.info("MoE dispatcher: %s; ep_size=%d, max_tokens_per_rank=%d", kind, ep.size, config.max_tokens_per_rank)
-    if kind == "all_gather":
-        return AllGatherDispatcher(config, ep, device=dev, **backend_kwargs)
-    if backend_kwargs:
+    if backend_kwargs and not cls.gathers:  # ``buffers``: the DP buffer service it gathers through
         raise ValueError(f"{kind} dispatcher takes no extra arguments, got {sorted(backend_kwargs)}")
-    if kind == "local":
-        return LocalDispatcher(config, ep, device=dev)
-    if kind == "all_to_all":
-        return AllToAllDispatcher(config, ep, device=dev)
-    from dispatcher.flashinfer_a2a import FlashInferDispatcher  # imports flashinfer lazily
-
-    return FlashInferDispatcher(config, ep, device=dev)
+    return cls(config, ep, device=dev, **backend_kwargs)

@@ -40,6 +40,7 @@ import torch
 from dispatcher.config import DispatcherConfig
 from dispatcher.experts import ExpertInputs
 from dispatcher.groups import EPGroup, default_device
+from dispatcher.kind import DispatcherKind
 from dispatcher.partition import INVALID_EXPERT_ID, ExpertPartition
 from dispatcher.plan import StepPlanLike
 from dispatcher.protocol import DispatchResult
@@ -108,11 +109,26 @@ class FlashInferHandle:
     fingerprint: int
 
 
-class FlashInferDispatcher:
+class FlashInferDispatcher(DispatcherKind):
     """Dispatch and combine through FlashInfer's MoeAlltoAll (see the module docstring)."""
 
     kind = "flashinfer"
     combine_is_identity = False
+    cuda_only = True
+    auto_order = 1  # the fastest where every EP rank can run it
+    package = "flashinfer"
+    install_hint = "pip install 'dp-runtime[gpu]'"
+
+    @classmethod
+    def auto_reason(cls, world_size: int, flashinfer_dispatch: tuple[bool, str],
+                    graphs_on_cuda: bool) -> str | None:
+        return "auto: every EP rank can run FlashInfer's MoeAlltoAll" if flashinfer_dispatch[0] else None
+
+    @classmethod
+    def workspace_bytes(cls, ep_size: int, max_tokens_per_rank: int, hidden_size: int, top_k: int,
+                        dtype: torch.dtype) -> int:
+        # The MoeAlltoAll workspace, allocated once and kept.
+        return flashinfer_workspace_bytes_per_rank(ep_size, max_tokens_per_rank, hidden_size, top_k, dtype)
 
     def __init__(self, config: DispatcherConfig, ep: EPGroup, *, device: torch.device | str | None = None) -> None:
         """Takes the config and the EP group (with a process group: the workspace handles are

@@ -14,6 +14,7 @@ import torch
 from dispatcher.config import DispatcherConfig
 from dispatcher.experts import ExpertInputs
 from dispatcher.groups import EPGroup, default_device
+from dispatcher.kind import DispatcherKind
 from dispatcher.partition import ExpertPartition
 from dispatcher.plan import StepPlanLike
 from dispatcher.protocol import DispatchResult
@@ -28,11 +29,23 @@ class LocalHandle:
     num_tokens: int
 
 
-class LocalDispatcher:
+class LocalDispatcher(DispatcherKind):
     """The identity dispatch of a single rank (see the module docstring)."""
 
     kind = "local"
     combine_is_identity = True  # combine returns the expert sum it is given
+    single_rank = True
+    auto_order = 0
+    separate_expert_output = True
+
+    @classmethod
+    def auto_reason(cls, world_size: int, flashinfer_dispatch: tuple[bool, str],
+                    graphs_on_cuda: bool) -> str | None:
+        return "auto: world size 1, nothing to exchange" if world_size == 1 else None
+
+    @classmethod
+    def expert_rows(cls, dp_size: int, ep_size: int, num_tokens: int) -> int:
+        return int(num_tokens)  # its own rows
 
     def __init__(self, config: DispatcherConfig, ep: EPGroup | None = None, *,
                  device: torch.device | str | None = None) -> None:

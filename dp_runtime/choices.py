@@ -8,10 +8,11 @@ backend than the runtime would.
 Rules:
 
 - graphs: ``use_cuda_graph`` if set, else on for CUDA; never without capture sizes.
-- dispatcher: a named kind is taken as it is (``all_to_all`` with graphs is refused: it reads its
-  split sizes on the host). ``auto``: world size 1 -> ``local`` (nothing to exchange); every EP
-  rank able to run FlashInfer's MoeAlltoAll -> ``flashinfer``; otherwise ``all_to_all``, or
-  ``all_gather`` when graphs are on (the capturable one).
+- dispatcher: a named kind is taken as it is (one that is not ``capturable``, all_to_all, with
+  graphs is refused: it reads its split sizes on the host). ``auto``: the table's rule
+  (``dispatcher.factory.auto_kind``, each kind stating when it fits): world size 1 -> ``local``
+  (nothing to exchange); every EP rank able to run FlashInfer's MoeAlltoAll -> ``flashinfer``;
+  otherwise ``all_to_all``, or ``all_gather`` when graphs are on (the capturable one).
 - attention: ``flashinfer`` where its kernels exist for the geometry (CUDA, 16-bit, head dim 64,
   128 or 256) and flashinfer imports, else ``sdpa``; naming ``flashinfer`` where it cannot run is
   refused with the reasons.
@@ -25,14 +26,15 @@ from typing import Any
 
 import torch
 
+from dispatcher.factory import KINDS, auto_kind, dispatcher_kind
 from dp_runtime.attention.backend import flashinfer_unsupported
 
 __all__ = ["CAPTURABLE_DISPATCHERS", "DISPATCHERS", "Choices", "check_kv_cache_dtype", "rank_choices",
            "resolve_choices"]
 
-DISPATCHERS = ("auto", "local", "all_gather", "all_to_all", "flashinfer")
-# all_to_all reads its split sizes on the host: no CUDA graph can hold it.
-CAPTURABLE_DISPATCHERS = ("local", "all_gather", "flashinfer")
+DISPATCHERS = ("auto", *KINDS)
+# Kinds a CUDA graph can hold (each class says: ``DispatcherKind.capturable``).
+CAPTURABLE_DISPATCHERS = tuple(kind for kind, cls in KINDS.items() if cls.capturable)
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,8 @@ def resolve_choices(
     """The rank's choices (module docstring). ``flashinfer_dispatch``: (every EP rank can run
     MoeAlltoAll, why not) — only read for ``dispatcher="auto"`` at world size > 1. Raises
     ValueError naming the option for a choice that cannot run."""
-    if dispatcher not in DISPATCHERS:
-        raise ValueError(f"dispatcher must be one of {', '.join(DISPATCHERS)}; got {dispatcher!r}")
+    if dispatcher != "auto" and dispatcher not in KINDS:
+        raise ValueError(f"dispatcher must be one of {', '.join(('auto', *KINDS))}; got {dispatcher!r}")
     if use_cuda_graph is False:
         graphs, graphs_why = False, "use_cuda_graph is False"
     elif not capture_sizes:
@@ -74,21 +76,16 @@ def resolve_choices(
     else:
         graphs, graphs_why = True, f"{len(capture_sizes)} buckets up to {capture_sizes[-1]}"
 
-    if dispatcher == "local" and world_size != 1:
-        raise ValueError(f"dispatcher 'local' runs only at world size 1, got {world_size}")
+    if dispatcher != "auto" and dispatcher_kind(dispatcher).single_rank and world_size != 1:
+        raise ValueError(f"dispatcher {dispatcher!r} runs only at world size 1, got {world_size}")
     if dispatcher != "auto":
         kind, why = dispatcher, "configured"
-        if graphs and device_type == "cuda" and kind not in CAPTURABLE_DISPATCHERS:
+        if graphs and device_type == "cuda" and not KINDS[kind].capturable:
+            multi = [k for k, cls in KINDS.items() if cls.capturable and not cls.single_rank]
             raise ValueError(f"dispatcher {kind!r} reads its counts on the host and cannot be captured in a "
-                             f"CUDA graph; pick {' or '.join(CAPTURABLE_DISPATCHERS[1:])}, or turn graphs off")
-    elif world_size == 1:
-        kind, why = "local", "auto: world size 1, nothing to exchange"
-    elif flashinfer_dispatch[0]:
-        kind, why = "flashinfer", "auto: every EP rank can run FlashInfer's MoeAlltoAll"
-    elif graphs and device_type == "cuda":
-        kind, why = "all_gather", f"auto: {flashinfer_dispatch[1]}; all_to_all is eager-only, graphs take all_gather"
+                             f"CUDA graph; pick {' or '.join(multi)}, or turn graphs off")
     else:
-        kind, why = "all_to_all", f"auto: {flashinfer_dispatch[1]}"
+        kind, why = auto_kind(world_size, flashinfer_dispatch, graphs and device_type == "cuda")
 
     unsupported = flashinfer_unsupported(device_type, dtype, head_dim)
     if attention == "flashinfer" and unsupported:

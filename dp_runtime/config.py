@@ -92,6 +92,7 @@ import torch
 from dispatcher.sizing import max_tokens_per_rank
 from dp_runtime.env import read_env
 from dp_runtime.model.quant_config import QUANTIZATION_CHOICES
+from dp_runtime.options import DEFAULTS
 from dp_runtime.sync.padding_mode import PaddingMode
 from graph.capture_sizes import capture_sizes
 
@@ -139,8 +140,8 @@ class RuntimeConfig:
     dp_size: int = 1
     attn_tp_size: int = 1
     ep_size: int | str = "auto"
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 8192
+    max_running_requests: int = DEFAULTS.max_running_requests
+    chunked_prefill_size: int = DEFAULTS.chunked_prefill_size
     cuda_graph_max_bs: int | str = "auto"
     cuda_graph_bs: tuple[int, ...] | str = "auto"
     cuda_graph_extend_tokens: tuple[int, ...] | str = "auto"
@@ -150,16 +151,16 @@ class RuntimeConfig:
     device: torch.device | str = "auto"
     dp_padding: PaddingMode | str | None = None
     dp_sync_exchange: str = "auto"
-    dp_sync_timeout_s: float = 120.0
+    dp_sync_timeout_s: float = DEFAULTS.dp_sync_timeout_s
     dp_sync_shm_dir: str = "auto"
     eager_input_no_copy: bool | str = "auto"
     flashinfer_checks: bool | str = "auto"
     overlap_schedule: bool = True
     mixed_steps: bool = True
-    mixed_step_tokens: int | str = "auto"
-    schedule_policy: str = "fcfs"
-    prefix_caching: bool = True
-    quantization: str = "none"
+    mixed_step_tokens: int | str = DEFAULTS.mixed_step_tokens
+    schedule_policy: str = DEFAULTS.schedule_policy
+    prefix_caching: bool = DEFAULTS.prefix_caching
+    quantization: str = DEFAULTS.quantization
 
     def __post_init__(self) -> None:
         self._check_ints()

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dispatcher.factory import dispatcher_kind
 from dp_runtime import memory_sizing as ms
 from dp_runtime.attention.triton_decode import TRITON_DECODE_MIN_BS
 from dp_runtime.config import RuntimeConfig
@@ -101,14 +102,7 @@ def expert_rows(dispatcher: str, dp_size: int, ep_size: int, num_tokens: int) ->
     own; ``all_gather`` every DP rank's (the gathered buffer); ``flashinfer`` and
     ``all_to_all`` up to every EP rank's (FlashInfer pads each to the step's largest). The
     fused expert path sizes its intermediates for all ``N x K`` picks, this rank's or not."""
-    t = int(num_tokens)
-    if dispatcher == "local":
-        return t
-    if dispatcher == "all_gather":
-        return t * dp_size
-    if dispatcher in ("flashinfer", "all_to_all"):
-        return t * ep_size
-    raise ValueError(f"unknown dispatcher kind {dispatcher!r}; expected local, all_gather, all_to_all or flashinfer")
+    return dispatcher_kind(dispatcher).expert_rows(dp_size, ep_size, num_tokens)
 
 
 def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, num_logit_rows: int, *,
@@ -147,7 +141,7 @@ def forward_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, n
     e = ms.dtype_bytes(dtype)
     h, k, i, d = cfg.hidden_size, cfg.top_k, cfg.moe_intermediate_size, cfg.head_dim
     attention = t * (3 * h + 3 * (cfg.num_heads + cfg.num_kv_heads) * d) * e
-    moe = 2 * t * h * e + (n * h * e if dispatcher in ("local", "all_to_all") else 0)
+    moe = 2 * t * h * e + (n * h * e if dispatcher_kind(dispatcher).separate_expert_output else 0)
     moe += t * k * (_FP32 + _INT32) + n * k * _INT32
     if dtype == torch.bfloat16:
         moe += n * k * (i + h) * e

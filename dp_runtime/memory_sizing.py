@@ -28,10 +28,7 @@ import torch
 
 from buffers.builders import build_decode_registry, build_prefill_registry
 from buffers.pool import BufferPool
-from dispatcher.sizing import (
-    all_to_all_buffer_bytes,
-    flashinfer_workspace_bytes_per_rank,
-)
+from dispatcher.factory import KINDS, dispatcher_kind
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import ModelConfig
 from dp_runtime.model.weight_groups import layer_groups
@@ -48,6 +45,7 @@ __all__ = [
     "cuda_context_bytes",
     "dispatcher_gathers",
     "dispatcher_step_bytes",
+    "dispatcher_transient",
     "dispatcher_workspace_bytes",
     "dp_buffer_bytes",
     "dp_gathered_rows",
@@ -88,7 +86,7 @@ _SMALL_REQUEST, _SMALL_SEGMENT = 1 * _MIB, 2 * _MIB
 _MEDIUM_REQUEST, _MEDIUM_SEGMENT = 10 * _MIB, 20 * _MIB
 # Dispatchers whose ``workspace_bytes_per_rank()`` is the peak of buffers allocated per step
 # (live only during a step's MoE section), not memory held between steps as FlashInfer's is.
-TRANSIENT_WORKSPACE_DISPATCHERS = ("all_to_all",)
+TRANSIENT_WORKSPACE_DISPATCHERS = tuple(kind for kind, cls in KINDS.items() if cls.transient_workspace)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -191,9 +189,14 @@ def dp_buffer_bytes(config: RuntimeConfig, dispatcher: str, top_k: int) -> int:
     return pool_device_bytes(pool)
 
 
+def dispatcher_transient(kind: str) -> bool:
+    """Whether the dispatcher ``kind``'s workspace is per-step buffers (its class says)."""
+    return dispatcher_kind(kind).transient_workspace
+
+
 def dispatcher_gathers(kind: str) -> bool:
-    """Whether the dispatcher ``kind`` gathers through the DP buffer service (only all_gather)."""
-    return kind == "all_gather"
+    """Whether the dispatcher ``kind`` gathers through the DP buffer service (its class says)."""
+    return dispatcher_kind(kind).gathers
 
 
 def dp_gathered_rows(num_tokens_per_rank: Sequence[int], padding: PaddingMode,
@@ -276,14 +279,7 @@ def dispatcher_workspace_bytes(kind: str, ep_size: int, max_tokens_per_rank: int
     a full step (so the same bytes are part of the activation peak). Raises ValueError for
     another kind.
     """
-    args = (ep_size, max_tokens_per_rank, hidden_size, top_k, dtype)
-    if kind == "flashinfer":
-        return flashinfer_workspace_bytes_per_rank(*args)
-    if kind in ("local", "all_gather"):
-        return 0
-    if kind == "all_to_all":
-        return all_to_all_buffer_bytes(*args)
-    raise ValueError(f"unknown dispatcher kind {kind!r}; expected local, all_gather, all_to_all or flashinfer")
+    return dispatcher_kind(kind).workspace_bytes(ep_size, max_tokens_per_rank, hidden_size, top_k, dtype)
 
 
 def dispatcher_step_bytes(kind: str, ep_size: int, num_tokens: int, hidden_size: int,
@@ -295,13 +291,7 @@ def dispatcher_step_bytes(kind: str, ep_size: int, num_tokens: int, hidden_size:
     in the persistent workspace; the combined output is the layer's MoE output, which the
     forward estimate counts). 0 tokens: 0. Raises ValueError for another kind.
     """
-    if kind in ("local", "all_gather", "flashinfer"):
-        return 0
-    if kind not in TRANSIENT_WORKSPACE_DISPATCHERS:
-        raise ValueError(f"unknown dispatcher kind {kind!r}; expected local, all_gather, all_to_all or flashinfer")
-    if num_tokens <= 0:
-        return 0
-    return dispatcher_workspace_bytes(kind, ep_size, num_tokens, hidden_size, top_k, dtype)
+    return dispatcher_kind(kind).step_bytes(ep_size, num_tokens, hidden_size, top_k, dtype)
 
 
 # -- fixed overheads --------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from typing import Any
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import PRESETS, ModelConfig, ModelConfigError
 from dp_runtime.model.quant_config import with_quantization
+from dp_runtime.options import DEFAULTS
 
 __all__ = ["ATTENTION_KINDS", "RankSpec"]
 
@@ -47,13 +48,13 @@ class RankSpec:
     runtime: RuntimeConfig
     model: str = "tiny"
     model_overrides: tuple[tuple[str, Any], ...] = ()
-    dispatcher: str = "auto"
+    dispatcher: str = DEFAULTS.dispatcher
     attention: str = "auto"
     use_cuda_graph: bool | None = None
     kv_cache_tokens: int | None = None
-    kv_mem_fraction: float = 0.85
+    kv_mem_fraction: float = DEFAULTS.kv_mem_fraction
     max_context_len: int | None = None
-    seed: int = 0
+    seed: int = DEFAULTS.seed
 
     def __post_init__(self) -> None:
         from dp_runtime.choices import DISPATCHERS
@@ -89,9 +90,9 @@ class RankSpec:
 
     @classmethod
     def create(cls, model: str = "tiny", *, model_overrides: dict[str, Any] | None = None,
-               dispatcher: str = "auto", attention: str = "auto", use_cuda_graph: bool | None = None,
-               kv_cache_tokens: int | None = None, kv_mem_fraction: float = 0.85,
-               max_context_len: int | None = None, seed: int = 0, **runtime: Any) -> RankSpec:
+               dispatcher: str = DEFAULTS.dispatcher, attention: str = "auto", use_cuda_graph: bool | None = None,
+               kv_cache_tokens: int | None = None, kv_mem_fraction: float = DEFAULTS.kv_mem_fraction,
+               max_context_len: int | None = None, seed: int = DEFAULTS.seed, **runtime: Any) -> RankSpec:
         """A spec whose RuntimeConfig takes ``runtime`` keywords and the model's hidden size."""
         overrides = tuple(sorted((model_overrides or {}).items()))
         cfg = _model_config(model, overrides)

@@ -32,6 +32,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dp_runtime.options import DEFAULTS
 from launch.cli_errors import LOG_LEVELS, UsageError, check_choice
 
 if TYPE_CHECKING:
@@ -60,11 +61,14 @@ class CheckedOptions:
 
 
 def check_gang_options(*, model: str = "tiny", launcher: str = "ray", device: str = "auto",
-                       dtype: str = "auto", dp: int | None = None, dispatcher: str = "auto",
-                       ray_address: str | None = None, max_running_requests: int = 64,
-                       chunked_prefill_size: int = 2048, context_len: int | None = None,
-                       schedule_policy: str = "fcfs", mixed_step_tokens: int | str = "auto",
-                       kv_cache_dtype: str = "auto",
+                       dtype: str = DEFAULTS.dtype, dp: int | None = None,
+                       dispatcher: str = DEFAULTS.dispatcher, ray_address: str | None = None,
+                       max_running_requests: int = DEFAULTS.max_running_requests,
+                       chunked_prefill_size: int = DEFAULTS.chunked_prefill_size,
+                       context_len: int | None = DEFAULTS.context_len,
+                       schedule_policy: str = DEFAULTS.schedule_policy,
+                       mixed_step_tokens: int | str = DEFAULTS.mixed_step_tokens,
+                       kv_cache_dtype: str = DEFAULTS.kv_cache_dtype,
                        num_cpus: int | None = None, max_restarts: int | None = None,
                        hang_timeout: float | None = None, log_level: str = "warning",
                        ray_address_env: str | None = None, **run_fields: Any) -> CheckedOptions:
@@ -141,8 +145,8 @@ def check_launch(*, launcher: str, device: str, dp: int | None, ray_address: str
         raise UsageError("--ray-address must not be empty (leave it out for a private local "
                          "cluster)")
     launch = dict(launcher=launcher, device=device, ray_address=ray_address, num_cpus=num_cpus,
-                  max_restarts=2 if max_restarts is None else max_restarts,
-                  hang_timeout_s=120.0 if hang_timeout is None else hang_timeout)
+                  max_restarts=DEFAULTS.max_restarts if max_restarts is None else max_restarts,
+                  hang_timeout_s=DEFAULTS.hang_timeout_s if hang_timeout is None else hang_timeout)
     return dp, launch
 
 
@@ -170,20 +174,21 @@ def check_choices(spec: RankSpec, here: bool) -> None:
     """Refuse what the ranks' choices (``dp_runtime.choices``) would refuse once built: the
     dispatcher for the world size and device, flashinfer where it cannot run. ``here``: the
     ranks run on this machine, so whether flashinfer imports here is theirs to know."""
+    from dispatcher.factory import KINDS
     from dp_runtime.choices import resolve_choices
 
     kind, world, dev = spec.dispatcher, spec.runtime.world_size, spec.runtime.device.type
-    if kind == "local" and world != 1:
-        raise UsageError(f"--dispatcher local runs one rank (it exchanges nothing); got --dp "
-                         f"{world} (use auto, all_gather, all_to_all or flashinfer)")
+    facts = KINDS.get(kind)  # None: auto (RankSpec refused any other name)
+    if facts is not None and facts.single_rank and world != 1:
+        multi = ["auto", *(k for k, cls in KINDS.items() if not cls.single_rank)]
+        raise UsageError(f"--dispatcher {kind} runs one rank (it exchanges nothing); got --dp "
+                         f"{world} (use {', '.join(multi[:-1])} or {multi[-1]})")
     importable = importlib.util.find_spec("flashinfer") is not None
-    if kind == "flashinfer":
-        if dev != "cuda":
-            raise UsageError(f"--dispatcher flashinfer runs on CUDA (FlashInfer's MoeAlltoAll); "
-                             f"the ranks get --device {dev}")
-        if here and not importable:
-            raise UsageError(f"--dispatcher flashinfer needs flashinfer-python, which does not "
-                             f"import here: {INSTALL_GPU}")
+    if facts is not None and facts.cuda_only and dev != "cuda":
+        raise UsageError(f"--dispatcher {kind} runs on CUDA; the ranks get --device {dev}")
+    if facts is not None and facts.package and here and importlib.util.find_spec(facts.package) is None:
+        raise UsageError(f"--dispatcher {kind} needs {facts.package}, which does not import here: "
+                         f"{facts.install_hint}")
     try:
         resolve_choices(dispatcher=kind, use_cuda_graph=spec.use_cuda_graph,
                         attention=spec.attention, world_size=world, device_type=dev,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from dp_runtime.model.quant_config import QUANTIZATION_CHOICES
+from dp_runtime.options import DEFAULTS as D
 from launch.cli_errors import EXIT_USAGE, UsageError, check_choice
 from launch.gpu_specs import GIB, GPUS, gpu_spec
 from launch.run_config import KV_CACHE_DTYPES
@@ -53,10 +54,10 @@ def _fail(message: str) -> typer.Exit:
 def plan(
     model: str = typer.Option("qwen3-30b-a3b", "--model", help="Preset (tiny, qwen3-30b-a3b), checkpoint dir or its config.json."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32."),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=(
+    kv_cache_dtype: str = typer.Option(D.kv_cache_dtype, "--kv-cache-dtype", help=(
         "KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes per token, "
         "twice the slots; K/V rounded to e4m3).")),
-    quantization: str = typer.Option("none", "--quantization", help=(
+    quantization: str = typer.Option(D.quantization, "--quantization", help=(
         "Weights: none (as the checkpoint stores them) | fp8 (float weights quantized at load to FP8 in "
         "128x128 blocks: a byte per value plus a float32 scale per block).")),
     dp: int = typer.Option(1, "--dp", help="DP size (ranks = GPUs)."),
@@ -64,16 +65,16 @@ def plan(
     gpu: str | None = typer.Option(None, "--gpu", help=f"GPU name: {', '.join(GPUS)}."),
     gpu_mem_gib: float | None = typer.Option(None, "--gpu-mem-gib", help="Usable GPU memory in GiB (overrides --gpu's)."),
     nvlink: bool | None = typer.Option(None, "--nvlink/--no-nvlink", help="GPUs on NVLink (default: from --gpu, else yes)."),
-    max_running_requests: int = typer.Option(256, "--max-running-requests", help="Requests running at once per rank."),
-    chunked_prefill_size: int = typer.Option(8192, "--chunked-prefill-size", help="Tokens of one prefill chunk."),
+    max_running_requests: int = typer.Option(D.max_running_requests, "--max-running-requests", help="Requests running at once per rank."),
+    chunked_prefill_size: int = typer.Option(D.chunked_prefill_size, "--chunked-prefill-size", help="Tokens of one prefill chunk."),
     cuda_graph_bs: str = typer.Option("auto", "--cuda-graph-bs", help="Capture sizes: auto, none, or a comma list."),
     context_len: int | None = typer.Option(None, "--context-len", help="Longest prompt + output (default: min(model limit, 4096))."),
-    dispatcher: str = typer.Option("auto", "--dispatcher", help="auto | local (one rank) | all_gather | all_to_all | flashinfer."),
+    dispatcher: str = typer.Option(D.dispatcher, "--dispatcher", help="auto | local (one rank) | all_gather | all_to_all | flashinfer."),
     no_graphs: bool = typer.Option(False, "--no-graphs", help="Eager only (no CUDA graphs)."),
     kv_tokens_per_request: int | None = typer.Option(
         None, "--kv-tokens-per-request", help="KV tokens guaranteed per running request (default: --context-len)."),
     kv_mem_fraction: float = typer.Option(
-        0.85, "--kv-mem-fraction", help="The rank's share for its KV cache of what is left after the rest."),
+        D.kv_mem_fraction, "--kv-mem-fraction", help="The rank's share for its KV cache of what is left after the rest."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema dp-runtime.plan/4)."),
     measure: bool = typer.Option(False, "--measure", help="Build the rank on this CUDA GPU; print predicted vs measured."),
 ) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from dp_runtime.options import DEFAULTS as D
 from launch.cli_errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -53,11 +54,12 @@ if TYPE_CHECKING:
 __all__ = ["check_launch", "check_run_options", "execute", "run"]
 
 def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_address: str | None = None,
-            max_restarts: int = 2, hang_timeout_s: float = 120.0, num_cpus: int | None = None,
+            max_restarts: int | None = None, hang_timeout_s: float | None = None, num_cpus: int | None = None,
             on_poll=None, on_phase: Callable[[str], None] | None = None, show_progress: bool = False,
             log_to_driver: bool = True, log_level: str | None = None, requests: list | None = None,
             started_at: float | None = None) -> RunReport:
-    """Run ``cfg`` with ``launcher`` and return the RunReport (what the CLI prints).
+    """Run ``cfg`` through one Engine (``engine_run.run_requests``) and return the RunReport
+    (what the CLI prints).
 
     The Ray path connects (or starts a private local cluster with ``num_cpus``, default
     ``max(dp, cpu count)``), resolves ``device`` against the cluster, and stops Ray again when it
@@ -65,10 +67,14 @@ def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_
     starts. The report's ``wall_s`` runs from ``started_at`` (a ``time.perf_counter()``; default:
     now) to the end, Ray's start and stop included; ``ray_start_s`` is starting or joining Ray.
     ``log_level``: the level of this project's logs in the Ray rank processes (None: Ray's).
+    ``max_restarts`` and ``hang_timeout_s`` default to the engine's (EngineOptions).
     Raises ValueError/WorkloadError for bad options, GangFailedError when restarts are exhausted,
     KeyboardInterrupt after cleaning up on Ctrl-C.
     """
     import os
+
+    from launch.engine_run import run_requests
+    from launch.engine_types import EngineOptions
 
     t0 = time.perf_counter() if started_at is None else started_at
     check_choice("--launcher", launcher, LAUNCHERS)
@@ -76,16 +82,20 @@ def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_
     if requests is None:
         requests = cfg.load_requests()  # before any cluster starts: a bad file fails fast
     phase = on_phase or (lambda text: None)
+    bounds = {k: v for k, v in dict(max_restarts=max_restarts, hang_timeout_s=hang_timeout_s).items()
+              if v is not None}
+    # The workload's own sampling fields rule: the checkpoint's generation defaults are a door's.
+    options = EngineOptions(launcher=launcher, ray_address=ray_address, show_progress=show_progress,
+                            sampling_defaults="none", log_to_driver=log_to_driver, log_level=log_level,
+                            **bounds)
     if launcher == "local":
-        from launch.local_launcher import launch_local
         from launch.process_group import resolve_device
 
         spec = cfg.spec(resolve_device(device))
-        report = launch_local(spec, requests, on_poll=on_poll, show_progress=show_progress, on_phase=on_phase)
-        return replace(report, wall_s=time.perf_counter() - t0, nodes=report.nodes or (_this_node(),))
+        report = run_requests(spec, requests, options, on_poll=on_poll, on_phase=on_phase)
+        return replace(report, wall_s=time.perf_counter() - t0)
 
     from launch.ray_cluster import cluster_device, connect_ray, joins_existing_cluster, stop_ray
-    from launch.ray_launcher import LaunchOptions, launch_ray
 
     cpus = num_cpus or max(cfg.dp, os.cpu_count() or 1)
     t_ray = time.perf_counter()
@@ -93,12 +103,12 @@ def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_
         phase(f"connecting to Ray ({ray_address or os.environ.get('RAY_ADDRESS')})")
     else:
         phase(f"starting Ray (a private local cluster, {cpus} CPUs)")
+    # Connected here, not by the engine: the ranks' device is the cluster's, known once joined.
     started = connect_ray(ray_address, num_cpus=cpus, log_to_driver=log_to_driver, log_level=log_level)
     ray_start_s = time.perf_counter() - t_ray
     try:
         spec = cfg.spec(cluster_device(device))
-        options = LaunchOptions(max_restarts=max_restarts, hang_timeout_s=hang_timeout_s, show_progress=show_progress)
-        report = launch_ray(spec, requests, options, on_poll=on_poll, on_phase=on_phase)
+        report = run_requests(spec, requests, options, on_poll=on_poll, on_phase=on_phase)
     finally:
         if started:
             phase("stopping Ray")
@@ -136,7 +146,7 @@ def _launch_logging(console: Any, as_json: bool, level: str):
 def run(
     dp: int = typer.Option(None, "--dp", show_default="2 with --launcher ray, 1 with local", help="DP ranks."),
     model: str = typer.Option("tiny", "--model", help="Preset name (tiny, qwen3-30b-a3b) or a HF checkpoint dir."),
-    dispatcher: str = typer.Option("auto", "--dispatcher", help="auto | local (one rank) | all_gather | all_to_all | flashinfer."),
+    dispatcher: str = typer.Option(D.dispatcher, "--dispatcher", help="auto | local (one rank) | all_gather | all_to_all | flashinfer."),
     requests: int = typer.Option(16, "--requests", help="Synthetic requests (ignored with --workload)."),
     prompt_len: int = typer.Option(32, "--prompt-len", help="Synthetic prompt length in tokens."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Tokens to generate per request."),
@@ -144,30 +154,30 @@ def run(
     launcher: str = typer.Option("ray", "--launcher", help="ray (one actor per rank) | local (1 rank, in-process)."),
     ray_address: str = typer.Option(None, "--ray-address", show_default="a private local cluster", help=(
         "'auto' joins the running cluster; or host:port (under ray job submit: the job's cluster).")),
-    max_restarts: int = typer.Option(None, "--max-restarts", show_default="2", help="Gang restarts allowed after a rank fails."),
+    max_restarts: int = typer.Option(None, "--max-restarts", show_default=str(D.max_restarts), help="Gang restarts allowed after a rank fails."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16."),
-    max_running_requests: int = typer.Option(64, "--max-running-requests", help="Decode batch cap per rank."),
-    chunked_prefill_size: int = typer.Option(2048, "--chunked-prefill-size", help="Prefill chunk in tokens per rank."),
-    schedule_policy: str = typer.Option("fcfs", "--schedule-policy", help=(
+    dtype: str = typer.Option(D.dtype, "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16."),
+    max_running_requests: int = typer.Option(D.max_running_requests, "--max-running-requests", help="Decode batch cap per rank."),
+    chunked_prefill_size: int = typer.Option(D.chunked_prefill_size, "--chunked-prefill-size", help="Prefill chunk in tokens per rank."),
+    schedule_policy: str = typer.Option(D.schedule_policy, "--schedule-policy", help=(
         "Admission order: fcfs (arrival) | lof (longest output first: the most --max-new-tokens).")),
-    mixed_step_tokens: str = typer.Option("auto", "--mixed-step-tokens", show_default="auto: the largest extend graph", help=(
+    mixed_step_tokens: str = typer.Option(str(D.mixed_step_tokens), "--mixed-step-tokens", show_default="auto: the largest extend graph", help=(
         "Most tokens of a mixed prefill+decode step, its decode rows included: 1..--chunked-prefill-size.")),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=(
+    kv_cache_dtype: str = typer.Option(D.kv_cache_dtype, "--kv-cache-dtype", help=(
         "KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes per token, "
         "twice the slots; K/V rounded to e4m3).")),
-    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help=(
+    prefix_caching: bool = typer.Option(D.prefix_caching, "--prefix-caching/--no-prefix-caching", help=(
         "Reuse the KV of prompt prefixes cached from earlier requests on the same rank.")),
-    quantization: str = typer.Option("none", "--quantization", help=(
+    quantization: str = typer.Option(D.quantization, "--quantization", help=(
         "Weights: none (as the checkpoint stores them; an FP8 checkpoint is served FP8) | fp8 "
         "(float weights quantized at load to FP8 in 128x128 blocks).")),
     context_len: int = typer.Option(None, "--context-len", show_default="min(model limit, 4096)",
                                     help="Longest prompt + output; a request over it is refused alone."),
-    hang_timeout: float = typer.Option(None, "--hang-timeout", show_default="120",
+    hang_timeout: float = typer.Option(None, "--hang-timeout", show_default=f"{D.hang_timeout_s:g}",
                                        help="Seconds without a step before a rank is hung."),
     num_cpus: int = typer.Option(None, "--num-cpus", show_default="max(dp, cores)",
                                  help="Logical CPUs of the private local Ray cluster (refused when joining one)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic workload and the random weights."),
+    seed: int = typer.Option(D.seed, "--seed", help="Seed of the synthetic workload and the random weights."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     with_results: bool = typer.Option(False, "--results", help="With --json: add every request's output ids."),
     log_level: str = typer.Option("warning", "--log-level", help="debug | info | warning | error (launcher, runtime and rank logs)."),
@@ -272,14 +282,6 @@ def _run(t0: float, o: dict[str, Any], debug: bool) -> int:
               file=sys.stderr, flush=True)
         return EXIT_REQUESTS_FAILED
     return 0
-
-
-def _this_node() -> str:
-    """This machine's hostname: where a local run's rank ran (no DNS lookup for its IP: a
-    machine whose hostname does not resolve would wait seconds for it)."""
-    import socket
-
-    return socket.gethostname()
 
 
 def _user_error(exc: BaseException, as_json: bool, debug: bool) -> int:

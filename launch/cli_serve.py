@@ -27,6 +27,7 @@ from typing import Any
 
 import typer
 
+from dp_runtime.options import DEFAULTS as D
 from launch.cli_errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -66,47 +67,47 @@ def serve(
         help="Default: a private local cluster; 'auto' or host:port joins a running one.",
     ),
     max_restarts: int = typer.Option(
-        None, "--max-restarts", help="Gang restarts allowed after a rank fails [default: 2]."
+        None, "--max-restarts", help=f"Gang restarts allowed after a rank fails [default: {D.max_restarts}]."
     ),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     dtype: str = typer.Option(
-        "auto",
+        D.dtype,
         "--dtype",
         help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16.",
     ),
     dispatcher: str = typer.Option(
-        "auto", "--dispatcher", help="auto | local | all_gather | all_to_all | flashinfer."
+        D.dispatcher, "--dispatcher", help="auto | local | all_gather | all_to_all | flashinfer."
     ),
     max_running_requests: int = typer.Option(
-        64, "--max-running-requests", help="Decode batch cap per rank."
+        D.max_running_requests, "--max-running-requests", help="Decode batch cap per rank."
     ),
     chunked_prefill_size: int = typer.Option(
-        2048, "--chunked-prefill-size", help="Prefill chunk in tokens per rank."
+        D.chunked_prefill_size, "--chunked-prefill-size", help="Prefill chunk in tokens per rank."
     ),
     schedule_policy: str = typer.Option(
-        "fcfs",
+        D.schedule_policy,
         "--schedule-policy",
         help="Admission order: fcfs (arrival) | lof (longest output first: the most max_tokens).",
     ),
     mixed_step_tokens: str = typer.Option(
-        "auto",
+        str(D.mixed_step_tokens),
         "--mixed-step-tokens",
         show_default="auto: the largest extend graph",
         help="Most tokens of a mixed prefill+decode step: 1..--chunked-prefill-size.",
     ),
     kv_cache_dtype: str = typer.Option(
-        "auto",
+        D.kv_cache_dtype,
         "--kv-cache-dtype",
         help="KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes "
         "per token, twice the slots; K/V rounded to e4m3).",
     ),
     prefix_caching: bool = typer.Option(
-        True,
+        D.prefix_caching,
         "--prefix-caching/--no-prefix-caching",
         help="Reuse the KV of prompt prefixes cached from earlier requests on the same rank.",
     ),
     quantization: str = typer.Option(
-        "none",
+        D.quantization,
         "--quantization",
         help="Weights: none (as the checkpoint stores them; an FP8 checkpoint is served FP8) | "
         "fp8 (float weights quantized at load to FP8 in 128x128 blocks).",
@@ -133,7 +134,7 @@ def serve(
         help="model: unset temperature/top_p/top_k/min_p/repetition_penalty take the checkpoint's "
         "generation_config.json values | none: OpenAI's defaults.",
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of a preset's random weights."),
+    seed: int = typer.Option(D.seed, "--seed", help="Seed of a preset's random weights."),
     log_level: str = typer.Option("warning", "--log-level", help="debug | info | warning | error."),
     debug: bool = typer.Option(False, "--debug", help="Print the traceback of an error."),
 ) -> None:

@@ -7,58 +7,44 @@ step through its ``on_output`` callback (``stream`` wraps that for asyncio, ``ge
 
 Lifetimes: a request is *in flight* from ``submit`` until its last output (``finished``): its
 rank finished it ("stop", "length"), failed it alone ("error"), or ``abort`` ended it ("abort").
-When a rank fails, every request in flight gets a last output with ``retryable`` set (the server
-answers 503) and, on Ray while ``max_restarts`` allows, a new gang comes up (state
-``restarting``, then ``ready``); a request is never run twice.
+When a rank fails (dies, raises, stops answering, or hangs: ``gang_faults``), every request in
+flight gets a last output with ``retryable`` set (the server answers 503; ``dp-runtime run``
+submits it again) and, on Ray while ``max_restarts`` allows, a new gang comes up (state
+``restarting``, then ``ready``); a request is never run twice. A gang that fails to set up is
+retried under the same budget; past it the engine is ``failed`` (``start`` raises
+GangFailedError). An engine starts once: a second ``start`` is refused.
 
-Threads: one poller per rank waits for that rank's outputs (``RankSession.poll``) and calls the
-callbacks; callbacks must be quick and must not call back into the engine while holding their
-own locks. Everything a caller may call is thread-safe.
+Threads: one poller per rank waits for its outputs (``RankSession.poll``) and calls the callbacks,
+which must be quick and not call into the engine under their own locks. All calls are thread-safe.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dp_runtime.model.sampling_defaults import SamplingDefaults, checkpoint_sampling_defaults
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.admission import check_request, refused_result
-from dp_runtime.serving.request import Request, RequestResult
+from dp_runtime.serving.request import Request
+from launch.engine_calls import generate_requests, stream_request
 from launch.engine_errors import EngineUnavailable, QueueFull, RequestRejected, rejection
+from launch.engine_live import Live, RankView, call_quietly
+from launch.engine_ranks import launch_with_retries
 from launch.engine_types import LAUNCHERS, EngineHealth, EngineOptions, EngineStats, RequestOutput
+from launch.gang_faults import HangWatch, gang_failed, name_failures, poll_failure
 from launch.prefix_routing import prefix_router
 from launch.rank_session import CLOSED, DONE, ERROR, RankStatus
+from launch.run_report import GangFailedError, RankFailure
 
 __all__ = ["LAUNCHERS", "Engine", "EngineHealth", "EngineOptions", "EngineStats", "EngineUnavailable",
            "QueueFull", "RequestOutput", "RequestRejected"]
 
 logger = logging.getLogger("launch")
-
-
-@dataclass(eq=False)
-class _Live:
-    request: Request
-    rank: int
-    on_output: Callable[[RequestOutput], None]
-    emitted: int = 0
-
-    @property
-    def outstanding(self) -> int:
-        """Tokens still to compute: the prompt until its first token, then what may follow."""
-        prompt = len(self.request.prompt_ids) if self.emitted == 0 else 0
-        return prompt + self.request.sampling.max_new_tokens - self.emitted
-
-
-@dataclass
-class _RankView:
-    metrics: dict[str, Any] = field(default_factory=dict)
-    routed: int = 0
 
 
 class Engine:
@@ -85,14 +71,20 @@ class Engine:
         self._capacity = spec.runtime.max_running_requests * self.world_size + self.options.max_queued
         self._lock = threading.Lock()  # guards everything below; messages are drawn and sent under it
         self._number = 0
-        self._live: dict[str, _Live] = {}
-        self._views = [_RankView() for _ in range(self.world_size)]
+        self._live: dict[str, Live] = {}
+        self._views = [RankView() for _ in range(self.world_size)]
         self._router = prefix_router(self.world_size, spec.runtime.prefix_caching)
         self._state, self._detail = "starting", ""
         self._restarts = 0
+        self._failures: list[RankFailure] = []
+        self._setup_s = 0.0
+        self._nodes: tuple[str, ...] = ()  # where the ranks of the latest gang run
         self._ranks: Any = None
         self._pollers: list[threading.Thread] = []
+        self._hangs = HangWatch(self.world_size, self.options.hang_timeout_s)
         self._ray_started = False
+        self._started = False
+        self._on_phase: Callable[[str], None] | None = None
 
     @property
     def capacity(self) -> int:
@@ -102,36 +94,52 @@ class Engine:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self, on_phase: Callable[[str], None] | None = None) -> Engine:
-        """Bring the ranks up and start serving; blocks until every rank is ready. Raises what
-        the launch raised (the engine is then stopped)."""
+        """Bring the ranks up and start serving; blocks until every rank is ready. A gang that
+        fails to set up is retried while ``max_restarts`` allows. Raises what the launch raised:
+        GangFailedError (restarts used up), SetupError (a rank no gang could build), ...; the
+        engine is then stopped (its ranks and a Ray cluster it started). Raises RuntimeError,
+        touching nothing, on an engine that was started before."""
+        with self._lock:
+            if self._started:
+                raise RuntimeError(f"Engine.start: this engine was started already (state {self._state!r}); "
+                                   f"an engine starts once: create a new Engine")
+            self._started, self._on_phase = True, on_phase
         try:
             if self.options.launcher == "ray":
+                import os
+
                 from launch.ray_cluster import connect_ray
 
-                cpus = self.options.ray_num_cpus or max(self.world_size, 1)
-                self._ray_started = connect_ray(self.options.ray_address, num_cpus=cpus)
-            self._ranks = self._launch(on_phase)
+                cpus = self.options.ray_num_cpus or max(self.world_size, os.cpu_count() or 1)
+                self._ray_started = connect_ray(self.options.ray_address, num_cpus=cpus,
+                                                log_to_driver=self.options.log_to_driver,
+                                                log_level=self.options.log_level)
+            ranks = self._launch_gang()
         except BaseException:
             self._set_state("failed", "start-up failed")
             self._stop_ray()
             raise
-        self._start_pollers(self._ranks)
-        self._set_state("ready")
+        with self._lock:
+            self._ranks, self._state, self._nodes = ranks, "ready", tuple(ranks.nodes)
+        self._start_pollers(ranks)
         return self
 
-    def _launch(self, on_phase: Callable[[str], None] | None) -> Any:
-        from launch.engine_ranks import LocalRanks, RayRanks
+    def _launch_gang(self) -> Any:
+        """A gang that is up (``engine_ranks.launch_with_retries``: failed tries are recorded and
+        count as restarts)."""
+        t = time.perf_counter()
+        try:
+            ranks, self._restarts = launch_with_retries(self.spec, self.options, self._restarts,
+                                                        self._on_phase, self._failures)
+        finally:
+            self._setup_s += time.perf_counter() - t
+        return ranks
 
-        if self.options.launcher == "local":
-            return LocalRanks(self.spec, on_phase=on_phase)
-        from launch.gang import GangOptions
-
-        o = self.options
-        gang = GangOptions(device=self.spec.runtime.device.type, cpus_per_rank=o.cpus_per_rank,
-                           setup_timeout_s=o.setup_timeout_s, rpc_timeout_s=o.rpc_timeout_s)
-        return RayRanks(self.spec, gang, attempt=self._restarts)
+    def _may_restart(self) -> bool:
+        return self.options.launcher == "ray" and self._restarts < self.options.max_restarts
 
     def _start_pollers(self, ranks: Any) -> None:
+        self._hangs = HangWatch(self.world_size, self.options.hang_timeout_s)
         self._pollers = [threading.Thread(target=self._poll_loop, args=(ranks, r), daemon=True,
                                           name=f"engine-poll-{r}") for r in range(self.world_size)]
         for t in self._pollers:
@@ -147,12 +155,12 @@ class Engine:
             ranks, self._state = self._ranks, "stopping"
         timeout = self.options.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + timeout
-        while self._in_flight() and time.monotonic() < deadline:
+        while len(self._live) and time.monotonic() < deadline:
             time.sleep(0.01)
         for rid in list(self._live):
             self.abort(rid)
         deadline = time.monotonic() + 5.0
-        while self._in_flight() and time.monotonic() < deadline:  # the aborts' results
+        while len(self._live) and time.monotonic() < deadline:  # the aborts' results
             time.sleep(0.01)
         if ranks is not None:
             with self._lock:
@@ -174,6 +182,8 @@ class Engine:
         if self._ray_started:
             from launch.ray_cluster import stop_ray
 
+            if self._on_phase is not None:
+                self._on_phase("stopping Ray")
             stop_ray()
             self._ray_started = False
 
@@ -205,7 +215,8 @@ class Engine:
                 raise QueueFull(f"{len(self._live)} requests in flight, the limit is {self._capacity} "
                                 f"(max_running_requests x ranks + max_queued)", retry_after_s=1.0)
             rank = self._pick_rank(request.prompt_ids)
-            self._live[request.rid] = _Live(request, rank, on_output)
+            due = time.monotonic() + request.arrival_s
+            self._live[request.rid] = Live(request, rank, on_output, due)
             self._views[rank].routed += 1
             self._number += 1
             confirm = self._ranks.submit(rank, [request], self._number)
@@ -240,47 +251,10 @@ class Engine:
             self._ranks.abort(live.rank, [rid], self._number)
         return True
 
-    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Submit ``request`` and yield its outputs in this event loop; leaving early (break,
-        ``aclose``, cancellation) aborts it. Raises what ``submit`` raises."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.submit(request, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:
-                self.abort(request.rid)
-
-    def generate(self, requests: Sequence[Request], timeout_s: float | None = None) -> list[RequestResult]:
-        """Submit ``requests`` and wait for all of them; their results in order. Raises what
-        ``submit`` raises (requests already submitted are aborted) or TimeoutError."""
-        results: dict[str, RequestResult] = {}
-        done = threading.Event()
-
-        def on_output(out: RequestOutput) -> None:
-            if out.finished:
-                results[out.rid] = out.result
-                if len(results) == len(requests):
-                    done.set()
-
-        submitted = []
-        try:
-            for r in requests:
-                self.submit(r, on_output)
-                submitted.append(r.rid)
-        except BaseException:
-            for rid in submitted:
-                self.abort(rid)
-            raise
-        if requests and not done.wait(timeout_s):
-            raise TimeoutError(f"generate: {len(requests) - len(results)} of {len(requests)} requests "
-                               f"unfinished after {timeout_s} s")
-        return [results[r.rid] for r in requests]
+    # The waiting forms of submit (engine_calls.py): ``stream(request)``, an async iterator of the
+    # request's outputs; ``generate(requests, timeout_s=None)``, their results in order.
+    stream = stream_request
+    generate = generate_requests
 
     # -- outputs ----------------------------------------------------------------------------------
     def _poll_loop(self, ranks: Any, rank: int) -> None:
@@ -289,18 +263,25 @@ class Engine:
                 st = ranks.poll(rank, self.options.poll_timeout_s)
             except Exception as e:
                 if self._ranks is ranks and self._state not in ("stopping", "stopped"):
-                    self._rank_failed(ranks, rank, f"{type(e).__name__}: {e}")
+                    self._rank_failed(ranks, rank, *poll_failure(e))
                 return
             self._deliver(rank, st)
             if st.state == ERROR:
-                last = (st.error or "").strip().splitlines()
-                self._rank_failed(ranks, rank, last[-1] if last else "its step loop raised")
+                last = [ln.strip() for ln in (st.error or "").splitlines() if ln.strip()]
+                self._rank_failed(ranks, rank, "error", last[-1] if last else "its step loop raised",
+                                  st.error or "")
                 return
             if st.state in (DONE, CLOSED):
                 return
+            with self._lock:  # every rank steps while some request in flight has arrived
+                due = any(live.due <= time.monotonic() for live in self._live.values())
+            hung = self._hangs.hung(rank, st.steps, due)
+            if hung is not None and self._ranks is ranks:
+                self._rank_failed(ranks, rank, "hung", hung, also_hung=self._hangs.stopped_with(rank))
+                return
 
     def _deliver(self, rank: int, st: RankStatus) -> None:
-        outs: list[tuple[_Live, RequestOutput]] = []
+        outs: list[tuple[Live, RequestOutput]] = []
         finished = {res.rid for res in st.results}
         with self._lock:
             self._views[rank].metrics = dict(st.metrics)
@@ -317,32 +298,54 @@ class Engine:
                     outs.append((live, RequestOutput(res.rid, res.output_ids[live.emitted:], True, res,
                                                      new_logprobs=lps)))
         for live, out in outs:
-            _call(live.on_output, out)
+            call_quietly(live.on_output, out)
 
-    def _rank_failed(self, ranks: Any, rank: int, reason: str) -> None:
+    def _rank_failed(self, ranks: Any, rank: int, kind: str, reason: str, detail: str = "",
+                     also_hung: Sequence[tuple[int, str]] = ()) -> None:
+        """A rank of the live gang failed: refuse new requests, end those in flight (retryable),
+        name every failed rank (a probe finds the dead ones), kill the gang, and restart it
+        while ``max_restarts`` allows."""
         with self._lock:
             if self._ranks is not ranks:  # another poller of this gang got here first
                 return
-            self._ranks = None
-            can_restart = self.options.launcher == "ray" and self._restarts < self.options.max_restarts
-            self._state = "restarting" if can_restart else "failed"
-            self._detail = f"rank {rank} failed: {reason}"
-        logger.error("engine: rank %d failed: %s", rank, reason)
+            self._ranks, can_restart = None, self._may_restart()
+            self._state, self._detail = "restarting" if can_restart else "failed", f"rank {rank} failed: {reason}"
+        logger.error("engine: rank %d %s: %s", rank, kind, reason)
         self._fail_in_flight(f"rank {rank} failed: {reason}")
+        failure = RankFailure(self._restarts, rank, kind, reason, detail=detail)
+        failures = name_failures(ranks, failure, self.options.probe_timeout_s, also_hung)
+        for f in failures:
+            logger.warning("engine: rank failure: %s", f.describe())
         if hasattr(ranks, "kill"):
             ranks.kill()
+        else:
+            with contextlib.suppress(Exception):  # an in-process rank whose loop raised
+                ranks.close(timeout_s=5.0)
+        with self._lock:
+            self._failures.extend(failures)
+            if not can_restart:
+                self._detail = str(gang_failed(self._failures, self._restarts, self.options.max_restarts))
         if can_restart:
             threading.Thread(target=self._restart, daemon=True, name="engine-restart").start()
 
     def _restart(self) -> None:
         self._restarts += 1
+        logger.warning("engine: restarting the gang (restart %d of %d)", self._restarts,
+                       self.options.max_restarts)
         try:
-            ranks = self._launch(None)
-        except Exception as e:
-            self._set_state("failed", f"the restart failed: {type(e).__name__}: {e}")
+            ranks = self._launch_gang()
+        except Exception as e:  # a shutdown meanwhile keeps its own state
+            detail = str(e) if isinstance(e, GangFailedError) else f"the restart failed: {type(e).__name__}: {e}"
+            with self._lock:
+                if self._state == "restarting":
+                    self._state, self._detail = "failed", detail
             return
         with self._lock:
-            self._ranks, self._views = ranks, [_RankView() for _ in range(self.world_size)]
+            if self._state != "restarting":  # shut down meanwhile
+                ranks.kill() if hasattr(ranks, "kill") else None
+                return
+            self._ranks, self._views = ranks, [RankView() for _ in range(self.world_size)]
+            self._nodes = tuple(ranks.nodes)
             self._router = prefix_router(self.world_size, self.spec.runtime.prefix_caching)
             self._state, self._detail = "ready", ""
         self._start_pollers(ranks)
@@ -353,16 +356,12 @@ class Engine:
         for live in lost:
             r = live.request
             res = refused_result(r, f"request {r.rid!r}: {reason}", rank=live.rank)
-            _call(live.on_output, RequestOutput(r.rid, (), True, res, retryable=True))
+            call_quietly(live.on_output, RequestOutput(r.rid, (), True, res, retryable=True))
 
     # -- state ------------------------------------------------------------------------------------
     def _set_state(self, state: str, detail: str = "") -> None:
         with self._lock:
             self._state, self._detail = state, detail
-
-    def _in_flight(self) -> int:
-        with self._lock:
-            return len(self._live)
 
     def health(self) -> EngineHealth:
         with self._lock:
@@ -374,13 +373,11 @@ class Engine:
             ranks = tuple({**v.metrics, "rank": r, "outstanding_tokens": load[r], "in_flight": count[r],
                            "routed_requests": v.routed} for r, v in enumerate(self._views))
             running = sum(int(v.metrics.get("running", 0)) for v in self._views)
-            return EngineStats(ranks, self._restarts, max(0, len(self._live) - running))
+            return EngineStats(ranks, self._restarts, max(0, len(self._live) - running),
+                               tuple(self._failures), self._nodes, self._setup_s)
 
-
-def _call(callback: Callable[[RequestOutput], None], out: RequestOutput) -> None:
-    # A failing callback (a closed client's queue, say) must not stop the poller: the other
-    # requests of the step still need their outputs.
-    try:
-        callback(out)
-    except Exception:
-        logger.exception("engine: the output callback of request %r raised", out.rid)
+    def rank_handles(self) -> tuple[Any, ...]:
+        """The live gang's rank actors by rank (Ray; () for the in-process rank or no gang): for
+        tests and tools that act on one rank (kill it)."""
+        with self._lock:
+            return tuple(getattr(self._ranks, "actors", ()))

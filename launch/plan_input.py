@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dp_runtime.model.model_config import PRESETS
+from dp_runtime.options import DEFAULTS
 from dp_runtime.rank_spec import RankSpec
 from launch.gpu_specs import GPUS
 
@@ -16,7 +17,9 @@ __all__ = ["PlanInput"]
 
 @dataclass(frozen=True)
 class PlanInput:
-    """What the planner takes.
+    """What the planner takes (the options it shares with ``run``/``serve`` default as theirs:
+    ``dp_runtime/options.py``; ``dtype`` is bfloat16, what ``auto`` means on the CUDA rank a plan
+    sizes).
 
     - ``model``: a preset (``tiny``, ``qwen3-30b-a3b``), a checkpoint directory, or its
       ``config.json``.
@@ -40,21 +43,21 @@ class PlanInput:
 
     model: str = "qwen3-30b-a3b"
     dtype: str = "bfloat16"
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = DEFAULTS.kv_cache_dtype
     dp_size: int = 1
     ep_size: int | None = None
     gpu_mem_bytes: int = GPUS["h100"].mem_bytes
     gpu_name: str | None = GPUS["h100"].name
     nvlink: bool = True
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 8192
+    max_running_requests: int = DEFAULTS.max_running_requests
+    chunked_prefill_size: int = DEFAULTS.chunked_prefill_size
     cuda_graph_bs: tuple[int, ...] | str = "auto"
-    context_len: int | None = None
-    dispatcher: str = "auto"
+    context_len: int | None = DEFAULTS.context_len
+    dispatcher: str = DEFAULTS.dispatcher
     use_cuda_graph: bool | None = None
     kv_tokens_per_request: int | None = None
-    kv_mem_fraction: float = RankSpec.kv_mem_fraction
-    quantization: str = "none"
+    kv_mem_fraction: float = DEFAULTS.kv_mem_fraction
+    quantization: str = DEFAULTS.quantization
 
     def __post_init__(self) -> None:
         if self.gpu_mem_bytes <= 0:

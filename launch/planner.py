@@ -141,7 +141,7 @@ def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> Capac
         nccl_bytes=ms.nccl_overhead_bytes(rt.dp_size, rt.ep_size),
         cuda_context_bytes=ms.cuda_context_bytes("cuda"),
     )
-    transient = dispatcher in ms.TRANSIENT_WORKSPACE_DISPATCHERS
+    transient = ms.dispatcher_transient(dispatcher)
     gpu = inp.gpu_mem_bytes
     # What the rank holds when it sizes its KV cache: not the graphs (captured after it), not the
     # step's transients (a transient workspace is one of them), not the cache.

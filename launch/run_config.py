@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.model.quant_config import QUANTIZATION_CHOICES
+from dp_runtime.options import Options
 from launch.cli_errors import UsageError, check_choice
 
 if TYPE_CHECKING:
@@ -42,25 +43,16 @@ _COUNTS = ("dp", "requests", "prompt_len", "max_new_tokens", "max_running_reques
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Options):
+    """The shared ``Options`` (their defaults: ``dp_runtime/options.py``) and what starts them
+    here: the model, the ranks, and ``run``'s synthetic workload."""
+
     dp: int = 2
     model: str = "tiny"
-    dispatcher: str = "auto"
     requests: int = 16
     prompt_len: int = 32
     max_new_tokens: int = 16
     workload: str | None = None
-    dtype: str = "auto"
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 2048
-    seed: int = 0
-    dp_sync_timeout_s: float = 120.0
-    context_len: int | None = None  # longest prompt + output; None: the model's limit, capped at 4096
-    schedule_policy: str = "fcfs"  # admission order: fcfs (arrival) | lof (longest output first)
-    mixed_step_tokens: int | str = "auto"  # a mixed step's token budget; auto: the largest extend graph
-    kv_cache_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | fp8_e4m3 (alias fp8)
-    prefix_caching: bool = True  # reuse the K/V of cached prompt prefixes (per rank)
-    quantization: str = "none"  # none (weights as stored) | fp8 (quantized at load: model.quant_config)
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -111,6 +103,7 @@ class RunConfig:
             schedule_policy=self.schedule_policy, mixed_step_tokens=self.mixed_step_tokens,
             kv_cache_dtype=self.kv_cache_dtype, prefix_caching=self.prefix_caching,
             quantization=self.quantization,
+            kv_mem_fraction=self.kv_mem_fraction,
         )
 
     def model_config(self) -> ModelConfig:

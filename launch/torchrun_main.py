@@ -135,9 +135,9 @@ def _parser() -> argparse.ArgumentParser:
                    "bytes per token, twice the slots; K/V rounded to e4m3)")
     p.add_argument("--quantization", default=d.quantization,
                    help="weights: none (as stored; an FP8 checkpoint is served FP8) | fp8 (quantized at load)")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                    help="reuse the KV of prompt prefixes cached from earlier requests on the same rank")
-    p.add_argument("--context-len", type=int, default=None, help="longest prompt + output (default: "
+    p.add_argument("--context-len", type=int, default=d.context_len, help="longest prompt + output (default: "
                    "min(model limit, 4096)); a request over it is refused alone")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--pg-timeout", type=float, default=process_group.DEFAULT_TIMEOUT_S,

@@ -14,8 +14,8 @@ from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.admission import admit, check_request
 from dp_runtime.serving.request import Request, SamplingParams
 from launch.engine_errors import rejection
-from launch.local_launcher import launch_local
 from launch.torchrun_main import run_torchrun
+from tests.support.engine_runs import run_local
 
 VOCAB = 256  # the tiny preset's
 # A temperature that passes every rule (finite, > 0) yet makes the draw fail: logits / T
@@ -161,7 +161,7 @@ def test_request_failing_in_a_step_fails_alone():
 
 def test_local_launcher_answers_a_refused_request_with_its_error():
     reqs = [*_good(2), Request("over", [VOCAB]), Request("long", [1] * 60, SamplingParams(max_new_tokens=8))]
-    report = launch_local(_spec(), reqs)
+    report = run_local(_spec(), reqs)
     assert [r.rid for r in report.results] == ["g0", "g1", "over", "long"]
     res = {r.rid: r for r in report.results}
     assert res["g0"].ok and len(res["g0"].output_ids) == 4

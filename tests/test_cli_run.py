@@ -18,12 +18,12 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from launch.cli import app, main
-from launch.local_launcher import launch_local
 from launch.rank_phases import summarize_phases
 from launch.report_view import RunProgress
 from launch.run_config import DISPATCHERS, DTYPES, KV_CACHE_DTYPES, SCHEDULE_POLICIES, RunConfig
 from launch.run_report import PollEvent
 from tests.support.cli_probe import ENV, REPO, probe_cli
+from tests.support.engine_runs import run_local
 
 
 def _probe(cases: list[list[str]]) -> dict:
@@ -45,11 +45,11 @@ BAD_OPTIONS = [
     (["--model", "qwen3-7b"], "--model 'qwen3-7b' is neither a preset"),
     (["--schedule-policy", "sjf"], "--schedule-policy must be one of fcfs, lof; got 'sjf'"),
     (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype must be one of auto, fp8, fp8_e4m3; got 'fp8_e5m2'"),
-    (["--mixed-step-tokens", "0"], "--mixed-step-tokens must be auto or an integer in [1, 2048] "
+    (["--mixed-step-tokens", "0"], "--mixed-step-tokens must be auto or an integer in [1, 8192] "
                                    "(at most --chunked-prefill-size), got 0"),
     (["--chunked-prefill-size", "64", "--mixed-step-tokens", "65"],
      "--mixed-step-tokens must be auto or an integer in [1, 64] (at most --chunked-prefill-size), got 65"),
-    (["--mixed-step-tokens", "many"], "--mixed-step-tokens must be auto or an integer in [1, 2048]"),
+    (["--mixed-step-tokens", "many"], "--mixed-step-tokens must be auto or an integer in [1, 8192]"),
     (["--dp", "x"], "Invalid value for '--dp'"),
     (["--bogus"], "No such option: --bogus"),
 ]
@@ -134,7 +134,7 @@ def test_option_names_match_the_runtime():
 def test_local_run_reports_phases_and_counts_tokens_while_running():
     cfg = RunConfig(dp=1, requests=3, prompt_len=8, max_new_tokens=40, max_running_requests=4)
     phases, events = [], []
-    report = launch_local(cfg.spec("cpu"), cfg.load_requests(), poll_interval_s=0.005,
+    report = run_local(cfg.spec("cpu"), cfg.load_requests(), poll_interval_s=0.005,
                           on_poll=events.append, on_phase=phases.append)
     assert phases == ["loading weights", "warming up the dispatcher", "running"]
     tokens = [e.tokens for e in events]

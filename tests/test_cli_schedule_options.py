@@ -71,5 +71,5 @@ def test_the_torchrun_entry_checks_them_before_the_group(monkeypatch, capsys):
     monkeypatch.delenv("RANK", raising=False)
     assert torchrun_main.main(["--schedule-policy", "lof", "--mixed-step-tokens", "x"]) == 2
     err = capsys.readouterr().err
-    assert err == ("error: --mixed-step-tokens must be auto or an integer in [1, 2048] (at most "
+    assert err == ("error: --mixed-step-tokens must be auto or an integer in [1, 8192] (at most "
                    "--chunked-prefill-size), got 'x'\n")

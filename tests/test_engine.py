@@ -135,6 +135,28 @@ def test_abort_ends_a_stream_and_frees_its_kv(engine, prompts):
     _wait_idle(engine)
 
 
+def test_a_second_start_is_refused_and_the_first_gang_serves_on(engine, prompts, reference):
+    """Before: a second start built a second rank in this process and orphaned the first."""
+    with pytest.raises(RuntimeError, match=r"started already .*'ready'.*create a new Engine"):
+        engine.start()
+    assert engine.health().state == "ready" and len(engine.stats().ranks) == 1
+    (res,) = engine.generate(_reqs(prompts[:1], prefix="again"), timeout_s=60)
+    assert list(res.output_ids) == reference[0]
+
+
+def test_generate_aborts_what_it_timed_out_on(engine, prompts):
+    """Requests that arrive a minute after submit cannot finish within the timeout; generate
+    gives up on them and aborts them, so the rank drops them instead of running them for nobody
+    (before: they stayed in flight on the rank)."""
+    _wait_idle(engine)
+    late = [Request(f"t{i}", p, SamplingParams(max_new_tokens=4), arrival_s=60.0)
+            for i, p in enumerate(prompts[:2])]
+    with pytest.raises(TimeoutError, match=r"2 of 2 requests unfinished after 0.2 s .aborted"):
+        engine.generate(late, timeout_s=0.2)
+    _wait_idle(engine)  # in flight 0 within seconds: the rank dropped them
+    assert engine.stats().ranks[0]["waiting"] == 0
+
+
 def test_the_door_refuses_bad_fields_by_name(engine):
     cases = [
         (Request("x", (1, 256)), "prompt_ids", "vocab_size=256"),

@@ -41,6 +41,10 @@ def test_two_ranks_serve_concurrent_requests_and_survive_a_killed_rank(setup):
         assert [list(r.output_ids) for r in results] == reference
         assert {r.rank for r in results} == {0, 1}  # least-outstanding routing used both ranks
         assert [s["routed_requests"] for s in eng.stats().ranks] == [4, 4]
+        # A second start is refused before it touches Ray: no second gang, the first serves on.
+        with pytest.raises(RuntimeError, match="started already"):
+            eng.start()
+        assert eng.health().ok and len(eng.rank_handles()) == 2
 
         time.sleep(0.5)  # every rank asleep; one request wakes them all
         late = eng.generate([Request("late", prompts[2], SamplingParams(max_new_tokens=NEW))], timeout_s=60)
@@ -70,7 +74,7 @@ def test_two_ranks_serve_concurrent_requests_and_survive_a_killed_rank(setup):
         eng.submit(Request("doomed", prompts[0], SamplingParams(max_new_tokens=50)), outs.append)
         while not outs:
             time.sleep(0.005)
-        ray.kill(eng._ranks._gang.actors[1], no_restart=True)  # a real actor death
+        ray.kill(eng.rank_handles()[1], no_restart=True)  # a real actor death
         deadline = time.monotonic() + 60
         while not (outs[-1].finished) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -87,4 +91,56 @@ def test_two_ranks_serve_concurrent_requests_and_survive_a_killed_rank(setup):
             time.sleep(0.05)
         assert refused > 0 and eng.health().ok and eng.stats().restarts == 1
         again = eng.generate([Request("again", prompts[1], SamplingParams(max_new_tokens=NEW))], timeout_s=60)
+        assert list(again[0].output_ids) == reference[1]
+
+
+def _hang_once_factory(marker: str):
+    """Real RankWorkers; in the first gang (no ``marker`` file yet) rank 1's first step with a
+    request of its own never returns. Shipped to the actors by value."""
+    import os
+    import threading
+
+    def make(spec, rank, world):
+        from dp_runtime.rank_worker import RankWorker
+
+        worker = RankWorker(spec, rank=rank, world_size=world)
+        if rank == 1 and not os.path.exists(marker):
+            step = worker.step
+
+            def hanging_step():
+                if worker.scheduler.num_waiting or worker.scheduler.running:
+                    open(marker, "w").close()
+                    threading.Event().wait()
+                return step()
+
+            worker.step = hanging_step
+        return worker
+
+    return make
+
+
+def test_a_hung_gang_is_restarted_by_the_engine(setup, tmp_path):
+    """What serve gets from the engine: rank 1 hangs in a step (its peer waits in the step's
+    collective, both answer polls); past hang_timeout_s the requests in flight end retryable, the
+    gang is replaced, and the new one serves. Before: only `run` noticed hung ranks."""
+    ckpt, prompts, reference = setup
+    spec = RankSpec.create(str(ckpt), dp_size=2, ep_size=2, max_running_requests=4, chunked_prefill_size=16,
+                           dtype="float32", device="cpu", max_context_len=64, dp_sync_timeout_s=60.0)
+    options = EngineOptions(launcher="ray", max_restarts=1, ray_num_cpus=2, hang_timeout_s=2.0,
+                            worker_factory=_hang_once_factory(str(tmp_path / "hung")))
+    with Engine(spec, options).start() as eng:
+        outs = []
+        for i in range(2):  # one per rank: rank 1 gets one of them
+            eng.submit(Request(f"h{i}", prompts[i], SamplingParams(max_new_tokens=NEW)), outs.append)
+        deadline = time.monotonic() + 90
+        while eng.stats().restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ended = [o for o in outs if o.finished]
+        assert len(ended) == 2 and all(o.retryable for o in ended), ended
+        failures = eng.stats().failures
+        assert (1, "hung") in {(f.rank, f.kind) for f in failures}, failures
+        assert "no step completed for 2 s" in next(f.message for f in failures if f.rank == 1)
+        while eng.health().state != "ready" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        again = eng.generate([Request("after", prompts[1], SamplingParams(max_new_tokens=NEW))], timeout_s=60)
         assert list(again[0].output_ids) == reference[1]

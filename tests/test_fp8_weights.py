@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from dp_runtime import memory_sizing as ms
-from dp_runtime.model.fp8_blocks import FP8_MAX, Fp8BlockWeight, dequantize_blocks, quantize_blocks, scale_shape
+from dp_runtime.model.fp8_blocks import (
+    FP8_MAX,
+    Fp8BlockWeight,
+    dequantize_blocks,
+    quantize_blocks,
+    scale_shape,
+)
 from dp_runtime.model.model_config import ModelConfig, ModelConfigError
 from dp_runtime.model.quant_config import QuantConfig, with_quantization
 from dp_runtime.model.weight_groups import layer_groups
@@ -49,7 +55,7 @@ def test_weight_views_and_their_alignment():
     assert torch.equal(rows.dequantize(), w.select(1).dequantize()[128:384])
     with pytest.raises(ValueError, match=r"rows\(64, 128\): not aligned to 128-row blocks"):
         w.rows(64, 128)
-    with pytest.raises(ValueError, match="scales must be torch.float32"):
+    with pytest.raises(ValueError, match=r"scales must be torch\.float32"):
         Fp8BlockWeight(w.values, w.scales.double())
 
 

@@ -1,5 +1,5 @@
 """A request that fits the context but not a rank's KV cache fails alone, with its error, and
-never the job: through ``launch_local`` and ``launch_ray`` (a Ray local cluster on loopback)
+never the job: through the engine on one in-process rank and on a Ray gang (a Ray local cluster on loopback)
 alike. Before: the rank's ``submit`` raised ValueError for the whole batch and the Ray launcher
 refused the job, losing every other request.
 
@@ -11,7 +11,7 @@ import pytest
 
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request, SamplingParams
-from launch.local_launcher import launch_local
+from tests.support.engine_runs import run_local
 
 # 55 KV tokens: within the context of 64, over the KV cache of 50 token slots per rank.
 BIG = Request("big", [5] * 48, SamplingParams(max_new_tokens=8))
@@ -41,25 +41,23 @@ def _check(report, reference: dict[str, tuple[int, ...]], ranks: tuple[int, ...]
 
 @pytest.fixture(scope="module")
 def reference():
-    return {r.rid: r.output_ids for r in launch_local(_spec(1), _good(6)).results}
+    return {r.rid: r.output_ids for r in run_local(_spec(1), _good(6)).results}
 
 
 def test_launch_local_fails_the_request_alone(reference):
     good = _good(6)
-    _check(launch_local(_spec(1, kv_cache_tokens=50), [*good[:2], BIG, *good[2:]]), reference, (0,))
+    _check(run_local(_spec(1, kv_cache_tokens=50), [*good[:2], BIG, *good[2:]]), reference, (0,))
 
 
 def test_launch_ray_fails_the_request_alone(reference):
     ray = pytest.importorskip("ray")
-    from launch.ray_launcher import LaunchOptions, launch_ray
+    from tests.support.engine_runs import run_ray
 
     # address="local": a private cluster even if another test left one running on this machine
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
         good = _good(6)
-        opts = LaunchOptions(max_restarts=0, poll_interval_s=0.05, rpc_timeout_s=20.0, setup_timeout_s=60.0,
-                             pg_timeout_s=30.0)
-        report = launch_ray(_spec(2, kv_cache_tokens=50), [*good[:2], BIG, *good[2:]], opts)
+        report = run_ray(_spec(2, kv_cache_tokens=50), [*good[:2], BIG, *good[2:]], max_restarts=0)
     finally:
         ray.shutdown()
     assert report.restarts == 0 and report.failures == ()

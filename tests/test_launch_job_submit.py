@@ -40,8 +40,8 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("aiohttp")  # ray[default]: the dashboard and its job server
 
-from launch.local_launcher import launch_local
 from launch.run_config import RunConfig
+from tests.support.engine_runs import run_local
 from tests.support.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,7 +148,7 @@ def test_ray_job_submit_runs_the_cli_with_world_size_one_tokens(head_node):
     assert out["launcher"] == "ray" and out["world_size"] == 2 and out["restarts"] == 0
     assert out["per_rank_requests"] == {"0": 2, "1": 2}
     cfg = RunConfig(dp=1, requests=4)
-    reference = launch_local(cfg.spec("cpu"), cfg.load_requests())
+    reference = run_local(cfg.spec("cpu"), cfg.load_requests())
     assert out["results"] == {r.rid: list(r.output_ids) for r in reference.results}
 
 

@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from dp_runtime.serving.request import RequestResult
 from launch.cli import app
-from launch.local_launcher import launch_local
 from launch.rank_session import RankSession
 from launch.run_config import RunConfig
 from launch.run_report import RunReport, percentile, summarize
 from launch.workload import SyntheticWorkload
+from tests.support.engine_runs import run_local
 
 
 class _FakeWorker:
@@ -109,14 +109,14 @@ def test_session_logs_the_error_before_it_reports_it(caplog):
 def test_local_launcher_runs_the_tiny_model():
     cfg = RunConfig(dp=1, requests=6, prompt_len=12, max_new_tokens=5, max_running_requests=4)
     requests = cfg.load_requests()
-    report = launch_local(cfg.spec("cpu"), requests)
+    report = run_local(cfg.spec("cpu"), requests)
     assert [r.rid for r in report.results] == [r.rid for r in requests]
     assert all(len(r.output_ids) == 5 and r.rank == 0 for r in report.results)
     s = summarize(report)
     assert (s.requests, s.output_tokens, s.per_rank_requests, s.restarts) == (6, 30, {0: 6}, 0)
     assert s.throughput_tok_s > 0 and s.latency_p99_s >= s.latency_p50_s >= s.ttft_p50_s > 0
     with pytest.raises(ValueError, match="local launcher runs world size 1"):
-        launch_local(RunConfig(dp=2).spec("cpu"), requests)
+        run_local(RunConfig(dp=2).spec("cpu"), requests)
 
 
 def test_summary_of_an_empty_report_is_json_safe():

@@ -1,9 +1,10 @@
-"""The Ray launcher on Ray's own two-node test cluster on this machine (one per module, 2 CPUs a
-node): 2 ranks over gloo give the tokens of world size 1 and report their start-up phases and
-token counts; 4 ranks span both nodes, node by node, with the tokens of world size 1, and
-killing every rank of one node restarts the gang with every request answered once; a killed
-rank actor is restarted with the gang; a hung or failing rank is named; the CLI's Ray path; the
-serving benchmark's Ray path."""
+"""`dp-runtime run`'s driver (``engine_run.run_requests``: a batch through the Engine) on Ray's own
+two-node test cluster on this machine (one per module, 2 CPUs a node): 2 ranks over gloo give the
+tokens of world size 1 and report their start-up phases and token counts; 4 ranks span both
+nodes, node by node, with the tokens of world size 1, and killing every rank of one node
+restarts the gang with every request answered once; a killed rank actor is restarted with the
+gang and its requests are submitted again; a hung or failing rank (a real worker with a fault
+injected) is named; the CLI's Ray path; the serving benchmark's Ray path."""
 
 from __future__ import annotations
 
@@ -18,16 +19,14 @@ from typer.testing import CliRunner  # noqa: E402
 
 from dp_runtime.rank_spec import RankSpec  # noqa: E402
 from launch.cli import app  # noqa: E402
-from launch.local_launcher import launch_local  # noqa: E402
-from launch.ray_launcher import LaunchOptions, launch_ray  # noqa: E402
 from launch.run_config import RunConfig  # noqa: E402
 from launch.run_report import GangFailedError  # noqa: E402
+from tests.support.engine_runs import run_local, run_ray  # noqa: E402
 
 # Long enough that a kill lands mid-run: each rank runs 16 requests 2 at a time, 8 waves of 32
 # decode steps, while the first results arrive after the first wave.
 CFG = RunConfig(dp=2, requests=32, prompt_len=12, max_new_tokens=32, max_running_requests=2,
                 chunked_prefill_size=64, dp_sync_timeout_s=10.0)
-FAST = dict(poll_interval_s=0.05, rpc_timeout_s=20.0, setup_timeout_s=60.0, pg_timeout_s=30.0)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +51,7 @@ def cluster():
 def reference():
     """Tokens of every request at world size 1, in this process."""
     one = RunConfig(**{**CFG.__dict__, "dp": 1, "max_running_requests": 32})
-    report = launch_local(one.spec("cpu"), one.load_requests())
+    report = run_local(one.spec("cpu"), one.load_requests())
     return {r.rid: r.output_ids for r in report.results}
 
 
@@ -66,8 +65,7 @@ def test_two_ranks_give_the_tokens_of_one(cluster, reference):
         if not history:
             history.extend(ray.get([a.phases.remote() for a in event.actors], timeout=20))
 
-    report = launch_ray(cfg.spec("cpu"), requests, LaunchOptions(max_restarts=0, **FAST),
-                        on_poll=on_poll, on_phase=phases.append)
+    report = run_ray(cfg.spec("cpu"), requests, max_restarts=0, on_poll=on_poll, on_phase=phases.append)
     assert [r.rid for r in report.results] == [r.rid for r in requests]
     assert {r.rank for r in report.results} == {0, 1}
     # Start-up phases from the driver and from the ranks while they set up, then the run.
@@ -96,7 +94,7 @@ def test_killed_rank_restarts_the_gang_and_every_request_finishes_once(cluster, 
 
     requests = CFG.load_requests()
     t = time.perf_counter()
-    report = launch_ray(CFG.spec("cpu"), requests, LaunchOptions(max_restarts=2, **FAST), on_poll=on_poll)
+    report = run_ray(CFG.spec("cpu"), requests, max_restarts=2, on_poll=on_poll)
     assert killed, "the run ended before the kill"
     assert killed["finished"] < len(requests), "the kill came after the last result"
     assert report.restarts == 1
@@ -132,7 +130,7 @@ def test_ranks_span_two_nodes_node_by_node_and_survive_losing_a_node(cluster, re
             for r in seen["killed"]:
                 os.kill(seen["pids"][r], signal.SIGKILL)  # every rank process of that node dies
 
-    report = launch_ray(cfg.spec("cpu"), requests, LaunchOptions(max_restarts=1, **FAST), on_poll=on_poll)
+    report = run_ray(cfg.spec("cpu"), requests, max_restarts=1, on_poll=on_poll)
     nodes = seen["nodes"]
     assert len(set(nodes)) == 2 and nodes[0] == nodes[1] and nodes[2] == nodes[3], nodes
     assert seen["killed"] == [2, 3] and seen["finished"] < len(requests)
@@ -142,75 +140,63 @@ def test_ranks_span_two_nodes_node_by_node_and_survive_losing_a_node(cluster, re
     assert {r.rid: r.output_ids for r in report.results} == reference
 
 
-def _fake_factory(mode: str):
+def _faulty_factory(mode: str):
     """A worker factory shipped to the actors by value (defined in a function, so cloudpickle
-    does not need this test module on the actors' path). Rank 1 hangs or raises; rank 0
-    finishes its requests with one token each."""
+    does not need this test module on the actors' path): real RankWorkers, rank 1's with a fault.
+    ``setup``: rank 1 cannot build; ``hang`` / ``raise``: rank 1's first step with a request of
+    its own never returns / raises (its peers then wait in that step's collective)."""
     import threading
 
-    from dp_runtime.serving.request import RequestResult
-
-    class Fake:
-        def __init__(self, rank):
-            self.rank, self.queue, self.done, self.steps = rank, [], [], 0
-
-        def submit(self, requests):
-            self.queue.extend(requests)
-
-        def run_until_idle(self, stop=None):
-            if self.rank == 1 and mode == "hang":
-                threading.Event().wait()  # never returns; the launcher kills the actor
-            if self.rank == 1 and mode == "raise":
-                raise RuntimeError("rank 1 exploded")
-            for r in self.queue:
-                self.steps += 1
-                self.done.append(RequestResult(r.rid, len(r.prompt_ids), (7,), "length", self.rank, 0, 0, 0, 0))
-
-        def pop_finished(self):
-            out, self.done = self.done, []
-            return out
-
-        def metrics(self):
-            return {"steps": self.steps}
-
-        def close(self):
-            pass
-
     def make(spec, rank, world):
+        from dp_runtime.rank_worker import RankWorker
+
         if rank == 1 and mode == "setup":
             raise MemoryError("rank 1 cannot build its worker")
-        return Fake(rank)
+        worker = RankWorker(spec, rank=rank, world_size=world)
+        if rank == 1:
+            step = worker.step
+
+            def faulty_step():
+                if worker.scheduler.num_waiting or worker.scheduler.running:
+                    if mode == "hang":
+                        threading.Event().wait()
+                    raise RuntimeError("rank 1 exploded")
+                return step()
+
+            worker.step = faulty_step
+        return worker
 
     return make
 
 
 def test_hung_rank_is_named(cluster):
-    opts = LaunchOptions(max_restarts=0, hang_timeout_s=1.5, worker_factory=_fake_factory("hang"), **FAST)
+    """Rank 1 stuck in a step, rank 0 in that step's collective: both named hung once their step
+    counters have not moved for the hang timeout (dp_sync_timeout_s, 10 s, would end rank 0's
+    wait later), and no restart is left."""
     requests = CFG.load_requests()[:4]
     with pytest.raises(GangFailedError, match=r"rank 1 .*hung: no step completed for 1.5 s") as info:
-        launch_ray(CFG.spec("cpu"), requests, opts)
-    (failure,) = info.value.failures
-    assert (failure.rank, failure.kind, failure.secondary) == (1, "hung", False)
-    # Rank 0's finished results are kept in the error's report.
-    assert [r.rid for r in info.value.report.results] == ["r0000", "r0002"]
+        run_ray(CFG.spec("cpu"), requests, max_restarts=0, hang_timeout_s=1.5,
+                worker_factory=_faulty_factory("hang"))
+    named = {(f.rank, f.kind) for f in info.value.failures}
+    assert (1, "hung") in named and named <= {(0, "hung"), (1, "hung")}, named
+    assert info.value.report.results == ()  # every request was in the hung steps
 
 
 def test_failing_rank_is_retried_then_reported(cluster):
-    opts = LaunchOptions(max_restarts=1, worker_factory=_fake_factory("raise"), **FAST)
     requests = CFG.load_requests()[:4]
     with pytest.raises(GangFailedError, match=r"failed 2 times.*RuntimeError: rank 1 exploded") as info:
-        launch_ray(CFG.spec("cpu"), requests, opts)
-    assert [(f.attempt, f.rank, f.kind) for f in info.value.failures] == [(0, 1, "error"), (1, 1, "error")]
+        run_ray(CFG.spec("cpu"), requests, max_restarts=1, worker_factory=_faulty_factory("raise"))
+    primary = [(f.attempt, f.rank, f.kind) for f in info.value.failures if not f.secondary]
+    assert primary == [(0, 1, "error"), (1, 1, "error")]
     assert "Traceback" in info.value.failures[0].detail
-    # Attempt 0 finished r0000/r0002 on rank 0; attempt 1 got only r0001/r0003, split over both
-    # ranks, and rank 0 finished r0001: nothing lost, nothing twice.
-    assert [r.rid for r in info.value.report.results] == ["r0000", "r0001", "r0002"]
+    assert "4 requests finished" in str(info.value)  # "k of 4 requests finished"
+    rids = [r.rid for r in info.value.report.results]
+    assert len(rids) == len(set(rids)) and all(r.ok for r in info.value.report.results)
 
 
 def test_setup_failure_is_named(cluster):
-    opts = LaunchOptions(max_restarts=0, worker_factory=_fake_factory("setup"), **FAST)
     with pytest.raises(GangFailedError, match=r"rank 1 .*setup: setup: MemoryError: rank 1 cannot build") as info:
-        launch_ray(CFG.spec("cpu"), CFG.load_requests()[:2], opts)
+        run_ray(CFG.spec("cpu"), CFG.load_requests()[:2], max_restarts=0, worker_factory=_faulty_factory("setup"))
     assert [(f.rank, f.kind) for f in info.value.failures] == [(1, "setup")]
     assert info.value.report.results == ()
 
@@ -227,7 +213,7 @@ def test_bad_requests_cost_no_other_request_and_no_restart(cluster, reference):
     bad_door = Request("bad-door", (1, 2, 10_000))
     requests = [*good[:5], bad_step, *good[5:17], bad_door, *good[17:]]
     assert len(requests) == 24
-    report = launch_ray(cfg.spec("cpu"), requests, LaunchOptions(max_restarts=2, **FAST))
+    report = run_ray(cfg.spec("cpu"), requests, max_restarts=2)
     assert report.restarts == 0 and report.failures == ()
     assert [r.rid for r in report.results] == [r.rid for r in requests]
     res = {r.rid: r for r in report.results}
@@ -247,7 +233,7 @@ def test_deterministic_setup_error_is_not_retried(cluster):
     spec = RankSpec.create("tiny", model_overrides={"num_experts": 2}, dp_size=3, device="cpu", dtype="float32",
                            max_running_requests=4, chunked_prefill_size=64, dp_sync_timeout_s=10.0)
     with pytest.raises(SetupError, match=r"rank \d could not be set up: ValueError: .*num_experts=2 < ep_size=3"):
-        launch_ray(spec, CFG.load_requests()[:3], LaunchOptions(max_restarts=2, **FAST))
+        run_ray(spec, CFG.load_requests()[:3], max_restarts=2)
 
 
 def test_cli_run_uses_the_connected_cluster(cluster):
@@ -285,8 +271,8 @@ def test_two_gpu_ranks_give_the_tokens_of_one(cluster):
     cfg = RunConfig(dp=2, requests=8, prompt_len=12, max_new_tokens=8, max_running_requests=8,
                     chunked_prefill_size=64, dtype="float32", dp_sync_timeout_s=30.0, dispatcher="all_gather")
     requests = cfg.load_requests()
-    report = launch_ray(cfg.spec("cuda"), requests, LaunchOptions(max_restarts=0, **{**FAST, "setup_timeout_s": 180.0}))
+    report = run_ray(cfg.spec("cuda"), requests, max_restarts=0, setup_timeout_s=180.0)
     one = RunConfig(**{**cfg.__dict__, "dp": 1})
-    reference = launch_local(one.spec("cuda"), requests)
+    reference = run_local(one.spec("cuda"), requests)
     assert report.device == "cuda" and {r.rank for r in report.results} == {0, 1}
     assert {r.rid: r.output_ids for r in report.results} == {r.rid: r.output_ids for r in reference.results}

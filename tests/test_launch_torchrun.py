@@ -14,16 +14,16 @@ import pytest
 import torch.distributed as dist
 
 from launch import torchrun_main
-from launch.local_launcher import launch_local
 from launch.run_config import RunConfig
 from launch.torchrun_main import run_torchrun
+from tests.support.engine_runs import run_local
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _reference(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
     one = RunConfig(**{**cfg.__dict__, "dp": 1})
-    return {r.rid: r.output_ids for r in launch_local(one.spec("cpu"), one.load_requests()).results}
+    return {r.rid: r.output_ids for r in run_local(one.spec("cpu"), one.load_requests()).results}
 
 
 @pytest.mark.dist
