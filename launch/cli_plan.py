@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MEASURE_SCHEMA", "measure_workload", "parse_graph_sizes", "plan"]
 
-MEASURE_SCHEMA = "dp-runtime.plan-measure/4"
+MEASURE_SCHEMA = "dp-runtime.plan-measure/5"
 
 
 def parse_graph_sizes(text: str) -> tuple[int, ...] | str:
@@ -75,7 +75,7 @@ def plan(
         None, "--kv-tokens-per-request", help="KV tokens guaranteed per running request (default: --context-len)."),
     kv_mem_fraction: float = typer.Option(
         D.kv_mem_fraction, "--kv-mem-fraction", help="The rank's share for its KV cache of what is left after the rest."),
-    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema dp-runtime.plan/4)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema dp-runtime.plan/5)."),
     measure: bool = typer.Option(False, "--measure", help="Build the rank on this CUDA GPU; print predicted vs measured."),
 ) -> None:
     """Plan one rank's memory: every component, the KV cache that fits, and the verdict."""

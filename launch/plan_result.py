@@ -1,5 +1,5 @@
 """What the capacity planner returns: per-rank components, KV capacity, the verdict, the JSON
-schema ``dp-runtime.plan/4`` (keys: docs/planner.md), and the predicted-vs-measured rows of
+schema ``dp-runtime.plan/5`` (keys: docs/planner.md), and the predicted-vs-measured rows of
 ``--measure``."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ __all__ = [
     "compare_measured",
 ]
 
-SCHEMA = "dp-runtime.plan/4"
+SCHEMA = "dp-runtime.plan/5"
 # Every component, in the order of the table and of the JSON.
 COMPONENTS = (
     "weights", "kv_cache", "dp_buffers", "dispatcher_workspace", "graph_inputs", "penalty_counts",

@@ -24,7 +24,7 @@ running request can reach its full context at once, with no preemption) and one 
 largest value for which that holds with every other input unchanged, found by bisection (the
 rule is monotone: a larger max_running_requests needs more KV and never less of anything else).
 
-JSON: ``CapacityPlan.to_dict()`` / ``to_json()``, schema ``dp-runtime.plan/4`` (keys:
+JSON: ``CapacityPlan.to_dict()`` / ``to_json()``, schema ``dp-runtime.plan/5`` (keys:
 docs/planner.md). The input lives in ``plan_input.py``, the result types in ``plan_result.py``,
 the GPU table in ``gpu_specs.py``; all are re-exported here.
 """

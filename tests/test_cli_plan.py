@@ -42,7 +42,7 @@ def test_json_is_the_plan_of_the_same_input():
     doc = json.loads(result.output)
     want = plan_capacity(PlanInput(dp_size=2, max_running_requests=64, context_len=2048)).to_dict()
     assert doc == want
-    assert doc["schema"] == "dp-runtime.plan/4" and doc["resolved"]["dispatcher"] == "flashinfer"
+    assert doc["schema"] == "dp-runtime.plan/5" and doc["resolved"]["dispatcher"] == "flashinfer"
 
 
 def test_gpu_options():
@@ -156,7 +156,7 @@ def test_measure_builds_one_rank_and_compares(monkeypatch):
                     "--gpu-mem-gib", "10")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
-    assert doc["schema"] == "dp-runtime.plan-measure/4"
+    assert doc["schema"] == "dp-runtime.plan-measure/5"
     rows = {r["component"]: r for r in doc["comparison"]}
     assert list(rows) == list(MEASURED_COMPONENTS)
     assert rows["weights"]["measured_bytes"] == 1000

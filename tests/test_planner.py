@@ -264,7 +264,7 @@ def test_gpu_names():
 # -- JSON schema ------------------------------------------------------------------------------------
 def test_json_schema_keys_are_stable():
     doc = json.loads(plan_capacity(PlanInput(dp_size=2, max_running_requests=64)).to_json())
-    assert doc["schema"] == SCHEMA == "dp-runtime.plan/4"
+    assert doc["schema"] == SCHEMA == "dp-runtime.plan/5"
     assert set(doc) == {
         "schema", "input", "resolved", "components_bytes", "dp_buffer_modes", "kv", "gpu_mem_bytes",
         "total_bytes", "graph_reserve_bytes", "headroom_bytes", "free_bytes", "fits", "reason",
@@ -273,14 +273,12 @@ def test_json_schema_keys_are_stable():
     assert set(doc["input"]) == {
         "model", "dtype", "kv_cache_dtype", "dp_size", "ep_size", "gpu", "gpu_mem_bytes", "nvlink",
         "max_running_requests", "chunked_prefill_size", "cuda_graph_bs", "context_len", "dispatcher",
-        "use_cuda_graph", "kv_tokens_per_request", "kv_mem_fraction",
-    }
+        "use_cuda_graph", "kv_tokens_per_request", "kv_mem_fraction", "quantization"}
     assert set(doc["resolved"]) == {
         "world_size", "ep_size", "ep_rank", "local_experts", "dtype", "kv_cache_dtype", "dispatcher",
         "dispatcher_reason",
         "dispatcher_workspace_transient", "cuda_graphs", "cuda_graphs_reason", "cuda_graph_bs",
-        "max_tokens_per_rank", "max_global_tokens", "context_len", "kv_tokens_per_request",
-    }
+        "max_tokens_per_rank", "max_global_tokens", "context_len", "kv_tokens_per_request", "weights"}
     assert list(doc["components_bytes"]) == [
         "weights", "kv_cache", "dp_buffers", "dispatcher_workspace", "graph_inputs", "penalty_counts",
         "graph_pool", "activation_peak", "allocator_cache", "nccl", "cuda_context",
