@@ -30,13 +30,15 @@ from dp_runtime.model.sampling_defaults import SamplingDefaults, checkpoint_samp
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.admission import check_request, refused_result
 from dp_runtime.serving.request import Request, RequestResult
+from launch.engine_cluster import EngineCluster
 from launch.engine_errors import EngineUnavailable, QueueFull, RequestRejected, rejection
+from launch.engine_ranks import close_ranks
 from launch.engine_types import LAUNCHERS, EngineHealth, EngineOptions, EngineStats, RequestOutput
 from launch.prefix_routing import prefix_router
 from launch.rank_session import CLOSED, DONE, ERROR, RankStatus
 
-__all__ = ["LAUNCHERS", "Engine", "EngineHealth", "EngineOptions", "EngineStats", "EngineUnavailable",
-           "QueueFull", "RequestOutput", "RequestRejected"]
+__all__ = ["LAUNCHERS", "Engine", "EngineHealth", "EngineOptions", "EngineStats",
+           "EngineUnavailable", "QueueFull", "RequestOutput", "RequestRejected"]
 
 logger = logging.getLogger("launch")
 
@@ -70,20 +72,21 @@ class Engine:
     def __init__(self, spec: RankSpec, options: EngineOptions | None = None) -> None:
         self.spec, self.options = spec, options or EngineOptions()
         if self.options.launcher == "local" and spec.runtime.world_size != 1:
-            raise ValueError(f"the local launcher runs world size 1, the spec has {spec.runtime.world_size} "
-                             f"(use launcher='ray')")
+            raise ValueError(f"the local launcher runs world size 1, the spec has "
+                             f"{spec.runtime.world_size} (use launcher='ray')")
         mc = spec.model_config()
         self.world_size = spec.runtime.world_size
         self.vocab_size, self.context_len = mc.vocab_size, spec.context_len
         self.eos_token_ids = spec.eos_token_ids
         self.model_dir = None if spec.is_preset else spec.model
-        self.model_name = spec.model if spec.is_preset else spec.model.rstrip("/").rsplit("/", 1)[-1]
+        self.model_name = spec.model.rstrip("/").rsplit("/", 1)[-1]  # a preset's name is its own
         self.sampling_defaults = SamplingDefaults()
         if self.options.sampling_defaults == "model" and self.model_dir is not None:
             # Read before any rank starts: a bad value is a ModelConfigError naming the file.
             self.sampling_defaults = checkpoint_sampling_defaults(self.model_dir)
-        self._capacity = spec.runtime.max_running_requests * self.world_size + self.options.max_queued
-        self._lock = threading.Lock()  # guards everything below; messages are drawn and sent under it
+        self._capacity = (spec.runtime.max_running_requests * self.world_size
+                          + self.options.max_queued)
+        self._lock = threading.Lock()  # guards all below; messages are drawn and sent under it
         self._number = 0
         self._live: dict[str, _Live] = {}
         self._views = [_RankView() for _ in range(self.world_size)]
@@ -92,7 +95,7 @@ class Engine:
         self._restarts = 0
         self._ranks: Any = None
         self._pollers: list[threading.Thread] = []
-        self._ray_started = False
+        self._cluster = EngineCluster(self.options, self.world_size)  # Ray's, when it uses Ray
 
     @property
     def capacity(self) -> int:
@@ -103,21 +106,30 @@ class Engine:
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self, on_phase: Callable[[str], None] | None = None) -> Engine:
         """Bring the ranks up and start serving; blocks until every rank is ready. Raises what
-        the launch raised (the engine is then stopped)."""
+        the launch raised, or EngineUnavailable when ``shutdown`` came meanwhile (then stopped)."""
         try:
-            if self.options.launcher == "ray":
-                from launch.ray_cluster import connect_ray
-
-                cpus = self.options.ray_num_cpus or max(self.world_size, 1)
-                self._ray_started = connect_ray(self.options.ray_address, num_cpus=cpus)
-            self._ranks = self._launch(on_phase)
+            self._cluster.connect(on_phase, self._check_starting)
+            self._check_starting()
+            ranks = self._launch(on_phase)
         except BaseException:
-            self._set_state("failed", "start-up failed")
-            self._stop_ray()
+            if self.health().state == "starting":  # else a shutdown came: its state stands
+                self._set_state("failed", "start-up failed")
+            self._cluster.stop()
             raise
-        self._start_pollers(self._ranks)
-        self._set_state("ready")
+        with self._lock:
+            cancelled = self._state != "starting"
+            if not cancelled:
+                self._ranks, self._state = ranks, "ready"
+        if cancelled:  # shutdown came while the ranks started: they stop here
+            self._close_ranks(ranks)
+            self._cluster.stop()
+            self._check_starting()
+        self._start_pollers(ranks)
         return self
+
+    def _check_starting(self) -> None:
+        if self.health().state != "starting":
+            raise EngineUnavailable("the engine was shut down while it started")
 
     def _launch(self, on_phase: Callable[[str], None] | None) -> Any:
         from launch.engine_ranks import LocalRanks, RayRanks
@@ -129,7 +141,7 @@ class Engine:
         o = self.options
         gang = GangOptions(device=self.spec.runtime.device.type, cpus_per_rank=o.cpus_per_rank,
                            setup_timeout_s=o.setup_timeout_s, rpc_timeout_s=o.rpc_timeout_s)
-        return RayRanks(self.spec, gang, attempt=self._restarts)
+        return RayRanks(self.spec, gang, attempt=self._restarts, on_phase=on_phase)
 
     def _start_pollers(self, ranks: Any) -> None:
         self._pollers = [threading.Thread(target=self._poll_loop, args=(ranks, r), daemon=True,
@@ -144,7 +156,12 @@ class Engine:
         with self._lock:
             if self._state in ("stopped", "stopping"):
                 return
+            starting = self._state == "starting"
             ranks, self._state = self._ranks, "stopping"
+        if starting:  # start() runs in another thread: it stops what it brings up (its docstring)
+            self._cluster.stop()
+            self._set_state("stopped")
+            return
         timeout = self.options.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + timeout
         while self._in_flight() and time.monotonic() < deadline:
@@ -155,27 +172,18 @@ class Engine:
         while self._in_flight() and time.monotonic() < deadline:  # the aborts' results
             time.sleep(0.01)
         if ranks is not None:
-            with self._lock:
-                self._number += 1
-                ranks.wake_all(self._number, stop=True)
-            try:
-                ranks.close(timeout_s=30.0)
-            except Exception as e:  # a rank that does not stop is killed with its gang
-                logger.warning("engine: ranks did not stop cleanly: %s", e)
-                if hasattr(ranks, "kill"):
-                    ranks.kill()
+            self._close_ranks(ranks)
         for t in self._pollers:
             t.join(timeout=5.0)
         self._fail_in_flight("the engine stopped")
-        self._stop_ray()
+        self._cluster.stop()
         self._set_state("stopped")
 
-    def _stop_ray(self) -> None:
-        if self._ray_started:
-            from launch.ray_cluster import stop_ray
-
-            stop_ray()
-            self._ray_started = False
+    def _close_ranks(self, ranks: Any) -> None:
+        with self._lock:
+            self._number += 1
+            ranks.wake_all(self._number, stop=True)
+        close_ranks(ranks, timeout_s=30.0)
 
     def __enter__(self) -> Engine:
         return self
@@ -198,7 +206,8 @@ class Engine:
         self.check(request)
         with self._lock:
             if self._state != "ready":
-                raise EngineUnavailable(f"the engine is {self._state}{': ' + self._detail if self._detail else ''}")
+                detail = f": {self._detail}" if self._detail else ""
+                raise EngineUnavailable(f"the engine is {self._state}{detail}")
             if request.rid in self._live:
                 raise RequestRejected("rid", f"request {request.rid!r} is already in flight")
             if len(self._live) >= self._capacity:
@@ -210,11 +219,11 @@ class Engine:
             self._number += 1
             confirm = self._ranks.submit(rank, [request], self._number)
         try:
-            confirm()
-        except ValueError as e:  # the rank refused it: it never entered a step
+            confirm()  # EngineUnavailable when its rank died under it (its poller fails over)
+        except (ValueError, EngineUnavailable) as e:  # ValueError: the rank refused it
             with self._lock:
                 self._live.pop(request.rid, None)
-            raise rejection(str(e)) from None
+            raise (e if isinstance(e, EngineUnavailable) else rejection(str(e))) from None
         return rank
 
     def _pick_rank(self, prompt: Sequence[int]) -> int:
@@ -256,7 +265,8 @@ class Engine:
             if not finished:
                 self.abort(request.rid)
 
-    def generate(self, requests: Sequence[Request], timeout_s: float | None = None) -> list[RequestResult]:
+    def generate(self, requests: Sequence[Request],
+                 timeout_s: float | None = None) -> list[RequestResult]:
         """Submit ``requests`` and wait for all of them; their results in order. Raises what
         ``submit`` raises (requests already submitted are aborted) or TimeoutError."""
         results: dict[str, RequestResult] = {}
@@ -324,7 +334,7 @@ class Engine:
             if self._ranks is not ranks:  # another poller of this gang got here first
                 return
             self._ranks = None
-            can_restart = self.options.launcher == "ray" and self._restarts < self.options.max_restarts
+            can_restart = self._cluster.uses_ray and self._restarts < self.options.max_restarts
             self._state = "restarting" if can_restart else "failed"
             self._detail = f"rank {rank} failed: {reason}"
         logger.error("engine: rank %d failed: %s", rank, reason)

@@ -11,14 +11,18 @@ time); ``poll`` runs in the actor's ``outputs`` group, so a waiting poll holds u
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request
+from launch.engine_errors import EngineUnavailable
 from launch.rank_session import RankSession, RankStatus
 
-__all__ = ["LocalRanks", "RayRanks"]
+__all__ = ["LocalRanks", "RayRanks", "close_ranks"]
+
+logger = logging.getLogger("launch")
 
 
 def _reraise(error: BaseException) -> None:
@@ -39,7 +43,8 @@ class LocalRanks:
         self._session.serve()
 
     def submit(self, rank: int, requests: Sequence[Request], number: int) -> Callable[[], Any]:
-        """Queue ``requests`` on ``rank``; returns a callable that raises the rank's refusal."""
+        """Queue ``requests`` on ``rank``; returns a callable that raises the rank's refusal
+        (ValueError) or EngineUnavailable when the rank is gone."""
         try:
             self._session.submit(requests, number)
         except ValueError as e:
@@ -60,15 +65,22 @@ class LocalRanks:
 
 
 class RayRanks:
-    """A gang of Ray rank actors (``launch/gang.py``), each serving. Ray must be initialised."""
+    """A gang of Ray rank actors (``launch/gang.py``), each serving. Ray must be initialised.
+    ``on_phase`` hears the start-up phases (placing, then what the ranks are doing)."""
 
-    def __init__(self, spec: RankSpec, gang_options: Any, attempt: int = 0) -> None:
+    def __init__(self, spec: RankSpec, gang_options: Any, attempt: int = 0,
+                 on_phase: Callable[[str], None] | None = None) -> None:
         from launch.gang import Gang
+        from launch.rank_phases import RankPhaseWatcher
 
         self.world_size = spec.runtime.world_size
         self._gang = Gang(spec, gang_options, attempt)
         try:
-            self._gang.launch()
+            if on_phase is not None:
+                on_phase(f"placing {self.world_size} rank{'s' if self.world_size > 1 else ''}"
+                         + (f" (restart {attempt})" if attempt else ""))
+            with RankPhaseWatcher(self._gang, on_phase):  # the ranks' set-up phases, as `run`'s
+                self._gang.launch()
             for outcome in self._gang.call_each("serve"):
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -85,7 +97,15 @@ class RayRanks:
 
         ref = self._actor(rank).submit.remote(list(requests), number)
         self._wake_others(rank, number)
-        return lambda: ray.get(ref)
+
+        def confirm() -> Any:
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayActorError as e:  # the rank died: a restart, not a 500
+                raise EngineUnavailable(f"rank {rank} did not take the request ({e}); the gang "
+                                        f"is failing over") from None
+
+        return confirm
 
     def abort(self, rank: int, rids: Sequence[str], number: int) -> None:
         self._actor(rank).abort.remote(list(rids), number)
@@ -111,3 +131,13 @@ class RayRanks:
 
     def kill(self) -> None:
         self._gang.kill()
+
+
+def close_ranks(ranks: LocalRanks | RayRanks, timeout_s: float) -> None:
+    """Wait for ranks told to stop; a gang that does not stop in time is killed."""
+    try:
+        ranks.close(timeout_s=timeout_s)
+    except Exception as e:
+        logger.warning("engine: ranks did not stop cleanly: %s", e)
+        if hasattr(ranks, "kill"):
+            ranks.kill()

@@ -1,0 +1,63 @@
+"""The Ray cluster of one engine: joined (left alone at shutdown), or a private one on loopback
+that the engine starts and stops.
+
+``connect`` runs in the thread that starts the engine; ``stop`` may come from another one (a
+SIGTERM while the engine starts). A private cluster's start is never cut in half: ``stop``
+waits for ``ray.init`` to return, then stops it; the start, still running, then fails on a
+stopped Ray instead of bringing up a new cluster on its next remote call (Ray's auto-init, off
+once stopped). A joined cluster's ``ray.init`` may hang on an address that does not answer:
+nothing waits for it, and nothing of that cluster is this process's to stop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["EngineCluster"]
+
+
+class EngineCluster:
+    def __init__(self, options: Any, world_size: int) -> None:
+        """``options``: the engine's (``EngineOptions``); no cluster unless its launcher is
+        ``ray`` (then connect and stop do nothing)."""
+        self.uses_ray = options.launcher == "ray"
+        self.address = options.ray_address
+        self.num_cpus = options.ray_num_cpus or max(world_size, 1)
+        self._lock = threading.Lock()  # held while a private cluster starts or stops
+        self._private = False  # a private cluster is starting or started (set before the lock)
+        self._started = False
+
+    def connect(self, on_phase: Callable[[str], None] | None, check: Callable[[], None]) -> None:
+        """Join the cluster, or start the private one; ``check()`` raises when the engine is
+        being shut down (then nothing starts)."""
+        if not self.uses_ray:
+            return
+        from launch.ray_cluster import connect_ray, joins_existing_cluster
+
+        joins = joins_existing_cluster(self.address)
+        if on_phase is not None:
+            on_phase(f"connecting to Ray ({self.address or 'RAY_ADDRESS'})" if joins
+                     else f"starting Ray (a private local cluster, {self.num_cpus} CPUs)")
+        if joins:
+            connect_ray(self.address, num_cpus=self.num_cpus)
+            return
+        self._private = True
+        with self._lock:
+            check()
+            self._started = connect_ray(None, num_cpus=self.num_cpus)
+
+    def stop(self) -> None:
+        """Stop the private cluster, if one was started (after its start is through)."""
+        if not self._private:
+            return
+        with self._lock:
+            if self._started:
+                from ray._private import auto_init_hook
+
+                from launch.ray_cluster import stop_ray
+
+                auto_init_hook.enable_auto_connect = False  # module docstring
+                stop_ray()
+                self._started = False
