@@ -111,19 +111,18 @@ class Engine:
             self._cluster.connect(on_phase, self._check_starting)
             self._check_starting()
             ranks = self._launch(on_phase)
+            with self._lock:
+                cancelled = self._state != "starting"
+                if not cancelled:
+                    self._ranks, self._state = ranks, "ready"
+            if cancelled:  # shutdown came while the ranks started: they stop here
+                self._close_ranks(ranks)
+                self._check_starting()
         except BaseException:
-            if self.health().state == "starting":  # else a shutdown came: its state stands
-                self._set_state("failed", "start-up failed")
-            self._cluster.stop()
+            failed = self.health().state == "starting"  # else a shutdown asked: no failure
+            self._cluster.stop()  # here, never beside a start using Ray in another thread
+            self._set_state(*(("failed", "start-up failed") if failed else ("stopped",)))
             raise
-        with self._lock:
-            cancelled = self._state != "starting"
-            if not cancelled:
-                self._ranks, self._state = ranks, "ready"
-        if cancelled:  # shutdown came while the ranks started: they stop here
-            self._close_ranks(ranks)
-            self._cluster.stop()
-            self._check_starting()
         self._start_pollers(ranks)
         return self
 
@@ -158,9 +157,7 @@ class Engine:
                 return
             starting = self._state == "starting"
             ranks, self._state = self._ranks, "stopping"
-        if starting:  # start() runs in another thread: it stops what it brings up (its docstring)
-            self._cluster.stop()
-            self._set_state("stopped")
+        if starting:  # start() runs in another thread: it stops what it brought up, then raises
             return
         timeout = self.options.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + timeout

@@ -1,12 +1,10 @@
 """The Ray cluster of one engine: joined (left alone at shutdown), or a private one on loopback
 that the engine starts and stops.
 
-``connect`` runs in the thread that starts the engine; ``stop`` may come from another one (a
-SIGTERM while the engine starts). A private cluster's start is never cut in half: ``stop``
-waits for ``ray.init`` to return, then stops it; the start, still running, then fails on a
-stopped Ray instead of bringing up a new cluster on its next remote call (Ray's auto-init, off
-once stopped). A joined cluster's ``ray.init`` may hang on an address that does not answer:
-nothing waits for it, and nothing of that cluster is this process's to stop.
+Both calls run in the thread that starts the engine (``stop`` also at a shutdown after the
+start): ``ray.shutdown`` beside a thread still inside Ray's calls can abort the process. A
+private cluster's start is never cut in half; once stopped, Ray's auto-init is off, so a call
+still on its way fails instead of bringing up a new cluster.
 """
 
 from __future__ import annotations

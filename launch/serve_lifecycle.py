@@ -10,10 +10,11 @@
    (``Engine.shutdown``): requests in flight get ``--drain-timeout`` seconds to finish, then
    the engine aborts the rest, and each ends with a named error (a stream: an error event, then
    ``data: [DONE]``; a whole response: 503 JSON), no traceback. Then the ranks stop, and a Ray
-   cluster the engine started. Exit 0. During the start the engine stops what it has brought up
-   (``Engine.start``); a start still busy in native code (loading, or ``ray.init`` on an
-   address that does not answer) cannot be joined, so the process then ends with ``os._exit``
-   once everything it started is stopped.
+   cluster the engine started. Exit 0. During the start, the start stops what it brought up
+   (``Engine.start``): on a private Ray cluster the process waits for it (the gang's launch
+   and the cluster's stop are never cut in half); in-process ranks still loading, or a
+   ``ray.init`` on an address that does not answer, hold nothing outside this process, which
+   then ends at once (``os._exit``: their threads cannot be joined).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import sys
 import threading
 from typing import Any
@@ -50,9 +52,16 @@ class _Life:
         self._stopper: threading.Thread | None = None
 
     def start_engine(self, serving_line: str) -> None:
+        loop = asyncio.get_running_loop()  # the main thread's: signal handlers are set there
+
+        def on_phase(text: str) -> None:
+            phase(text)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone
+                loop.call_soon_threadsafe(_reclaim_signals)
+
         def start() -> None:
             try:
-                self.engine.start(on_phase=phase)
+                self.engine.start(on_phase=on_phase)
             except BaseException as e:
                 with self._lock:
                     stopping = self._stopper is not None
@@ -86,9 +95,22 @@ class _Life:
         self.begin_stop()
         self._stopper.join()
 
+    def join_start(self) -> None:
+        self._starter.join()
+
     @property
     def start_running(self) -> bool:
         return self._starter is not None and self._starter.is_alive()
+
+
+def _reclaim_signals() -> None:
+    """Give SIGTERM and SIGINT back to uvicorn's handlers: ``ray.init`` (in the start thread)
+    installs a C++ handler over them that prints a stack dump on SIGTERM. Each phase after the
+    init calls this, in the main thread."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            signal.signal(sig, handler)
 
 
 def serve_until_stopped(engine: Any, tokenizer: Any, sock: Any, o: dict[str, Any],
@@ -111,7 +133,6 @@ def serve_until_stopped(engine: Any, tokenizer: Any, sock: Any, o: dict[str, Any
             yield
         finally:
             await asyncio.to_thread(life.wait_stopped)
-            phase("stopped")
 
     app = create_app(engine, tokenizer=tokenizer, api_key=o["api_key"], lifespan=lifespan,
                      max_request_bytes=o["max_request_bytes"])
@@ -133,11 +154,25 @@ def serve_until_stopped(engine: Any, tokenizer: Any, sock: Any, o: dict[str, Any
         server.run(sockets=[sock])
     finally:
         life.wait_stopped()  # uvicorn's lifespan did, unless it never ran
-    if life.start_running:
+    if life.start_running and _starts_private_ray(o):
+        # The start stops its own cluster (Engine.start): its end is this process's end.
+        phase("stopping the Ray cluster the start brought up")
+        life.join_start()
+    phase("stopped")
+    if life.start_running or _starts_private_ray(o):
+        # Threads that cannot be joined (in-process ranks loading, ray.init on a silent
+        # address), or Ray's C++ threads after a start stopped half-way (the interpreter's
+        # finalization beside them aborts): everything this process started is stopped.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(life.exit_code)
     return life.exit_code
+
+
+def _starts_private_ray(o: dict[str, Any]) -> bool:
+    from launch.ray_cluster import joins_existing_cluster
+
+    return o["launcher"] == "ray" and not joins_existing_cluster(o["ray_address"])
 
 
 def _make_server(config: Any, on_signal: Any) -> Any:
