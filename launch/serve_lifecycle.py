@@ -49,6 +49,8 @@ class _Life:
         self.server: Any = None
         self._lock = threading.Lock()
         self._starter: threading.Thread | None = None
+        self._started = False
+        self._release = threading.Event()  # set once the engine stopped: the start thread ends
         self._stopper: threading.Thread | None = None
 
     def start_engine(self, serving_line: str) -> None:
@@ -70,7 +72,11 @@ class _Life:
                     self.exit_code = EXIT_USAGE if is_user_error(e) else EXIT_FAILED
                     self.server.should_exit = True
                 return
+            self._started = True
             phase(serving_line)
+            # Ray ties a private cluster's processes to the thread that started them (they die
+            # with it): this thread lives until the engine has stopped.
+            self._release.wait()
 
         self._starter = threading.Thread(target=start, name="engine-start", daemon=True)
         self._starter.start()
@@ -94,13 +100,15 @@ class _Life:
     def wait_stopped(self) -> None:
         self.begin_stop()
         self._stopper.join()
+        self._release.set()
 
     def join_start(self) -> None:
         self._starter.join()
 
     @property
     def start_running(self) -> bool:
-        return self._starter is not None and self._starter.is_alive()
+        """The engine's start is still under way (not: its thread waiting for the release)."""
+        return self._starter is not None and self._starter.is_alive() and not self._started
 
 
 def _reclaim_signals() -> None:
