@@ -1,26 +1,26 @@
 """`dp-runtime serve`: start the DP gang and serve it over HTTP with the OpenAI protocol.
 
 The model, launcher, device, dtype, dp, Ray and batch options are ``dp-runtime run``'s and are
-checked by the same code (``cli_run.check_launch``, ``RunConfig``); serve adds ``--host``
-(default 127.0.0.1: loopback unless asked), ``--port`` (8000), ``--api-key`` (or
-``DP_RUNTIME_API_KEY``), ``--max-queued``, ``--context-len``, ``--drain-timeout``,
-``--keep-alive-timeout`` and ``--sampling-defaults`` (``model``: a request's unset temperature, top_p, top_k, min_p and
-repetition_penalty take the checkpoint's generation_config.json values; ``none``: OpenAI's).
+checked by the same code (``cli_options.check_gang_options``); serve adds ``--host`` (default
+127.0.0.1: loopback unless asked; beyond it without a key, a warning), ``--port`` (8000),
+``--api-key`` (or ``DP_RUNTIME_API_KEY``; empty or blank is refused from either),
+``--max-queued``, ``--context-len``, ``--drain-timeout``, ``--keep-alive-timeout``,
+``--max-request-bytes``, ``--header-timeout``, ``--body-timeout`` and ``--sampling-defaults``
+(``model``: a request's unset temperature, top_p, top_k, min_p and repetition_penalty take the
+checkpoint's generation_config.json values; ``none``: OpenAI's).
 
 Order: every option is checked, the checkpoint's generation_config.json and tokenizer read and
 the port bound before anything slow starts, so a user error (a bad option, a sampling default
 out of its field's limits, a port in use, a broken tokenizer) is one line on stderr and exit 2
-with no gang started. A gang that fails to start is one line and exit 2 (a cause the input
-explains, e.g. a rank that cannot hold the model) or 1; Ctrl-C while it starts is 130. Then the
-engine starts (the phases on stderr, the sampling defaults it found among them), uvicorn serves
-on the bound socket, and SIGTERM or Ctrl-C stops accepting, lets in-flight requests finish
-(uvicorn's graceful shutdown, at most ``--drain-timeout`` seconds), shuts the engine down
-(drain, abort the rest, stop the ranks and a Ray cluster it started) and exits 0.
+with no gang started. Then uvicorn serves at once while the engine starts beside it
+(``serve_lifecycle.py``: 503 until ready, the phases on stderr, a failed start one line and exit
+2 or 1, SIGTERM or Ctrl-C at any moment a drain, the ranks and a Ray cluster it started
+stopped, exit 0).
 """
 
 from __future__ import annotations
 
-import contextlib
+import os
 import socket
 import sys
 from typing import Any
@@ -29,8 +29,6 @@ import typer
 
 from dp_runtime.options import DEFAULTS as D
 from launch.cli_errors import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_USAGE,
     UsageError,
     check_choice,
@@ -39,6 +37,9 @@ from launch.cli_errors import (
 )
 
 __all__ = ["serve"]
+
+API_KEY_ENV = "DP_RUNTIME_API_KEY"
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # launch/server/body_limit.py's (no FastAPI import here)
 
 
 def serve(
@@ -52,7 +53,7 @@ def serve(
     api_key: str = typer.Option(
         None,
         "--api-key",
-        envvar="DP_RUNTIME_API_KEY",
+        envvar=API_KEY_ENV,
         help="Require 'Authorization: Bearer <key>' on every route but /health.",
     ),
     dp: int = typer.Option(
@@ -128,6 +129,21 @@ def serve(
         "--keep-alive-timeout",
         help="Seconds an idle HTTP connection stays open for its client's next request.",
     ),
+    max_request_bytes: int = typer.Option(
+        DEFAULT_MAX_REQUEST_BYTES,
+        "--max-request-bytes",
+        help="The largest request body; a larger one is a 413.",
+    ),
+    header_timeout: float = typer.Option(
+        10.0,
+        "--header-timeout",
+        help="Seconds a connection gets to send its request line and headers; then it is closed.",
+    ),
+    body_timeout: float = typer.Option(
+        30.0,
+        "--body-timeout",
+        help="Seconds a request's body may stall between two reads; then the connection is closed.",
+    ),
     sampling_defaults: str = typer.Option(
         "model",
         "--sampling-defaults",
@@ -162,6 +178,9 @@ def serve(
         context_len=context_len,
         drain_timeout=drain_timeout,
         keep_alive_timeout=keep_alive_timeout,
+        max_request_bytes=max_request_bytes,
+        header_timeout=header_timeout,
+        body_timeout=body_timeout,
         sampling_defaults=sampling_defaults,
         seed=seed,
         log_level=log_level,
@@ -173,7 +192,20 @@ def serve(
             raise
         print_error(e, debug=debug)
         raise typer.Exit(EXIT_USAGE) from None
-    _serve(prepared, opts, debug)
+    from launch.serve_lifecycle import phase, serve_until_stopped
+
+    if not _is_loopback(prepared["sock"]) and not opts["api_key"]:
+        print(f"warning: listening on {host} (beyond loopback) without an API key: anyone who "
+              f"can reach port {port} can use the model (set --api-key or DP_RUNTIME_API_KEY)",
+              file=sys.stderr, flush=True)
+    given = prepared["engine"].sampling_defaults.items()
+    if given:
+        phase("unset sampling fields take the checkpoint's generation_config.json: "
+              + ", ".join(f"{k}={v}" for k, v in given.items()))
+    code = serve_until_stopped(prepared["engine"], prepared["tokenizer"], prepared["sock"], opts,
+                               debug)
+    if code:
+        raise typer.Exit(code)
 
 
 def _prepare(o: dict[str, Any]) -> dict[str, Any]:
@@ -197,8 +229,19 @@ def _prepare(o: dict[str, Any]) -> dict[str, Any]:
         )
     if not 1 <= o["port"] <= 65535:
         raise UsageError(f"--port must be in [1, 65535], got {o['port']}")
+    # Click reads an empty DP_RUNTIME_API_KEY as unset: a keyless server the user did not ask
+    # for. Empty or blank, from the option or the environment, is refused alike.
+    if o["api_key"] is None and API_KEY_ENV in os.environ:
+        o["api_key"] = os.environ[API_KEY_ENV]
     if o["api_key"] is not None and not o["api_key"].strip():
-        raise UsageError("--api-key (or DP_RUNTIME_API_KEY) must not be empty")
+        raise UsageError(f"--api-key (or {API_KEY_ENV}) must not be empty")
+    if o["max_request_bytes"] < 1024:
+        raise UsageError(f"--max-request-bytes must be an integer >= 1024, got "
+                         f"{o['max_request_bytes']}")
+    for name in ("header_timeout", "body_timeout"):
+        if not (o[name] > 0 and o[name] < float("inf")):
+            raise UsageError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got "
+                             f"{o[name]}")
     from launch.cli_options import check_gang_options
     from launch.engine import Engine, EngineOptions
 
@@ -270,80 +313,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(p: dict[str, Any], o: dict[str, Any], debug: bool) -> None:
-    import uvicorn
+def _is_loopback(sock: socket.socket) -> bool:
+    import ipaddress
 
-    from launch.server.app import create_app
-
-    engine = p["engine"]
-
-    def phase(text: str) -> None:
-        print(f"[dp-runtime serve] {text}", file=sys.stderr, flush=True)
-
-    given = engine.sampling_defaults.items()
-    if given:
-        phase(
-            "unset sampling fields take the checkpoint's generation_config.json: "
-            + ", ".join(f"{k}={v}" for k, v in given.items())
-        )
-
-    try:
-        engine.start(on_phase=phase)
-    except BaseException as e:
-        with contextlib.suppress(Exception):
-            engine.shutdown(drain_timeout_s=0)  # the ranks and a Ray cluster it started
-        if isinstance(e, KeyboardInterrupt):
-            print("interrupted", file=sys.stderr, flush=True)
-            raise typer.Exit(EXIT_INTERRUPTED) from None
-        if not isinstance(e, Exception):
-            raise
-        print_error(e, debug=debug)  # a rank that cannot be built for this model, the gang failing
-        raise typer.Exit(EXIT_USAGE if is_user_error(e) else EXIT_FAILED) from None
-    port = p["sock"].getsockname()[1]
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        phase(f"serving {engine.model_name} on http://{o['host']}:{port} (dp={engine.world_size})")
-        try:
-            yield
-        finally:
-            import asyncio
-
-            phase("shutting down: draining in-flight requests")
-            # In a thread: the drain waits for steps whose outputs this loop still delivers.
-            await asyncio.to_thread(engine.shutdown, drain_timeout_s=o["drain_timeout"])
-            phase("stopped")
-
-    app = create_app(engine, tokenizer=p["tokenizer"], api_key=o["api_key"], lifespan=lifespan)
-    config = uvicorn.Config(
-        app,
-        log_level=o["log_level"],
-        timeout_graceful_shutdown=max(1, int(o["drain_timeout"])),
-        # Longer than clients keep idle connections pooled (httpx, under the openai client: 5 s;
-        # aiohttp: 15 s). At uvicorn's default of 5 s the server closes connections a client
-        # still holds, and a request sent on one as it closes fails with "Server disconnected"
-        # (a loaded HTTP benchmark at DP 2 lost its run to it).
-        timeout_keep_alive=o["keep_alive_timeout"],
-        access_log=o["log_level"] in ("debug", "info"),
-    )
-    server = _make_server(config)
-    try:
-        server.run(sockets=[p["sock"]])
-    finally:
-        if engine.health().state != "stopped":
-            engine.shutdown(drain_timeout_s=0)
-
-
-def _make_server(config: Any) -> Any:
-    """uvicorn's Server without re-raising the signal it shut down on: after a drained SIGTERM
-    or Ctrl-C the command exits 0 instead of dying by the signal (uvicorn >= 0.29 re-raises)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            super().handle_exit(sig, frame)
-            captured = getattr(self, "_captured_signals", None)
-            if isinstance(captured, list):
-                captured.clear()
-
-    return Server(config)
+    return ipaddress.ip_address(sock.getsockname()[0]).is_loopback

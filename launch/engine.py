@@ -34,15 +34,15 @@ from dp_runtime.serving.request import Request
 from launch.engine_calls import generate_requests, stream_request
 from launch.engine_errors import EngineUnavailable, QueueFull, RequestRejected, rejection
 from launch.engine_live import Live, RankView, call_quietly
-from launch.engine_ranks import launch_with_retries
+from launch.engine_ranks import close_ranks, launch_with_retries
 from launch.engine_types import LAUNCHERS, EngineHealth, EngineOptions, EngineStats, RequestOutput
 from launch.gang_faults import HangWatch, gang_failed, name_failures, poll_failure
 from launch.prefix_routing import prefix_router
 from launch.rank_session import CLOSED, DONE, ERROR, RankStatus
 from launch.run_report import GangFailedError, RankFailure
 
-__all__ = ["LAUNCHERS", "Engine", "EngineHealth", "EngineOptions", "EngineStats", "EngineUnavailable",
-           "QueueFull", "RequestOutput", "RequestRejected"]
+__all__ = ["LAUNCHERS", "Engine", "EngineHealth", "EngineOptions", "EngineStats",
+           "EngineUnavailable", "QueueFull", "RequestOutput", "RequestRejected"]
 
 logger = logging.getLogger("launch")
 
@@ -56,20 +56,21 @@ class Engine:
     def __init__(self, spec: RankSpec, options: EngineOptions | None = None) -> None:
         self.spec, self.options = spec, options or EngineOptions()
         if self.options.launcher == "local" and spec.runtime.world_size != 1:
-            raise ValueError(f"the local launcher runs world size 1, the spec has {spec.runtime.world_size} "
-                             f"(use launcher='ray')")
+            raise ValueError(f"the local launcher runs world size 1, the spec has "
+                             f"{spec.runtime.world_size} (use launcher='ray')")
         mc = spec.model_config()
         self.world_size = spec.runtime.world_size
         self.vocab_size, self.context_len = mc.vocab_size, spec.context_len
         self.eos_token_ids = spec.eos_token_ids
         self.model_dir = None if spec.is_preset else spec.model
-        self.model_name = spec.model if spec.is_preset else spec.model.rstrip("/").rsplit("/", 1)[-1]
+        self.model_name = spec.model.rstrip("/").rsplit("/", 1)[-1]  # a preset's name is its own
         self.sampling_defaults = SamplingDefaults()
         if self.options.sampling_defaults == "model" and self.model_dir is not None:
             # Read before any rank starts: a bad value is a ModelConfigError naming the file.
             self.sampling_defaults = checkpoint_sampling_defaults(self.model_dir)
-        self._capacity = spec.runtime.max_running_requests * self.world_size + self.options.max_queued
-        self._lock = threading.Lock()  # guards everything below; messages are drawn and sent under it
+        self._capacity = (spec.runtime.max_running_requests * self.world_size
+                          + self.options.max_queued)
+        self._lock = threading.Lock()  # guards all below; messages are drawn and sent under it
         self._number = 0
         self._live: dict[str, Live] = {}
         self._views = [RankView() for _ in range(self.world_size)]
@@ -82,7 +83,6 @@ class Engine:
         self._ranks: Any = None
         self._pollers: list[threading.Thread] = []
         self._hangs = HangWatch(self.world_size, self.options.hang_timeout_s)
-        self._ray_started = False
         self._started = False
         self._on_phase: Callable[[str], None] | None = None
 
@@ -96,33 +96,37 @@ class Engine:
     def start(self, on_phase: Callable[[str], None] | None = None) -> Engine:
         """Bring the ranks up and start serving; blocks until every rank is ready. A gang that
         fails to set up is retried while ``max_restarts`` allows. Raises what the launch raised:
-        GangFailedError (restarts used up), SetupError (a rank no gang could build), ...; the
-        engine is then stopped (its ranks and a Ray cluster it started). Raises RuntimeError,
-        touching nothing, on an engine that was started before."""
+        GangFailedError (restarts used up), SetupError (a rank no gang could build), ...; or
+        EngineUnavailable when ``shutdown`` came meanwhile; the engine is then stopped (its ranks
+        and a Ray cluster it started). Raises RuntimeError, touching nothing, on an engine that
+        was started before."""
         with self._lock:
             if self._started:
                 raise RuntimeError(f"Engine.start: this engine was started already (state {self._state!r}); "
                                    f"an engine starts once: create a new Engine")
             self._started, self._on_phase = True, on_phase
         try:
-            if self.options.launcher == "ray":
-                import os
-
-                from launch.ray_cluster import connect_ray
-
-                cpus = self.options.ray_num_cpus or max(self.world_size, os.cpu_count() or 1)
-                self._ray_started = connect_ray(self.options.ray_address, num_cpus=cpus,
-                                                log_to_driver=self.options.log_to_driver,
-                                                log_level=self.options.log_level)
+            self._cluster.connect(on_phase, self._check_starting)
+            self._check_starting()
             ranks = self._launch_gang()
+            with self._lock:
+                cancelled = self._state != "starting"
+                if not cancelled:
+                    self._ranks, self._state, self._nodes = ranks, "ready", tuple(ranks.nodes)
+            if cancelled:  # shutdown came while the ranks started: they stop here
+                self._close_ranks(ranks)
+                self._check_starting()
         except BaseException:
-            self._set_state("failed", "start-up failed")
-            self._stop_ray()
+            failed = self.health().state == "starting"  # else a shutdown asked: no failure
+            self._cluster.stop()  # here, never beside a start using Ray in another thread
+            self._set_state(*(("failed", "start-up failed") if failed else ("stopped",)))
             raise
-        with self._lock:
-            self._ranks, self._state, self._nodes = ranks, "ready", tuple(ranks.nodes)
         self._start_pollers(ranks)
         return self
+
+    def _check_starting(self) -> None:
+        if self.health().state != "starting":
+            raise EngineUnavailable("the engine was shut down while it started")
 
     def _launch_gang(self) -> Any:
         """A gang that is up (``engine_ranks.launch_with_retries``: failed tries are recorded and
@@ -136,7 +140,7 @@ class Engine:
         return ranks
 
     def _may_restart(self) -> bool:
-        return self.options.launcher == "ray" and self._restarts < self.options.max_restarts
+        return self._cluster.uses_ray and self._restarts < self.options.max_restarts
 
     def _start_pollers(self, ranks: Any) -> None:
         self._hangs = HangWatch(self.world_size, self.options.hang_timeout_s)
@@ -152,7 +156,10 @@ class Engine:
         with self._lock:
             if self._state in ("stopped", "stopping"):
                 return
+            starting = self._state == "starting"
             ranks, self._state = self._ranks, "stopping"
+        if starting:  # start() runs in another thread: it stops what it brought up, then raises
+            return
         timeout = self.options.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + timeout
         while len(self._live) and time.monotonic() < deadline:
@@ -163,29 +170,18 @@ class Engine:
         while len(self._live) and time.monotonic() < deadline:  # the aborts' results
             time.sleep(0.01)
         if ranks is not None:
-            with self._lock:
-                self._number += 1
-                ranks.wake_all(self._number, stop=True)
-            try:
-                ranks.close(timeout_s=30.0)
-            except Exception as e:  # a rank that does not stop is killed with its gang
-                logger.warning("engine: ranks did not stop cleanly: %s", e)
-                if hasattr(ranks, "kill"):
-                    ranks.kill()
+            self._close_ranks(ranks)
         for t in self._pollers:
             t.join(timeout=5.0)
         self._fail_in_flight("the engine stopped")
-        self._stop_ray()
+        self._cluster.stop()
         self._set_state("stopped")
 
-    def _stop_ray(self) -> None:
-        if self._ray_started:
-            from launch.ray_cluster import stop_ray
-
-            if self._on_phase is not None:
-                self._on_phase("stopping Ray")
-            stop_ray()
-            self._ray_started = False
+    def _close_ranks(self, ranks: Any) -> None:
+        with self._lock:
+            self._number += 1
+            ranks.wake_all(self._number, stop=True)
+        close_ranks(ranks, timeout_s=30.0)
 
     def __enter__(self) -> Engine:
         return self
@@ -208,7 +204,8 @@ class Engine:
         self.check(request)
         with self._lock:
             if self._state != "ready":
-                raise EngineUnavailable(f"the engine is {self._state}{': ' + self._detail if self._detail else ''}")
+                detail = f": {self._detail}" if self._detail else ""
+                raise EngineUnavailable(f"the engine is {self._state}{detail}")
             if request.rid in self._live:
                 raise RequestRejected("rid", f"request {request.rid!r} is already in flight")
             if len(self._live) >= self._capacity:
@@ -221,11 +218,11 @@ class Engine:
             self._number += 1
             confirm = self._ranks.submit(rank, [request], self._number)
         try:
-            confirm()
-        except ValueError as e:  # the rank refused it: it never entered a step
+            confirm()  # EngineUnavailable when its rank died under it (its poller fails over)
+        except (ValueError, EngineUnavailable) as e:  # ValueError: the rank refused it
             with self._lock:
                 self._live.pop(request.rid, None)
-            raise rejection(str(e)) from None
+            raise (e if isinstance(e, EngineUnavailable) else rejection(str(e))) from None
         return rank
 
     def _pick_rank(self, prompt: Sequence[int]) -> int:

@@ -20,13 +20,14 @@ from typing import Any
 
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request
+from launch.engine_errors import EngineUnavailable
 from launch.engine_types import EngineOptions
 from launch.errors import SetupError
 from launch.gang_faults import classify, gang_failed
 from launch.rank_session import RankSession, RankStatus
 from launch.run_report import RankFailure
 
-__all__ = ["LocalRanks", "RayRanks", "launch_ranks", "launch_with_retries", "node_name"]
+__all__ = ["LocalRanks", "RayRanks", "close_ranks", "launch_ranks", "launch_with_retries", "node_name"]
 
 logger = logging.getLogger("launch")
 
@@ -101,7 +102,8 @@ class LocalRanks:
         self._session.serve()
 
     def submit(self, rank: int, requests: Sequence[Request], number: int) -> Callable[[], Any]:
-        """Queue ``requests`` on ``rank``; returns a callable that raises the rank's refusal."""
+        """Queue ``requests`` on ``rank``; returns a callable that raises the rank's refusal
+        (ValueError) or EngineUnavailable when the rank is gone."""
         try:
             self._session.submit(requests, number)
         except ValueError as e:
@@ -122,7 +124,8 @@ class LocalRanks:
 
 
 class RayRanks:
-    """A gang of Ray rank actors (``launch/gang.py``), each serving. Ray must be initialised."""
+    """A gang of Ray rank actors (``launch/gang.py``), each serving. Ray must be initialised.
+    ``on_phase`` hears the start-up phases (placing, then what the ranks are doing)."""
 
     def __init__(self, spec: RankSpec, gang_options: Any, attempt: int = 0,
                  on_phase: Callable[[str], None] | None = None) -> None:
@@ -161,7 +164,15 @@ class RayRanks:
 
         ref = self._actor(rank).submit.remote(list(requests), number)
         self._wake_others(rank, number)
-        return lambda: ray.get(ref)
+
+        def confirm() -> Any:
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayActorError as e:  # the rank died: a restart, not a 500
+                raise EngineUnavailable(f"rank {rank} did not take the request ({e}); the gang "
+                                        f"is failing over") from None
+
+        return confirm
 
     def abort(self, rank: int, rids: Sequence[str], number: int) -> None:
         self._actor(rank).abort.remote(list(rids), number)
@@ -187,3 +198,13 @@ class RayRanks:
 
     def kill(self) -> None:
         self._gang.kill()
+
+
+def close_ranks(ranks: LocalRanks | RayRanks, timeout_s: float) -> None:
+    """Wait for ranks told to stop; a gang that does not stop in time is killed."""
+    try:
+        ranks.close(timeout_s=timeout_s)
+    except Exception as e:
+        logger.warning("engine: ranks did not stop cleanly: %s", e)
+        if hasattr(ranks, "kill"):
+            ranks.kill()

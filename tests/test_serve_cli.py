@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.support.serve_process import ROOT
+from tests.support.serve_process import ROOT, free_port
 
 
 def _serve(*args, env=None):
@@ -56,6 +57,12 @@ def _serve(*args, env=None):
             ["--launcher", "local", "--sampling-defaults", "openai"],
             "--sampling-defaults must be one of model, none; got 'openai'",
         ),
+        (
+            ["--max-request-bytes", "100"],
+            "--max-request-bytes must be an integer >= 1024, got 100",
+        ),
+        (["--header-timeout", "0"], "--header-timeout must be a number of seconds > 0, got 0.0"),
+        (["--body-timeout", "inf"], "--body-timeout must be a number of seconds > 0, got inf"),
         (["--bogus"], "No such option: --bogus"),
     ],
 )
@@ -89,3 +96,26 @@ def test_a_sampling_default_out_of_its_limits_is_one_line_naming_the_file(tmp_pa
     assert code == 2 and len(lines) == 1, lines
     want = f"{tmp_path / 'generation_config.json'}: top_p must be a finite number in (0, 1], got 1.5"
     assert lines[0] == f"error: {want}"
+
+
+@pytest.mark.parametrize("key", ["", "   "])
+def test_an_empty_or_blank_key_from_the_environment_is_refused(key):
+    code, lines = _serve("--launcher", "local", env={"DP_RUNTIME_API_KEY": key})
+    assert code == 2 and len(lines) == 1, lines
+    assert "--api-key (or DP_RUNTIME_API_KEY) must not be empty" in lines[0]
+
+
+def test_listening_beyond_loopback_without_a_key_warns():
+    # The warning is the first line on stderr, before the engine starts; then SIGTERM.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch", "serve", "--launcher", "local", "--host", "0.0.0.0",
+         "--port", str(free_port())],
+        stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        line = proc.stderr.readline()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert line.startswith("warning: listening on 0.0.0.0 (beyond loopback) without an API key")

@@ -6,8 +6,10 @@ ends). Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v
 ``GET /health`` (200 only while ``engine.health().ok``, else 503), ``GET /metrics``.
 
 With an API key every route but /health needs ``Authorization: Bearer <key>`` (401 otherwise,
-compared in constant time). Errors are OpenAI's error object (``protocol.ApiError``); a body
-that does not parse, or a field of the wrong type, is 400 naming the field.
+compared in constant time). While the engine is not ready every route but /health and /metrics
+is 503 with Retry-After (``readiness.py``). Every error is OpenAI's error object
+(``error_handlers.py``); a body that does not parse, or a field of the wrong type, is 400
+naming the field.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from launch.server.bodies import Kind, now
+from launch.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from launch.server.chat_request import check_template, messages_of, tools_of
 from launch.server.choices import submit_choices
+from launch.server.error_handlers import error_response, install_error_handlers
 from launch.server.logit_bias import logit_bias_of
 from launch.server.logprobs import ChoiceLogprobs, logprobs_of
 from launch.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -35,9 +38,9 @@ from launch.server.protocol import (
     ChatRequest,
     CompletionRequest,
     check_prompt_ids,
-    error_body,
     sampling_of,
 )
+from launch.server.readiness import ALWAYS_OPEN, unavailable
 from launch.server.respond import stream_response, whole_response
 from launch.server.text import TokenizerMissing
 
@@ -63,11 +66,17 @@ class ServerState:
 
 
 def create_app(
-    engine: Any, *, tokenizer: Any | None = None, api_key: str | None = None, lifespan: Any = None
+    engine: Any,
+    *,
+    tokenizer: Any | None = None,
+    api_key: str | None = None,
+    lifespan: Any = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
-    """The app serving ``engine``; ``lifespan`` (an async context manager factory) runs around
-    it (the CLI's drains and stops the engine on shutdown); the app's prompt encoder closes
-    after it."""
+    """The app serving ``engine`` (started or starting); ``lifespan`` (an async context
+    manager factory) runs around it (the CLI's starts the engine, and drains and stops it on
+    shutdown); the app's prompt encoder closes after it. A body over ``max_request_bytes`` is
+    a 413 (``body_limit.py``)."""
     encoder = PromptEncoder(tokenizer, engine.model_name)
     state = ServerState(engine, tokenizer, encoder, ServerMetrics(engine), api_key or None)
 
@@ -86,28 +95,22 @@ def create_app(
         title="dp-runtime", lifespan=owned, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.server = state
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(
-            error_body(exc.message, exc.kind, exc.param, exc.code),
-            status_code=exc.status,
-            headers=exc.headers,
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_error(exc))
+    install_error_handlers(app)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
+        # Not ready (starting, restarting, draining): 503 + Retry-After before anything else.
+        if request.url.path not in ALWAYS_OPEN and (err := unavailable(engine)) is not None:
+            return error_response(err)
         if state.api_key is not None and request.url.path != "/health":
             header = request.headers.get("authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(
                 token.strip().encode(), state.api_key.encode()
             ):
-                return _error_response(
+                return error_response(
                     ApiError(
                         401,
                         "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -190,30 +193,6 @@ async def _encode(encoding, param: str) -> list[int]:
         raise ApiError(400, str(e), param=param, code="no_tokenizer") from e
     except ValueError as e:  # no chat template, or a template that refuses the messages
         raise ApiError(400, str(e), param=param, code="invalid_value") from e
-
-
-def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(
-        error_body(err.message, err.kind, err.param, err.code),
-        status_code=err.status,
-        headers=err.headers,
-    )
-
-
-def _validation_error(exc: RequestValidationError) -> ApiError:
-    """Pydantic's first complaint as a 400 naming the field (``messages[0].role``)."""
-    errors = exc.errors()
-    if not errors:
-        return ApiError(400, "invalid request body")
-    e = errors[0]
-    loc = [p for p in e.get("loc", ()) if p != "body"]
-    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
-    if e.get("type") == "json_invalid":
-        return ApiError(400, f"the body is not valid JSON: {e.get('msg')}", code="invalid_json")
-    given = f", got {e['input']!r}" if "input" in e and e.get("type") != "missing" else ""
-    return ApiError(
-        400, f"{param or 'body'}: {e.get('msg')}{given}", param=param, code=e.get("type")
-    )
 
 
 async def _serve(

@@ -49,6 +49,9 @@ __all__ = [
 ]
 
 SEED_LIMIT = 2**64
+# A temperature below this samples as greedy (vLLM's _SAMPLING_EPS): the limit of the softmax at
+# T -> 0 is the argmax, while logits / T overflows float32 (the draw fails) far above 1e-45.
+GREEDY_BELOW = 1e-5
 MAX_N = 16  # choices per prompt; each is one engine request (launch/server/choices.py)
 
 
@@ -84,14 +87,21 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# Types are strict, as JSON has them: no coercion, so ``"4"``, ``true`` or ``4.0`` for an integer
+# field and ``"yes"`` or ``1`` for a boolean one are 400s naming the field (an integer for a
+# float field is a number, and is taken).
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     # Unknown fields are ignored (clients send many); the ones this server cannot honour are
     # refused by name in ``_refuse_unsupported``.
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str
     max_tokens: int | None = None
@@ -125,12 +135,13 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     type: str
     text: str | None = None
 
 
 class FunctionCall(BaseModel):
+    model_config = _STRICT
     name: str
     arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string (chat_request.py)
 
@@ -138,14 +149,14 @@ class FunctionCall(BaseModel):
 class ToolCall(BaseModel):
     """A call an assistant message made (a turn the client sends back with the tool's answer)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     id: str | None = None
     type: str = "function"
     function: FunctionCall
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: str
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
@@ -271,6 +282,7 @@ def sampling_of(
     temperature = defaults.pick("temperature", req.temperature, 1.0)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise bad("temperature", f"temperature must be a finite number >= 0, got {temperature}")
+    temperature = 0.0 if temperature < GREEDY_BELOW else temperature
     top_p = defaults.pick("top_p", req.top_p, 1.0)
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise bad("top_p", f"top_p must be in (0, 1], got {top_p}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launch.server.protocol import ApiError, Sampling
+from launch.server.readiness import unavailable_error
 from launch.server.text import TextStream
 
 __all__ = ["Event", "Flow", "submit"]
@@ -63,7 +64,8 @@ def engine_errors():
 
 def to_api_error(exc: BaseException) -> ApiError | None:
     """The HTTP error of an engine exception: 400 (rejected: the field named), 429 with
-    Retry-After (queue full), 503 (gang restarting or stopped); None for anything else."""
+    Retry-After (queue full), 503 with Retry-After (gang starting, restarting or stopped); None
+    for anything else."""
     rejected, queue_full, unavailable = engine_errors()
     if isinstance(exc, rejected):
         field = getattr(exc, "field", None)
@@ -78,7 +80,7 @@ def to_api_error(exc: BaseException) -> ApiError | None:
             headers={"Retry-After": str(retry)},
         )
     if isinstance(exc, unavailable):
-        return ApiError(503, str(exc), kind="service_unavailable", code="engine_unavailable")
+        return unavailable_error(str(exc))
     return None
 
 

@@ -30,10 +30,11 @@ from launch.server.bodies import Kind, chunk, response, usage
 from launch.server.choices import Choices
 from launch.server.logprobs import ChoiceLogprobs
 from launch.server.protocol import ApiError, error_body
+from launch.server.readiness import unavailable_error
 from launch.server.request_flow import Event
 from launch.server.tool_calls import ToolCallStream, parse_tool_calls
 
-__all__ = ["raise_for_failure", "stream_response", "whole_response"]
+__all__ = ["failure_error", "raise_for_failure", "stream_response", "whole_response"]
 
 
 async def whole_response(
@@ -100,28 +101,31 @@ def _failed(ev: Event) -> bool:
     return ev.finish_reason in ("error", "abort") or ev.retryable
 
 
-def raise_for_failure(last: Event) -> None:
-    """The HTTP error of a choice's last event, if it failed: 503 (its rank failed; the engine
-    aborted it), 500 (it failed in its step)."""
+def failure_error(last: Event) -> ApiError | None:
+    """The HTTP error of a choice's last event, if it failed: 503 with Retry-After (its rank
+    failed; the engine aborted it: a drain past ``--drain-timeout``, a restart), 500 (it failed
+    in its step)."""
     # Its rank failed under it: the gang restarts or is gone; the client may retry.
     if last.retryable:
         reason = getattr(last.result, "error", None) or "a rank failed"
-        raise ApiError(
-            503,
-            f"the engine lost the request's rank ({reason}); retry",
-            kind="service_unavailable",
-            code="engine_unavailable",
-        )
+        return unavailable_error(f"the engine lost the request's rank ({reason}); retry")
     if last.finish_reason == "error":
         reason = getattr(last.result, "error", None) or "the request failed on its rank"
-        raise ApiError(500, f"request failed: {reason}", kind="server_error", code="request_failed")
+        return ApiError(500, f"request failed: {reason}", kind="server_error",
+                        code="request_failed")
     if last.finish_reason == "abort":  # aborted by the engine itself (shutdown or restart)
-        raise ApiError(
-            503,
-            "the request was aborted by the engine (shutting down or restarting)",
-            kind="service_unavailable",
-            code="engine_unavailable",
+        return unavailable_error(
+            "the request was aborted by the engine (shutting down past the drain timeout, or "
+            "restarting); retry"
         )
+    return None
+
+
+def raise_for_failure(last: Event) -> None:
+    """Raise ``failure_error(last)`` if there is one."""
+    err = failure_error(last)
+    if err is not None:
+        raise err
 
 
 async def _next_or_gone(choices: Choices, gone: asyncio.Future) -> tuple[int, Event] | None:
@@ -185,15 +189,8 @@ async def stream_response(
                 i, ev = got
                 if _failed(ev):
                     choices.close()  # its siblings give their KV back now
-                    reason = getattr(ev.result, "error", None) or ev.finish_reason
-                    yield _sse(
-                        error_body(
-                            f"request {ev.finish_reason}: {reason}",
-                            "server_error",
-                            None,
-                            "request_failed",
-                        )
-                    )
+                    err = failure_error(ev)
+                    yield _sse(error_body(err.message, err.kind, err.param, err.code))
                     break
                 # A step with ids but no text yet (held back, or no tokenizer) is still sent:
                 # token-id clients read the ids as they are sampled.
