@@ -32,6 +32,7 @@ from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.admission import check_request, refused_result
 from dp_runtime.serving.request import Request
 from launch.engine_calls import generate_requests, stream_request
+from launch.engine_cluster import EngineCluster
 from launch.engine_errors import EngineUnavailable, QueueFull, RequestRejected, rejection
 from launch.engine_live import Live, RankView, call_quietly
 from launch.engine_ranks import close_ranks, launch_with_retries
@@ -83,6 +84,7 @@ class Engine:
         self._ranks: Any = None
         self._pollers: list[threading.Thread] = []
         self._hangs = HangWatch(self.world_size, self.options.hang_timeout_s)
+        self._cluster = EngineCluster(self.options, self.world_size)  # Ray's, when it uses Ray
         self._started = False
         self._on_phase: Callable[[str], None] | None = None
 

@@ -6,6 +6,7 @@ gang comes back."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -139,7 +140,8 @@ def test_a_hung_gang_is_restarted_by_the_engine(setup, tmp_path):
         assert len(ended) == 2 and all(o.retryable for o in ended), ended
         failures = eng.stats().failures
         assert (1, "hung") in {(f.rank, f.kind) for f in failures}, failures
-        assert "no step completed for 2 s" in next(f.message for f in failures if f.rank == 1)
+        # whichever poller notices first names its rank with the timeout, a peer with its time
+        assert re.search(r"no step completed for [0-9.]+ s", next(f.message for f in failures if f.rank == 1))
         while eng.health().state != "ready" and time.monotonic() < deadline:
             time.sleep(0.05)
         again = eng.generate([Request("after", prompts[1], SamplingParams(max_new_tokens=NEW))], timeout_s=60)
