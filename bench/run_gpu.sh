@@ -126,6 +126,7 @@
 #   bash bench/run_gpu.sh dp2b      # two GPUs: serve_load (lof, 64 running a rank, rates inf and 16) at DP 2 beside
 #                                   #   DP 1, HTTP at DP 2 (a Ray gang), the 2-GPU Ray test, dp_sync and dispatch
 #                                   #   at 2 ranks (both modes end by DP2_BUDGET, 555 s; see dstep)
+#   bash bench/run_gpu.sh fp8       # one GPU: FP8 kernel tests; serve_step bs 1/8/64/256 in bf16 and FP8 weights
 # Needs .gpubundle (bash ../shared/tools/gpu-bundle.sh) for ray and flashinfer; a carried FlashInfer JIT cache
 # (.ficache/*.tar.xz, or split parts *.tar.xz.aa, .ab, ...: `tar c -C /tmp fi`) is unpacked under /tmp once.
 set -uo pipefail
@@ -959,5 +960,15 @@ print(f'read {x.numel() * 2 / dt / 1e12:.3f} TB/s (torch sum over 8 GiB bf16); c
       --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 ${SERVE_ARGS:-}
     step compare_2_all_gather python bench/compare_trees.py --nproc 2 $(bases) -- bench/serve_step.py \
       --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 --dispatcher all_gather ${SERVE_ARGS:-}
+    ;;
+  fp8)  # one GPU: FP8 kernel tests, then decode steps of qwen3-30b-a3b in bf16 and with --quantization fp8 (same
+        # tree, one call: the step and its HBM floor per batch size); SAVE_FI=1 brings FlashInfer's cache back
+    step fp8_tests timeout ${TESTS_TIMEOUT:-240} python -m pytest -m gpu -p no:cacheprovider -q -rs -x \
+      tests/test_fp8_gpu.py
+    for q in none fp8; do
+      TAIL=14 step decode_$q timeout ${TDEC:-150} python bench/serve_step.py --batch-sizes ${BS:-1,8,64,256} \
+        --iters 20 --modes graph --quantization $q
+    done
+    [ -n "${SAVE_FI:-}" ] && XZ_OPT=-T8 tar cJf "$log/fic2.tar.xz" -C /tmp fi && ls -l "$log/fic2.tar.xz"
     ;;
 esac

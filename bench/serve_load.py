@@ -83,6 +83,7 @@ from bench.load_table import print_table
 from bench.load_workload import Lengths, decode_probe_requests, make_requests, warmup_requests
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import PRESETS, ModelConfig
+from dp_runtime.model.quant_config import QUANTIZATION_CHOICES
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serving.request import Request, SamplingParams
 from launch import process_group
@@ -103,6 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="auto (the model's) | fp8_e4m3")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
+                   help="fp8: the weights quantized at load to FP8 128x128 blocks")
     p.add_argument("--launcher", default="local", choices=("local", "ray"),
                    help="local: ranks in this process (one, or one per torchrun process); ray: rank actors")
     p.add_argument("--dp", type=int, default=1, help="DP ranks with --launcher ray (torchrun: --nproc-per-node)")
@@ -190,7 +193,7 @@ def build_spec(args: argparse.Namespace, world: int, device: str, requests: list
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=args.dispatcher, attention=args.attention,
         max_context_len=max(r.max_total_tokens for r in requests), seed=args.seed, mixed_steps=mixed,
         schedule_policy=policy, mixed_step_tokens=args.mixed_step_tokens, kv_cache_dtype=args.kv_cache_dtype,
-        prefix_caching=caching,
+        prefix_caching=caching, quantization=args.quantization,
     )
 
 

@@ -51,6 +51,8 @@ from bench.gpu_kernels import (
     top_kernels,
 )
 from dp_runtime import memory_sizing
+from dp_runtime.model.quant_config import QUANTIZATION_CHOICES
+from dp_runtime.model.weight_groups import layer_groups
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.request import Request, SamplingParams
@@ -71,6 +73,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attention", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (bfloat16, the model's) | fp8_e4m3 (FP8, scale 1)")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
+                   help="fp8: the weights quantized at load to FP8 128x128 blocks")
     p.add_argument("--modes", default="graph,eager", help="graph, eager or both")
     p.add_argument("--extend-tokens", default="auto",
                    help="token buckets of extend graphs: auto (RuntimeConfig's), none, or e.g. 16,64,256")
@@ -96,9 +100,11 @@ def touched_weight_bytes(spec: RankSpec, bs: int, dp: int, ep_rank: int) -> floa
     cfg, rt = spec.model_config(), spec.runtime
     elt = memory_sizing.dtype_bytes(rt.dtype)
     total = memory_sizing.weight_bytes_per_rank(cfg, rt.dtype, ep_rank, rt.ep_size)
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * elt
-    sparse = sum(cfg.is_sparse(i) for i in range(cfg.num_layers))
-    local = -(-cfg.num_experts // rt.ep_size)
+    sparse_layers = [i for i in range(cfg.num_layers) if cfg.is_sparse(i)]
+    sparse = len(sparse_layers)
+    groups = layer_groups(cfg, sparse_layers[0], ep_rank, rt.ep_size)
+    local = groups["w13"].shape[0]
+    expert = (groups["w13"].nbytes(elt) + groups["w2"].nbytes(elt)) / local  # FP8: values and scales
     all_experts = sparse * local * expert
     embed = cfg.vocab_size * cfg.hidden_size * elt  # rows are gathered, not read whole
     hit = 1 - (1 - cfg.top_k / cfg.num_experts) ** (bs * dp)
@@ -193,7 +199,7 @@ def main() -> None:
         device=args.device, dispatcher=args.dispatcher, attention=args.attention,
         use_cuda_graph=None if "graph" in args.modes else False, max_context_len=args.prompt_len + 64,
         kv_cache_tokens=mrr * (args.prompt_len + 64), cuda_graph_extend_tokens=args.extend_tokens,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
     )
     t0 = time.perf_counter()
     worker = RankWorker(spec, rank=rank, world_size=world, show_progress=rank == 0)

@@ -56,6 +56,9 @@ kv_cache_dtype                        ``dtype`` or float8_e4m3fn (names: fp8, fp
                                       step's attention reads), K/V rounded to e4m3 at
                                       scale 1 (saturating at +-448), read back in
                                       ``dtype``
+quantization                          "none" (weights as stored) / "fp8": float weights    ("none")
+                                      quantized at load to FP8 128x128 blocks
+                                      (``model.quant_config``)
 device                                anything ``torch.device`` takes                     cuda if
                                                                                           available
 ====================================  ==================================================  ==========
@@ -88,6 +91,7 @@ import torch
 
 from dispatcher.sizing import max_tokens_per_rank
 from dp_runtime.env import read_env
+from dp_runtime.model.quant_config import QUANTIZATION_CHOICES
 from dp_runtime.sync.padding_mode import PaddingMode
 from graph.capture_sizes import capture_sizes
 
@@ -155,6 +159,7 @@ class RuntimeConfig:
     mixed_step_tokens: int | str = "auto"
     schedule_policy: str = "fcfs"
     prefix_caching: bool = True
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -299,6 +304,9 @@ class RuntimeConfig:
             raise _fail("dp_sync_timeout_s must be a number > 0", dp_sync_timeout_s=timeout)
         if self.dtype not in set(_DTYPES.values()):
             raise _fail("dtype must be bfloat16, float16 or float32", dtype=self.dtype)
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise _fail(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}",
+                        quantization=self.quantization)
         if self.kv_cache_dtype not in (self.dtype, torch.float8_e4m3fn):
             raise _fail("kv_cache_dtype must be the model's dtype or float8_e4m3fn (fp8)",
                         kv_cache_dtype=self.kv_cache_dtype, dtype=self.dtype)

@@ -21,6 +21,7 @@ per element of the model dtype.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +34,7 @@ from dispatcher.sizing import (
 )
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import ModelConfig
+from dp_runtime.model.weight_groups import layer_groups
 from dp_runtime.model.weights import expected_shapes
 from dp_runtime.serving.penalty_counts import PenaltyCounts
 from dp_runtime.sync.dp_buffer import DPBufferService, dp_buffer_layout
@@ -94,14 +96,14 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def weight_bytes_per_rank(cfg: ModelConfig, dtype: torch.dtype, ep_rank: int = 0, ep_size: int = 1) -> int:
-    """Bytes of the weights EP rank ``ep_rank`` holds: every shared tensor plus its experts."""
-    total = 0
-    for shape in expected_shapes(cfg, ep_rank, ep_size).values():
-        n = 1
-        for s in shape:
-            n *= s
-        total += n
-    return total * dtype_bytes(dtype)
+    """Bytes of the weights EP rank ``ep_rank`` holds: every shared tensor plus its experts, the
+    groups ``weight_groups`` stores FP8 at a byte per value plus their float32 block scales."""
+    b = dtype_bytes(dtype)
+    total = sum(math.prod(shape) for shape in expected_shapes(cfg, ep_rank, ep_size).values()) * b
+    for i in range(cfg.num_layers):
+        for g in layer_groups(cfg, i, ep_rank, ep_size).values():
+            total += g.nbytes(b) - g.numel * b
+    return total
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -34,6 +34,7 @@ from typing import Any
 
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import PRESETS, ModelConfig, ModelConfigError
+from dp_runtime.model.quant_config import with_quantization
 
 __all__ = ["ATTENTION_KINDS", "RankSpec"]
 
@@ -103,12 +104,13 @@ class RankSpec:
         return self.model in PRESETS
 
     def model_config(self) -> ModelConfig:
+        """The model as this rank serves it (``runtime.quantization`` applied)."""
         return self._model
 
     @functools.cached_property
     def _model(self) -> ModelConfig:
         # A checkpoint's config.json is read once per spec, not at every question about it.
-        return _model_config(self.model, self.model_overrides)
+        return with_quantization(_model_config(self.model, self.model_overrides), self.runtime.quantization)
 
     @functools.cached_property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -231,6 +231,7 @@ class RankWorker:
                    decode_attention=getattr(self.attention, "decode_kernels", self.attention_kind),
                    graphs=self.graphs is not None, kv_slots=self.kv_cache.num_slots,
                    kv_cache_dtype=str(self.kv_cache.dtype).removeprefix("torch."),
+                   quantization="none" if self.model_config.quantization is None else "fp8",
                    memory=dict(self._memory), **self.scheduler.kv_metrics())
         return out
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from dp_runtime.model.fallback_log import log_fallback
+from dp_runtime.model.fp8_blocks import Fp8BlockWeight
+from dp_runtime.model.fp8_linear import fp8_linear
 from dp_runtime.model.layers import RotaryEmbedding, rms_norm
 from dp_runtime.model.skinny_linear import skinny_linear, use_skinny
 from dp_runtime.model.stream_linear import StreamLinear
@@ -71,8 +73,8 @@ class TorchOps:
         return rotary.apply(q_THD, k_THD, positions_T)
 
     @staticmethod
-    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, w, b)
+    def linear(x: torch.Tensor, w: torch.Tensor | Fp8BlockWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear(x, w, b) if isinstance(w, Fp8BlockWeight) else F.linear(x, w, b)
 
 
 class FlashInferOps:

@@ -4,7 +4,8 @@ Shapes: T tokens (N rows a dispatcher delivered), K experts per token, E experts
 this rank), H hidden, I expert intermediate size. Weights: ``w13_E2IH`` (gate and up, stacked,
 nn.Linear layout) and ``w2_EHI``.
 
-Both paths are capturable (no host sync, static shapes) and deterministic: each token's K
+Either may be Fp8BlockWeight stacks (``fp8_blocks``): they are dequantized here, the float
+reference of the FP8 expert kernels. Both paths are capturable (no host sync, static shapes) and deterministic: each token's K
 expert outputs are put back in (token, k) order and summed in float32, never scattered with
 atomics, so replay and eager reduce in the same order.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from dp_runtime.model.fp8_blocks import Fp8BlockWeight
 
 __all__ = ["grouped_mm_supported", "local_expert_sum"]
 
@@ -42,14 +45,19 @@ def _grouped(x_TH: torch.Tensor, ids_TK: torch.Tensor, w13_E2IH: torch.Tensor, w
     return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(t, k, -1)
 
 
-def _dense(x_TH: torch.Tensor, ids_TK: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> torch.Tensor:
+def _expert(w, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e``'s weight in ``dtype``: an FP8 one dequantized (the reference path)."""
+    return w.select(e).dequantize(dtype) if isinstance(w, Fp8BlockWeight) else w[e]
+
+
+def _dense(x_TH: torch.Tensor, ids_TK: torch.Tensor, w13_E2IH, w2_EHI) -> torch.Tensor:
     # Every expert on every token, the result kept only where routed: E times the work, for
-    # CPU tests and devices without grouped GEMM.
+    # CPU tests and devices without grouped GEMM. FP8 experts are dequantized one at a time.
     t, k = ids_TK.shape
     out = x_TH.new_zeros((t, k, w2_EHI.shape[1]))
     for e in range(w13_E2IH.shape[0]):
-        gate, up = (x_TH @ w13_E2IH[e].T).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2_EHI[e].T
+        gate, up = (x_TH @ _expert(w13_E2IH, e, x_TH.dtype).T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ _expert(w2_EHI, e, x_TH.dtype).T
         out = torch.where((ids_TK == e)[..., None], y[:, None, :], out)
     return out
 
@@ -81,6 +89,10 @@ def local_expert_sum(
     if n == 0:
         return out_ND
     num_local = w13_L2IH.shape[0]
+    if use_grouped_mm and isinstance(w13_L2IH, Fp8BlockWeight):
+        # torch's grouped GEMM takes no block scales: the whole stack dequantized, per call (a
+        # fallback: the Triton path runs FP8 experts where it runs)
+        w13_L2IH, w2_LHI = w13_L2IH.dequantize(x_ND.dtype), w2_LHI.dequantize(x_ND.dtype)
     valid_NK = (local_ids_NK >= 0) & (local_ids_NK < num_local)
     ids_NK = torch.where(valid_NK, local_ids_NK.long(), num_local)
     # One (N, K, H) fp32 tensor, weighted and masked in place: at a full prefill chunk each

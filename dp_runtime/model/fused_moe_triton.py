@@ -43,6 +43,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from dp_runtime.model.fp8_blocks import Fp8BlockWeight
+from dp_runtime.model.fp8_tile import w8a8_dot
 from dp_runtime.model.moe_align import UNALIGNED_PICKS, align_picks, max_blocks, unaligned_blocks
 from dp_runtime.model.moe_tiles import MoeTileConfig, gemm2_tile_config, tile_config
 from dp_runtime.model.pdl import pdl_entry, pdl_meta, resolve_pdl
@@ -62,6 +64,10 @@ def _expert_gemm_kernel(
     c_ptr,  # GEMM1: act (P, I); GEMM2: y (P, H); rows indexed by pick, unit column stride
     stride_cm,
     topk_weights_ptr,  # (P,) fp32 routing weights (GEMM2 only)
+    s_ptr,  # FP8: the weights' block scales (L, rows / 128, k_in / 128), fp32
+    stride_se,
+    stride_sn,
+    stride_sk,
     sorted_ptr,
     block_expert_ptr,
     num_rows_ptr,
@@ -74,6 +80,7 @@ def _expert_gemm_kernel(
     GATED: tl.constexpr,  # GEMM1: gate and up tiles, SwiGLU epilogue; else weighted epilogue
     EVEN_K: tl.constexpr,  # k_in % BLOCK_K == 0: no contraction mask
     UPCAST_DOT: tl.constexpr,  # Triton's CPU interpreter only: it has no bf16 matmul
+    FP8: tl.constexpr,  # FP8 block-quantized weights, W8A8 (``fp8_tile.w8a8_dot``)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -91,16 +98,17 @@ def _expert_gemm_kernel(
     if (expert < 0) | (expert >= num_local):
         return
     _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
-                 sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
-                 A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+                 s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
+                 A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, FP8, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["num_picks"])
 def _expert_gemm_persistent_kernel(
-    a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr, sorted_ptr,
+    a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
+    s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr,
     block_expert_ptr, num_rows_ptr, num_picks, n_out, k_in,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """``_expert_gemm_kernel`` on a fixed grid: program ``p`` takes the tiles in use ``p, p +
@@ -116,8 +124,8 @@ def _expert_gemm_persistent_kernel(
         pid_m, pid_n = _tile_coords(tile, used, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
-                     sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
-                     A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+                     s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
+                     A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, FP8, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -133,9 +141,9 @@ def _tile_coords(tile, num_blocks, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
-                 sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
+                 s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
                  A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The BLOCK_M x BLOCK_N output tile (``pid_m``, ``pid_n``) of block ``pid_m``, whose picks
     are all ``expert``'s: the contraction and the epilogue, stored by pick."""
     pick = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -150,31 +158,39 @@ def _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr
     w_ptrs = w_ptr + expert * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = acc
     if GATED:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up_offset = n_out * stride_wn  # up rows follow the gate rows in w13
-    for kk in range(0, tl.cdiv(k_in, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = offs_k < k_in - kk * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc=acc)
-        if GATED:
+    up_offset = n_out * stride_wn  # up rows follow the gate rows in w13
+    if FP8:
+        # Each column's scale row; the up rows' blocks follow the gate rows' (n_out % 128 == 0).
+        s_ptrs = s_ptr + expert * stride_se + (offs_wn // 128) * stride_sn
+        s_up_ptrs = s_ptr + expert * stride_se + ((offs_wn + n_out) // 128) * stride_sn
+        acc, acc_up = w8a8_dot(acc, acc_up, a_ptrs, row_ok, w_ptrs, up_offset, s_ptrs, s_up_ptrs, stride_sk,
+                               k_in, BLOCK_K, EVEN_K, GATED)
+    else:
+        for kk in range(0, tl.cdiv(k_in, BLOCK_K)):
             if EVEN_K:
-                w_up = tl.load(w_ptrs + up_offset)
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs)
             else:
-                w_up = tl.load(w_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
+                k_ok = offs_k < k_in - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
             if UPCAST_DOT:
-                w_up = w_up.to(tl.float32)
-            acc_up = tl.dot(a, w_up, acc=acc_up)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc=acc)
+            if GATED:
+                if EVEN_K:
+                    w_up = tl.load(w_ptrs + up_offset)
+                else:
+                    w_up = tl.load(w_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
+                if UPCAST_DOT:
+                    w_up = w_up.to(tl.float32)
+                acc_up = tl.dot(a, w_up, acc=acc_up)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
 
     if GATED:
         out = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32
@@ -236,10 +252,13 @@ def _launch_gemm(cfg: MoeTileConfig, a, w, c, weights_P, sorted_R, block_expert,
     blocks = block_expert.shape[0]
     block_n = cfg.block_n // 2 if gated else cfg.block_n
     tiles = blocks * triton.cdiv(n_out, block_n)
-    args = (a, a.stride(0), w, w.stride(0), w.stride(1), w.stride(2), c, c.stride(0), weights_P, sorted_R,
-            block_expert, num_rows, c.shape[0])  # c has a row per pick
+    fp8 = isinstance(w, Fp8BlockWeight)
+    w, s = (w.values, w.scales) if fp8 else (w, weights_P)  # s: unread without FP8
+    scale_strides = (s.stride(0), s.stride(1), s.stride(2)) if fp8 else (0, 0, 0)
+    args = (a, a.stride(0), w, w.stride(0), w.stride(1), w.stride(2), c, c.stride(0), weights_P, s,
+            *scale_strides, sorted_R, block_expert, num_rows, c.shape[0])  # c has a row per pick
     meta = dict(A_ROW_DIV=a_row_div, GATED=gated, EVEN_K=k_in % cfg.block_k == 0,
-                UPCAST_DOT=isinstance(_expert_gemm_kernel, InterpretedFunction), BLOCK_M=cfg.block_m,
+                UPCAST_DOT=isinstance(_expert_gemm_kernel, InterpretedFunction), FP8=fp8, BLOCK_M=cfg.block_m,
                 BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **pdl_meta(pdl))
     if cfg.programs_per_sm and aligned:
@@ -266,7 +285,11 @@ def _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND) -> N
         raise ValueError(f"local_ids_NK: expected ({n}, K), got shape {tuple(local_ids_NK.shape)}")
     if tuple(weights_NK.shape) != tuple(local_ids_NK.shape):
         raise ValueError(f"weights_NK: expected shape {tuple(local_ids_NK.shape)}, got {tuple(weights_NK.shape)}")
-    if w13_L2IH.dim() != 3 or w13_L2IH.shape[2] != h or w13_L2IH.shape[1] % 2:
+    if isinstance(w13_L2IH, Fp8BlockWeight) != isinstance(w2_LHI, Fp8BlockWeight):
+        raise ValueError("w13_L2IH and w2_LHI: both FP8 block weights or neither")
+    if isinstance(w13_L2IH, Fp8BlockWeight) and (w13_L2IH.shape[1] // 2) % 128:
+        raise ValueError(f"w13_L2IH: FP8 gate/up halves must end on 128-row blocks, got I={w13_L2IH.shape[1] // 2}")
+    if len(w13_L2IH.shape) != 3 or w13_L2IH.shape[2] != h or w13_L2IH.shape[1] % 2:
         raise ValueError(f"w13_L2IH: expected (L, 2I, {h}), got shape {tuple(w13_L2IH.shape)}")
     num_local, inter = w13_L2IH.shape[0], w13_L2IH.shape[1] // 2
     if tuple(w2_LHI.shape) != (num_local, h, inter):

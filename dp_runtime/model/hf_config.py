@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dp_runtime.model.config_parts import ModelConfigError, YarnScaling
+from dp_runtime.model.quant_config import quant_config_from_hf
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "model_fields_from_hf", "read_json_object"]
 
@@ -170,9 +171,8 @@ def model_fields_from_hf(hf: dict[str, Any], source: str = "config.json") -> dic
         raise ModelConfigError(f"{source} must hold a JSON object, got {type(hf).__name__}")
     family = _family(hf, source)
     f = _Fields(hf, family, source)
-    if hf.get("quantization_config") is not None:
-        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
-        raise f.fail("quantization_config.quant_method", method, "is not supported (quantized checkpoints)")
+    qc = hf.get("quantization_config")
+    quantization = None if qc is None else quant_config_from_hf(qc, source)
     act = f.raw("hidden_act")
     if act not in _SILU:
         raise f.fail("hidden_act", act, f"is not supported (the experts are SwiGLU: {', '.join(_SILU)})")
@@ -188,6 +188,7 @@ def model_fields_from_hf(hf: dict[str, Any], source: str = "config.json") -> dic
         head_dim=f.int("head_dim", hf.get("head_dim") or hidden // max(heads, 1)),
         top_k=f.int("num_experts_per_tok"), rms_norm_eps=f.float("rms_norm_eps"), rope_theta=rope_theta,
         tie_word_embeddings=f.bool("tie_word_embeddings"), max_position_embeddings=max_positions, rope_yarn=yarn,
+        quantization=quantization,
     )
     if family == "mixtral":
         if hf.get("attention_bias"):

@@ -21,6 +21,7 @@ from typing import Any
 from dp_runtime.model.checkpoint_files import checkpoint_index, has_weights
 from dp_runtime.model.config_parts import ModelConfigError, YarnScaling
 from dp_runtime.model.hf_config import model_fields_from_hf, read_json_object
+from dp_runtime.model.quant_config import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,15 @@ class ModelConfig:
     # The attention window as transformers applies it (None: full causal attention). The model
     # has no windowed attention: RankSpec refuses a window shorter than the context it allows.
     sliding_window: int | None = None
+    # FP8 block-quantized weights (a checkpoint's quantization_config, or --quantization fp8);
+    # None: every weight in the model dtype.
+    quantization: QuantConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_yarn, dict):  # to_dict() output fed back in
             object.__setattr__(self, "rope_yarn", YarnScaling(**self.rope_yarn))
+        if isinstance(self.quantization, dict):
+            object.__setattr__(self, "quantization", QuantConfig(**self.quantization))
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts", "top_k", "moe_intermediate_size")
         for name in positive:
             if getattr(self, name) <= 0:

@@ -47,28 +47,48 @@ from dispatcher.plan import FixedPlan
 from dp_runtime.forward_mode import ForwardMode
 from dp_runtime.model.elementwise_ops import elementwise_ops
 from dp_runtime.model.expert_path import expert_path
+from dp_runtime.model.fp8_blocks import Fp8BlockWeight
 from dp_runtime.model.layers import RotaryEmbedding, qk_norm_attention
 from dp_runtime.model.model_config import ModelConfig
 from dp_runtime.model.tensor_names import expert_names, layer_names
+from dp_runtime.model.weight_groups import layer_groups
 from dp_runtime.model.weights import expected_shapes
 
 __all__ = ["Qwen3MoeModel"]
+
+Weight = torch.Tensor | Fp8BlockWeight  # a GEMM weight: model dtype, or FP8 blocks (weight_groups)
+
+
+def _rows(w: Weight, start: int, stop: int) -> Weight:
+    return w.rows(start, stop) if isinstance(w, Fp8BlockWeight) else w[..., start:stop, :]
+
+
+def _index(w: Weight, i: int) -> Weight:
+    return w.select(i) if isinstance(w, Fp8BlockWeight) else w[i]
+
+
+def _fill(target: Weight, src: Weight) -> None:
+    """Copy a loaded weight into its storage: an FP8 one as it is (or dequantized into float
+    storage), a float one as it is (or quantized into FP8 storage)."""
+    if isinstance(src, Fp8BlockWeight) and not isinstance(target, Fp8BlockWeight):
+        src = src.dequantize(target.dtype)
+    target.copy_(src)
 
 
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
-    w_qkv: torch.Tensor  # (Hq*D + 2*Hkv*D, H)
+    w_qkv: Weight  # (Hq*D + 2*Hkv*D, H); the GEMM weights may be FP8 blocks (weight_groups)
     q_norm: torch.Tensor | None  # None: the family has no q/k norm (Mixtral)
     k_norm: torch.Tensor | None
-    w_o: torch.Tensor
+    w_o: Weight
     mlp_norm: torch.Tensor
     sparse: bool
     b_qkv: torch.Tensor | None = None  # (Hq*D + 2*Hkv*D,) with attention_bias
     b_o: torch.Tensor | None = None  # (H,) with attention_bias
     w_router: torch.Tensor | None = None  # (E, H)
-    w13: torch.Tensor | None = None  # sparse: (L, 2I, H) local experts; dense: (2I, H)
-    w2: torch.Tensor | None = None  # sparse: (L, H, I); dense: (H, I)
+    w13: Weight | None = None  # sparse: (L, 2I, H) local experts; dense: (2I, H)
+    w2: Weight | None = None  # sparse: (L, H, I); dense: (H, I)
 
 
 class Qwen3MoeModel:
@@ -133,7 +153,7 @@ class Qwen3MoeModel:
                     raise KeyError(f"weight {name!r} is not a tensor of this rank's model ({ep})")
                 if tuple(tensor.shape) != want[name]:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}; the config needs {want[name]}")
-                self._target(name).copy_(tensor)
+                _fill(self._target(name), tensor)
                 seen.add(name)
         missing = sorted(set(want) - seen)
         if missing:
@@ -164,9 +184,11 @@ class Qwen3MoeModel:
 
     def _allocate(self) -> None:
         """Model storage, and ``self._targets``: each Hugging Face tensor name mapped to the slice
-        of storage it fills (QKV fused, local experts stacked)."""
+        of storage it fills (QKV fused, local experts stacked). The GEMM weights of a group that
+        ``weight_groups`` marks FP8 are Fp8BlockWeight storage (values and block scales)."""
         c = self.cfg
         h, d = c.hidden_size, c.head_dim
+        ep = self.dispatcher.ep
         self.embed = self._empty(c.vocab_size, h)
         self.final_norm = self._empty(h)
         self.lm_head = self.embed if c.tie_word_embeddings else self._empty(c.vocab_size, h)
@@ -176,35 +198,32 @@ class Qwen3MoeModel:
         q, kv = c.num_heads * d, c.num_kv_heads * d
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
+            groups = layer_groups(c, i, ep.rank, ep.size)
+            w = {key: Fp8BlockWeight.empty(*g.shape, device=self.device) if g.fp8 else self._empty(*g.shape)
+                 for key, g in groups.items()}
             layer = _Layer(
-                attn_norm=self._empty(h),
-                w_qkv=self._empty(q + 2 * kv, h),
-                q_norm=self._empty(d) if c.qk_norm else None,
-                k_norm=self._empty(d) if c.qk_norm else None,
-                w_o=self._empty(h, q),
-                mlp_norm=self._empty(h),
-                sparse=c.is_sparse(i),
-                b_qkv=self._empty(q + 2 * kv) if c.attention_bias else None,
-                b_o=self._empty(h) if c.attention_bias else None,
+                attn_norm=self._empty(h), w_qkv=w["qkv"], q_norm=self._empty(d) if c.qk_norm else None,
+                k_norm=self._empty(d) if c.qk_norm else None, w_o=w["o"], mlp_norm=self._empty(h),
+                sparse=c.is_sparse(i), b_qkv=self._empty(q + 2 * kv) if c.attention_bias else None,
+                b_o=self._empty(h) if c.attention_bias else None, w13=w["w13"], w2=w["w2"],
             )
             size = c.moe_intermediate_size if layer.sparse else c.intermediate_size
             if layer.sparse:
                 layer.w_router = self._empty(c.num_experts, h)
-                layer.w13 = self._empty(self.num_local_experts, 2 * size, h)
-                layer.w2 = self._empty(self.num_local_experts, h, size)
                 for local in range(self.num_local_experts):
                     gate, up, down = expert_names(c, i, self.first_expert + local)
-                    targets[gate], targets[up] = layer.w13[local, :size], layer.w13[local, size:]
-                    targets[down] = layer.w2[local]
-            else:
-                layer.w13 = self._empty(2 * size, h)
-                layer.w2 = self._empty(h, size)
+                    w13, w2 = _index(layer.w13, local), _index(layer.w2, local)
+                    targets[gate], targets[up] = _rows(w13, 0, size), _rows(w13, size, 2 * size)
+                    targets[down] = w2
             by_role = {
                 "attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "q_norm": layer.q_norm,
-                "k_norm": layer.k_norm, "o_proj": layer.w_o, "q_proj": layer.w_qkv[:q],
-                "k_proj": layer.w_qkv[q : q + kv], "v_proj": layer.w_qkv[q + kv :], "router": layer.w_router,
-                "mlp_gate": layer.w13[:size], "mlp_up": layer.w13[size:], "mlp_down": layer.w2,
+                "k_norm": layer.k_norm, "o_proj": layer.w_o, "q_proj": _rows(layer.w_qkv, 0, q),
+                "k_proj": _rows(layer.w_qkv, q, q + kv), "v_proj": _rows(layer.w_qkv, q + kv, q + 2 * kv),
+                "router": layer.w_router,
             }
+            if not layer.sparse:
+                by_role.update(mlp_gate=_rows(layer.w13, 0, size), mlp_up=_rows(layer.w13, size, 2 * size),
+                               mlp_down=layer.w2)
             if c.attention_bias:
                 by_role.update(q_bias=layer.b_qkv[:q], k_bias=layer.b_qkv[q : q + kv], v_bias=layer.b_qkv[q + kv :],
                                o_bias=layer.b_o)
@@ -213,7 +232,7 @@ class Qwen3MoeModel:
             self.layers.append(layer)
         self._targets = targets
 
-    def _target(self, name: str) -> torch.Tensor:
+    def _target(self, name: str) -> torch.Tensor | Fp8BlockWeight:
         """The slice of model storage that the Hugging Face tensor ``name`` fills."""
         return self._targets[name]
 
@@ -223,7 +242,7 @@ class Qwen3MoeModel:
         for layer in self.layers:
             tensors += [t for t in (layer.attn_norm, layer.w_qkv, layer.q_norm, layer.k_norm, layer.w_o,
                                     layer.b_qkv, layer.b_o, layer.mlp_norm, layer.w_router, layer.w13, layer.w2) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.nbytes if isinstance(t, Fp8BlockWeight) else t.numel() * t.element_size() for t in tensors)
 
     # -- forward ---------------------------------------------------------------------------------
     def _moe(self, layer: _Layer, x_TH: torch.Tensor, plan, extend: bool, live_rows, add_norm=None) -> torch.Tensor:
@@ -254,7 +273,7 @@ class Qwen3MoeModel:
         return live if live is not None and self.dispatcher.combine_is_identity else None
 
     def _mlp(self, layer: _Layer, x_TH: torch.Tensor) -> torch.Tensor:
-        return self.ops.silu_and_mul(x_TH @ layer.w13.T) @ layer.w2.T
+        return self.ops.linear(self.ops.silu_and_mul(self.ops.linear(x_TH, layer.w13)), layer.w2)
 
     @staticmethod
     def _logit_rows(batch) -> torch.Tensor | None:

@@ -1,0 +1,77 @@
+"""The dense W8A8 linear on FP8 block weights: ``y = x @ W.T`` for bf16/fp16 ``x`` (M, K) and an
+Fp8BlockWeight ``W`` (N, K) with 128 x 128 block scales, in one Triton launch.
+
+Each program owns a BLOCK_M x BLOCK_N output tile and walks K with ``fp8_tile.w8a8_dot``: the
+activation's per-token scales are computed in the kernel from the tile it loads (no separate
+quantization launch, no FP8 copy of x in memory). Tiles by rows: decode sizes stream the weight
+with narrow column tiles (more programs in flight on a short N), prefill sizes take 128-row
+tiles grouped along M for L2 reuse. No host sync: capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dp_runtime.model.fp8_blocks import Fp8BlockWeight
+from dp_runtime.model.fp8_tile import w8a8_dot
+
+__all__ = ["fp8_linear_tiles", "w8a8_block_linear"]
+
+
+@triton.jit(do_not_specialize=["m"])
+def _w8a8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_ym, m, n, k,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows
+    pid_n = (pid % per_group) // rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_wn = offs_n % n  # wrapped: weight loads stay in bounds, extra columns dropped at the store
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < m
+    a_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_wn.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    s_ptrs = s_ptr + (offs_wn // 128) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc, _ = w8a8_dot(acc, acc, a_ptrs, m_ok, w_ptrs, 0, s_ptrs, s_ptrs, 1, k, BLOCK_K, EVEN_K, False)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n[None, :] < n))
+
+
+def fp8_linear_tiles(m: int) -> dict[str, int]:
+    """Launch constants by rows: narrow column tiles and deep pipelines at decode sizes (the
+    weight's bytes are the cost), wide tiles from 128 rows (FP8 MMA throughput)."""
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5)
+    if m <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def w8a8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` in x's dtype (module docstring). ``x`` unit-stride along K; ValueError naming
+    the shapes for a K that differs from the weight's or a weight not K-contiguous."""
+    m, k = x_MK.shape
+    n = w.values.shape[0]
+    if w.values.dim() != 2 or w.values.shape[1] != k:
+        raise ValueError(f"w8a8_block_linear: x has K={k} columns but the weight is {tuple(w.values.shape)}")
+    if w.values.stride(1) != 1 or w.block != (128, 128):
+        raise ValueError(f"w8a8_block_linear: the weight must be K-contiguous in 128x128 blocks, got strides "
+                         f"{w.values.stride()} blocks {w.block}")
+    if x_MK.stride(1) != 1:
+        x_MK = x_MK.contiguous()
+    y = out_MN if out_MN is not None else x_MK.new_empty((m, n))
+    if m == 0 or n == 0:
+        return y
+    meta = fp8_linear_tiles(m)
+    grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    _w8a8_linear_kernel[grid](x_MK, x_MK.stride(0), w.values, w.values.stride(0), w.scales, w.scales.stride(0),
+                              y, y.stride(0), m, n, k, EVEN_K=k % meta["BLOCK_K"] == 0, **meta)
+    return y

@@ -1,0 +1,56 @@
+"""The W8A8 contraction the FP8 GEMMs share (``fused_moe_triton``'s expert tile and
+``fp8_gemm_triton``'s dense linear): a BLOCK_M x BLOCK_N accumulator over K, each step's
+activation tile quantized in registers.
+
+Per BLOCK_K step (BLOCK_K divides 128, so a step lies inside one weight block): the activation
+tile (bf16/fp16) gets a per-row dynamic scale ``s_a = max|a| / 448`` over the step's columns and
+is rounded to e4m3; the FP8 weight tile is loaded as stored; ``tl.dot`` of the two (tensor-core
+FP8 MMA) is scaled by ``s_a`` per row and the weight block's scale per column, and added in
+fp32. An activation group is BLOCK_K wide (128 or 64): per-token 1x128 scales (DeepSeek's
+scheme), or finer. Quantizing in the consumer rather than in a separate kernel saves a launch
+and a round trip of the activation through memory; at decode sizes the redundant work (each
+column tile re-quantizes the same rows) is a few instructions per loaded element.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["w8a8_dot"]
+
+
+@triton.jit
+def w8a8_dot(acc, acc_up, a_ptrs, a_mask_m, w_ptrs, up_offset, s_ptrs, s_up_ptrs, stride_sk, k_in,
+             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+    """``acc += dequant(quant(A) @ W)`` over the whole contraction (and with GATED ``acc_up``
+    from the weight rows ``up_offset`` elements on, the same quantized A). ``a_ptrs``
+    (BLOCK_M, BLOCK_K) and ``w_ptrs`` (BLOCK_K, BLOCK_N) point at the first step (unit stride
+    along K for both: they advance by BLOCK_K elements per step); ``a_mask_m`` masks A's rows;
+    ``s_ptrs`` / ``s_up_ptrs`` (BLOCK_N,) at each column's weight-block scale of the first K
+    block, ``stride_sk`` apart along K. Returns the fp32 accumulators."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for kk in range(0, tl.cdiv(k_in, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=a_mask_m[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < k_in - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=a_mask_m[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        a = a.to(tl.float32)
+        s_a = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0
+        a_q = (a / s_a[:, None]).to(tl.float8e4nv)
+        k_block = ((kk * BLOCK_K) // 128) * stride_sk
+        s_w = tl.load(s_ptrs + k_block)
+        acc += tl.dot(a_q, w) * s_a[:, None] * s_w[None, :]
+        if GATED:
+            if EVEN_K:
+                w_up = tl.load(w_ptrs + up_offset)
+            else:
+                w_up = tl.load(w_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
+            s_up = tl.load(s_up_ptrs + k_block)
+            acc_up += tl.dot(a_q, w_up) * s_a[:, None] * s_up[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc, acc_up

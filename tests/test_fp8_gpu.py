@@ -1,0 +1,113 @@
+"""The FP8 kernels on a GPU against their references (docs/model.md, "FP8 weights").
+
+Tolerances, stated once: against the exact W8A8 reference (activations rounded per 1x128 group
+as the kernel rounds them, ``fake_quant_activations``, times the dequantized weight, in float32)
+an output element may differ by 2% of the output's largest magnitude (fp32 accumulation order,
+bf16 output rounding, and the 64-column groups of tiles with block_k 64, which round finer).
+Against the float reference (the dequantized weight times the unrounded activation) the
+relative error of the whole output (Frobenius) stays under 6%: e4m3 keeps 3 mantissa bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dp_runtime.model.fp8_blocks import Fp8BlockWeight, fake_quant_activations
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("FP8 tensor cores need sm89+", allow_module_level=True)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 65, 200, 1024])
+@pytest.mark.parametrize(("n", "k"), [(5120, 2048), (2048, 4096), (192, 200), (256, 64)])
+def test_w8a8_linear_matches_the_references(m, n, k):
+    from dp_runtime.model.fp8_gemm_triton import w8a8_block_linear
+
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = Fp8BlockWeight.quantize(torch.randn(n, k, device="cuda", generator=g) * k ** -0.5)
+    y = w8a8_block_linear(x, w)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    deq = w.dequantize()
+    exact = fake_quant_activations(x) @ deq.T
+    assert (y.float() - exact).abs().max().item() <= 0.02 * exact.abs().max().item()
+    assert _rel(y, x.float() @ deq.T) < 0.06
+
+
+def test_w8a8_linear_takes_no_rows_and_strided_rows():
+    from dp_runtime.model.fp8_gemm_triton import w8a8_block_linear
+
+    w = Fp8BlockWeight.quantize(torch.randn(256, 384, device="cuda"))
+    assert w8a8_block_linear(torch.empty(0, 384, device="cuda", dtype=torch.bfloat16), w).shape == (0, 256)
+    x = torch.randn(8, 2 * 384, device="cuda").to(torch.bfloat16)[:, :384]  # row stride 768
+    torch.testing.assert_close(w8a8_block_linear(x, w), w8a8_block_linear(x.contiguous(), w))
+    with pytest.raises(ValueError, match="K=100"):
+        w8a8_block_linear(torch.randn(2, 100, device="cuda", dtype=torch.bfloat16), w)
+
+
+def _experts(num_local, hidden, inter, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randn(num_local, 2 * inter, hidden, device="cuda", generator=g) * hidden ** -0.5
+    w2 = torch.randn(num_local, hidden, inter, device="cuda", generator=g) * inter ** -0.5
+    return Fp8BlockWeight.quantize(w13), Fp8BlockWeight.quantize(w2)
+
+
+@pytest.mark.parametrize("extend", [False, True], ids=["decode", "extend"])
+@pytest.mark.parametrize("n", [1, 7, 64, 300, 1024])
+@pytest.mark.parametrize(("hidden", "inter"), [(2048, 768), (192, 128)])
+def test_fused_fp8_experts_match_the_float_reference(n, extend, hidden, inter):
+    """Decode, mixed and prefill row counts (the unaligned and both aligned layouts), picks of
+    other ranks (ids outside [0, L)), hidden 192 (K not a multiple of 128)."""
+    from dp_runtime.model.experts import local_expert_sum
+    from dp_runtime.model.fused_moe_triton import fused_local_expert_sum
+
+    num_local, top_k = 16, 8
+    w13, w2 = _experts(num_local, hidden, inter, seed=n)
+    g = torch.Generator(device="cuda").manual_seed(n + 1)
+    x = torch.randn(n, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.randint(-4, num_local + 4, (n, top_k), device="cuda", generator=g, dtype=torch.int32)
+    weights = torch.rand(n, top_k, device="cuda", generator=g)
+    out = fused_local_expert_sum(x, ids, weights, w13, w2, extend=extend)
+    ref = local_expert_sum(x.float(), ids, weights, w13.dequantize(), w2.dequantize(), use_grouped_mm=False)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert _rel(out, ref) < 0.06
+    # The same kernels on the dequantized bf16 weights land as close: FP8 adds only rounding.
+    bf16 = fused_local_expert_sum(x, ids, weights, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16),
+                                  extend=extend)
+    assert _rel(out, bf16) < 0.06
+
+
+def test_fp8_model_on_gpu_follows_the_dequantized_reference(tmp_path):
+    """A tiny FP8 checkpoint served in bf16 on the GPU (FP8 kernels) against transformers on its
+    dequantized float32 twin: the first greedy tokens agree and the logits stay close."""
+    pytest.importorskip("transformers")
+    from dp_runtime.rank_spec import RankSpec
+    from dp_runtime.rank_worker import RankWorker
+    from dp_runtime.serving.request import Request, SamplingParams
+    from tests.fp8_checkpoint import write_fp8_pair
+    from tests.hf_reference import greedy_reference, load_reference
+
+    _, fp8, deq = write_fp8_pair(tmp_path)
+    hf = load_reference(deq)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 19, 40)]
+    spec = RankSpec.create(str(fp8), max_running_requests=4, chunked_prefill_size=64, dtype="bfloat16",
+                           device="cuda", max_context_len=128)
+    with RankWorker(spec, keep_logits=True) as w:
+        m = w.metrics()
+        assert (m["experts"], m["quantization"]) == ("triton", "fp8")
+        res = w.generate([Request(f"r{i}", p, SamplingParams(max_new_tokens=4)) for i, p in enumerate(prompts)])
+        for r, p in zip(res, prompts, strict=True):
+            tokens, logits = greedy_reference(hf, p, 4)
+            ours = torch.stack(w.sampled_logits[r.rid]).float().cpu()
+            assert r.output_ids[0] == tokens[0]
+            assert _rel(ours[0], logits[0]) < 0.1
