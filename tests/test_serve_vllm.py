@@ -158,3 +158,35 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client):
         status, err = _post(server, "/v1/completions", {"model": "ckpt", "prompt": ids,
                                                          "truncate_prompt_tokens": k})
         assert status == 400 and err["error"]["param"] == "truncate_prompt_tokens", err
+
+
+def test_vllm_metric_families_beside_dp_runtime_s(server, client):
+    before = server.metrics()
+    r = client.completions.create(model="ckpt", prompt=[1, 2, 3, 4], max_tokens=3, n=2,
+                                  extra_body={"ignore_eos": True})
+    m = server.metrics()
+    labels = (("engine", "0"), ("model_name", "ckpt"))
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"):
+        assert (name, labels) in m, name
+
+    def grew(name, labels=labels):
+        return m[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert grew("vllm:request_success_total", (*labels[:1], ("finished_reason", "length"),
+                                               labels[1])) == 2
+    assert grew("vllm:request_prompt_tokens_sum") == 8 and grew("vllm:request_prompt_tokens_count") == 2
+    assert grew("vllm:request_generation_tokens_sum") == 6 == r.usage.completion_tokens
+    assert grew("vllm:request_params_n_sum", (("model_name", "ckpt"),)) == 2  # one prompt, n 2
+    assert grew("vllm:request_params_max_tokens_sum", (("model_name", "ckpt"),)) == 3
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert grew(f"vllm:{name}_count") == 2, name
+    assert grew("vllm:inter_token_latency_seconds_count") == 4
+    # scraped from the ranks' stats, as the dp_runtime_ series of the same scrape
+    rank = (("rank", "0"),)
+    assert m[("vllm:generation_tokens_total", labels)] == m[("dp_runtime_generation_tokens_total", rank)]
+    assert m[("vllm:prompt_tokens_total", labels)] == m[("dp_runtime_prompt_tokens_total", rank)]
+    queries, hits = grew("vllm:prefix_cache_queries_total"), grew("vllm:prefix_cache_hits_total")
+    assert queries >= hits and queries == grew("vllm:prompt_tokens_total") + hits

@@ -250,6 +250,8 @@ async def _serve(
         for ids, s in zip(prompts, samplings, strict=True)
     ]
     sampling = checked[0][1]
+    for _, s in checked:  # vLLM's request_params_* histograms: one per prompt
+        state.metrics.vllm.observe_params(body.n or 1, s.max_new_tokens)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     n = body.n or 1  # sampling_of checked it
     lps = None  # each choice's logprobs object (launch/server/logprobs.py), when asked
