@@ -961,11 +961,12 @@ print(f'read {x.numel() * 2 / dt / 1e12:.3f} TB/s (torch sum over 8 GiB bf16); c
     step compare_2_all_gather python bench/compare_trees.py --nproc 2 $(bases) -- bench/serve_step.py \
       --batch-sizes ${COMPARE_BS:-1,64,256} --iters 20 --dispatcher all_gather ${SERVE_ARGS:-}
     ;;
-  fp8)  # one GPU: FP8 kernel tests, then decode steps of qwen3-30b-a3b in bf16 and with --quantization fp8 (same
-        # tree, one call: the step and its HBM floor per batch size); SAVE_FI=1 brings FlashInfer's cache back
+  fp8)  # one GPU: FP8 GPU tests (TESTS=-k... narrows them), the FP8 kernels beside bf16 (fp8_kernels.py), then
+        # decode steps of qwen3-30b-a3b for each of QUANTS (none fp8: bf16 and --quantization fp8, same tree, one call)
     step fp8_tests timeout ${TESTS_TIMEOUT:-240} python -m pytest -m gpu -p no:cacheprovider -q -rs -x \
-      tests/test_fp8_gpu.py
-    for q in none fp8; do
+      tests/test_fp8_gpu.py ${TESTS:-}
+    [ -n "${KERNELS:-1}" ] && TAIL=40 step fp8_kernels timeout ${TKERN:-150} python bench/fp8_kernels.py
+    for q in ${QUANTS:-none fp8}; do
       TAIL=14 step decode_$q timeout ${TDEC:-150} python bench/serve_step.py --batch-sizes ${BS:-1,8,64,256} \
         --iters 20 --modes graph --quantization $q
     done

@@ -101,7 +101,7 @@ def test_fp8_model_on_gpu_follows_the_dequantized_reference(tmp_path):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 19, 40)]
     spec = RankSpec.create(str(fp8), max_running_requests=4, chunked_prefill_size=64, dtype="bfloat16",
-                           device="cuda", max_context_len=128)
+                           device="cuda", max_context_len=128, attention="sdpa")
     with RankWorker(spec, keep_logits=True) as w:
         m = w.metrics()
         assert (m["experts"], m["quantization"]) == ("triton", "fp8")

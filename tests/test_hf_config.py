@@ -34,6 +34,8 @@ def test_config_written_by_transformers_reads_back(tmp_path):
     assert cfg.num_experts == 8 and cfg.head_dim == 16  # num_experts is saved as num_local_experts
 
 
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
 REFUSED = [
     (_qwen(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
     (_mixtral(hidden_act="relu"), r"hidden_act='relu' is not supported"),
@@ -47,7 +49,17 @@ REFUSED = [
     (_qwen(partial_rotary_factor=0.5), r"partial_rotary_factor=0\.5 is not supported"),
     (_qwen(rope_parameters={"rope_type": "yarn", "factor": 0.5}), r"YaRN factor must be >= 1, got 0\.5"),
     (_qwen(rope_parameters={"full_attention": {"rope_type": "default"}}), r"per-layer-type RoPE"),
-    (_qwen(quantization_config={"quant_method": "fp8"}), r"quantization_config\.quant_method='fp8' is not supported"),
+    (_qwen(quantization_config={"quant_method": "fp8"}), r"quantization_config\.weight_block_size=None is not "
+     r"supported \(supported: \[128, 128\]"),
+    (_qwen(quantization_config={**FP8, "quant_method": "awq"}), r"quantization_config\.quant_method='awq' is not supported"),
+    (_qwen(quantization_config={**FP8, "fmt": "e5m2"}), r"quantization_config\.fmt='e5m2' is not supported"),
+    (_qwen(quantization_config={**FP8, "weight_block_size": [64, 64]}),
+     r"quantization_config\.weight_block_size=\[64, 64\] is not supported"),
+    (_qwen(quantization_config={**FP8, "activation_scheme": "static"}),
+     r"quantization_config\.activation_scheme='static' is not supported"),
+    (_qwen(quantization_config={**FP8, "modules_to_not_convert": "lm_head"}),
+     r"quantization_config\.modules_to_not_convert='lm_head' must be a list"),
+    (_qwen(quantization_config="fp8"), r"quantization_config must be an object, got 'fp8'"),
     (_mixtral(attention_bias=True), r"attention_bias=True is not supported for mixtral"),
     (_qwen(hidden_size="64"), r"hidden_size='64' must be an integer"),
     (_qwen(num_experts_per_tok=2.0), r"num_experts_per_tok=2\.0 must be an integer"),

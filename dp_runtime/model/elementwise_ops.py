@@ -37,7 +37,9 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     """``F.linear(x, w, b)``; without bias at decode sizes a kernel that streams the weight once:
     ``skinny_linear`` at 1..SKINNY_USE_ROWS rows, ``stream`` where ``StreamLinear.takes`` it
     (3..16 rows of narrow weights; ``use_skinny`` says the rest). An IDLE rank's 0 rows go to
-    F.linear, which returns the empty (0, N) output."""
+    F.linear, which returns the empty (0, N) output. An FP8 weight goes to ``fp8_linear``."""
+    if isinstance(w, Fp8BlockWeight):
+        return fp8_linear(x, w, b)
     if use_skinny(x, w, b):
         return skinny_linear(x, w)
     if stream is not None and stream.takes(x, w, b):

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from dp_runtime.model.fp8_blocks import Fp8BlockWeight
-from dp_runtime.model.fp8_tile import w8a8_dot
+from dp_runtime.model.fp8_tile import use_w8a8, w8a8_dot
 
 __all__ = ["fp8_linear_tiles", "w8a8_block_linear"]
 
@@ -23,7 +23,7 @@ __all__ = ["fp8_linear_tiles", "w8a8_block_linear"]
 @triton.jit(do_not_specialize=["m"])
 def _w8a8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_ym, m, n, k,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, QUANT_A: tl.constexpr):
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -40,7 +40,7 @@ def _w8a8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, y_
     w_ptrs = w_ptr + offs_wn.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     s_ptrs = s_ptr + (offs_wn // 128) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc, _ = w8a8_dot(acc, acc, a_ptrs, m_ok, w_ptrs, 0, s_ptrs, s_ptrs, 1, k, BLOCK_K, EVEN_K, False)
+    acc, _ = w8a8_dot(acc, acc, a_ptrs, m_ok, w_ptrs, 0, s_ptrs, s_ptrs, 1, k, BLOCK_K, EVEN_K, False, QUANT_A)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n[None, :] < n))
 
@@ -55,9 +55,11 @@ def fp8_linear_tiles(m: int) -> dict[str, int]:
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def w8a8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T`` in x's dtype (module docstring). ``x`` unit-stride along K; ValueError naming
-    the shapes for a K that differs from the weight's or a weight not K-contiguous."""
+def w8a8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tensor | None = None,
+                      w8a8: bool | None = None) -> torch.Tensor:
+    """``x @ W.T`` in x's dtype (module docstring); ``w8a8`` picks the form (None:
+    ``fp8_tile.use_w8a8`` by rows). ``x`` unit-stride along K; ValueError naming the shapes for
+    a K that differs from the weight's or a weight not K-contiguous."""
     m, k = x_MK.shape
     n = w.values.shape[0]
     if w.values.dim() != 2 or w.values.shape[1] != k:
@@ -73,5 +75,6 @@ def w8a8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tenso
     meta = fp8_linear_tiles(m)
     grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
     _w8a8_linear_kernel[grid](x_MK, x_MK.stride(0), w.values, w.values.stride(0), w.scales, w.scales.stride(0),
-                              y, y.stride(0), m, n, k, EVEN_K=k % meta["BLOCK_K"] == 0, **meta)
+                              y, y.stride(0), m, n, k, EVEN_K=k % meta["BLOCK_K"] == 0,
+                              QUANT_A=use_w8a8(m, w8a8), **meta)
     return y

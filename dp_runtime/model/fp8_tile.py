@@ -1,8 +1,12 @@
-"""The W8A8 contraction the FP8 GEMMs share (``fused_moe_triton``'s expert tile and
+"""The FP8-weight contraction the FP8 GEMMs share (``fused_moe_triton``'s expert tile and
 ``fp8_gemm_triton``'s dense linear): a BLOCK_M x BLOCK_N accumulator over K, each step's
 activation tile quantized in registers.
 
-Per BLOCK_K step (BLOCK_K divides 128, so a step lies inside one weight block): the activation
+Two forms (``QUANT_A``). W8A16, for the memory-bound sizes (decode, mixed steps): each step's
+FP8 weight tile is scaled by its block's scale into the activation's dtype in registers and the
+MMAs accumulate on one chain, so the weights cross HBM at a byte per value and the pipeline is
+the bf16 kernel's. W8A8, for compute-bound sizes: per BLOCK_K step (BLOCK_K divides 128, so a
+step lies inside one weight block) the activation
 tile (bf16/fp16) gets a per-row dynamic scale ``s_a = max|a| / 448`` over the step's columns and
 is rounded to e4m3; the FP8 weight tile is loaded as stored; ``tl.dot`` of the two (tensor-core
 FP8 MMA) is scaled by ``s_a`` per row and the weight block's scale per column, and added in
@@ -17,18 +21,29 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["w8a8_dot"]
+__all__ = ["W8A8_MIN_ROWS", "use_w8a8", "w8a8_dot"]
+
+# Rows of a GEMM call from which the W8A8 form runs (``use_w8a8``); fewer take W8A16.
+W8A8_MIN_ROWS = 2048
+
+
+def use_w8a8(rows: int, w8a8: bool | None = None) -> bool:
+    """The form a call of ``rows`` rows runs: ``w8a8`` when given, else W8A8 from
+    ``W8A8_MIN_ROWS`` rows (docs/BENCHMARKS.md, session 24)."""
+    return rows >= W8A8_MIN_ROWS if w8a8 is None else w8a8
 
 
 @triton.jit
 def w8a8_dot(acc, acc_up, a_ptrs, a_mask_m, w_ptrs, up_offset, s_ptrs, s_up_ptrs, stride_sk, k_in,
-             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr):
-    """``acc += dequant(quant(A) @ W)`` over the whole contraction (and with GATED ``acc_up``
-    from the weight rows ``up_offset`` elements on, the same quantized A). ``a_ptrs``
-    (BLOCK_M, BLOCK_K) and ``w_ptrs`` (BLOCK_K, BLOCK_N) point at the first step (unit stride
-    along K for both: they advance by BLOCK_K elements per step); ``a_mask_m`` masks A's rows;
-    ``s_ptrs`` / ``s_up_ptrs`` (BLOCK_N,) at each column's weight-block scale of the first K
-    block, ``stride_sk`` apart along K. Returns the fp32 accumulators."""
+             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, QUANT_A: tl.constexpr):
+    """``acc += A @ dequant(W)`` over the whole contraction (and with GATED ``acc_up`` from the
+    weight rows ``up_offset`` elements on). QUANT_A: W8A8, A rounded to e4m3 per row and step
+    and an FP8 MMA scaled after each step; else W8A16, the weight tile scaled into A's dtype in
+    registers and the MMAs chained on one accumulator. ``a_ptrs`` (BLOCK_M, BLOCK_K) and
+    ``w_ptrs`` (BLOCK_K, BLOCK_N) point at the first step (unit stride along K for both: they
+    advance by BLOCK_K elements per step); ``a_mask_m`` masks A's rows; ``s_ptrs`` /
+    ``s_up_ptrs`` (BLOCK_N,) at each column's weight-block scale of the first K block,
+    ``stride_sk`` apart along K. Returns the fp32 accumulators."""
     offs_k = tl.arange(0, BLOCK_K)
     for kk in range(0, tl.cdiv(k_in, BLOCK_K)):
         if EVEN_K:
@@ -38,19 +53,25 @@ def w8a8_dot(acc, acc_up, a_ptrs, a_mask_m, w_ptrs, up_offset, s_ptrs, s_up_ptrs
             k_ok = offs_k < k_in - kk * BLOCK_K
             a = tl.load(a_ptrs, mask=a_mask_m[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        a = a.to(tl.float32)
-        s_a = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0
-        a_q = (a / s_a[:, None]).to(tl.float8e4nv)
         k_block = ((kk * BLOCK_K) // 128) * stride_sk
         s_w = tl.load(s_ptrs + k_block)
-        acc += tl.dot(a_q, w) * s_a[:, None] * s_w[None, :]
+        if QUANT_A:
+            af = a.to(tl.float32)
+            s_a = tl.maximum(tl.max(tl.abs(af), axis=1), 1e-12) / 448.0
+            a_q = (af / s_a[:, None]).to(tl.float8e4nv)
+            acc += tl.dot(a_q, w) * s_a[:, None] * s_w[None, :]
+        else:
+            acc = tl.dot(a, (w.to(tl.float32) * s_w[None, :]).to(a.dtype), acc=acc)
         if GATED:
             if EVEN_K:
                 w_up = tl.load(w_ptrs + up_offset)
             else:
                 w_up = tl.load(w_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
             s_up = tl.load(s_up_ptrs + k_block)
-            acc_up += tl.dot(a_q, w_up) * s_a[:, None] * s_up[None, :]
+            if QUANT_A:
+                acc_up += tl.dot(a_q, w_up) * s_a[:, None] * s_up[None, :]
+            else:
+                acc_up = tl.dot(a, (w_up.to(tl.float32) * s_up[None, :]).to(a.dtype), acc=acc_up)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc, acc_up

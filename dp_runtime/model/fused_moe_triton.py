@@ -44,7 +44,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from dp_runtime.model.fp8_blocks import Fp8BlockWeight
-from dp_runtime.model.fp8_tile import w8a8_dot
+from dp_runtime.model.fp8_tile import use_w8a8, w8a8_dot
 from dp_runtime.model.moe_align import UNALIGNED_PICKS, align_picks, max_blocks, unaligned_blocks
 from dp_runtime.model.moe_tiles import MoeTileConfig, gemm2_tile_config, tile_config
 from dp_runtime.model.pdl import pdl_entry, pdl_meta, resolve_pdl
@@ -80,7 +80,8 @@ def _expert_gemm_kernel(
     GATED: tl.constexpr,  # GEMM1: gate and up tiles, SwiGLU epilogue; else weighted epilogue
     EVEN_K: tl.constexpr,  # k_in % BLOCK_K == 0: no contraction mask
     UPCAST_DOT: tl.constexpr,  # Triton's CPU interpreter only: it has no bf16 matmul
-    FP8: tl.constexpr,  # FP8 block-quantized weights, W8A8 (``fp8_tile.w8a8_dot``)
+    FP8: tl.constexpr,  # FP8 block-quantized weights (``fp8_tile.w8a8_dot``)
+    QUANT_A: tl.constexpr,  # FP8: W8A8 (else W8A16)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -99,7 +100,7 @@ def _expert_gemm_kernel(
         return
     _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
                  s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
-                 A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+                 A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, FP8, QUANT_A, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["num_picks"])
@@ -108,7 +109,7 @@ def _expert_gemm_persistent_kernel(
     s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr,
     block_expert_ptr, num_rows_ptr, num_picks, n_out, k_in,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FP8: tl.constexpr, QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """``_expert_gemm_kernel`` on a fixed grid: program ``p`` takes the tiles in use ``p, p +
@@ -125,7 +126,7 @@ def _expert_gemm_persistent_kernel(
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
                      s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
-                     A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+                     A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, FP8, QUANT_A, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -143,7 +144,7 @@ def _tile_coords(tile, num_blocks, num_n, GROUP_M: tl.constexpr):
 def _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
                  s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
                  A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                 FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 FP8: tl.constexpr, QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The BLOCK_M x BLOCK_N output tile (``pid_m``, ``pid_n``) of block ``pid_m``, whose picks
     are all ``expert``'s: the contraction and the epilogue, stored by pick."""
     pick = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -167,7 +168,7 @@ def _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr
         s_ptrs = s_ptr + expert * stride_se + (offs_wn // 128) * stride_sn
         s_up_ptrs = s_ptr + expert * stride_se + ((offs_wn + n_out) // 128) * stride_sn
         acc, acc_up = w8a8_dot(acc, acc_up, a_ptrs, row_ok, w_ptrs, up_offset, s_ptrs, s_up_ptrs, stride_sk,
-                               k_in, BLOCK_K, EVEN_K, GATED)
+                               k_in, BLOCK_K, EVEN_K, GATED, QUANT_A)
     else:
         for kk in range(0, tl.cdiv(k_in, BLOCK_K)):
             if EVEN_K:
@@ -246,7 +247,7 @@ def _sum_picks_kernel(
 
 def _launch_gemm(cfg: MoeTileConfig, a, w, c, weights_P, sorted_R, block_expert, num_rows, num_local: int,
                  aligned: bool, *, n_out: int, k_in: int, a_row_div: int, gated: bool,
-                 pdl: bool) -> None:
+                 pdl: bool, w8a8: bool = False) -> None:
     """One expert GEMM of ``fused_local_expert_sum``: ``c = a @ w[e].T`` per block, GATED (GEMM1:
     ``cfg.block_n`` split into gate and up halves, SwiGLU epilogue) or weighted (GEMM2)."""
     blocks = block_expert.shape[0]
@@ -258,7 +259,8 @@ def _launch_gemm(cfg: MoeTileConfig, a, w, c, weights_P, sorted_R, block_expert,
     args = (a, a.stride(0), w, w.stride(0), w.stride(1), w.stride(2), c, c.stride(0), weights_P, s,
             *scale_strides, sorted_R, block_expert, num_rows, c.shape[0])  # c has a row per pick
     meta = dict(A_ROW_DIV=a_row_div, GATED=gated, EVEN_K=k_in % cfg.block_k == 0,
-                UPCAST_DOT=isinstance(_expert_gemm_kernel, InterpretedFunction), FP8=fp8, BLOCK_M=cfg.block_m,
+                UPCAST_DOT=isinstance(_expert_gemm_kernel, InterpretedFunction), FP8=fp8, QUANT_A=fp8 and w8a8,
+                BLOCK_M=cfg.block_m,
                 BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **pdl_meta(pdl))
     if cfg.programs_per_sm and aligned:
@@ -312,6 +314,7 @@ def fused_local_expert_sum(
     config2: MoeTileConfig | None = None,
     add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     pdl: bool | None = None,
+    w8a8: bool | None = None,
 ) -> torch.Tensor:
     """``sum_k w[n, k] * expert_{id[n, k]}(x[n])`` over the picks this rank serves: the contract
     of ``experts.local_expert_sum`` in four Triton launches.
@@ -331,7 +334,8 @@ def fused_local_expert_sum(
     where combine is the identity: the local dispatcher).
 
     ``pdl``: launch with programmatic dependent launch (``pdl.resolve_pdl``: None is on where
-    the device supports it).
+    the device supports it). FP8 weights (Fp8BlockWeight stacks, ``fp8_tile``): ``w8a8`` picks
+    W8A8 or W8A16 (None: ``fp8_tile.use_w8a8`` by rows).
     """
     _check_shapes(x_ND, local_ids_NK, weights_NK, w13_L2IH, w2_LHI, out_ND)
     residual, norm_w, eps = add_norm if add_norm is not None else (None, None, 0.0)
@@ -368,10 +372,10 @@ def fused_local_expert_sum(
         sorted_R, block_expert, num_rows = unaligned_blocks(ids_P, cfg.block_m)
     act_PI = x_ND.new_empty((num_picks, inter))
     _launch_gemm(cfg, x_ND, w13_L2IH, act_PI, weights_P, sorted_R, block_expert, num_rows, num_local, aligned,
-                 n_out=inter, k_in=hidden, a_row_div=top_k, gated=True, pdl=pdl)
+                 n_out=inter, k_in=hidden, a_row_div=top_k, gated=True, pdl=pdl, w8a8=use_w8a8(n, w8a8))
     y_PH = x_ND.new_empty((num_picks, hidden))
     _launch_gemm(cfg2, act_PI, w2_LHI, y_PH, weights_P, sorted_R, block_expert, num_rows, num_local, aligned,
-                 n_out=hidden, k_in=inter, a_row_div=1, gated=False, pdl=pdl)
+                 n_out=hidden, k_in=inter, a_row_div=1, gated=False, pdl=pdl, w8a8=use_w8a8(n, w8a8))
     # A row's norm needs the whole row in one program; a plain sum takes 1024-column pieces.
     block_h = triton.next_power_of_2(hidden) if add_norm is not None else min(triton.next_power_of_2(hidden), 1024)
     if add_norm is None:
