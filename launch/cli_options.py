@@ -98,6 +98,10 @@ def check_gang_options(*, model: str = "tiny", launcher: str = "ray", device: st
     here = ranks_run_here(launcher, ray_address, ray_address_env)
     spec = cfg.spec(provisional_device(launch["device"], here))
     check_choices(spec, here)
+    if here:  # CPU ranks on this machine: weights and KV cache in its memory, before loading
+        from launch.host_memory import check_host_memory
+
+        check_host_memory(spec, spec.runtime.world_size, model)
     return CheckedOptions(cfg, launch, spec)
 
 

@@ -213,7 +213,9 @@ def _prepare(o: dict[str, Any]) -> dict[str, Any]:
     sampling defaults), tokenizer, the listening socket. Raises UsageError (or another
     ValueError/OSError) for a user error."""
     from launch.engine_types import SAMPLING_DEFAULTS
+    from launch.extras import SERVE_MODULES, require_extra
 
+    require_extra("serve", SERVE_MODULES, "dp-runtime serve")  # before anything imports them
     # The server's own options first: they need no torch (a second of imports) to be checked.
     check_choice("--sampling-defaults", o["sampling_defaults"], SAMPLING_DEFAULTS)
     if o["max_queued"] < 1:

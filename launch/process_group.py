@@ -6,8 +6,17 @@ tensors (NCCL). On CUDA the device is set BEFORE the group is created, so NCCL b
 communicator to the rank's own GPU rather than to GPU 0 of every process.
 
 Two ways in: ``init_process_group(rank, world, addr, port, ...)`` for a launcher that chose the
-rendezvous itself (the Ray actors: rank 0 publishes its node IP and a free port), and
+rendezvous itself (the Ray actors: rank 0 publishes its node IP and a port it holds bound), and
 ``init_from_env`` for torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK).
+
+Nothing listens beyond the rendezvous address. torch's own tcp:// rendezvous makes rank 0's
+TCPStore listen on every interface, IPv4 and IPv6 (an unauthenticated key-value store), so the
+launcher's way builds the store itself on a socket bound to ``addr`` alone (``store_socket``):
+the loopback address in a private cluster, the node IP Ray uses in a joined one. gloo and NCCL
+open their own listeners on the interface their environment names (``GLOO_SOCKET_IFNAME``,
+``NCCL_SOCKET_IFNAME``; by default gloo takes the address the hostname resolves to and NCCL the
+first non-loopback interface): ``pin_interfaces(ip)`` names the interface holding ``ip`` unless
+the user set them.
 Teardown is ``destroy_process_group()``, called after the worker that used the group is closed;
 ``destroy_process_group(abort=True)`` after a failure, which does not wait for the peers.
 """
@@ -32,9 +41,12 @@ __all__ = [
     "free_port",
     "init_from_env",
     "init_process_group",
+    "interface_of",
     "local_cuda_index",
     "node_ip",
+    "pin_interfaces",
     "resolve_device",
+    "store_socket",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -100,12 +112,60 @@ def node_ip() -> str:
             return "127.0.0.1"
 
 
-def free_port() -> int:
-    """A TCP port free on this node right now (the OS picks it; a small race remains until the
-    store binds it, which a gang restart covers)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it; a race remains until something
+    binds it: a launcher holds ``store_socket`` instead)."""
+    with store_socket(host) as s:
         return s.getsockname()[1]
+
+
+def store_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to ``host`` alone (``port`` 0: the OS picks one), not yet listening:
+    rank 0's TCPStore listens on it (``init_process_group(store_socket=...)``), so holding it from
+    the moment its port is published to the store leaves no window for another process."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own socket does
+        if family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        s.bind((host.strip("[]"), port))
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this machine's network interface that holds ``ip`` (``lo`` for 127.0.0.1 on
+    Linux), or None when none does (an address behind NAT) or psutil is missing (it ships with
+    Ray, where the launcher's ranks run)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    want = ip.strip("[]")
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == want for a in addrs):
+            return name
+    return None
+
+
+def pin_interfaces(ip: str, environ: dict[str, str] | None = None) -> str | None:
+    """Make gloo and NCCL listen on the interface that holds ``ip`` (the node's address in the
+    gang: loopback in a private cluster), by setting ``GLOO_SOCKET_IFNAME`` and
+    ``NCCL_SOCKET_IFNAME`` where the user has not set them; both are read when a group is
+    created, so call this first. Returns the interface, or None (logged) when none holds
+    ``ip``: then the libraries' defaults apply."""
+    env = os.environ if environ is None else environ
+    name = interface_of(ip)
+    if name is None:
+        logger.warning("no network interface holds %s: gloo and NCCL listen where their defaults "
+                       "say (set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to choose)", ip)
+        return None
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.setdefault(key, name)
+    return name
 
 
 def init_process_group(
@@ -117,13 +177,20 @@ def init_process_group(
     device: str = "cpu",
     cuda_index: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    store_socket: socket.socket | None = None,
+    use_env_store: bool = False,
 ) -> GroupInfo:
-    """Join the default process group at ``tcp://master_addr:master_port`` (collective).
+    """Join the default process group whose TCPStore is at ``master_addr:master_port``
+    (collective).
 
-    ``device`` is ``cpu`` or ``cuda``; on ``cuda`` the current device becomes ``cuda_index``
-    (default 0) first. ``timeout_s`` bounds the rendezvous and every later collective, so a
-    rank whose peer died errors out instead of waiting forever. Returns the GroupInfo.
-    Raises ValueError for a bad rank/world, RuntimeError when a group already exists.
+    Rank 0 serves the store on ``store_socket`` (bound to ``master_port``; the store takes it
+    over and closes it with the group), else on a socket it binds to ``master_addr`` alone
+    (module docstring). ``use_env_store`` is torchrun's way instead: torch's tcp:// rendezvous,
+    which joins the store torchrun's agent serves. ``device`` is ``cpu`` or ``cuda``; on ``cuda``
+    the current device becomes ``cuda_index`` (default 0) first. ``timeout_s`` bounds the
+    rendezvous and every later collective, so a rank whose peer died errors out instead of
+    waiting forever. Returns the GroupInfo. Raises ValueError for a bad rank/world,
+    RuntimeError when a group already exists.
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
@@ -132,14 +199,26 @@ def init_process_group(
     if device == "cuda":
         torch.cuda.set_device(cuda_index or 0)
     backend = backend_for(device)
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{_bracket(master_addr)}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if use_env_store:
+        where = {"init_method": f"tcp://{_bracket(master_addr)}:{master_port}"}
+    else:
+        where = {"store": _store(rank, world_size, master_addr, master_port, timeout, store_socket)}
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout,
+                            **where)
     return GroupInfo(rank, world_size, backend, device)
+
+
+def _store(rank: int, world_size: int, addr: str, port: int, timeout: datetime.timedelta,
+           sock: socket.socket | None) -> dist.TCPStore:
+    """The group's TCPStore: rank 0 serves it on ``sock`` (or a socket bound to ``addr``
+    alone), the others connect to ``addr:port``."""
+    if rank != 0:
+        return dist.TCPStore(addr, port, world_size, False, timeout)
+    if sock is None:
+        sock = store_socket(addr, port)
+    # detach(): the store owns the descriptor from here and closes it when it is destroyed.
+    return dist.TCPStore(addr, port, world_size, True, timeout, master_listen_fd=sock.detach())
 
 
 def init_from_env(
@@ -166,7 +245,8 @@ def init_from_env(
         if key not in env:
             raise ValueError(f"torchrun did not set {key}")
     return init_process_group(rank, world, env["MASTER_ADDR"], int(env["MASTER_PORT"]),
-                              device=device, cuda_index=cuda_index, timeout_s=timeout_s)
+                              device=device, cuda_index=cuda_index, timeout_s=timeout_s,
+                              use_env_store=True)
 
 
 def destroy_process_group(abort: bool = False) -> None:

@@ -5,10 +5,13 @@ importing this module needs no Ray. Every method is lifecycle, never per step:
 
 - ``where()``: node IP, node id, assigned GPU ids, pid (ranks are assigned from these, after
   placement);
-- ``rendezvous_port()``: a free port on this node (asked of the actor that becomes rank 0);
+- ``rendezvous_port()``: a port on this node's Ray address, held bound until rank 0's
+  TCPStore listens on it (asked of the actor that becomes rank 0);
 - ``setup(spec, rank, world_size, master_addr, master_port, ...)``: the process group (NCCL+gloo
-  on CUDA with the device set from the GPU Ray assigned, gloo on CPU), then the RankWorker;
-  collective: every actor of the gang is called together;
+  on CUDA with the device set from the GPU Ray assigned, gloo on CPU), its store and gloo's and
+  NCCL's listeners on the interface of the node's Ray address only (loopback in a private
+  cluster: ``process_group``'s docstring), then the RankWorker; collective: every actor of the
+  gang is called together;
 - ``submit`` / ``start`` / ``collect`` / ``health`` / ``stop``: RankSession's lifecycle;
 - serving (the engine): ``serve``, then ``submit`` / ``abort`` / ``wake`` with the driver's
   message numbers, and ``poll``, which waits for a step's outputs: the engine calls it in the
@@ -46,6 +49,7 @@ class RankActor:
         self._rank: int | None = None
         # Replaced whole (never mutated): phases() reads it from the progress group's thread.
         self._phases: tuple[str, ...] = ("starting",)
+        self._store_socket: socket.socket | None = None  # rank 0's, from rendezvous_port to setup
 
     def where(self) -> dict[str, Any]:
         """Where this actor landed: ``node_ip``, ``node_id``, ``gpu_ids`` (cluster numbering),
@@ -62,7 +66,13 @@ class RankActor:
         }
 
     def rendezvous_port(self) -> int:
-        return process_group.free_port()
+        """A port bound (not yet listening) on this node's Ray address; setup() serves the
+        group's store on it, so no other process can take it in between."""
+        import ray
+
+        if self._store_socket is None:
+            self._store_socket = process_group.store_socket(ray.util.get_node_ip_address())
+        return self._store_socket.getsockname()[1]
 
     def setup(self, spec: RankSpec, rank: int, world_size: int, master_addr: str, master_port: int,
               *, pg_timeout_s: float = process_group.DEFAULT_TIMEOUT_S, num_threads: int | None = None,
@@ -83,8 +93,11 @@ class RankActor:
         self._rank = rank
         self._set_phase("joining the process group")
         if world_size > 1:
+            process_group.pin_interfaces(ray.util.get_node_ip_address())
+            held, self._store_socket = self._store_socket, None
             info = process_group.init_process_group(rank, world_size, master_addr, master_port, device=device,
-                                                    cuda_index=cuda_index, timeout_s=pg_timeout_s)
+                                                    cuda_index=cuda_index, timeout_s=pg_timeout_s,
+                                                    store_socket=held if rank == 0 else None)
         else:
             if device == "cuda":
                 torch.cuda.set_device(cuda_index or 0)

@@ -77,7 +77,7 @@ def load_jsonl(path: str | Path, defaults: SamplingParams | None = None,
     """The requests of a JSONL file, in file order (format: see the module docstring).
 
     ``vocab_size``, when given, bounds every token id. Raises WorkloadError naming the file and
-    the line for a missing file, invalid JSON, an unknown key, a bad value, a duplicate rid, or
+    the line for a missing file, a line that is not UTF-8, invalid JSON, an unknown key, a bad value, a duplicate rid, or
     an empty file.
     """
     p = Path(path)
@@ -86,12 +86,16 @@ def load_jsonl(path: str | Path, defaults: SamplingParams | None = None,
     defaults = defaults or SamplingParams()
     out: list[Request] = []
     seen: dict[str, int] = {}
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            text = line.strip()
+    with p.open("rb") as f:  # bytes: a line that is not UTF-8 is named like any other bad line
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{p}:{lineno}"
+            try:
+                text = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise WorkloadError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                    f"{e.start + 1})") from None
             if not text or text.startswith("#"):
                 continue
-            where = f"{p}:{lineno}"
             try:
                 req = _parse_line(text, lineno, defaults, vocab_size)
             except (ValueError, TypeError) as e:

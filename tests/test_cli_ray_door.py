@@ -1,5 +1,6 @@
-"""`dp-runtime run` and Ray (issue 26 item 5, issue 28 item 3): the private cluster a run starts
-listens on loopback only (GCS, raylet, agents, workers); a run names each rank's node and shows
+"""`dp-runtime run` and Ray (issue 26 item 5, issue 28 item 3, issue 45 item 2): the private
+cluster a run or a server starts listens on loopback only (GCS, raylet, agents, workers, the ranks'
+process-group store and gloo), after a gang restart too; a run names each rank's node and shows
 the ranks' own logs at --log-level; an address nothing answers at is named with its cause at
 once (Ray alone retries for minutes and drops the cause)."""
 
@@ -11,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 from launch.cli import main  # noqa: E402
-from launch.ray_cluster import connect_ray, stop_ray  # noqa: E402
+from tests.support.serve_process import ServeProcess, get  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -45,30 +47,70 @@ def _is_loopback(ip: str) -> bool:
     return (mapped or addr).is_loopback
 
 
-@pytest.mark.skipif(os.environ.get("RAY_ADDRESS"), reason="inside a Ray job the job's cluster is joined")
-def test_private_cluster_listens_on_loopback_only():
-    me = psutil.Process()
-    before = _listening([me])
-    # Only what this cluster starts: an earlier test's leftovers are not this test's subject.
-    older = {p.pid for p in me.children(recursive=True)}
-    assert connect_ray(None, num_cpus=1)
-    try:
-        @ray.remote(num_cpus=1)
-        class Probe:
-            def ip(self) -> str:
-                return ray.util.get_node_ip_address()
+def _tree_sockets(root: psutil.Process) -> set[tuple[str, int, str]]:
+    """Every listening socket of ``root`` and every process under it (Ray's GCS, raylet and
+    agents are the driver's children, its workers the raylet's)."""
+    return _listening([root, *root.children(recursive=True)])
 
-        actor = Probe.remote()
-        assert ray.get(actor.ip.remote(), timeout=120) == "127.0.0.1"
-        # This process's new servers (its core worker) and everything Ray started under it.
-        ours = [p for p in me.children(recursive=True) if p.pid not in older]
-        sockets = (_listening([me]) - before) | _listening(ours)
-    finally:
-        stop_ray()
-    names = {name for _, _, name in sockets}
-    assert any("gcs_server" in n for n in names) and any("raylet" in n for n in names), sockets
+
+def _ranks_listen(sockets) -> bool:
+    return any("RankActor" in name for _, _, name in sockets)
+
+
+def _assert_loopback_only(sockets) -> None:
     wide = sorted(s for s in sockets if not _is_loopback(s[0]))
     assert not wide, f"listening beyond loopback: {wide}"
+
+
+private_only = pytest.mark.skipif(os.environ.get("RAY_ADDRESS"),
+                                  reason="inside a Ray job the job's cluster is joined")
+
+
+@private_only
+def test_a_private_run_listens_on_loopback_only_store_included(tmp_path):
+    """Every listening socket of every process `run --dp 2` starts (Ray's servers, its workers,
+    the ranks' TCPStore and gloo listeners), sampled until the run exits: loopback only."""
+    cmd = [sys.executable, "-m", "launch", "run", "--dp", "2", "--requests", "16",
+           "--max-new-tokens", "16", "--json"]
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+    root, seen = psutil.Process(proc.pid), set()
+    while proc.poll() is None:
+        seen |= _tree_sockets(root)
+        time.sleep(0.25)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    names = {name for _, _, name in seen}
+    assert any("gcs_server" in n for n in names) and any("raylet" in n for n in names), seen
+    assert _ranks_listen(seen), f"the ranks' listeners were never seen: {seen}"
+    _assert_loopback_only(seen)
+
+
+@private_only
+def test_serve_on_a_private_cluster_listens_on_loopback_only_after_a_gang_restart(tmp_path):
+    """`serve --dp 2`: the same before and after a killed rank restarts the gang (the new
+    gang's store is a new socket, on loopback too)."""
+    with ServeProcess(tmp_path, "--dp", "2", env={"OMP_NUM_THREADS": "1"}) as srv:
+        root = psutil.Process(srv.proc.pid)
+        first = _tree_sockets(root)
+        assert _ranks_listen(first), first
+        _assert_loopback_only(first)
+        ranks = [p for p in root.children(recursive=True) if "RankActor" in p.name()]
+        assert len(ranks) == 2, ranks
+        ranks[1].kill()
+        for _ in range(1200):
+            if srv.metrics().get(("dp_runtime_restarts_total", ())) == 1.0 \
+                    and get(srv.url + "/health")[0] == 200:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the gang did not restart:\n{srv.log()[-3000:]}")
+        again = _tree_sockets(root)
+        new_ranks = {p.pid for p in root.children(recursive=True) if "RankActor" in p.name()}
+        assert new_ranks and not new_ranks & {p.pid for p in ranks}, (new_ranks, ranks)
+        assert _ranks_listen(again), again
+        _assert_loopback_only(again)
+    assert srv.returncode == 0, srv.log()[-3000:]
 
 
 def test_an_address_nothing_answers_at_is_named_at_once(capsys):

@@ -13,7 +13,10 @@ from launch.process_group import (
     destroy_process_group,
     free_port,
     init_process_group,
+    interface_of,
     local_cuda_index,
+    pin_interfaces,
+    store_socket,
 )
 
 
@@ -104,3 +107,16 @@ def test_abort_never_raises(one_rank_group, monkeypatch):
 
     monkeypatch.setattr(c10d, "_abort_process_group", broken)
     destroy_process_group(abort=True)  # the failure on its way out is the one to report
+
+
+def test_gloo_and_nccl_listen_on_the_interface_of_the_node_address():
+    pytest.importorskip("ray")  # psutil ships with Ray, where the launcher's ranks run
+    env: dict[str, str] = {}
+    name = pin_interfaces("127.0.0.1", env)
+    assert name and env == {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
+    assert interface_of("127.0.0.1") == name
+    mine = {"NCCL_SOCKET_IFNAME": "ib0"}  # the user's choice is kept
+    assert pin_interfaces("127.0.0.1", mine) == name and mine["NCCL_SOCKET_IFNAME"] == "ib0"
+    assert interface_of("203.0.113.7") is None  # no interface holds it: defaults apply
+    with store_socket("127.0.0.1") as s:
+        assert s.getsockname()[0] == "127.0.0.1"

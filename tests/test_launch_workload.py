@@ -83,3 +83,20 @@ def test_split_round_robin():
     assert split_round_robin(reqs[:1], 2)[1] == []
     with pytest.raises(ValueError):
         split_round_robin(reqs, 0)
+
+
+def test_a_line_that_is_not_utf8_or_json_is_named_by_file_and_line_on_the_cli(tmp_path):
+    from tests.support.cli_probe import probe_cli
+
+    bad_bytes = tmp_path / "latin1.jsonl"
+    bad_bytes.write_bytes(b'{"prompt_ids": [1]}\n# caf\xe9\n{"rid": "caf\xe9", "prompt_ids": [2]}\n')
+    with pytest.raises(WorkloadError, match=r"latin1.jsonl:2: not UTF-8 \(byte 0xe9 at column 6\)"):
+        load_jsonl(bad_bytes)
+    bad_json = tmp_path / "broken.jsonl"
+    bad_json.write_text('{"prompt_ids": [1]}\n\n{"prompt_ids": [2],}\n')
+    out = probe_cli([["run", "--launcher", "local", "--workload", str(f)]
+                     for f in (bad_bytes, bad_json)])
+    (code1, err1), (code2, err2) = out["cases"]
+    assert code1 == code2 == 2 and len(err1.splitlines()) == len(err2.splitlines()) == 1
+    assert err1.strip() == f"error: {bad_bytes}:2: not UTF-8 (byte 0xe9 at column 6)"
+    assert err2.startswith(f"error: {bad_json}:3: invalid JSON ("), err2

@@ -119,3 +119,20 @@ def test_listening_beyond_loopback_without_a_key_warns():
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     assert line.startswith("warning: listening on 0.0.0.0 (beyond loopback) without an API key")
+
+
+def test_without_the_serve_extra_it_is_one_line_naming_the_extra(tmp_path):
+    # An install without [serve]: a finder ahead of every other refuses uvicorn and fastapi.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('uvicorn', 'fastapi'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    code, lines = _serve("--launcher", "local", env=env)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0] == ("error: dp-runtime serve needs the [serve] extra (fastapi, uvicorn do not "
+                        "import here): pip install 'dp-runtime[serve]'")

@@ -158,10 +158,13 @@ def test_tools_and_tool_choice_resolve():
         _chat(tools=[spec], tool_choice="none"),
         _chat(),
         _chat(tools=[]),
-        _chat(tool_choice="auto"),
         _chat(tools=[], tool_choice="none"),
     ):
         assert tools_of(off).specs is None and not tools_of(off).names
+    # vLLM's rule: a tool_choice other than "none" needs tools, "auto" included (issue 45)
+    for no_tools in (_chat(tool_choice="auto"), _chat(tools=[], tool_choice="auto")):
+        _refused("tool_choice", "tool_choice 'auto' needs tools, and none are given", tools_of,
+                 no_tools)
     assert len(tools_of(_chat(tools=[_tool(f"f{i}") for i in range(MAX_TOOLS)])).names) == 128
 
 

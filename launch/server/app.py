@@ -3,7 +3,8 @@
 ``create_app(engine, tokenizer=..., api_key=...)`` builds the app around an engine that is
 already running (``launch/cli_serve.py`` starts it, and shuts it down when uvicorn's lifespan
 ends). Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 only while ``engine.health().ok``, else 503), ``GET /metrics``.
+``GET /health`` (200 only while ``engine.health().ok``, else 503), ``GET /metrics``, and vLLM's
+``/tokenize``, ``/detokenize``, ``/version``, ``GET /v1/models/{id}`` (``vllm_routes.py``).
 
 With an API key every route but /health needs ``Authorization: Bearer <key>`` (401 otherwise,
 compared in constant time). While the engine is not ready every route but /health and /metrics
@@ -43,6 +44,8 @@ from launch.server.protocol import (
 from launch.server.readiness import ALWAYS_OPEN, unavailable
 from launch.server.respond import stream_response, whole_response
 from launch.server.text import TokenizerMissing
+from launch.server.vllm_fields import ResponseExtras, refuse_unimplemented, truncate
+from launch.server.vllm_routes import add_vllm_routes, model_card
 
 __all__ = ["ServerState", "create_app"]
 
@@ -134,18 +137,9 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": engine.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "dp-runtime",
-                    "max_model_len": engine.context_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card(engine)]}
+
+    add_vllm_routes(app, state)  # /tokenize, /detokenize, /version, /v1/models/{id}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -208,6 +202,10 @@ async def _serve(
     """Check each prompt (``params``: how errors name it) and the fields for it, submit ``n``
     choices of each, and answer (reading calls of ``tool_names`` from a chat's text)."""
     engine = state.engine
+    refuse_unimplemented(body)  # vLLM's extras this server does not implement: 400 by name
+    prompts = [
+        truncate(ids, body, engine.context_len, p) for ids, p in zip(prompts, params, strict=True)
+    ]
     for ids, param in zip(prompts, params, strict=True):
         check_prompt_ids(
             ids, vocab_size=engine.vocab_size, context_len=engine.context_len, param=param
@@ -231,18 +229,22 @@ async def _serve(
         for ids, s in zip(prompts, samplings, strict=True)
     ]
     sampling = checked[0][1]
+    for _, s in checked:  # vLLM's request_params_* histograms: one per prompt
+        state.metrics.vllm.observe_params(body.n or 1, s.max_new_tokens)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     n = body.n or 1  # sampling_of checked it
     lps = None  # each choice's logprobs object (launch/server/logprobs.py), when asked
     if sampling.logprobs is not None:
-        lps = [ChoiceLogprobs(kind, state.tokenizer) for _ in range(len(prompts) * n)]
+        as_ids = bool(body.return_tokens_as_token_ids)
+        lps = [ChoiceLogprobs(kind, state.tokenizer, as_ids) for _ in range(len(prompts) * n)]
     choices = submit_choices(state, rid, checked, n, seeded=body.seed is not None)
     created = now()
+    extras = ResponseExtras.of(body, kind, prompts, n)
     if sampling.stream:
         return await stream_response(
             choices, request, kind, rid, body.model, created, sampling.include_usage, lps,
-            tool_names,
+            tool_names, extras=extras,
         )
     return await whole_response(
-        choices, request, kind, rid, body.model, created, lps, tool_names
+        choices, request, kind, rid, body.model, created, lps, tool_names, extras=extras
     )

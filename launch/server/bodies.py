@@ -74,7 +74,8 @@ def chunk(
     """One streamed event body; ``text`` None with ``use`` is the final usage-only chunk;
     ``tool_calls``: a chat delta's calls (each with its ``index``)."""
     if kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        # The first carries the role and an empty content, as OpenAI's and vLLM's do.
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
         if tool_calls:

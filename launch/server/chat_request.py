@@ -56,8 +56,8 @@ def tools_of(req: ChatRequest) -> ToolUse:
                 f"tools[{i}].function.name {name!r} is given twice; names must be unique",
             )
     choice = "auto" if req.tool_choice is None else req.tool_choice
-    if choice == "none" or not specs:  # "auto" over no tools is plain chat too
-        if choice not in ("none", "auto"):
+    if choice == "none" or not specs:  # no tool_choice and no tools is plain chat
+        if choice != "none" and req.tool_choice is not None:  # vLLM's rule: "auto" too
             raise bad("tool_choice", f"tool_choice {choice!r} needs tools, and none are given")
         return ToolUse()
     if choice == "auto":

@@ -25,7 +25,9 @@ token's own bytes where the tokenizer tells them: byte-level BPE (GPT-2's byte-t
 on ``convert_ids_to_tokens``) and byte-fallback tokens (``<0xE6>``), so joining a choice's
 bytes gives its UTF-8 text even across split characters (OpenAI's purpose for the field);
 otherwise, and for special tokens, the UTF-8 of the token string. Without a tokenizer (a
-preset) a token reads ``token_id:<id>`` and ``bytes`` is null. A logprob of -inf is sent as
+preset) a token reads ``token_id:<id>`` and ``bytes`` is null; vLLM's
+``return_tokens_as_token_ids`` asks for ``token_id:<id>`` with any tokenizer (``bytes`` then the
+UTF-8 of that string, as vLLM's; ``text_offset`` still runs over the text). A logprob of -inf is sent as
 -9999.0 (JSON has no infinity; vLLM's choice too).
 """
 
@@ -85,8 +87,9 @@ _BYTE_DECODER = _byte_decoder()
 class _Tokens:
     """Token strings and bytes of one tokenizer (module docstring), cached per id."""
 
-    def __init__(self, tokenizer: Any | None):
+    def __init__(self, tokenizer: Any | None, as_ids: bool = False):
         self._tok = tokenizer
+        self._as_ids = as_ids  # vLLM's return_tokens_as_token_ids: "token_id:N" strings
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
         self._special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
@@ -101,6 +104,9 @@ class _Tokens:
     def _lookup(self, tid: int) -> tuple[str, list[int] | None]:
         if self._tok is None:
             return f"token_id:{tid}", None
+        if self._as_ids:
+            name = f"token_id:{tid}"
+            return name, list(name.encode())
         text = self._tok.decode([tid], skip_special_tokens=False,
                                 clean_up_tokenization_spaces=False)
         raw = None if tid in self._special else self._tok.convert_ids_to_tokens(tid)
@@ -116,9 +122,10 @@ class ChoiceLogprobs:
     logprobs)`` is the object for those tokens (a stream's chunk, or a whole response); a
     completion's ``text_offset`` runs on across calls."""
 
-    def __init__(self, kind: Kind, tokenizer: Any | None):
+    def __init__(self, kind: Kind, tokenizer: Any | None, as_token_ids: bool = False):
         self.kind = kind
-        self._tokens = _Tokens(tokenizer)
+        self._tokens = _Tokens(tokenizer, as_token_ids)
+        self._text = _Tokens(tokenizer) if as_token_ids else self._tokens  # text_offset's
         self._has_text = tokenizer is not None
         self._offset = 0
 
@@ -142,7 +149,7 @@ class ChoiceLogprobs:
             # Most likely first; of two ids that read the same, the likelier one's entry stays.
             out["top_logprobs"].append(dict(sorted(alternatives.items(), key=lambda kv: -kv[1])))
             out["text_offset"].append(self._offset)
-            self._offset += len(text) if self._has_text else 0
+            self._offset += len(self._text(tid)[0]) if self._has_text else 0
         return out
 
     def _chat_entry(self, tid: int, logprob: TokenLogprob) -> dict:

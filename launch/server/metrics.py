@@ -14,7 +14,8 @@ Names (prefix ``dp_runtime_``): ``running_requests``, ``waiting_requests``,
 ``generation_tokens_total``, ``steps_total``, ``prefix_cache_hit_tokens_total``,
 ``prefix_cache_tokens`` (``--prefix-caching``), ``restarts_total``, ``engine_healthy``,
 ``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``e2e_request_latency_seconds``,
-``requests_finished_total{rank,finish_reason}``.
+``requests_finished_total{rank,finish_reason}``. vLLM's ``vllm:`` families are beside them
+(``vllm_metrics.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from launch.server.vllm_metrics import VllmMetrics
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
@@ -155,12 +158,14 @@ class ServerMetrics:
             ["rank", "finish_reason"],
             registry=self.registry,
         )
+        self.vllm = VllmMetrics(self.registry, engine)  # vLLM's families beside these
 
     def observe(self, result: Any, finish_reason: str | None = None) -> None:
         """Record one finished request; ``finish_reason`` overrides the engine's (a stop string
         ends a request the engine reports as aborted)."""
         rank = str(result.rank)
         self.finished.labels(rank, finish_reason or result.finish_reason).inc()
+        self.vllm.observe(result, finish_reason or result.finish_reason)
         times = list(result.token_times_s or ())
         if not times:
             return

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict
 
 from dp_runtime.model.sampling_defaults import SamplingDefaults
 from dp_runtime.serving.request import PENALTY_MAX
+from launch.server.vllm_extras import VllmExtras
 
 __all__ = [
     "ApiError",
@@ -96,9 +97,10 @@ _STRICT = ConfigDict(extra="ignore", strict=True)
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (vllm_fields.py)
 
 
-class _Common(BaseModel):
+class _Common(VllmExtras):
     # Unknown fields are ignored (clients send many); the ones this server cannot honour are
     # refused by name in ``_refuse_unsupported``.
     model_config = _STRICT

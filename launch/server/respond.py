@@ -33,6 +33,7 @@ from launch.server.protocol import ApiError, error_body
 from launch.server.readiness import unavailable_error
 from launch.server.request_flow import Event
 from launch.server.tool_calls import ToolCallStream, parse_tool_calls
+from launch.server.vllm_fields import ResponseExtras
 
 __all__ = ["failure_error", "raise_for_failure", "stream_response", "whole_response"]
 
@@ -46,6 +47,7 @@ async def whole_response(
     created: int,
     lps: list[ChoiceLogprobs] | None = None,
     tool_names: frozenset[str] = frozenset(),
+    extras: ResponseExtras | None = None,
 ) -> Response:
     """The non-streamed response, once every choice finished; 499 when the client left.
     ``lps``: each choice's logprobs object, when the request asked for logprobs;
@@ -78,6 +80,8 @@ async def whole_response(
     out["choices"] = [_choice(b["choices"][0], i, token_ids[i]) for i, b in enumerate(bodies)]
     for i, lp in enumerate(lps or ()):
         out["choices"][i]["logprobs"] = lp.next(token_ids[i], choices.flows[i].logprobs)
+    if extras is not None:  # vLLM's response fields (vllm_fields.py)
+        extras.whole(out)
     return JSONResponse(out)
 
 
@@ -155,6 +159,7 @@ async def stream_response(
     include_usage: bool,
     lps: list[ChoiceLogprobs] | None = None,
     tool_names: frozenset[str] = frozenset(),
+    extras: ResponseExtras | None = None,
 ) -> Response:
     """Server-sent events. The first event (of any choice) is awaited before the response
     starts, so a request that fails at once still gets its HTTP status (500/503) instead of a
@@ -178,6 +183,12 @@ async def stream_response(
 
     head = (kind, rid, model, created)
     calls = [ToolCallStream(tool_names) for _ in choices.flows] if tool_names else None
+
+    def _sse(body: dict) -> str:  # every chunk gets vLLM's fields a request asked for
+        if extras is not None:
+            extras.chunk(body, lambda: usage(choices.prompt_tokens, choices.completion_tokens,
+                                             choices.cached_tokens))
+        return _event(body)
 
     async def sse() -> AsyncIterator[str]:
         try:
@@ -245,5 +256,5 @@ def _indexed(body: dict, index: int) -> dict:
     return body
 
 
-def _sse(obj: dict) -> str:
+def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
