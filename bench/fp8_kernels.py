@@ -77,9 +77,9 @@ def main() -> None:
             cases[f"{name} bf16"] = partial(decode_linear, xi, w, None, stream)
             cases[f"{name} fp8 w8a16"] = partial(w8a8_block_linear, xi, qw, w8a8=False)
             cases[f"{name} fp8 w8a8"] = partial(w8a8_block_linear, xi, qw, w8a8=True)
-            if m <= 16:  # narrower column tiles: twice the programs streaming the weight
-                narrow = dict(fp8_linear_tiles(m), BLOCK_N=16)
-                cases[f"{name} fp8 bn16"] = partial(w8a8_block_linear, xi, qw, w8a8=False, tiles=narrow)
+            if m <= 64:  # the tree before split-K: one program per output tile streams all of K
+                whole_k = dict(fp8_linear_tiles(m), SPLIT_K=1)
+                cases[f"{name} fp8 nosplit"] = partial(w8a8_block_linear, xi, qw, w8a8=False, tiles=whole_k)
             floors[name] = w.numel()
         times = {name: timed_us(fn, args.iters) for name, fn in cases.items()}
         for name, us in times.items():
