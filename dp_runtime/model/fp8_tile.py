@@ -25,8 +25,10 @@ __all__ = ["W8A8_MIN_ROWS", "use_w8a8", "w8a8_dot"]
 
 # Rows of a GEMM call from which the W8A8 form runs by default (``use_w8a8``); fewer take
 # W8A16. None: never. On an H200 (bench/fp8_kernels.py, docs/BENCHMARKS.md session 24) W8A16
-# was as fast or faster at every size measured, 1 to 4096 rows (the W8A8 form's per-step
-# rescale keeps its MMAs from chaining; its activation rounding is repeated per column tile).
+# was faster for the dense projections at every size (1.3-2x) and for the experts from 256 rows
+# (1.08-2.7x); W8A8 won only at 1 and 64 expert rows, by 1-5%, not worth its accuracy. The W8A8
+# form's per-step rescale keeps its MMAs from chaining; its activation rounding is repeated per
+# column tile.
 W8A8_MIN_ROWS: int | None = None
 
 
