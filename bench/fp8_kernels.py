@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gpu_kernels import graph_us
 from dp_runtime.model.elementwise_ops import decode_linear
 from dp_runtime.model.fp8_blocks import Fp8BlockWeight
 from dp_runtime.model.fp8_gemm_triton import fp8_linear_tiles, w8a8_block_linear
@@ -26,23 +27,6 @@ from dp_runtime.model.fused_moe_triton import fused_local_expert_sum
 from dp_runtime.model.stream_linear import StreamLinear
 
 HBM_BYTES_PER_S = 4.2e12  # an H200's copy bandwidth (serve_step measures it per run)
-
-
-def timed_us(fn, iters: int) -> float:
-    """Mean microseconds of ``fn`` replayed from a CUDA graph (no launch overhead counted twice)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 def main() -> None:
@@ -81,7 +65,7 @@ def main() -> None:
                 whole_k = dict(fp8_linear_tiles(m), SPLIT_K=1)
                 cases[f"{name} fp8 nosplit"] = partial(w8a8_block_linear, xi, qw, w8a8=False, tiles=whole_k)
             floors[name] = w.numel()
-        times = {name: timed_us(fn, args.iters) for name, fn in cases.items()}
+        times = {name: graph_us(fn, 1, repeats=5, inner=args.iters) for name, fn in cases.items()}
         for name, us in times.items():
             kind = name.split()[0]
             base = times[f"{kind} bf16"]
