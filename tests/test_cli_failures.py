@@ -141,8 +141,10 @@ def test_check_gang_options_is_the_shared_entry():
                 dtype="auto", max_running_requests=4, chunked_prefill_size=64, context_len=None,
                 hang_timeout=None, num_cpus=None, seed=0, as_json=False, with_results=False,
                 log_level="warning", schedule_policy="fcfs", mixed_step_tokens="auto", kv_cache_dtype="auto",
-                prefix_caching=False)
+                prefix_caching=False, quantization="none")
     assert check_run_options(base).cfg.requests == 2
+    fp8 = check_run_options({**base, "quantization": "fp8"})
+    assert fp8.spec.runtime.quantization == "fp8" and fp8.spec.model_config().quantization.source == "online"
     typed = check_run_options({**base, "schedule_policy": "lof", "mixed_step_tokens": "16", "kv_cache_dtype": "fp8"})
     assert (typed.spec.runtime.schedule_policy, typed.spec.runtime.mixed_step_tokens) == ("lof", 16)
     assert str(typed.spec.runtime.kv_cache_dtype) == "torch.float8_e4m3fn"
