@@ -20,8 +20,8 @@ its GPU memory back when it exits):
   one interpreter: on an H100 its TTFT at rate 16 was seconds, not milliseconds);
 - ``http``: ``python -m launch serve`` in a subprocess with the same options; each request is a
   streaming ``POST /v1/completions`` (token-id prompt, greedy, ``ignore_eos``, ``max_tokens`` its
-  output length) sent at its arrival time by an aiohttp client, tokens counted from each
-  chunk's ``token_ids``. Its rows also give the server's own counts over the rate, read from
+  output length, ``return_token_ids``) sent at its arrival time by an aiohttp client, tokens
+  counted from each chunk's ``token_ids``. Its rows also give the server's own counts over the rate, read from
   ``/metrics`` before and after it: ``server_prefilled_tokens`` (prompt tokens the ranks
   prefilled), ``server_cached_tokens`` (served from their prefix caches) and
   ``server_prefilled_by_rank`` (how routing spread the prefill work).
@@ -279,6 +279,8 @@ def run_http(args, batches, warm, context_len: int) -> Runs:
                         "max_tokens": req.sampling.max_new_tokens,
                         "temperature": 0,
                         "ignore_eos": True,
+                        # a server with a tokenizer sends each chunk's ids only when asked
+                        "return_token_ids": True,
                         "stream": True,
                     }
                     sent, times, ids, error = time.perf_counter(), [], [], None

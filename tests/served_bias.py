@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.hf_reference import greedy_reference
+from tests.support.serve_process import IDS
 
 __all__ = ["TestLogitBiasServed"]
 
@@ -51,8 +52,8 @@ class TestLogitBiasServed:
     def test_plus_100_forces_the_token_and_the_logprobs_stay_raw(self, ckpt, client, name, sampled):
         t = _forced(ckpt)
         kw = dict(model=name, max_tokens=4, logit_bias={str(t): 100}, **sampled)
-        r = client.completions.create(prompt=PROMPT, logprobs=1, extra_body={"ignore_eos": True},
-                                      **kw)
+        r = client.completions.create(prompt=PROMPT, logprobs=1,
+                                      extra_body={"ignore_eos": True, **IDS}, **kw)
         assert _ids(r) == [t] * 4
         _, logits = greedy_reference(ckpt[1], PROMPT, 1)
         raw = torch.log_softmax(logits[0], dim=-1)  # the first token's distribution, unbiased
@@ -60,27 +61,27 @@ class TestLogitBiasServed:
         assert lp.token_logprobs[0] == pytest.approx(raw[t].item(), abs=1e-4) and raw[t] < -1
         assert max(lp.top_logprobs[0].values()) == pytest.approx(raw.max().item(), abs=1e-4)
         chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}],
-                                              extra_body={"ignore_eos": True}, **kw)
+                                              extra_body={"ignore_eos": True, **IDS}, **kw)
         assert _ids(chat) == [t] * 4
 
     def test_minus_100_on_the_greedy_token_gives_the_next_most_likely(self, ckpt, client, name):
         first, logits = greedy_reference(ckpt[1], PROMPT, 1)
         top2 = logits[0].topk(2)
         assert top2.values[0] - top2.values[1] > 1e-3  # the order is not a rounding's
-        kw = dict(model=name, prompt=PROMPT, max_tokens=1, temperature=0)
+        kw = dict(model=name, prompt=PROMPT, max_tokens=1, temperature=0, extra_body=IDS)
         assert _ids(client.completions.create(**kw)) == first
         banned = client.completions.create(**kw, logit_bias={str(first[0]): -100})
         assert _ids(banned) == [top2.indices[1].item()]
 
     def test_a_request_without_bias_beside_a_biased_one_is_unchanged(self, ckpt, client, name):
         kw = dict(model=name, prompt=[9, 8, 7, 6], max_tokens=24, temperature=1.0, seed=5,
-                  extra_body={"ignore_eos": True})
+                  extra_body={"ignore_eos": True, **IDS})
         alone = _ids(client.completions.create(**kw))
         other = client.completions.create(**kw, stream=True)  # in the same steps as the next one
         t = _forced(ckpt)
         biased = client.completions.create(model=name, prompt=PROMPT, max_tokens=12,
                                            temperature=0.7, top_p=0.9, logit_bias={str(t): 100},
-                                           extra_body={"ignore_eos": True})
+                                           extra_body={"ignore_eos": True, **IDS})
         assert _ids(biased) == [t] * 12
         assert [i for ch in other for c in ch.choices for i in c.model_extra["token_ids"]] == alone
 

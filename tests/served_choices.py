@@ -19,6 +19,8 @@ import urllib.request
 import openai
 import pytest
 
+from tests.support.serve_process import IDS
+
 __all__ = ["TestChoicesServed"]
 
 RANK0 = (("rank", "0"),)
@@ -28,8 +30,8 @@ IN_FLIGHT = ("dp_runtime_in_flight_requests", RANK0)
 
 
 def _ask(client, name, route, **kw):
-    kw = {"model": name, "max_tokens": 8, "temperature": 1.0, "extra_body": {"ignore_eos": True},
-          **kw}
+    kw = {"model": name, "max_tokens": 8, "temperature": 1.0,
+          "extra_body": {"ignore_eos": True, **IDS}, **kw}
     if route == "chat":
         return client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
     return client.completions.create(prompt="The quick brown fox", **kw)
@@ -83,9 +85,10 @@ class TestChoicesServed:
     def test_streamed_choices_by_index_then_usage_then_one_done(self, server, client, name):
         body = {"model": name, "prompt": "The quick brown fox", "n": 2, "seed": 5,
                 "max_tokens": 8, "stop": ["never-there"]}
-        whole = client.completions.create(**body, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**body, extra_body={"ignore_eos": True, **IDS})
         events = _sse_events(server, client.api_key, "/v1/completions", {
-            **body, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+            **body, "ignore_eos": True, **IDS, "stream": True,
+            "stream_options": {"include_usage": True}})
         assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
         chunks = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["choices"] == []

@@ -12,6 +12,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+from tests.support.serve_process import IDS
+
 __all__ = ["TestLogprobsServed"]
 
 PROMPT = "The quick brown fox"
@@ -65,7 +67,7 @@ class TestLogprobsServed:
     @pytest.mark.parametrize("sampled", [GREEDY, SEEDED], ids=["greedy", "seeded"])
     def test_completion_logprobs_whole_and_streamed(self, ckpt, client, name, sampled):
         special = set(ckpt[2].all_special_ids)
-        kw = dict(model=name, prompt=PROMPT, max_tokens=10, logprobs=3, **sampled)
+        kw = dict(model=name, prompt=PROMPT, max_tokens=10, logprobs=3, extra_body=IDS, **sampled)
         c = client.completions.create(**kw).choices[0]
         ids = c.model_extra["token_ids"]
         _legacy_ok(c.logprobs, ids, 3, greedy=sampled is GREEDY)
@@ -82,7 +84,8 @@ class TestLogprobsServed:
     @pytest.mark.parametrize("sampled", [GREEDY, SEEDED], ids=["greedy", "seeded"])
     def test_chat_logprobs_whole_and_streamed(self, ckpt, client, name, sampled):
         special = set(ckpt[2].all_special_ids)
-        kw = dict(model=name, messages=MESSAGES, max_tokens=10, logprobs=True, top_logprobs=2, **sampled)
+        kw = dict(model=name, messages=MESSAGES, max_tokens=10, logprobs=True, top_logprobs=2,
+                  extra_body=IDS, **sampled)
         c = client.chat.completions.create(**kw).choices[0]
         ids, content = c.model_extra["token_ids"], c.logprobs.content
         _chat_ok(content, ids, 2, greedy=sampled is GREEDY)
@@ -95,7 +98,7 @@ class TestLogprobsServed:
         assert "".join(x.delta.content or "" for ch in chunks for x in ch.choices) == c.message.content
 
     def test_without_logprobs_a_choice_has_none_and_the_same_tokens(self, client, name):
-        kw = dict(model=name, prompt=PROMPT, max_tokens=10, **SEEDED)
+        kw = dict(model=name, prompt=PROMPT, max_tokens=10, extra_body=IDS, **SEEDED)
         plain = client.completions.create(**kw).choices[0]
         asked = client.completions.create(**kw, logprobs=5).choices[0]
         assert plain.logprobs is None and asked.logprobs is not None
@@ -117,7 +120,7 @@ class TestLogprobsServed:
         assert info.value.status_code == 400 and info.value.body["param"] == param, info.value.body
 
     def test_each_of_n_choices_has_its_own_logprobs(self, client, name):
-        kw = dict(model=name, prompt=PROMPT, max_tokens=6, n=2, logprobs=1, **SEEDED)
+        kw = dict(model=name, prompt=PROMPT, max_tokens=6, n=2, logprobs=1, extra_body=IDS, **SEEDED)
         whole = client.completions.create(**kw).choices
         assert [c.index for c in whole] == [0, 1]
         for c in whole:

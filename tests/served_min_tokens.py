@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.hf_reference import greedy_reference
+from tests.support.serve_process import IDS
 
 __all__ = ["TestMinTokensServed"]
 
@@ -34,10 +35,12 @@ class TestMinTokensServed:
             (i, t) for i, t in enumerate(plain) if i >= 1 and t not in plain[:i] and t not in eos
         )
         kw = dict(model=name, prompt=PROMPT, max_tokens=12, temperature=0)
-        early = client.completions.create(**kw, extra_body={"stop_token_ids": [stop]})
+        early = client.completions.create(**kw, extra_body={"stop_token_ids": [stop], **IDS})
         assert _ids(early) == plain[: i + 1] and early.choices[0].finish_reason == "stop"
         k = i + 3
-        r = client.completions.create(**kw, extra_body={"stop_token_ids": [stop], "min_tokens": k})
+        r = client.completions.create(
+            **kw, extra_body={"stop_token_ids": [stop], "min_tokens": k, **IDS}
+        )
         got = _ids(r)
         ends = {stop, *eos}
         want, _ = greedy_reference(model, PROMPT, 12, min_new_tokens=k, eos_token_id=sorted(ends))

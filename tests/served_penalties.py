@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.served_bias import PROMPT, refused_400
+from tests.support.serve_process import IDS
 
 __all__ = ["TestPenaltiesServed"]
 
@@ -48,36 +49,36 @@ class TestPenaltiesServed:
     def test_a_penalized_greedy_completion_follows_the_rule_with_raw_logprobs(self, ckpt, client, name):
         want, rows = _penalized_greedy(ckpt[1], PROMPT, 10, freq=1.5, pres=1.0)
         plain = _ids(client.completions.create(model=name, prompt=PROMPT, max_tokens=10, temperature=0,
-                                               extra_body={"ignore_eos": True}))
+                                               extra_body={**IDS, "ignore_eos": True}))
         r = client.completions.create(model=name, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1,
-                                      frequency_penalty=1.5, presence_penalty=1.0, extra_body={"ignore_eos": True})
+                                      frequency_penalty=1.5, presence_penalty=1.0, extra_body={**IDS, "ignore_eos": True})
         assert _ids(r) == want and want != plain
         lp = r.choices[0].logprobs
         for tok, got, row in zip(want, lp.token_logprobs, rows, strict=True):
             assert got == pytest.approx(torch.log_softmax(row, dim=-1)[tok].item(), abs=1e-4)
         chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=6, temperature=0, frequency_penalty=2,
-                                              presence_penalty=-2, extra_body={"ignore_eos": True})
+                                              presence_penalty=-2, extra_body={**IDS, "ignore_eos": True})
         assert len(_ids(chat)) == 6
 
     def test_a_request_without_penalties_beside_a_penalized_one_is_unchanged(self, client, name):
         kw = dict(model=name, prompt=[9, 8, 7, 6], max_tokens=20, temperature=1.0, seed=5,
-                  extra_body={"ignore_eos": True})
+                  extra_body={**IDS, "ignore_eos": True})
         alone = _ids(client.completions.create(**kw))
         other = client.completions.create(**kw, stream=True)  # in the same steps as the next one
         client.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=0.7,
-                                  frequency_penalty=2, presence_penalty=2, extra_body={"ignore_eos": True})
+                                  frequency_penalty=2, presence_penalty=2, extra_body={**IDS, "ignore_eos": True})
         assert [i for ch in other for c in ch.choices for i in c.model_extra["token_ids"]] == alone
 
     def test_a_repetition_penalized_greedy_completion_is_transformers_processor(self, ckpt, client, name):
         want, _ = _penalized_greedy(ckpt[1], PROMPT, 10, rep=1.8)
         plain, _ = _penalized_greedy(ckpt[1], PROMPT, 10)
         r = client.completions.create(model=name, prompt=PROMPT, max_tokens=10, temperature=0,
-                                      extra_body={"ignore_eos": True, "repetition_penalty": 1.8})
+                                      extra_body={**IDS, "ignore_eos": True, "repetition_penalty": 1.8})
         assert _ids(r) == want and want != plain
         chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=4, temperature=0,
-                                              extra_body={"ignore_eos": True, "repetition_penalty": 0.9})
+                                              extra_body={**IDS, "ignore_eos": True, "repetition_penalty": 0.9})
         assert len(_ids(chat)) == 4
         err = refused_400(client, "completions", model=name, max_tokens=2, extra_body={"repetition_penalty": 0})
         assert err["param"] == "repetition_penalty", err

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests.served_choices import IN_FLIGHT, _ids, _sse_events, _texts
+from tests.support.serve_process import IDS
 
 __all__ = ["TestPromptsServed"]
 
@@ -32,7 +33,7 @@ CONTEXT = 128  # test_serve_openai.py's --context-len
 
 def _ask(client, name, prompt, **kw):
     kw = {"model": name, "max_tokens": 8, "temperature": 1.0, "n": 2, "seed": SEED, **kw}
-    return client.completions.create(prompt=prompt, extra_body={"ignore_eos": True}, **kw)
+    return client.completions.create(prompt=prompt, extra_body={"ignore_eos": True, **IDS}, **kw)
 
 
 def _idle(server, key):

@@ -16,6 +16,7 @@ import pytest
 
 from tests.hf_reference import greedy_reference
 from tests.served_bias import PROMPT, refused_400
+from tests.support.serve_process import IDS
 
 __all__ = ["TestSamplingServed"]
 
@@ -30,18 +31,19 @@ class TestSamplingServed:
     def test_none_ignores_the_checkpoint_s_top_k_and_a_set_top_k_or_min_p_1_is_greedy(self, ckpt, client, name):
         greedy = greedy_reference(ckpt[1], PROMPT, 10)[0]
         kw = dict(model=name, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1)
-        assert _ids(client.completions.create(**kw)) != greedy  # top_k unset: off, not the file's 1
-        assert _ids(client.completions.create(**kw, extra_body={"top_k": 1})) == greedy
-        assert _ids(client.completions.create(**kw, extra_body={"min_p": 1.0})) == greedy
-        assert _ids(client.completions.create(**kw, extra_body={"min_p": 0.0})) == \
-            _ids(client.completions.create(**kw))  # 0: off
+        ask = dict(kw, extra_body=IDS)
+        assert _ids(client.completions.create(**ask)) != greedy  # top_k unset: off, not the file's 1
+        assert _ids(client.completions.create(**kw, extra_body={"top_k": 1, **IDS})) == greedy
+        assert _ids(client.completions.create(**kw, extra_body={"min_p": 1.0, **IDS})) == greedy
+        assert _ids(client.completions.create(**kw, extra_body={"min_p": 0.0, **IDS})) == \
+            _ids(client.completions.create(**ask))  # 0: off
 
     def test_chat_takes_min_p(self, client, name):
-        kw = dict(model=name, messages=CHAT, max_tokens=8, extra_body={"ignore_eos": True})
+        kw = dict(model=name, messages=CHAT, max_tokens=8, extra_body={"ignore_eos": True, **IDS})
         greedy = _ids(client.chat.completions.create(temperature=0, **kw))
         sampled = client.chat.completions.create(temperature=1.0, seed=2, **kw)
         assert _ids(sampled) != greedy
-        kw["extra_body"] = {"ignore_eos": True, "min_p": 1.0}
+        kw["extra_body"] = {"ignore_eos": True, "min_p": 1.0, **IDS}
         assert _ids(client.chat.completions.create(temperature=1.0, seed=2, **kw)) == greedy
 
     @pytest.mark.parametrize("value", [1.5, -0.1])

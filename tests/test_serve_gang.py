@@ -15,7 +15,7 @@ import pytest
 
 from tests.hf_reference import greedy_reference, load_reference
 from tests.support.serve_model import write_serve_checkpoint
-from tests.support.serve_process import ServeProcess
+from tests.support.serve_process import IDS, ServeProcess
 
 # top_k 1: a request that leaves top_k unset draws the argmax at any temperature and seed, so
 # the default shows as transformers' greedy tokens; repetition_penalty: applied to every request
@@ -55,7 +55,8 @@ def test_eight_concurrent_requests_on_two_ranks_equal_transformers(ckpt, server,
     path, _, refs = ckpt
 
     def one(p):
-        return _ids(client.completions.create(model=path.name, prompt=p, max_tokens=8, temperature=0))
+        return _ids(client.completions.create(model=path.name, prompt=p, max_tokens=8, temperature=0,
+                                              extra_body=IDS))
 
     with ThreadPoolExecutor(8) as pool:
         outs = list(pool.map(one, PROMPTS))
@@ -67,13 +68,13 @@ def test_eight_concurrent_requests_on_two_ranks_equal_transformers(ckpt, server,
 
 def test_unset_sampling_fields_take_the_checkpoint_s_defaults_and_set_ones_win(ckpt, server, client):
     path, _, refs = ckpt
-    kw = dict(model=path.name, max_tokens=8, extra_body={"ignore_eos": True})
+    kw = dict(model=path.name, max_tokens=8, extra_body={"ignore_eos": True, **IDS})
     # No temperature, no seed: OpenAI's temperature 1 with a random seed, and top_k 1 from the file.
     for p, ref in zip(PROMPTS[:3], refs[:3], strict=True):
         assert _ids(client.completions.create(prompt=p, **kw)) == ref
     # top_k set to off (-1): the client's, though the file says 1; seed 1 draws away from greedy.
     drawn = _ids(client.completions.create(prompt=PROMPTS[0], seed=1, **{**kw, "extra_body": {
-        "ignore_eos": True, "top_k": -1}}))
+        "ignore_eos": True, "top_k": -1, **IDS}}))
     assert drawn != refs[0]
     log = server.log()
     assert ("unset sampling fields take the checkpoint's generation_config.json: top_k=1, "

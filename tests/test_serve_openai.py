@@ -26,7 +26,7 @@ from tests.served_penalties import TestPenaltiesServed  # noqa: F401  (runs here
 from tests.served_prompts import TestPromptsServed  # noqa: F401  (runs here, on this server)
 from tests.served_sampling import TestSamplingServed  # noqa: F401  (runs here, on this server)
 from tests.support.serve_model import write_serve_checkpoint
-from tests.support.serve_process import ServeProcess, get
+from tests.support.serve_process import IDS, ServeProcess, get
 
 KEY = "test-key"
 EOS_PROMPT = "hello world"
@@ -102,7 +102,8 @@ def _eos_ids(ckpt):
 def test_text_prompt_equals_transformers(ckpt, client, name, prompt):
     ids = ckpt[2](prompt).input_ids
     ref = _ref(ckpt, ids, 12)
-    r = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
+    r = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body=IDS)
     choice = r.choices[0]
     assert choice.model_extra["token_ids"] == ref
     assert choice.text == _text(ckpt, ref, _eos_ids(ckpt))
@@ -113,7 +114,8 @@ def test_text_prompt_equals_transformers(ckpt, client, name, prompt):
 def test_token_id_prompt_equals_transformers(ckpt, client, name):
     ids = [5, 77, 300, 12, 190, 45]
     ref = _ref(ckpt, ids, 10)
-    r = client.completions.create(model=name, prompt=ids, max_tokens=10, temperature=0)
+    r = client.completions.create(model=name, prompt=ids, max_tokens=10, temperature=0,
+                                  extra_body=IDS)
     assert r.choices[0].model_extra["token_ids"] == ref
     assert r.choices[0].text == _text(ckpt, ref, _eos_ids(ckpt))
 
@@ -123,7 +125,8 @@ def test_chat_goes_through_the_template_and_equals_transformers(ckpt, client, na
     ids = ckpt[2].apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = ckpt[2](ids, add_special_tokens=False).input_ids
     ref = _ref(ckpt, ids, 10)
-    r = client.chat.completions.create(model=name, messages=messages, max_tokens=10, temperature=0)
+    r = client.chat.completions.create(model=name, messages=messages, max_tokens=10, temperature=0,
+                                       extra_body=IDS)
     assert r.choices[0].message.content == _text(ckpt, ref, _eos_ids(ckpt))
     assert r.choices[0].model_extra["token_ids"] == ref
     assert r.usage.prompt_tokens == len(ids)
@@ -133,12 +136,13 @@ def test_eos_stops_with_reason_stop_and_is_not_text(ckpt, client, name):
     ids = ckpt[2](EOS_PROMPT).input_ids
     ref = _ref(ckpt, ids, 16)  # transformers stops at the EOS too
     assert len(ref) == 4 and ref[-1] == ckpt[3]
-    r = client.completions.create(model=name, prompt=EOS_PROMPT, max_tokens=16, temperature=0)
+    r = client.completions.create(model=name, prompt=EOS_PROMPT, max_tokens=16, temperature=0,
+                                  extra_body=IDS)
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].model_extra["token_ids"] == ref
     assert r.choices[0].text == _text(ckpt, ref[:-1])
     r = client.completions.create(
-        model=name, prompt=EOS_PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        model=name, prompt=EOS_PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True, **IDS}
     )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16
     assert r.choices[0].model_extra["token_ids"][:4] == ref
@@ -156,7 +160,7 @@ def test_stop_token_ids_end_the_request_and_are_not_text(ckpt, client, name):
         prompt=ids,
         max_tokens=10,
         temperature=0,
-        extra_body={"stop_token_ids": [stop_id]},
+        extra_body={"stop_token_ids": [stop_id], **IDS},
     )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["token_ids"] == cut
     assert r.choices[0].text == _text(ckpt, cut[:-1])
@@ -177,7 +181,7 @@ def _stream_text(stream, ids=None):
 
 @pytest.mark.parametrize("prompt", ["café 日本語 🙂", "The quick brown fox", EOS_PROMPT])
 def test_streamed_text_equals_non_streamed(client, name, prompt):
-    kw = dict(model=name, prompt=prompt, max_tokens=20, temperature=0)
+    kw = dict(model=name, prompt=prompt, max_tokens=20, temperature=0, extra_body=IDS)
     whole = client.completions.create(**kw)
     ids: list[int] = []
     text, reasons, usage = _stream_text(

@@ -1,5 +1,6 @@
-"""`dp-runtime serve` of a preset (random weights, no tokenizer): token-id prompts work, text and
-chat prompts get 400 saying why; /health needs no key; Ctrl-C exits 0. The server runs with
+"""`dp-runtime serve` of a preset (random weights, no tokenizer): token-id prompts work and their
+output ``token_ids`` come back unasked (no ``return_token_ids``: without text they are the only
+output), text and chat prompts get 400 saying why; /health needs no key; Ctrl-C exits 0. The server runs with
 ``--prefix-caching``: a repeated prompt gives the same tokens and its usage and /metrics count
 the prompt tokens served from the cache."""
 

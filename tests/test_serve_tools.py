@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.hf_reference import greedy_reference, load_reference
-from tests.support.serve_process import ServeProcess
+from tests.support.serve_process import IDS, ServeProcess
 from tests.support.tool_model import CALL_TEXT, PIECES, write_tool_checkpoint
 
 WEATHER = {
@@ -84,7 +84,7 @@ def test_the_model_s_tool_call_is_parsed(ckpt, client):
     ids = _prompt(ckpt, ASK, [WEATHER])
     ref, _ = greedy_reference(ckpt[1], ids, 16)
     assert ckpt[2].decode(ref[:-1]) == CALL_TEXT  # the chain ends on EOS
-    r = _create(client, ckpt, tools=[WEATHER], logprobs=True)
+    r = _create(client, ckpt, tools=[WEATHER], logprobs=True, extra_body=IDS)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -97,7 +97,7 @@ def test_the_model_s_tool_call_is_parsed(ckpt, client):
 
 
 def test_streaming_gives_the_same_call(ckpt, client):
-    chunks = list(_create(client, ckpt, tools=[WEATHER], stream=True))
+    chunks = list(_create(client, ckpt, tools=[WEATHER], stream=True, extra_body=IDS))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert not any(d.content for d in deltas)  # no part of the block is sent as content
     calls = [t for d in deltas for t in d.tool_calls or ()]

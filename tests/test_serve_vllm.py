@@ -1,8 +1,9 @@
 """vLLM's side of the door (issue 45 item 5), on a real server process (local launcher, a tiny
 checkpoint with a trained tokenizer) and the real ``openai`` client: each vLLM extra that would
 change a result is refused by name; /tokenize, /detokenize, /version and /v1/models/{id} in
-vLLM's shapes; ``return_token_ids``, ``stream_options.continuous_usage_stats``, the first chat
-delta, ``return_tokens_as_token_ids`` and ``truncate_prompt_tokens``."""
+vLLM's shapes; ``return_token_ids`` (``token_ids`` only when asked),
+``stream_options.continuous_usage_stats``, the first chat delta, ``return_tokens_as_token_ids``
+and ``truncate_prompt_tokens``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from launch.server.protocol import ChatRequest, CompletionRequest
 from launch.server.vllm_fields import REFUSED, refuse_unimplemented
 from tests.support.serve_model import write_serve_checkpoint
-from tests.support.serve_process import ServeProcess, get
+from tests.support.serve_process import IDS, ServeProcess, get
 
 CONTEXT = 64
 
@@ -126,6 +127,28 @@ def test_return_token_ids_gives_the_prompt_s_ids_whole_and_streamed(server, clie
     assert sorted(carrying) == [(0, ids), (1, ids)]  # once per choice, on its first chunk
 
 
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_token_ids_only_when_asked_whole_and_streamed(client, route):
+    # A server with a tokenizer gives the output ids only on return_token_ids, as vLLM does.
+    def ask(stream=False, **extra):
+        kw = dict(model="ckpt", max_tokens=4, temperature=0, stream=stream,
+                  extra_body={"ignore_eos": True, **extra})
+        if route == "chat":
+            return client.chat.completions.create(messages=[{"role": "user", "content": "hi"}],
+                                                  **kw)
+        return client.completions.create(prompt="hello world", **kw)
+
+    def chunk_choices(stream):
+        return [c for ch in stream for c in ch.choices]
+
+    assert "token_ids" not in ask().choices[0].model_extra
+    assert not any("token_ids" in c.model_extra for c in chunk_choices(ask(stream=True)))
+    ids = ask(**IDS).choices[0].model_extra["token_ids"]
+    assert len(ids) == 4 and all(isinstance(i, int) for i in ids)
+    streamed = chunk_choices(ask(stream=True, **IDS))
+    assert [i for c in streamed for i in c.model_extra.get("token_ids", ())] == ids
+
+
 def test_continuous_usage_first_chat_delta_and_tokens_as_ids(client):
     stream = client.chat.completions.create(
         model="ckpt", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True,
@@ -138,7 +161,7 @@ def test_continuous_usage_first_chat_delta_and_tokens_as_ids(client):
     assert all(c.usage is not None for c in chunks) and used == sorted(used) and used[-1] == 5
     r = client.completions.create(model="ckpt", prompt="hello", max_tokens=3, logprobs=2,
                                   extra_body={"return_tokens_as_token_ids": True,
-                                              "ignore_eos": True})
+                                              "ignore_eos": True, "return_token_ids": True})
     ids = r.choices[0].model_extra["token_ids"]
     assert r.choices[0].logprobs.tokens == [f"token_id:{i}" for i in ids]
     assert r.choices[0].logprobs.text_offset[0] == 0
@@ -147,8 +170,9 @@ def test_continuous_usage_first_chat_delta_and_tokens_as_ids(client):
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client):
     ids = list(range(10, 40))
     cut = client.completions.create(model="ckpt", prompt=ids, max_tokens=4, temperature=0,
-                                    extra_body={"truncate_prompt_tokens": 5})
-    alone = client.completions.create(model="ckpt", prompt=ids[-5:], max_tokens=4, temperature=0)
+                                    extra_body={"truncate_prompt_tokens": 5, **IDS})
+    alone = client.completions.create(model="ckpt", prompt=ids[-5:], max_tokens=4, temperature=0,
+                                      extra_body=IDS)
     assert cut.usage.prompt_tokens == 5
     assert cut.choices[0].model_extra["token_ids"] == alone.choices[0].model_extra["token_ids"]
     whole = client.completions.create(model="ckpt", prompt=list(range(10, 10 + CONTEXT + 8)),

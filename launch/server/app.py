@@ -239,7 +239,7 @@ async def _serve(
         lps = [ChoiceLogprobs(kind, state.tokenizer, as_ids) for _ in range(len(prompts) * n)]
     choices = submit_choices(state, rid, checked, n, seeded=body.seed is not None)
     created = now()
-    extras = ResponseExtras.of(body, kind, prompts, n)
+    extras = ResponseExtras.of(body, kind, prompts, n, has_text=state.tokenizer is not None)
     if sampling.stream:
         return await stream_response(
             choices, request, kind, rid, body.model, created, sampling.include_usage, lps,

@@ -6,7 +6,8 @@ single request would (500 when it failed in its step, 503 when its rank failed o
 aborted it) and its siblings are aborted; a client that leaves aborts them all.
 
 Bodies: ``choices`` indexed 0..k x n - 1 for k prompts (``prompt_index * n + choice``; each
-with its text or message, finish_reason and ``token_ids``); ``usage.prompt_tokens`` counts each
+with its text or message, finish_reason, and ``token_ids`` where ``ResponseExtras.output_ids``
+says: asked by ``return_token_ids``, or a server without a tokenizer); ``usage.prompt_tokens`` counts each
 prompt once, ``completion_tokens`` sums the choices. A stream interleaves the choices' chunks as
 their tokens arrive, each chunk naming its choice's ``index``; each choice ends with its own
 finish_reason chunk, then comes the usage chunk (with ``include_usage``) and one ``[DONE]``.
@@ -77,7 +78,11 @@ async def whole_response(
         for i, ev in enumerate(last)
     ]
     out = bodies[0]
-    out["choices"] = [_choice(b["choices"][0], i, token_ids[i]) for i, b in enumerate(bodies)]
+    ids_out = extras is not None and extras.output_ids
+    out["choices"] = [
+        _choice(b["choices"][0], i, token_ids[i] if ids_out else None)
+        for i, b in enumerate(bodies)
+    ]
     for i, lp in enumerate(lps or ()):
         out["choices"][i]["logprobs"] = lp.next(token_ids[i], choices.flows[i].logprobs)
     if extras is not None:  # vLLM's response fields (vllm_fields.py)
@@ -95,9 +100,10 @@ def _body(kind: Kind, rid: str, model: str, created: int, text: str, reason: str
     return response(kind, rid, model, created, text, reason, use, tool_calls=calls)
 
 
-def _choice(body: dict, index: int, token_ids: list[int]) -> dict:
+def _choice(body: dict, index: int, token_ids: list[int] | None) -> dict:
     body["index"] = index
-    body["token_ids"] = token_ids  # the ids too: a model without a tokenizer has no text
+    if token_ids is not None:
+        body["token_ids"] = token_ids
     return body
 
 
@@ -182,6 +188,7 @@ async def stream_response(
         raise_for_failure(first[1])
 
     head = (kind, rid, model, created)
+    ids_out = extras is not None and extras.output_ids
     calls = [ToolCallStream(tool_names) for _ in choices.flows] if tool_names else None
 
     def _sse(body: dict) -> str:  # every chunk gets vLLM's fields a request asked for
@@ -204,7 +211,7 @@ async def stream_response(
                     yield _sse(error_body(err.message, err.kind, err.param, err.code))
                     break
                 # A step with ids but no text yet (held back, or no tokenizer) is still sent:
-                # token-id clients read the ids as they are sampled.
+                # token-id clients read the ids (and logprobs) as they are sampled.
                 if calls is not None:
                     bodies = _tool_chunks(calls[i], ev, head)
                 elif ev.text or ev.token_ids or ev.finish_reason is not None:
@@ -212,8 +219,9 @@ async def stream_response(
                 else:
                     bodies = []
                 for k, body in enumerate(bodies):  # the step's ids on its first chunk
-                    ids = list(ev.token_ids) if k == 0 else []
-                    _indexed(body, i)["choices"][0]["token_ids"] = ids
+                    _indexed(body, i)
+                    if ids_out:
+                        body["choices"][0]["token_ids"] = list(ev.token_ids) if k == 0 else []
                     if lps is not None and k == 0:  # the entries of the ids this chunk carries
                         body["choices"][0]["logprobs"] = lps[i].next(ev.token_ids, ev.logprobs)
                     yield _sse(body)

@@ -6,9 +6,11 @@ the response fields vLLM clients read.
 - ``truncate(ids, req, context_len)``: ``truncate_prompt_tokens`` k >= 1 keeps the prompt's last k
   tokens, -1 the last ``context_len - 1`` (the room for one new token); k must be below the
   context length (vLLM's rule), 0 or below -1 is a 400.
-- ``ResponseExtras``: ``return_token_ids`` adds ``prompt_token_ids`` (a completion: on each
-  choice, its own prompt's; a chat: on the response, as vLLM's) to a whole response and to the
-  first chunk of each choice of a stream; ``stream_options.continuous_usage_stats`` (with
+- ``ResponseExtras``: ``return_token_ids`` adds each choice's output ``token_ids`` (a stream: each
+  chunk's step's ids) and ``prompt_token_ids`` (a completion: on each choice, its own prompt's; a
+  chat: on the response, as vLLM's) to a whole response and to the first chunk of each choice of
+  a stream. A server without a tokenizer (a preset) gives ``token_ids`` unasked: its outputs have
+  no text, the ids are all they say; ``stream_options.continuous_usage_stats`` (with
   ``include_usage``, as vLLM's) puts the usage so far on every chunk.
 """
 
@@ -92,20 +94,25 @@ def truncate(ids: list[int], req: Any, context_len: int, param: str) -> list[int
 @dataclass
 class ResponseExtras:
     """The response fields a request's vLLM extras ask for (module docstring). ``prompts``:
-    each choice's prompt ids (choice i of k prompts x n is prompt i // n's)."""
+    each choice's prompt ids (choice i of k prompts x n is prompt i // n's); ``output_ids``:
+    choices (and chunks) carry their ``token_ids`` (the responder puts them)."""
 
     kind: str
     prompts: list[list[int]]
     return_token_ids: bool = False
     continuous_usage: bool = False
+    output_ids: bool = False
     _started: set = field(default_factory=set)
 
     @classmethod
-    def of(cls, req: Any, kind: str, prompts: list[list[int]], n: int) -> ResponseExtras:
+    def of(cls, req: Any, kind: str, prompts: list[list[int]], n: int,
+           has_text: bool = True) -> ResponseExtras:
+        """``has_text``: the server has a tokenizer (without one, ids are the only output)."""
         opts = getattr(req, "stream_options", None)
         continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
-        return cls(kind, [p for p in prompts for _ in range(n)], bool(req.return_token_ids),
-                   continuous)
+        asked = bool(req.return_token_ids)
+        return cls(kind, [p for p in prompts for _ in range(n)], asked, continuous,
+                   output_ids=asked or not has_text)
 
     def whole(self, out: dict) -> None:
         """Add the fields to a whole response ``out``."""

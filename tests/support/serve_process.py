@@ -18,9 +18,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["ServeProcess", "free_port", "get"]
+__all__ = ["IDS", "ServeProcess", "free_port", "get"]
 
 ROOT = Path(__file__).resolve().parents[2]
+# vLLM's extra that puts each choice's output token_ids in the response (a server with a
+# tokenizer gives them only when asked): the openai client sends it as ``extra_body=IDS``.
+IDS = {"return_token_ids": True}
 
 
 def free_port() -> int:
