@@ -54,7 +54,7 @@ from dp_runtime.serving.penalty_counts import PenaltyCounts
 from dp_runtime.serving.request import Request, RequestResult
 from dp_runtime.serving.scheduler import ScheduledStep, Scheduler
 from dp_runtime.serving.step_tokens import StepTokens, launch_tokens
-from dp_runtime.step_kinds import STEP_COUNTERS, count_step, steps_by_kind
+from dp_runtime.step_kinds import STEP_COUNTERS, StepTokenHistogram, count_step, steps_by_kind
 from dp_runtime.sync.exchange import LocalExchange
 from dp_runtime.sync.peer_failure import FailureNotice
 from dp_runtime.sync.rank_groups import rank_groups
@@ -104,6 +104,7 @@ class RankWorker:
         self._counters = dict(steps=0, graph_steps=0, extend_graph_steps=0, eager_steps=0, idle_steps=0,
                               skipped_steps=0, generated_tokens=0, finished_requests=0,
                               **dict.fromkeys(STEP_COUNTERS, 0))
+        self._step_tokens = StepTokenHistogram()  # under self._lock, as the counters
         self._memory: dict[str, int] = {}
         self._show_progress = show_progress
         self._on_phase = on_phase or (lambda name: None)
@@ -224,7 +225,8 @@ class RankWorker:
 
     def metrics(self) -> dict[str, Any]:
         with self._lock:
-            out: dict[str, Any] = dict(self._counters, steps_by_kind=steps_by_kind(self._counters))
+            out: dict[str, Any] = dict(self._counters, steps_by_kind=steps_by_kind(self._counters),
+                                       tokens_per_step=self._step_tokens.snapshot())
         out.update(rank=self.rank, waiting=self.scheduler.num_waiting, running=len(self.scheduler.running),
                    dispatcher=self.dispatcher_kind, attention=self.attention_kind, elementwise=self.model.ops.name,
                    experts=self.model.experts.name, choices=dataclasses.asdict(self.choices),
@@ -332,6 +334,7 @@ class RankWorker:
             c["finished_requests"] += len(finished)
             c["generated_tokens"] += len(kept)
             count_step(c, scheduled)
+            self._step_tokens.observe(scheduled.num_tokens)
         self.outputs.add(kept, finished)
 
     def run_until_idle(self, stop: threading.Event | None = None, max_steps: int | None = None) -> int:
