@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -54,7 +55,8 @@ from dp_runtime.serving.penalty_counts import PenaltyCounts
 from dp_runtime.serving.request import Request, RequestResult
 from dp_runtime.serving.scheduler import ScheduledStep, Scheduler
 from dp_runtime.serving.step_tokens import StepTokens, launch_tokens
-from dp_runtime.step_kinds import STEP_COUNTERS, StepTokenHistogram, count_step, steps_by_kind
+from dp_runtime.step_kinds import STEP_COUNTERS, count_step, dp_balance, steps_by_kind
+from dp_runtime.step_token_histogram import StepTokenHistogram
 from dp_runtime.sync.exchange import LocalExchange
 from dp_runtime.sync.peer_failure import FailureNotice
 from dp_runtime.sync.rank_groups import rank_groups
@@ -103,6 +105,7 @@ class RankWorker:
         self.outputs = StepOutputs()  # tokens and results for the launcher (serving/outputs.py)
         self._counters = dict(steps=0, graph_steps=0, extend_graph_steps=0, eager_steps=0, idle_steps=0,
                               skipped_steps=0, generated_tokens=0, finished_requests=0,
+                              dp_tokens=0, dp_max_tokens=0, dp_sync_wait_us=0,
                               **dict.fromkeys(STEP_COUNTERS, 0))
         self._step_tokens = StepTokenHistogram()  # under self._lock, as the counters
         self._memory: dict[str, int] = {}
@@ -227,6 +230,7 @@ class RankWorker:
         with self._lock:
             out: dict[str, Any] = dict(self._counters, steps_by_kind=steps_by_kind(self._counters),
                                        tokens_per_step=self._step_tokens.snapshot())
+        out.update(dp_balance=dp_balance(out), dp_sync_wait_s=out["dp_sync_wait_us"] / 1e6)
         out.update(rank=self.rank, waiting=self.scheduler.num_waiting, running=len(self.scheduler.running),
                    dispatcher=self.dispatcher_kind, attention=self.attention_kind, elementwise=self.model.ops.name,
                    experts=self.model.experts.name, choices=dataclasses.asdict(self.choices),
@@ -278,11 +282,18 @@ class RankWorker:
             self.wait_tokens()
             with self._lock:
                 scheduled = self.scheduler.next_step()
+        t_sync = time.perf_counter()
         plan = self.sync.sync(self._local_info(scheduled))
+        c = self._counters
+        # DP balance (every rank counts the same table): tokens over (the most a rank had x ranks)
+        # summed over steps; and the time this rank waited in the exchange for its slowest peer.
+        c["dp_sync_wait_us"] += int((time.perf_counter() - t_sync) * 1e6)
+        if not plan.skip:
+            c["dp_tokens"] += sum(plan.raw_num_tokens)
+            c["dp_max_tokens"] += max(plan.raw_num_tokens) * len(plan.raw_num_tokens)
         lp = plan.global_num_tokens_for_logprob_cpu  # the rows that sample: that peer decodes next
         with self._lock:
             self.scheduler.note_peers_decoding(any(n for r, n in enumerate(lp) if r != self.rank))
-        c = self._counters
         if plan.skip:
             c["skipped_steps"] += 1
             return plan

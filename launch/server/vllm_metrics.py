@@ -18,9 +18,9 @@ Observed as each engine request finishes (the rank's own times): ``vllm:request_
 ``vllm:request_inference_time_seconds`` (admission to the last token); as each is submitted:
 ``vllm:request_params_n`` and ``vllm:request_params_max_tokens``.
 
-Kept by each rank and read from ``engine.stats()`` too: ``vllm:iteration_tokens_total``, the
-histogram of tokens per step (prompt tokens prefilled plus decode rows; vLLM's buckets), from
-the rank's ``tokens_per_step`` (dp_runtime/step_kinds.py): the server sees requests, not steps.
+Kept by each rank (the server sees requests, not steps) and read from ``engine.stats()`` too:
+``vllm:iteration_tokens_total``, the histogram of tokens per step (prompt tokens prefilled plus
+decode rows; vLLM's buckets), the rank's ``tokens_per_step`` (dp_runtime/step_token_histogram.py).
 """
 
 from __future__ import annotations
