@@ -29,7 +29,6 @@ then the step sync; the process group belongs to whoever created it and is destr
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -46,6 +45,7 @@ from dp_runtime.attention import make_attention_backend
 from dp_runtime.choices import rank_choices
 from dp_runtime.graph_setup import RankGraphs, capture_rank_graphs
 from dp_runtime.rank_parts import build_moe_exchange, load_model
+from dp_runtime.rank_report import rank_report
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serve_loop import run_until_idle
 from dp_runtime.serving.forward_batch import idle_batch, planned_batch
@@ -103,10 +103,10 @@ class RankWorker:
         self.device = device
         self._lock = threading.Lock()
         self.outputs = StepOutputs()  # tokens and results for the launcher (serving/outputs.py)
-        self._counters = dict(steps=0, graph_steps=0, extend_graph_steps=0, eager_steps=0, idle_steps=0,
-                              skipped_steps=0, generated_tokens=0, finished_requests=0,
-                              dp_tokens=0, dp_max_tokens=0, dp_sync_wait_us=0,
-                              **dict.fromkeys(STEP_COUNTERS, 0))
+        self._counters = dict.fromkeys(
+            ("steps", "graph_steps", "extend_graph_steps", "eager_steps", "idle_steps",
+             "skipped_steps", "generated_tokens", "finished_requests", "dp_tokens",
+             "dp_max_tokens", "dp_sync_wait_us", *STEP_COUNTERS), 0)
         self._step_tokens = StepTokenHistogram()  # under self._lock, as the counters
         self._memory: dict[str, int] = {}
         self._show_progress = show_progress
@@ -173,8 +173,9 @@ class RankWorker:
                                           register_global_num_tokens=False, user="eager")
 
         def eager_runner(model, attention) -> EagerRunner:
-            return EagerRunner(model.forward, attention, eager_registry, no_copy=cfg.eager_input_no_copy,
-                               max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
+            return EagerRunner(model.forward, attention, eager_registry,
+                               no_copy=cfg.eager_input_no_copy, max_bs=cfg.max_running_requests,
+                               max_num_tokens=cfg.max_tokens_per_rank)
 
         # Before the KV cache is sized, so its size is measured with the rest that the rank holds.
         self.penalty_counts = PenaltyCounts.for_runtime(cfg.max_running_requests, mc.vocab_size, dev)
@@ -231,21 +232,13 @@ class RankWorker:
             out: dict[str, Any] = dict(self._counters, steps_by_kind=steps_by_kind(self._counters),
                                        tokens_per_step=self._step_tokens.snapshot())
         out.update(dp_balance=dp_balance(out), dp_sync_wait_s=out["dp_sync_wait_us"] / 1e6)
-        out.update(rank=self.rank, waiting=self.scheduler.num_waiting, running=len(self.scheduler.running),
-                   dispatcher=self.dispatcher_kind, attention=self.attention_kind, elementwise=self.model.ops.name,
-                   experts=self.model.experts.name, choices=dataclasses.asdict(self.choices),
-                   decode_attention=getattr(self.attention, "decode_kernels", self.attention_kind),
-                   graphs=self.graphs is not None, kv_slots=self.kv_cache.num_slots,
-                   kv_cache_dtype=str(self.kv_cache.dtype).removeprefix("torch."),
-                   quantization="none" if self.model_config.quantization is None else "fp8",
-                   memory=dict(self._memory), **self.scheduler.kv_metrics())
-        return out
+        return {**out, **rank_report(self)}  # the queue, KV and the build's facts
 
     def memory_report(self) -> dict[str, int]:
         """Bytes per component as allocated (weights, kv_cache, dp_buffers, dispatcher_workspace,
-        graph_inputs, penalty_counts, graph_pool, activation_peak: the largest step's allocation growth, 0 unless
-        profiled; when the rank profiled and sized its KV cache on CUDA also graph_reserve,
-        allocator_cache and cuda_context, ``rank_memory.measured_kv_slots``)."""
+        graph_inputs, penalty_counts, graph_pool, activation_peak: the largest step's allocation
+        growth, 0 unless profiled; when the rank profiled and sized its KV cache on CUDA also
+        graph_reserve, allocator_cache and cuda_context, ``rank_memory.measured_kv_slots``)."""
         return dict(self._memory)
 
     # -- the step loop ---------------------------------------------------------------------------
@@ -315,8 +308,8 @@ class RankWorker:
         c["idle_steps"] += scheduled is None
         launched = None
         if scheduled is not None:
-            launched = launch_tokens(scheduled, logits, self.scheduler.last_tokens, self.penalty_counts,
-                                     self.sampled_logits)
+            launched = launch_tokens(scheduled, logits, self.scheduler.last_tokens,
+                                     self.penalty_counts, self.sampled_logits)
         self.wait_tokens()  # the step before's, read while this one runs
         if launched is not None:
             self._pending = launched
