@@ -11,9 +11,10 @@ from itertools import pairwise
 from typing import Any, NamedTuple
 
 from dp_runtime.serving.request import Request, RequestResult
+from dp_runtime.step_kinds import dp_balance
 from launch.run_report import percentile
 
-__all__ = ["STEP_KINDS", "IdealStep", "decode_step_s", "ideal_occupancy", "ideal_steps", "max_overlap",
+__all__ = ["STEP_KINDS", "IdealStep", "decode_step_s", "dp_balance_between", "ideal_occupancy", "ideal_steps", "max_overlap",
            "step_kinds", "summarize_rate"]
 
 
@@ -74,6 +75,17 @@ STEP_KINDS = ("decode", "extend", "mixed")
 def step_kinds(all_metrics: list[dict[str, Any]]) -> dict[str, int]:
     """Steps by kind so far, summed over the ranks' metrics (``RankWorker.metrics``)."""
     return {k: sum(m.get("steps_by_kind", {}).get(k, 0) for m in all_metrics) for k in STEP_KINDS}
+
+
+def dp_balance_between(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, float]:
+    """The DP balance of what ran between two readings of the ranks' metrics
+    (``step_kinds.dp_balance`` on the counters' differences; every rank counts the same table,
+    so rank 0's are used) and the most seconds one rank waited in the exchange for its peers."""
+    if not before or not after:  # a torchrun rank but 0 holds no metrics
+        return {}
+    delta = {k: after[0].get(k, 0) - before[0].get(k, 0) for k in ("dp_tokens", "dp_max_tokens")}
+    waits = [(a.get("dp_sync_wait_us", 0) - b.get("dp_sync_wait_us", 0)) / 1e6 for a, b in zip(before, after, strict=True)]
+    return {"dp_balance": dp_balance(delta), "dp_sync_wait_s": max(waits, default=0.0)}
 
 
 def decode_step_s(results: list[RequestResult], world: int) -> float | None:

@@ -22,7 +22,8 @@ def print_table(report: dict[str, Any]) -> None:
           f"prefill chunk {h['chunked_prefill_size']}; build {h['build_s']:.0f} s")
     print(f"{'mixed':>5} {'policy':>6} {'cache':>5} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} "
           f"{'p99':>7} {'ITL p50':>8} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'E2E p50':>8} {'p99':>7} "
-          f"{'max run':>8} {'steps d/e/m':>16} {'bound':>8} {'eff':>5} {'occ':>5} {'ideal':>5} {'cached':>6}")
+          f"{'max run':>8} {'steps d/e/m':>16} {'bound':>8} {'eff':>5} {'occ':>5} {'ideal':>5} {'cached':>6} "
+          f"{'DP bal':>6}")
     for r in report["rows"]:
         def p(key: str, q: str, r: dict[str, Any] = r) -> str:
             v = r[key][q]
@@ -40,11 +41,13 @@ def print_table(report: dict[str, Any]) -> None:
               f"{r['request_throughput'] or 0:>7.2f} {r['output_tok_s'] or 0:>10.1f}  {p('ttft_s', 'p50')} "
               f"{p('ttft_s', 'p99')}  {p('itl_s', 'p50')} {p('itl_s', 'p99')}  {p('tpot_s', 'p50')} "
               f"{p('tpot_s', 'p99')}  {p('e2e_s', 'p50')} {p('e2e_s', 'p99')} {max(r['max_running']):>8} "
-              f"{steps:>16} {bound} {pct(r['efficiency'])} {pct(r['occupancy'])} {pct(r['ideal_occupancy'])} {pct(cached):>6}")
+              f"{steps:>16} {bound} {pct(r['efficiency'])} {pct(r['occupancy'])} {pct(r['ideal_occupancy'])} {pct(cached):>6} "
+              f"{pct(r.get('dp_balance')):>6}")
     print("times in ms; max run: the most requests running at once on one rank; steps: decode/extend/mixed "
           "(all ranks); bound: decode-only out tok/s at max run (decode probe); eff: out tok/s / bound; "
           "occ: output tokens / (steps x max run); ideal: the occupancy of an ideal rank (load_summary); "
-          "cache: prefix caching; cached: prompt tokens served from the prefix cache")
+          "cache: prefix caching; cached: prompt tokens served from the prefix cache; DP bal: mean over max "
+          "tokens a rank per step, over the run's steps (dp_balance; dp_sync_wait_s in --json)")
     for r in report["rows"]:
         g = r.get("gpu")
         if not g:

@@ -75,6 +75,7 @@ from bench.load_ranks import InProcessRank, RayRanks
 from bench.load_summary import (
     STEP_KINDS,
     decode_step_s,
+    dp_balance_between,
     ideal_occupancy,
     step_kinds,
     summarize_rate,
@@ -204,7 +205,7 @@ def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, l
     rows, per_request = [], []
     mixed, policy, kv, caching = rt.mixed_steps, rt.schedule_policy, _kv_name(rt), rt.prefix_caching
     for rate, reqs in batches:
-        before = step_kinds(ranks.all_metrics)
+        before, before_metrics = step_kinds(ranks.all_metrics), list(ranks.all_metrics)
         results = ranks.run(reqs)
         if results is None:
             continue
@@ -220,6 +221,7 @@ def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, l
         rows.append(dict(row, mixed=mixed, policy=policy, kv_cache_dtype=kv, steps=steps, occupancy=occ,
                          ideal_occupancy=ideal, prefix_caching=caching, prompt_tokens=prompt_tokens,
                          cached_tokens=sum(r.cached_tokens for r in results))
+                    | dp_balance_between(before_metrics, ranks.all_metrics)
                     | ({"gpu": ranks.gpu} if getattr(ranks, "gpu", None) else {}))
         arrival = {r.rid: r.arrival_s for r in reqs}
         per_request += [dict(rid=r.rid, rank=r.rank, arrival_s=arrival[r.rid], prompt_len=r.prompt_len,

@@ -29,9 +29,9 @@ then the step sync; the process group belongs to whoever created it and is destr
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -45,6 +45,7 @@ from dp_runtime.attention import make_attention_backend
 from dp_runtime.choices import rank_choices
 from dp_runtime.graph_setup import RankGraphs, capture_rank_graphs
 from dp_runtime.rank_parts import build_moe_exchange, load_model
+from dp_runtime.rank_report import rank_report
 from dp_runtime.rank_spec import RankSpec
 from dp_runtime.serve_loop import run_until_idle
 from dp_runtime.serving.forward_batch import idle_batch, planned_batch
@@ -54,7 +55,8 @@ from dp_runtime.serving.penalty_counts import PenaltyCounts
 from dp_runtime.serving.request import Request, RequestResult
 from dp_runtime.serving.scheduler import ScheduledStep, Scheduler
 from dp_runtime.serving.step_tokens import StepTokens, launch_tokens
-from dp_runtime.step_kinds import STEP_COUNTERS, count_step, steps_by_kind
+from dp_runtime.step_kinds import STEP_COUNTERS, count_step, dp_balance, steps_by_kind
+from dp_runtime.step_token_histogram import StepTokenHistogram
 from dp_runtime.sync.exchange import LocalExchange
 from dp_runtime.sync.peer_failure import FailureNotice
 from dp_runtime.sync.rank_groups import rank_groups
@@ -101,9 +103,11 @@ class RankWorker:
         self.device = device
         self._lock = threading.Lock()
         self.outputs = StepOutputs()  # tokens and results for the launcher (serving/outputs.py)
-        self._counters = dict(steps=0, graph_steps=0, extend_graph_steps=0, eager_steps=0, idle_steps=0,
-                              skipped_steps=0, generated_tokens=0, finished_requests=0,
-                              **dict.fromkeys(STEP_COUNTERS, 0))
+        self._counters = dict.fromkeys(
+            ("steps", "graph_steps", "extend_graph_steps", "eager_steps", "idle_steps",
+             "skipped_steps", "generated_tokens", "finished_requests", "dp_tokens",
+             "dp_max_tokens", "dp_sync_wait_us", *STEP_COUNTERS), 0)
+        self._step_tokens = StepTokenHistogram()  # under self._lock, as the counters
         self._memory: dict[str, int] = {}
         self._show_progress = show_progress
         self._on_phase = on_phase or (lambda name: None)
@@ -169,8 +173,9 @@ class RankWorker:
                                           register_global_num_tokens=False, user="eager")
 
         def eager_runner(model, attention) -> EagerRunner:
-            return EagerRunner(model.forward, attention, eager_registry, no_copy=cfg.eager_input_no_copy,
-                               max_bs=cfg.max_running_requests, max_num_tokens=cfg.max_tokens_per_rank)
+            return EagerRunner(model.forward, attention, eager_registry,
+                               no_copy=cfg.eager_input_no_copy, max_bs=cfg.max_running_requests,
+                               max_num_tokens=cfg.max_tokens_per_rank)
 
         # Before the KV cache is sized, so its size is measured with the rest that the rank holds.
         self.penalty_counts = PenaltyCounts.for_runtime(cfg.max_running_requests, mc.vocab_size, dev)
@@ -224,22 +229,16 @@ class RankWorker:
 
     def metrics(self) -> dict[str, Any]:
         with self._lock:
-            out: dict[str, Any] = dict(self._counters, steps_by_kind=steps_by_kind(self._counters))
-        out.update(rank=self.rank, waiting=self.scheduler.num_waiting, running=len(self.scheduler.running),
-                   dispatcher=self.dispatcher_kind, attention=self.attention_kind, elementwise=self.model.ops.name,
-                   experts=self.model.experts.name, choices=dataclasses.asdict(self.choices),
-                   decode_attention=getattr(self.attention, "decode_kernels", self.attention_kind),
-                   graphs=self.graphs is not None, kv_slots=self.kv_cache.num_slots,
-                   kv_cache_dtype=str(self.kv_cache.dtype).removeprefix("torch."),
-                   quantization="none" if self.model_config.quantization is None else "fp8",
-                   memory=dict(self._memory), **self.scheduler.kv_metrics())
-        return out
+            out: dict[str, Any] = dict(self._counters, steps_by_kind=steps_by_kind(self._counters),
+                                       tokens_per_step=self._step_tokens.snapshot())
+        out.update(dp_balance=dp_balance(out), dp_sync_wait_s=out["dp_sync_wait_us"] / 1e6)
+        return {**out, **rank_report(self)}  # the queue, KV and the build's facts
 
     def memory_report(self) -> dict[str, int]:
         """Bytes per component as allocated (weights, kv_cache, dp_buffers, dispatcher_workspace,
-        graph_inputs, penalty_counts, graph_pool, activation_peak: the largest step's allocation growth, 0 unless
-        profiled; when the rank profiled and sized its KV cache on CUDA also graph_reserve,
-        allocator_cache and cuda_context, ``rank_memory.measured_kv_slots``)."""
+        graph_inputs, penalty_counts, graph_pool, activation_peak: the largest step's allocation
+        growth, 0 unless profiled; when the rank profiled and sized its KV cache on CUDA also
+        graph_reserve, allocator_cache and cuda_context, ``rank_memory.measured_kv_slots``)."""
         return dict(self._memory)
 
     # -- the step loop ---------------------------------------------------------------------------
@@ -276,11 +275,18 @@ class RankWorker:
             self.wait_tokens()
             with self._lock:
                 scheduled = self.scheduler.next_step()
+        t_sync = time.perf_counter()
         plan = self.sync.sync(self._local_info(scheduled))
+        c = self._counters
+        # DP balance (every rank counts the same table): tokens over (the most a rank had x ranks)
+        # summed over steps; and the time this rank waited in the exchange for its slowest peer.
+        c["dp_sync_wait_us"] += int((time.perf_counter() - t_sync) * 1e6)
+        if not plan.skip:
+            c["dp_tokens"] += sum(plan.raw_num_tokens)
+            c["dp_max_tokens"] += max(plan.raw_num_tokens) * len(plan.raw_num_tokens)
         lp = plan.global_num_tokens_for_logprob_cpu  # the rows that sample: that peer decodes next
         with self._lock:
             self.scheduler.note_peers_decoding(any(n for r, n in enumerate(lp) if r != self.rank))
-        c = self._counters
         if plan.skip:
             c["skipped_steps"] += 1
             return plan
@@ -302,8 +308,8 @@ class RankWorker:
         c["idle_steps"] += scheduled is None
         launched = None
         if scheduled is not None:
-            launched = launch_tokens(scheduled, logits, self.scheduler.last_tokens, self.penalty_counts,
-                                     self.sampled_logits)
+            launched = launch_tokens(scheduled, logits, self.scheduler.last_tokens,
+                                     self.penalty_counts, self.sampled_logits)
         self.wait_tokens()  # the step before's, read while this one runs
         if launched is not None:
             self._pending = launched
@@ -332,6 +338,7 @@ class RankWorker:
             c["finished_requests"] += len(finished)
             c["generated_tokens"] += len(kept)
             count_step(c, scheduled)
+            self._step_tokens.observe(scheduled.num_tokens)
         self.outputs.add(kept, finished)
 
     def run_until_idle(self, stop: threading.Event | None = None, max_steps: int | None = None) -> int:

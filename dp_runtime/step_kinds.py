@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dp_runtime.serving.scheduler import ScheduledStep
 
-__all__ = ["STEP_COUNTERS", "count_step", "steps_by_kind"]
+__all__ = ["STEP_COUNTERS", "count_step", "dp_balance", "steps_by_kind"]
 
 # The counters this module writes, zero at the start (the worker merges them into its own).
 STEP_COUNTERS = ("extend_steps", "mixed_steps", "decode_steps", "prefill_tokens", "decode_rows")
@@ -28,6 +28,16 @@ def count_step(counters: dict[str, int], step: ScheduledStep) -> None:
     else:
         counters["decode_steps"] += 1
         counters["decode_rows"] += step.batch.batch_size
+
+
+def dp_balance(counters: dict[str, int]) -> float:
+    """Mean tokens a rank over the most tokens a rank, over the steps that ran: ``dp_tokens /
+    dp_max_tokens`` (every step's token table summed, and its largest entry times the ranks).
+    1.0 when every rank carried as many tokens as the busiest (and before any step); a rank
+    left IDLE while its peers work lowers it. The difference of two readings (before / after
+    a run) gives the run's own balance."""
+    most = counters.get("dp_max_tokens", 0)
+    return counters.get("dp_tokens", 0) / most if most else 1.0
 
 
 def steps_by_kind(counters: dict[str, int]) -> dict[str, int]:

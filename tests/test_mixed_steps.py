@@ -311,6 +311,12 @@ def test_serving_with_mixed_steps_gives_the_tokens_without_them_and_transformers
         assert m["extend_steps"] == kinds["extend"] + kinds["mixed"]
         assert m["prefill_tokens"] == sum(_LENS)
         assert m["decode_rows"] == sum(_NEW) - len(_NEW)  # every output token but the prefill's
+        hist = m["tokens_per_step"]  # vllm:iteration_tokens_total: one observation per step
+        assert hist["count"] == m["steps"] == hist["buckets"][-1]
+        assert hist["sum"] == m["prefill_tokens"] + m["decode_rows"]
+        # Decode steps run 1-3 rows (3 running at most); a step that prefills, at most 16 tokens
+        # of prompt (the chunk) beside them: every step sits at or under le=32.
+        assert dict(zip(hist["le"], hist["buckets"], strict=False))[32] == hist["count"]
     # Decode rows ride along the prefill: fewer steps than a prefill-or-decode schedule.
     assert m_on["steps"] < m_off["steps"]
     if graphs == "extend-graphs":

@@ -80,14 +80,20 @@ def test_a_rank_prefilling_beside_decoding_ranks_gives_the_single_rank_tokens(se
         got = {r.rid: r.output_ids for r in w.pop_finished()}
         m = w.metrics()
         w.sync.verify()
+    # vllm:iteration_tokens_total: one observation per step that carried tokens (IDLE ones not),
+    # each the step's prompt tokens plus decode rows (a report, not an assert: every rank gathers)
+    hist = m["tokens_per_step"]
+    counted = (hist["count"], hist["sum"]) == (m["steps"] - m["idle_steps"],
+                                               m["prefill_tokens"] + m["decode_rows"])
     report = [None] * world
-    dist.all_gather_object(report, (got == alone, both, m["steps_by_kind"], graphed))
+    dist.all_gather_object(report, (got == alone, both, m["steps_by_kind"], graphed, counted))
     assert all(same for same, *_ in report), [(r, got, alone) for r, (same, *_) in enumerate(report) if not same]
-    assert len({b for _, b, _, _ in report}) == 1 and report[0][1] > 0  # the same plans everywhere
+    assert len({b for _, b, _, _, _ in report}) == 1 and report[0][1] > 0  # the same plans everywhere
     assert report[0][2]["mixed"] >= 4  # rank 0: its chunks carried its decode row
-    assert all(kinds["mixed"] == 0 and kinds["decode"] > 0 for _, _, kinds, _ in report[1:])
+    assert all(kinds["mixed"] == 0 and kinds["decode"] > 0 for _, _, kinds, _, _ in report[1:])
     # with graphs every such step replayed the extend pieces, the decoding ranks' rows included
-    assert all(g == (b if graphs else 0) for _, b, _, g in report), report
+    assert all(g == (b if graphs else 0) for _, b, _, g, _ in report), report
+    assert all(counted for *_, counted in report), report
 
 
 def test_a_rank_only_prefilling_keeps_to_the_mixed_budget_while_its_peers_decode(setup):

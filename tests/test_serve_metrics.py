@@ -55,7 +55,8 @@ def _samples(metrics):
 
 def test_rank_series_are_read_at_scrape_time_with_a_rank_label():
     engine = _Snapshot(
-        (_rank(0, running=3, free_kv_slots=75, routed_requests=4), _rank(1, generated_tokens=9)),
+        (_rank(0, running=3, free_kv_slots=75, routed_requests=4, dp_balance=0.5, dp_sync_wait_s=1.5),
+         _rank(1, generated_tokens=9)),
         restarts=1,
         queued=2,
     )
@@ -65,6 +66,8 @@ def test_rank_series_are_read_at_scrape_time_with_a_rank_label():
     assert s[("dp_runtime_kv_cache_usage_ratio", (("rank", "0"),))] == 0.25
     assert s[("dp_runtime_requests_routed_total", (("rank", "0"),))] == 4
     assert s[("dp_runtime_generation_tokens_total", (("rank", "1"),))] == 9
+    assert s[("dp_runtime_dp_balance_ratio", (("rank", "0"),))] == 0.5
+    assert s[("dp_runtime_dp_sync_wait_seconds_total", (("rank", "0"),))] == 1.5
     assert s[("dp_runtime_restarts_total", ())] == 1
     assert s[("dp_runtime_engine_queued_requests", ())] == 2
     assert s[("dp_runtime_engine_healthy", ())] == 1

@@ -7,6 +7,8 @@ delta, ``return_tokens_as_token_ids`` and ``truncate_prompt_tokens``."""
 from __future__ import annotations
 
 import json
+import math
+import time
 import urllib.request
 
 import openai
@@ -190,3 +192,41 @@ def test_vllm_metric_families_beside_dp_runtime_s(server, client):
     assert m[("vllm:prompt_tokens_total", labels)] == m[("dp_runtime_prompt_tokens_total", rank)]
     queries, hits = grew("vllm:prefix_cache_queries_total"), grew("vllm:prefix_cache_hits_total")
     assert queries >= hits and queries == grew("vllm:prompt_tokens_total") + hits
+
+
+def _settled(server) -> dict:
+    """/metrics once every step the rank launched is recorded (one rank, so no IDLE steps: the
+    histogram counts every step); a step whose tokens were not read yet (a stop token's extra
+    step, overlapped) is recorded a step later. Raises after 20 s of polling."""
+    for _ in range(400):
+        m = server.metrics()
+        count = m[("vllm:iteration_tokens_total_count", (("engine", "0"), ("model_name", "ckpt")))]
+        if count == m[("dp_runtime_steps_total", (("rank", "0"),))]:
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"steps never all recorded: {count} of {m}")
+
+
+def test_iteration_tokens_counts_each_step_s_tokens_on_its_rank(server, client):
+    before = _settled(server)
+    new = 4
+    client.completions.create(model="ckpt", prompt=[21, 22, 23, 24, 25], max_tokens=new,
+                              extra_body={"ignore_eos": True})
+    m = _settled(server)
+    labels = (("engine", "0"), ("model_name", "ckpt"))
+
+    def grew(name, *le):
+        key = (name, tuple(sorted((*labels, *((("le", le[0]),) if le else ())))))
+        return m[key] - before.get(key, 0.0)
+
+    prefilled = grew("vllm:prompt_tokens_total")  # the prompt less what the prefix cache held
+    assert 1 <= prefilled <= 5
+    # One step prefills the prompt and samples the first token; one decode row per token after.
+    assert grew("vllm:iteration_tokens_total_count") == new
+    assert grew("vllm:iteration_tokens_total_sum") == prefilled + new - 1
+    assert grew("vllm:iteration_tokens_total_bucket", "1.0") == new - 1 + (prefilled == 1)
+    assert grew("vllm:iteration_tokens_total_bucket", "8.0") == new
+    assert grew("vllm:iteration_tokens_total_bucket", "+Inf") == new
+    buckets = sorted(float(dict(k[1])["le"]) for k in m
+                     if k[0] == "vllm:iteration_tokens_total_bucket")
+    assert buckets == [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, math.inf]

@@ -1,8 +1,9 @@
 """ModelConfig: the shape of a Qwen3-MoE-style model (or Mixtral), from a Hugging Face config or
 a preset; ModelConfigError, the one error type of a model that cannot be loaded as given.
 
-Presets: ``tiny`` (CPU tests: a few layers, a handful of experts) and ``qwen3-30b-a3b`` (the
-dimensions of Qwen3-30B-A3B, for GPU benchmarks with random weights).
+Presets: ``tiny`` (CPU tests: a few layers, a handful of experts), ``qwen3-30b-a3b`` and
+``qwen3-235b-a22b`` (the dimensions of Qwen3-30B-A3B and Qwen3-235B-A22B, for GPU benchmarks
+with random weights).
 
 ``ModelConfig.load(model)`` takes what a user types for ``--model``: a preset name or a
 checkpoint directory. Reading a ``config.json`` (which fields count, which are refused) lives in
@@ -163,6 +164,14 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-30b-a3b": ModelConfig(
         vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
         num_experts=128, top_k=8, moe_intermediate_size=768, intermediate_size=6144,
+        norm_topk_prob=True, rope_theta=1_000_000.0, max_position_embeddings=40960,
+    ),
+    # Qwen3-235B-A22B: 94 layers, hidden 4096, 64 query / 4 KV heads of 128, 128 experts, top-8,
+    # expert intermediate 1536 (the published config.json). 438 GiB in bf16, 219 GiB in FP8:
+    # it needs several GPUs (plan says which).
+    "qwen3-235b-a22b": ModelConfig(
+        vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
+        num_experts=128, top_k=8, moe_intermediate_size=1536, intermediate_size=12288,
         norm_topk_prob=True, rope_theta=1_000_000.0, max_position_embeddings=40960,
     ),
 }

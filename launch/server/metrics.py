@@ -90,6 +90,19 @@ _RANK_SERIES = (
         "counter",
     ),
     ("prefix_cached_tokens", "prefix_cache_tokens", "Tokens held in the rank's prefix cache.", "gauge"),
+    (
+        "dp_balance",
+        "dp_balance_ratio",
+        "DP balance since start: tokens over (the most tokens a rank had x ranks), summed over "
+        "steps (1: every rank as busy as the busiest; the same on every rank).",
+        "gauge",
+    ),
+    (
+        "dp_sync_wait_s",
+        "dp_sync_wait_seconds",
+        "Seconds the rank spent in the per-step token-count exchange, waiting for its slowest peer.",
+        "counter",
+    ),
 )
 
 

@@ -16,19 +16,29 @@ Observed as each engine request finishes (the rank's own times): ``vllm:request_
 ``vllm:request_queue_time_seconds`` (arrival to admission), ``vllm:request_prefill_time_seconds``
 (admission to the first token), ``vllm:request_decode_time_seconds`` (first to last token),
 ``vllm:request_inference_time_seconds`` (admission to the last token); as each is submitted:
-``vllm:request_params_n`` and ``vllm:request_params_max_tokens``. Not kept:
-``vllm:iteration_tokens_total`` (tokens per step: the server sees requests' outputs, not steps).
+``vllm:request_params_n`` and ``vllm:request_params_max_tokens``.
+
+Kept by each rank (the server sees requests, not steps) and read from ``engine.stats()`` too:
+``vllm:iteration_tokens_total``, the histogram of tokens per step (prompt tokens prefilled plus
+decode rows; vLLM's buckets), the rank's ``tokens_per_step`` (dp_runtime/step_token_histogram.py).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 __all__ = ["VllmMetrics"]
 
@@ -59,6 +69,10 @@ class _Scraped(Collector):
             "queries": count("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             "prefix_hit_tokens": count("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
             "preemptions": count("num_preemptions", "Preemptions (none: KV is reserved whole)."),
+            "tokens_per_step": HistogramMetricFamily(
+                "vllm:iteration_tokens_total",
+                "Tokens per engine step (prompt tokens prefilled plus decode rows).",
+                labels=_LABELS),
         }
         for r in stats.ranks:
             labels = [model, str(r["rank"])]
@@ -71,6 +85,11 @@ class _Scraped(Collector):
             queries = r.get("prefill_tokens", 0) + r.get("prefix_hit_tokens", 0)
             fams["queries"].add_metric(labels, float(queries))
             fams["preemptions"].add_metric(labels, 0.0)
+            if (h := r.get("tokens_per_step")) is not None:
+                les = [floatToGoString(le) for le in (*h["le"], math.inf)]
+                fams["tokens_per_step"].add_metric(
+                    labels, list(zip(les, map(float, h["buckets"]), strict=True)),
+                    sum_value=float(h["sum"]))
         yield from fams.values()
 
 
