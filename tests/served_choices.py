@@ -19,6 +19,7 @@ import urllib.request
 import openai
 import pytest
 
+from tests.support.failing_worker import FAILING_SEED, INJECTED
 from tests.support.serve_process import IDS
 
 __all__ = ["TestChoicesServed"]
@@ -157,6 +158,6 @@ class TestChoicesServed:
     def test_choices_failing_in_their_step_are_one_500(self, server, client, name):
         with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model=name, prompt=[4, 5, 6], max_tokens=5, n=2,
-                                      temperature=1, extra_body={"repetition_penalty": 1e-300})
-        assert info.value.status_code == 500 and "sampling failed" in info.value.body["message"]
+                                      temperature=1, seed=FAILING_SEED)
+        assert info.value.status_code == 500 and INJECTED in info.value.body["message"]
         assert server.wait_kv_free(client.api_key)[IN_FLIGHT] == 0

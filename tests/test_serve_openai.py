@@ -20,11 +20,13 @@ import pytest
 from tests.hf_reference import greedy_reference, load_reference
 from tests.served_bias import TestLogitBiasServed  # noqa: F401  (runs here, on this server)
 from tests.served_choices import TestChoicesServed  # noqa: F401  (runs here, on this server)
+from tests.served_edges import TestRangeEndsServed  # noqa: F401  (runs here, on this server)
 from tests.served_logprobs import TestLogprobsServed  # noqa: F401  (runs here, on this server)
 from tests.served_min_tokens import TestMinTokensServed  # noqa: F401  (runs here, on this server)
 from tests.served_penalties import TestPenaltiesServed  # noqa: F401  (runs here, on this server)
 from tests.served_prompts import TestPromptsServed  # noqa: F401  (runs here, on this server)
 from tests.served_sampling import TestSamplingServed  # noqa: F401  (runs here, on this server)
+from tests.support.failing_worker import FAILING_SEED, INJECTED, server_env
 from tests.support.serve_model import write_serve_checkpoint
 from tests.support.serve_process import IDS, ServeProcess, get
 
@@ -70,7 +72,7 @@ def server(ckpt, tmp_path_factory):
         "--sampling-defaults",
         "none",
     )
-    with ServeProcess(tmp_path_factory.mktemp("logs"), *args) as srv:
+    with ServeProcess(tmp_path_factory.mktemp("logs"), *args, env=server_env()) as srv:
         yield srv
     assert srv.returncode == 0, srv.log()
 
@@ -395,15 +397,15 @@ def test_metrics_parse_and_count_per_rank(server, client, name):
 
 
 def test_a_request_failing_in_its_step_is_500_and_fails_alone(server, client, name):
-    # A repetition_penalty of 1e-300 is 0 in float32: the penalized logits are inf and the draw
-    # fails on the rank for this request only. (A tiny temperature no longer fails: the door
-    # samples it as greedy.)
+    # The server's ranks (server_env) fail a request seeded FAILING_SEED at its first token,
+    # inside the step, as a draw over NaN logits fails (tests/support/failing_worker.py); a
+    # stream beside it goes on to its end.
     other = client.completions.create(model=name, prompt=[1, 2, 3], max_tokens=30, temperature=0,
                                       stream=True, extra_body={"ignore_eos": True})
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model=name, prompt=[4, 5, 6], max_tokens=5, temperature=1,
-                                  extra_body={"repetition_penalty": 1e-300})
-    assert info.value.status_code == 500 and "sampling failed" in info.value.body["message"]
+                                  seed=FAILING_SEED)
+    assert info.value.status_code == 500 and INJECTED in info.value.body["message"]
     reasons = [c.choices[0].finish_reason for c in other if c.choices]
     assert reasons[-1] == "length"
 

@@ -17,6 +17,18 @@ float32 values); a row of the chunk without it is multiplied and divided by 1, w
 nothing. The additions after it only change rounding with their order; vLLM's keeps a client's
 numbers where it moves between them.
 
+The factor is r clamped to [2**-64, 2**64] (``REPETITION_FACTORS``), so every r > 0 a request may
+carry (vLLM's range, no upper limit) keeps the row finite. Unclamped, an r below ~1e-38 is 0 or a
+subnormal in float32 and ``x / r`` overflows to inf (the row's draw fails: a 500 at the door),
+and one above ~3.4e38 is inf in float32 and ``0 * r`` is NaN. The bounds are powers of two, so
+``x / r`` and ``x * r`` at them only shift exponents (exact, the order kept), and the rule has
+reached its limit there: at 2**-64 a marked logit x in [1e-6, 1e4] (a real model's) becomes
+``x * 2**64``, over 1.8e13, and two such values differ by over 2e6, far more than a draw's noise
+(the race's ``log(E)`` spans less than 20) at any temperature up to 1e4; at 2**64 a marked
+negative one is pushed as far down and a positive one to below 1e-15. So a penalty beyond the
+bounds draws what it would with exact arithmetic: greedy among the marked positive logits
+(r -> 0), the marked negative ones never drawn (r -> inf).
+
 The counts and marks live on the device (``penalty_counts``: tables kept per request row,
 updated by the device after each draw, so a token still in flight under overlapped steps is
 already counted in stream order): a chunk's are one ``index_select`` of its rows each
@@ -44,7 +56,10 @@ from dp_runtime.serving.host_copy import host_to_device
 from dp_runtime.serving.penalty_counts import StepCounts
 from dp_runtime.serving.request import SamplingParams
 
-__all__ = ["adjusted_chunks"]
+__all__ = ["REPETITION_FACTORS", "adjusted_chunks", "repetition_factor"]
+
+# The factor a repetition penalty r is applied as: r clamped to this range (module docstring).
+REPETITION_FACTORS = (2.0**-64, 2.0**64)
 
 
 class _Entries:
@@ -118,6 +133,14 @@ def _repetition(x_CV: torch.Tensor, seen_CV: torch.Tensor, r_C1: torch.Tensor) -
     x_CV.mul_(factor_CV)
 
 
+def repetition_factor(r: float) -> float:
+    """The factor a repetition penalty ``r`` (> 0) divides and multiplies by: r clamped to
+    ``REPETITION_FACTORS`` (module docstring: past them float32 overflows, and the draw is
+    already the rule's limit)."""
+    lo, hi = REPETITION_FACTORS
+    return min(max(r, lo), hi)
+
+
 def _plan(part: Sequence[int], params: Sequence[SamplingParams | None], counts: StepCounts | None, vocab: int,
           ints: _Entries, floats: _Entries, bans: Sequence[Sequence[int]] = ()):
     """One chunk's host entries, appended to ``ints`` / ``floats``; returns the chunk's rows and
@@ -145,7 +168,7 @@ def _plan(part: Sequence[int], params: Sequence[SamplingParams | None], counts: 
     bias = (ints.add(bias_i), floats.add(bias_v))
     rep = pen = None
     if any(params[row].repeats_penalized for row in part):
-        rep = floats.add([params[r].repetition_penalty for r in part])
+        rep = floats.add([repetition_factor(params[r].repetition_penalty) for r in part])
     if any(params[row].penalized for row in part):
         pen = floats.add([params[r].frequency_penalty for r in part] + [params[r].presence_penalty for r in part])
     return part, bias, rep, pen

@@ -184,7 +184,9 @@ class SamplingParams:
     its output so far, a logit x becomes ``x / r`` where x > 0 and ``x * r`` elsewhere (HF's
     ``RepetitionPenaltyLogitsProcessor``, vLLM's rule), for greedy rows too; r > 1 discourages
     repeats, r < 1 favours them. No upper limit (vLLM has none, and a checkpoint's
-    generation_config.json may recommend any r > 0: ``sampling_defaults``). Order: repetition
+    generation_config.json may recommend any r > 0: ``sampling_defaults``); the factor applied
+    is r clamped to [2**-64, 2**64], where float32 would overflow past them and the rule has
+    reached its limit (``adjusted_rows``), so every r > 0 draws. Order: repetition
     first, then presence and frequency, then ``logit_bias`` (vLLM's). The logprobs stay raw.
 
     ``min_tokens`` (0..``max_new_tokens``; vLLM's): the first ``min_tokens`` tokens are never a

@@ -35,7 +35,11 @@ whichever rank runs it, with or without overlapped steps. CUDA (Philox in the ke
 host here: the step's ids and a flag per drawn row go back with one asynchronous copy
 (``step_tokens``), so a sampled batch keeps the overlap a greedy batch has. A row whose ``z``
 is not finite (NaN logits, or a temperature so small that ``logits / temperature`` overflows
-float32) is flagged: that request alone fails.
+float32) is flagged: that request alone fails. A temperature above float32's largest value is
+drawn at that value (in float32 it would be inf, and ``inf * log(1)``, min-p 1's threshold, NaN),
+a top-p below its smallest normal one at that one (0 in float32, where the search's
+``mass >= top_p * total`` would fail the top token too): both already draw as their limit (all
+tokens alike; the most likely alone), so every value ``check_sampling`` takes draws.
 
 A request's repetition, presence and frequency penalties and its ``logit_bias`` are applied,
 before all of this, to a copy of its row (``adjusted_rows``: ``ROW_CHUNK`` rows at a time, the
@@ -66,6 +70,7 @@ __all__ = ["ROW_CHUNK", "SORT_CHUNK", "DrawnTokens", "RowFailure", "StepCounts",
 ROW_CHUNK = 64  # rows whose top-k thresholds are found together: bounds the rows x vocabulary temporaries
 SORT_CHUNK = 16  # rows sorted together for a top-p without top-k (a sort's buffers: ~48 bytes an element)
 _MASK64 = 2**64 - 1
+_F32 = torch.finfo(torch.float32)  # the device's temperatures and top-p values (module docstring)
 
 
 @dataclass(frozen=True)
@@ -149,13 +154,18 @@ def _race_rows(x_XV: torch.Tensor, at: Sequence[int], params: Sequence[SamplingP
     dev = x_XV.device
     seeds = [_signed64(p.seed) for p in params]
     at_R, seed_R, index_R = host_to_device([list(at), seeds, list(indices)], torch.int64, dev).unbind(0)
-    temp_R = host_to_device([p.temperature for p in params], torch.float32, dev)
+    temp_R = host_to_device([min(p.temperature, _F32.max) for p in params], torch.float32, dev)
     thr_R = _thresholds(x_XV, params, at_R, temp_R, use_triton)
     if any(p.min_p > 0 for p in params):
         thr_R = torch.maximum(thr_R, _min_p_thresholds(x_XV, params, at_R, temp_R))
     race = race_triton if use_triton else _race_torch
     tokens_R, failed_R = race(x_XV, at_R, temp_R, thr_R, seed_R, index_R)
     return at_R, tokens_R, failed_R
+
+
+def _top_p(p: SamplingParams) -> float:
+    """``p.top_p`` as the device takes it: at least float32's smallest normal (module docstring)."""
+    return max(p.top_p, _F32.tiny)
 
 
 def _signed64(seed: int) -> int:
@@ -180,7 +190,7 @@ def _thresholds(logits_BV: torch.Tensor, params: Sequence[SamplingParams], rows_
         groups.append((sorted_p, SORT_CHUNK))
     elif sorted_p:
         at = host_to_device(sorted_p, torch.int64, dev)
-        top_p = host_to_device([params[r].top_p for r in sorted_p], torch.float32, dev)
+        top_p = host_to_device([_top_p(params[r]) for r in sorted_p], torch.float32, dev)
         found = top_p_thresholds(logits_BV, rows_R.index_select(0, at), temp_R.index_select(0, at), top_p)
         thr_R.index_copy_(0, at, found)
     for group, size in groups:
@@ -189,7 +199,8 @@ def _thresholds(logits_BV: torch.Tensor, params: Sequence[SamplingParams], rows_
             at = host_to_device(chunk, torch.int64, dev)
             x = logits_BV.index_select(0, rows_R.index_select(0, at)).float()
             k_c = [ks[r] for r in chunk]
-            k_C, top_p_C = host_to_device([k_c, [params[r].top_p for r in chunk]], torch.float32, dev).unbind(0)
+            k_C, top_p_C = host_to_device([k_c, [_top_p(params[r]) for r in chunk]], torch.float32,
+                                          dev).unbind(0)
             if group is ranked_k:
                 ranked = x.topk(max(k_c), dim=-1).values  # descending
                 k_C = k_C.long()
