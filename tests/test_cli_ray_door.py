@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,17 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
 ENV.pop("RAY_ADDRESS", None)
+
+
+def _post(url: str, body: dict):
+    """(status, headers (case-insensitive), body) of a JSON POST; an HTTP error status is
+    returned, not raised."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode()
 
 
 def _listening(procs) -> set[tuple[str, int, str]]:
@@ -89,7 +102,8 @@ def test_a_private_run_listens_on_loopback_only_store_included(tmp_path):
 @private_only
 def test_serve_on_a_private_cluster_listens_on_loopback_only_after_a_gang_restart(tmp_path):
     """`serve --dp 2`: the same before and after a killed rank restarts the gang (the new
-    gang's store is a new socket, on loopback too)."""
+    gang's store is a new socket, on loopback too); while it restarts, /health and new requests
+    answer 503 with their reason, then the new gang serves."""
     with ServeProcess(tmp_path, "--dp", "2", env={"OMP_NUM_THREADS": "1"}) as srv:
         root = psutil.Process(srv.proc.pid)
         first = _tree_sockets(root)
@@ -98,13 +112,27 @@ def test_serve_on_a_private_cluster_listens_on_loopback_only_after_a_gang_restar
         ranks = [p for p in root.children(recursive=True) if "RankActor" in p.name()]
         assert len(ranks) == 2, ranks
         ranks[1].kill()
+        during = []  # what a load balancer saw while the gang restarted (issue 45 item 4)
         for _ in range(1200):
-            if srv.metrics().get(("dp_runtime_restarts_total", ())) == 1.0 \
-                    and get(srv.url + "/health")[0] == 200:
+            health = get(srv.url + "/health")
+            if health[0] != 200:
+                during.append((health, _post(srv.url + "/v1/completions", {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})))
+            if srv.metrics().get(("dp_runtime_restarts_total", ())) == 1.0 and health[0] == 200:
                 break
             time.sleep(0.1)
         else:
             raise AssertionError(f"the gang did not restart:\n{srv.log()[-3000:]}")
+        # Between the kill and the new gang: /health 503 naming the state, new requests 503
+        # with Retry-After and OpenAI's error object (never a bare 500, never text/plain).
+        assert during, "the restart was never seen from /health"
+        for (code, body), (status, headers, answer) in during:
+            assert code == 503 and json.loads(body)["status"] in ("restarting", "failed"), body
+            assert status == 503 and headers.get("Retry-After"), (status, headers, answer)
+            assert headers.get("Content-Type", "").startswith("application/json")
+            assert json.loads(answer)["error"]["code"], answer
+        assert any(json.loads(body)["status"] == "restarting" for (_, body), _ in during), during
+        ok = _post(srv.url + "/v1/completions", {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
+        assert ok[0] == 200, ok
         again = _tree_sockets(root)
         new_ranks = {p.pid for p in root.children(recursive=True) if "RankActor" in p.name()}
         assert new_ranks and not new_ranks & {p.pid for p in ranks}, (new_ranks, ranks)
