@@ -16,6 +16,8 @@ on the draw itself).
 
 from __future__ import annotations
 
+from tests.support.serve_process import IDS
+
 __all__ = ["TestRangeEndsServed"]
 
 PROMPT = [7, 31, 2, 99, 14]
@@ -25,7 +27,7 @@ TOKENS = 6
 def _served(client, name, **kw) -> list[int]:
     """A completion of PROMPT (TOKENS tokens, no EOS stop) with ``kw``; its token ids, after
     checking that it was served to its length."""
-    extra = {"ignore_eos": True, **kw.pop("extra_body", {})}
+    extra = {"ignore_eos": True, **IDS, **kw.pop("extra_body", {})}
     r = client.completions.create(model=name, prompt=PROMPT, max_tokens=TOKENS, extra_body=extra, **kw)
     choice = r.choices[0]
     assert choice.finish_reason == "length", (kw, extra, choice)

@@ -111,7 +111,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
 def test_unknown_preset_is_neither_a_preset_nor_a_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelConfigError,
-                       match=r"model 'qwen3-7b' is neither a preset \(qwen3-30b-a3b, tiny\) nor a checkpoint directory"):
+                       match=r"model 'qwen3-7b' is neither a preset \(qwen3-235b-a22b, qwen3-30b-a3b, tiny\) nor a checkpoint directory"):
         RankSpec.create("qwen3-7b", dtype="float32", device="cpu")
     with pytest.raises(ModelConfigError, match=r"no config\.json in checkpoint directory"):
         ModelConfig.load(str(tmp_path))
