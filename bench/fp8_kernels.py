@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu_kernels import graph_us
 from dp_runtime.model.elementwise_ops import decode_linear
 from dp_runtime.model.fp8_blocks import Fp8BlockWeight
-from dp_runtime.model.fp8_gemm_triton import fp8_linear_tiles, w8a8_block_linear
+from dp_runtime.model.fp8_gemm_triton import fp8_block_linear, fp8_linear_tiles
 from dp_runtime.model.fused_moe_triton import fused_local_expert_sum
 from dp_runtime.model.stream_linear import StreamLinear
 
@@ -59,11 +59,11 @@ def main() -> None:
             xi = torch.randn(m, w.shape[1], device=dev, generator=g).to(torch.bfloat16)
             qw = Fp8BlockWeight.quantize(w)
             cases[f"{name} bf16"] = partial(decode_linear, xi, w, None, stream)
-            cases[f"{name} fp8 w8a16"] = partial(w8a8_block_linear, xi, qw, w8a8=False)
-            cases[f"{name} fp8 w8a8"] = partial(w8a8_block_linear, xi, qw, w8a8=True)
+            cases[f"{name} fp8 w8a16"] = partial(fp8_block_linear, xi, qw, w8a8=False)
+            cases[f"{name} fp8 w8a8"] = partial(fp8_block_linear, xi, qw, w8a8=True)
             if m <= 64:  # the tree before split-K: one program per output tile streams all of K
                 whole_k = dict(fp8_linear_tiles(m), SPLIT_K=1)
-                cases[f"{name} fp8 nosplit"] = partial(w8a8_block_linear, xi, qw, w8a8=False, tiles=whole_k)
+                cases[f"{name} fp8 nosplit"] = partial(fp8_block_linear, xi, qw, w8a8=False, tiles=whole_k)
             floors[name] = w.numel()
         times = {name: graph_us(fn, 1, repeats=5, inner=args.iters) for name, fn in cases.items()}
         for name, us in times.items():

@@ -32,12 +32,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("m", [1, 17, 65, 1024])
 @pytest.mark.parametrize(("n", "k"), [(5120, 2048), (2048, 4096), (192, 200), (256, 64)])
 def test_fp8_linear_matches_the_references(m, n, k, w8a8):
-    from dp_runtime.model.fp8_gemm_triton import w8a8_block_linear
+    from dp_runtime.model.fp8_gemm_triton import fp8_block_linear
 
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     w = Fp8BlockWeight.quantize(torch.randn(n, k, device="cuda", generator=g) * k ** -0.5)
-    y = w8a8_block_linear(x, w, w8a8=w8a8)
+    y = fp8_block_linear(x, w, w8a8=w8a8)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     deq = w.dequantize()
     exact = (fake_quant_activations(x) if w8a8 else x.float()) @ deq.T
@@ -46,14 +46,14 @@ def test_fp8_linear_matches_the_references(m, n, k, w8a8):
 
 
 def test_w8a8_linear_takes_no_rows_and_strided_rows():
-    from dp_runtime.model.fp8_gemm_triton import w8a8_block_linear
+    from dp_runtime.model.fp8_gemm_triton import fp8_block_linear
 
     w = Fp8BlockWeight.quantize(torch.randn(256, 384, device="cuda"))
-    assert w8a8_block_linear(torch.empty(0, 384, device="cuda", dtype=torch.bfloat16), w).shape == (0, 256)
+    assert fp8_block_linear(torch.empty(0, 384, device="cuda", dtype=torch.bfloat16), w).shape == (0, 256)
     x = torch.randn(8, 2 * 384, device="cuda").to(torch.bfloat16)[:, :384]  # row stride 768
-    torch.testing.assert_close(w8a8_block_linear(x, w), w8a8_block_linear(x.contiguous(), w))
+    torch.testing.assert_close(fp8_block_linear(x, w), fp8_block_linear(x.contiguous(), w))
     with pytest.raises(ValueError, match="K=100"):
-        w8a8_block_linear(torch.randn(2, 100, device="cuda", dtype=torch.bfloat16), w)
+        fp8_block_linear(torch.randn(2, 100, device="cuda", dtype=torch.bfloat16), w)
 
 
 def _experts(num_local, hidden, inter, seed):

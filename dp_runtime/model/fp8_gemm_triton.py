@@ -1,7 +1,7 @@
 """The dense linear on FP8 block weights: ``y = x @ W.T`` for bf16/fp16 ``x`` (M, K) and an
 Fp8BlockWeight ``W`` (N, K) with 128 x 128 block scales.
 
-Each program owns a BLOCK_M x BLOCK_N output tile and walks K with ``fp8_tile.w8a8_dot``
+Each program owns a BLOCK_M x BLOCK_N output tile and walks K with ``fp8_tile.fp8_weight_dot``
 (W8A16 by default; W8A8 computes the activation's per-token scales in the kernel from the tile it
 loads, no separate quantization launch). Tiles by rows: decode sizes stream the weight with
 narrow column tiles and split K (``split_k``: fp32 partial tiles summed in order by a second
@@ -16,13 +16,13 @@ import triton
 import triton.language as tl
 
 from dp_runtime.model.fp8_blocks import Fp8BlockWeight
-from dp_runtime.model.fp8_tile import use_w8a8, w8a8_dot
+from dp_runtime.model.fp8_tile import fp8_weight_dot, use_w8a8
 
-__all__ = ["fp8_linear_tiles", "split_k", "w8a8_block_linear"]
+__all__ = ["fp8_block_linear", "fp8_linear_tiles", "split_k"]
 
 
 @triton.jit(do_not_specialize=["m"])
-def _w8a8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_ym, m, n, k,
+def _fp8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_ym, m, n, k,
                         k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, QUANT_A: tl.constexpr,
                         SPLIT_K: tl.constexpr):
@@ -47,7 +47,7 @@ def _w8a8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, y_
     s_ptrs = s_ptr + (offs_wn // 128) * stride_sn + k0 // 128
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_len = tl.minimum(k - k0, k_split)
-    acc, _ = w8a8_dot(acc, acc, a_ptrs, m_ok, w_ptrs, 0, s_ptrs, s_ptrs, 1, k_len, BLOCK_K, EVEN_K, False,
+    acc, _ = fp8_weight_dot(acc, acc, a_ptrs, m_ok, w_ptrs, 0, s_ptrs, s_ptrs, 1, k_len, BLOCK_K, EVEN_K, False,
                       QUANT_A)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K > 1:
@@ -93,7 +93,7 @@ def split_k(m: int, n: int, k: int, tiles: dict[str, int]) -> int:
     return max(1, min(-(-SPLIT_K_PROGRAMS // programs), steps // _MIN_STEPS_PER_SPLIT))
 
 
-def w8a8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tensor | None = None,
+def fp8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tensor | None = None,
                       w8a8: bool | None = None, tiles: dict[str, int] | None = None) -> torch.Tensor:
     """``x @ W.T`` in x's dtype (module docstring); ``w8a8`` picks the form (None:
     ``fp8_tile.use_w8a8`` by rows). ``x`` unit-stride along K; ValueError naming the shapes for
@@ -102,9 +102,9 @@ def w8a8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tenso
     m, k = x_MK.shape
     n = w.values.shape[0]
     if w.values.dim() != 2 or w.values.shape[1] != k:
-        raise ValueError(f"w8a8_block_linear: x has K={k} columns but the weight is {tuple(w.values.shape)}")
+        raise ValueError(f"fp8_block_linear: x has K={k} columns but the weight is {tuple(w.values.shape)}")
     if w.values.stride(1) != 1 or w.block != (128, 128):
-        raise ValueError(f"w8a8_block_linear: the weight must be K-contiguous in 128x128 blocks, got strides "
+        raise ValueError(f"fp8_block_linear: the weight must be K-contiguous in 128x128 blocks, got strides "
                          f"{w.values.stride()} blocks {w.block}")
     if x_MK.stride(1) != 1:
         x_MK = x_MK.contiguous()
@@ -117,9 +117,9 @@ def w8a8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tenso
     splits = -(-k // k_split)
     out = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=y.device)
     if splits > 1 and y.stride(0) != n:
-        raise ValueError(f"w8a8_block_linear: out_MN must be contiguous, got strides {y.stride()}")
+        raise ValueError(f"fp8_block_linear: out_MN must be contiguous, got strides {y.stride()}")
     grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), splits)
-    _w8a8_linear_kernel[grid](x_MK, x_MK.stride(0), w.values, w.values.stride(0), w.scales, w.scales.stride(0),
+    _fp8_linear_kernel[grid](x_MK, x_MK.stride(0), w.values, w.values.stride(0), w.scales, w.scales.stride(0),
                               out, n if splits > 1 else y.stride(0), m, n, k, k_split,
                               EVEN_K=k % meta["BLOCK_K"] == 0, QUANT_A=use_w8a8(m, w8a8), SPLIT_K=splits,
                               **meta)

@@ -24,8 +24,8 @@ def fp8_kernel_runs(x: torch.Tensor) -> bool:
 def fp8_linear(x: torch.Tensor, w: Fp8BlockWeight, b: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ b)`` for ``x`` (M, K) and the quantized ``W`` (N, K), in x's dtype."""
     if fp8_kernel_runs(x):
-        from dp_runtime.model.fp8_gemm_triton import w8a8_block_linear
+        from dp_runtime.model.fp8_gemm_triton import fp8_block_linear
 
-        y = w8a8_block_linear(x, w)
+        y = fp8_block_linear(x, w)
         return y if b is None else y + b
     return F.linear(x, w.dequantize(x.dtype), b)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["W8A8_MIN_ROWS", "use_w8a8", "w8a8_dot"]
+__all__ = ["W8A8_MIN_ROWS", "fp8_weight_dot", "use_w8a8"]
 
 # Rows of a GEMM call from which the W8A8 form runs by default (``use_w8a8``); fewer take
 # W8A16. None: never. On an H200 (bench/fp8_kernels.py, docs/BENCHMARKS.md session 24) W8A16
@@ -41,7 +41,7 @@ def use_w8a8(rows: int, w8a8: bool | None = None) -> bool:
 
 
 @triton.jit
-def w8a8_dot(acc, acc_up, a_ptrs, a_mask_m, w_ptrs, up_offset, s_ptrs, s_up_ptrs, stride_sk, k_in,
+def fp8_weight_dot(acc, acc_up, a_ptrs, a_mask_m, w_ptrs, up_offset, s_ptrs, s_up_ptrs, stride_sk, k_in,
              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, QUANT_A: tl.constexpr):
     """``acc += A @ dequant(W)`` over the whole contraction (and with GATED ``acc_up`` from the
     weight rows ``up_offset`` elements on). QUANT_A: W8A8, A rounded to e4m3 per row and step

@@ -31,7 +31,7 @@ GEMM outputs are indexed by pick, not by slot: act and y have exactly P rows and
 a token's K terms as one contiguous (K, H) slab.
 
 FP8 experts (``fp8_blocks.Fp8BlockWeight`` stacks for both GEMMs) run the same tiles with
-``fp8_tile.w8a8_dot`` as the contraction: the FP8 weight tiles are scaled in registers (W8A16,
+``fp8_tile.fp8_weight_dot`` as the contraction: the FP8 weight tiles are scaled in registers (W8A16,
 the default) or multiplied with activations rounded per row and step (W8A8).
 
 The tile configs (``MoeTileConfig`` and the rule by token count) live in ``moe_tiles`` and are
@@ -48,7 +48,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from dp_runtime.model.fp8_blocks import Fp8BlockWeight
-from dp_runtime.model.fp8_tile import use_w8a8, w8a8_dot
+from dp_runtime.model.fp8_tile import fp8_weight_dot, use_w8a8
 from dp_runtime.model.fused_moe_checks import check_expert_args
 from dp_runtime.model.moe_align import UNALIGNED_PICKS, align_picks, max_blocks, unaligned_blocks
 from dp_runtime.model.moe_tiles import MoeTileConfig, gemm2_tile_config, tile_config
@@ -85,7 +85,7 @@ def _expert_gemm_kernel(
     GATED: tl.constexpr,  # GEMM1: gate and up tiles, SwiGLU epilogue; else weighted epilogue
     EVEN_K: tl.constexpr,  # k_in % BLOCK_K == 0: no contraction mask
     UPCAST_DOT: tl.constexpr,  # Triton's CPU interpreter only: it has no bf16 matmul
-    FP8: tl.constexpr,  # FP8 block-quantized weights (``fp8_tile.w8a8_dot``)
+    FP8: tl.constexpr,  # FP8 block-quantized weights (``fp8_tile.fp8_weight_dot``)
     QUANT_A: tl.constexpr,  # FP8: W8A8 (else W8A16)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -172,7 +172,7 @@ def _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr
         # Each column's scale row; the up rows' blocks follow the gate rows' (n_out % 128 == 0).
         s_ptrs = s_ptr + expert * stride_se + (offs_wn // 128) * stride_sn
         s_up_ptrs = s_ptr + expert * stride_se + ((offs_wn + n_out) // 128) * stride_sn
-        acc, acc_up = w8a8_dot(acc, acc_up, a_ptrs, row_ok, w_ptrs, up_offset, s_ptrs, s_up_ptrs, stride_sk,
+        acc, acc_up = fp8_weight_dot(acc, acc_up, a_ptrs, row_ok, w_ptrs, up_offset, s_ptrs, s_up_ptrs, stride_sk,
                                k_in, BLOCK_K, EVEN_K, GATED, QUANT_A)
     else:
         for kk in range(0, tl.cdiv(k_in, BLOCK_K)):
