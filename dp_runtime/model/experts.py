@@ -5,9 +5,9 @@ this rank), H hidden, I expert intermediate size. Weights: ``w13_E2IH`` (gate an
 nn.Linear layout) and ``w2_EHI``.
 
 Either may be Fp8BlockWeight stacks (``fp8_blocks``): they are dequantized here, the float
-reference of the FP8 expert kernels. Both paths are capturable (no host sync, static shapes) and deterministic: each token's K
-expert outputs are put back in (token, k) order and summed in float32, never scattered with
-atomics, so replay and eager reduce in the same order.
+reference of the FP8 expert kernels. Both paths are capturable (no host sync, static shapes)
+and deterministic: each token's K expert outputs are put back in (token, k) order and summed in
+float32, never scattered with atomics, so replay and eager reduce in the same order.
 """
 
 from __future__ import annotations
