@@ -90,10 +90,20 @@ def two_nodes(tmp_path_factory):
                                          timeout=60).returncode == 0, head, timeout_s=90)
         # The README's join line, as written, with this node's own ports (two raylets, one machine).
         argv = join[0].replace("HEAD_IP", "127.0.0.1").replace(":6379", f":{gcs}").split()[1:]
-        nodes.append(_start([*argv, *common, *_node_ports(
-            "--node-manager-port", "--object-manager-port", "--metrics-export-port", "--runtime-env-agent-port",
-            "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port")], env, Path(temp) / "node.log"))
-        _wait_for(lambda: _alive_nodes(address, env) >= 2, nodes[1], timeout_s=90)
+        for attempt in (1, 2):
+            # Ports picked free can be taken before the raylet binds them (Ray's own workers
+            # take ports too): a node that exits at start is started once more on fresh ones.
+            log = Path(temp) / f"node{attempt}.log"
+            nodes.append(_start([*argv, *common, *_node_ports(
+                "--node-manager-port", "--object-manager-port", "--metrics-export-port",
+                "--runtime-env-agent-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port")],
+                env, log))
+            try:
+                _wait_for(lambda: _alive_nodes(address, env) >= 2, nodes[-1], timeout_s=90)
+                break
+            except AssertionError as e:
+                if attempt == 2 or nodes[-1].poll() is None:
+                    raise AssertionError(f"{e}; its log ends:\n{log.read_text()[-2000:]}") from None
         yield address, env, run[0]
     finally:
         for proc in reversed(nodes):
