@@ -304,14 +304,17 @@ class Engine:
         """A rank of the live gang failed: refuse new requests, end those in flight (retryable),
         name every failed rank (a probe finds the dead ones), kill the gang, and restart it
         while ``max_restarts`` allows."""
+        failure = RankFailure(self._restarts, rank, kind, reason, detail=detail)
         with self._lock:
             if self._ranks is not ranks:  # another poller of this gang got here first
                 return
             self._ranks, can_restart = None, self._may_restart()
-            self._state, self._detail = "restarting" if can_restart else "failed", f"rank {rank} failed: {reason}"
+            # The failure is named at once (a reader of health and stats sees it before the
+            # probe below names the others and, with no restart left, the whole verdict).
+            self._state, self._detail = "restarting" if can_restart else "failed", f"rank {rank} {kind}: {reason}"
+            self._failures.append(failure)
         logger.error("engine: rank %d %s: %s", rank, kind, reason)
         self._fail_in_flight(f"rank {rank} failed: {reason}")
-        failure = RankFailure(self._restarts, rank, kind, reason, detail=detail)
         failures = name_failures(ranks, failure, self.options.probe_timeout_s, also_hung)
         for f in failures:
             logger.warning("engine: rank failure: %s", f.describe())
@@ -321,6 +324,8 @@ class Engine:
             with contextlib.suppress(Exception):  # an in-process rank whose loop raised
                 ranks.close(timeout_s=5.0)
         with self._lock:
+            # named again, with the others, in ``failures``
+            self._failures = [f for f in self._failures if f is not failure]
             self._failures.extend(failures)
             if not can_restart:
                 self._detail = str(gang_failed(self._failures, self._restarts, self.options.max_restarts))
