@@ -1,5 +1,6 @@
 """Test tiers (see README.md, "Test tiers"): unit (plain pytest), `dist` (under torchrun, gloo), `gpu`
-(one CUDA GPU) and `gpu2` (two CUDA GPUs with NCCL, under torchrun).
+(one CUDA GPU), `gpu2` (two CUDA GPUs with NCCL, under torchrun) and `gpu4` (four CUDA GPUs with
+NCCL, under torchrun with four ranks or more).
 
 Under torchrun every rank collects the same tests and takes the same skip decisions, because
 they depend only on the environment torchrun gives every rank alike and on the GPU count.
@@ -24,12 +25,13 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-# Under torchrun only dist/gpu2 tests run, and every rank imports every module it collects (all
-# of tests/: transformers, fastapi, ray, ...), N ranks at once, in each of the three dist tiers.
-# So under torchrun a test module is collected only if its text marks tests dist or gpu2; the
-# unit run checks that every dist/gpu2 test is in such a module (a marker applied some other way
-# would be skipped silently by the dist tiers).
-_MULTI_RANK_MARKS = ("mark.dist", "mark.gpu2")
+# Under torchrun only dist/gpu2/gpu4 tests run, and every rank imports every module it collects
+# (all of tests/: transformers, fastapi, ray, ...), N ranks at once, in each of the three dist
+# tiers. So under torchrun a test module is collected only if its text marks tests dist, gpu2 or
+# gpu4; the unit run checks that every such test is in such a module (a marker applied some other
+# way would be skipped silently by the dist tiers).
+_MULTI_RANK_MARKS = ("mark.dist", "mark.gpu2", "mark.gpu4")
+_MULTI_RANK_KEYWORDS = ("dist", "gpu2", "gpu4")
 
 
 def _marks_multi_rank_tests(path: Path) -> bool:
@@ -46,11 +48,12 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
 
 def _check_multi_rank_marks_are_visible(items) -> None:
     unseen = sorted({str(item.path) for item in items
-                     if (item.get_closest_marker("dist") or item.get_closest_marker("gpu2"))
+                     if any(item.get_closest_marker(k) for k in _MULTI_RANK_KEYWORDS)
                      and not _marks_multi_rank_tests(item.path)})
     if unseen:
-        raise pytest.UsageError(f"dist/gpu2 tests in modules without a literal {' or '.join(_MULTI_RANK_MARKS)}, "
-                                f"which torchrun would not collect (tests/conftest.py): {unseen}")
+        raise pytest.UsageError(f"dist/gpu2/gpu4 tests in modules without a literal "
+                                f"{' or '.join(_MULTI_RANK_MARKS)}, which torchrun would not collect "
+                                f"(tests/conftest.py): {unseen}")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -62,15 +65,20 @@ def pytest_collection_modifyitems(config, items):
     skip_dist = pytest.mark.skip(reason="dist test: run under torchrun (see README)")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_gpu2 = pytest.mark.skip(reason="needs 2 CUDA GPUs and torchrun with >= 2 ranks")
+    skip_gpu4 = pytest.mark.skip(reason="needs 4 CUDA GPUs and torchrun with >= 4 ranks")
     for item in items:
-        if "gpu2" in item.keywords:
+        if "gpu4" in item.keywords:
+            if ngpu < 4 or not launched or world < 4:
+                item.add_marker(skip_gpu4)
+        elif "gpu2" in item.keywords:
             if ngpu < 2 or not launched or world < 2:
                 item.add_marker(skip_gpu2)
         elif "dist" in item.keywords:
             if not launched:
                 item.add_marker(skip_dist)
         elif launched:
-            # Under torchrun only dist/gpu2 tests run: unit tests would run N times for nothing.
+            # Under torchrun only dist/gpu2/gpu4 tests run: unit tests would run N times for
+            # nothing.
             item.add_marker(pytest.mark.skip(reason="unit test: runs without torchrun"))
         if "gpu" in item.keywords and ngpu < 1:
             item.add_marker(skip_gpu)
