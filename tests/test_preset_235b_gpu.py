@@ -66,7 +66,8 @@ def _run(spec: RankSpec, rank: int, world: int, prompts):
     with RankWorker(spec, rank=rank, world_size=world, keep_logits=True) as w:
         layer, mc = w.model.layers[0], w.model_config
         fp8 = isinstance(layer.w13, Fp8BlockWeight) and isinstance(layer.w_qkv, Fp8BlockWeight)
-        facts = dict(fp8=fp8, local_experts=layer.w13.shape[0], experts=mc.num_experts, top_k=mc.top_k)
+        facts = dict(fp8=fp8, local_experts=layer.w13.shape[0], experts=mc.num_experts,
+                     top_k=mc.top_k)
         reqs = [Request(f"p{i}", p, SamplingParams(max_new_tokens=NEW)) for i, p in prompts]
         results = w.generate(reqs)
         metrics = w.metrics()
