@@ -18,9 +18,10 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"date {h['date']}  {h['device']} x{h['world_size']} ({h['launcher']})  commit {h['commit']}\n"
           f"command: {h['command']}\nmodel {h['model']}{layers} {dtype}, "
           f"dispatcher {h['dispatcher']}, attention {h['attention']}, graphs {h['graphs']}; lengths {h['lengths']}; "
-          f"{h['arrival']} arrivals, {h['num_requests']} requests per rate; max running {h['max_running_requests']}, "
+          f"{_batches(h)}; max running {h['max_running_requests']}, "
           f"prefill chunk {h['chunked_prefill_size']}; build {h['build_s']:.0f} s")
-    print(f"{'mixed':>5} {'policy':>6} {'cache':>5} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} "
+    print(f"{'mixed':>5} {'policy':>6} {'cache':>5} {'rate':>6} {'done':>5} {'req/s':>7} {'out tok/s':>10} "
+          f"{'/GPU':>8} {'TTFT p50':>9} "
           f"{'p99':>7} {'ITL p50':>8} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'E2E p50':>8} {'p99':>7} "
           f"{'max run':>8} {'steps d/e/m':>16} {'bound':>8} {'eff':>5} {'occ':>5} {'ideal':>5} {'cached':>6} "
           f"{'DP bal':>6}")
@@ -38,12 +39,14 @@ def print_table(report: dict[str, Any]) -> None:
         cache = "on" if r.get("prefix_caching") else "off"
         cached = r.get("cached_tokens", 0) / r["prompt_tokens"] if r.get("prompt_tokens") else 0
         print(f"{'on' if r['mixed'] else 'off':>5} {r['policy']:>6} {cache:>5} {rate:>6} {r['completed']:>5} "
-              f"{r['request_throughput'] or 0:>7.2f} {r['output_tok_s'] or 0:>10.1f}  {p('ttft_s', 'p50')} "
+              f"{r['request_throughput'] or 0:>7.2f} {r['output_tok_s'] or 0:>10.1f} "
+              f"{(r['output_tok_s'] or 0) / h['world_size']:>8.1f}  {p('ttft_s', 'p50')} "
               f"{p('ttft_s', 'p99')}  {p('itl_s', 'p50')} {p('itl_s', 'p99')}  {p('tpot_s', 'p50')} "
               f"{p('tpot_s', 'p99')}  {p('e2e_s', 'p50')} {p('e2e_s', 'p99')} {max(r['max_running']):>8} "
               f"{steps:>16} {bound} {pct(r['efficiency'])} {pct(r['occupancy'])} {pct(r['ideal_occupancy'])} {pct(cached):>6} "
               f"{pct(r.get('dp_balance')):>6}")
-    print("times in ms; max run: the most requests running at once on one rank; steps: decode/extend/mixed "
+    print("times in ms; rate cN: --concurrency N (N requests a rank at once); /GPU: out tok/s per GPU; "
+          "max run: the most requests running at once on one rank; steps: decode/extend/mixed "
           "(all ranks); bound: decode-only out tok/s at max run (decode probe); eff: out tok/s / bound; "
           "occ: output tokens / (steps x max run); ideal: the occupancy of an ideal rank (load_summary); "
           "cache: prefix caching; cached: prompt tokens served from the prefix cache; DP bal: mean over max "
@@ -61,4 +64,12 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def _rate(row: dict[str, Any]) -> str:
+    if row.get("concurrency"):
+        return f"c{row['concurrency']}"
     return "inf" if row["rate"] is None else f"{row['rate']:g}"
+
+
+def _batches(h: dict[str, Any]) -> str:
+    if h.get("concurrency"):
+        return f"concurrency {h['concurrency']} a rank, each one wave all at once"
+    return f"{h['arrival']} arrivals, {h['num_requests']} requests per rate"

@@ -11,8 +11,8 @@ import random
 from dp_runtime.serving.request import Request, SamplingParams
 from launch.cli_errors import UsageError
 
-__all__ = ["SHAREGPT_LIKE", "WARM_PAST_CHUNK", "Lengths", "arrival_times", "decode_probe_requests", "make_requests",
-           "warmup_requests"]
+__all__ = ["SHAREGPT_LIKE", "WARM_PAST_CHUNK", "Lengths", "arrival_times", "decode_probe_requests", "make_batches",
+           "make_requests", "parse_concurrency", "warmup_requests"]
 
 # (lo, hi, weight): lengths uniform in [lo, hi) within a bin. Totals stay under 2048 tokens, the
 # tiny preset's context, so the default runs on every preset.
@@ -110,11 +110,47 @@ def shared_prefix(n: int, vocab: int, seed: int, group: int = 0) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
+def parse_concurrency(text: str | None, rates: str | None, max_running: int) -> list[int]:
+    """``--concurrency`` (running requests a rank, comma-separated) as ints; [] without it.
+    UsageError naming the option for a value that is not an int >= 1, one above
+    ``max_running`` (``--max-running-requests``: a rank runs no more at once), or beside
+    ``--rates`` (each concurrency is its own batch at rate inf)."""
+    if text is None:
+        return []
+    if rates is not None:
+        raise UsageError("--concurrency and --rates are exclusive: each concurrency runs all its requests at once")
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--concurrency must be ints, comma-separated; got {text!r}") from None
+    if min(values) < 1:
+        raise UsageError(f"--concurrency must be >= 1, got {text!r}")
+    if max(values) > max_running:
+        raise UsageError(f"--concurrency {max(values)} exceeds --max-running-requests {max_running} "
+                         "(a rank runs at most that many at once)")
+    return values
+
+
+def make_batches(args, vocab: int, world: int) -> list[tuple[float, list[Request], int | None]]:
+    """``(rate, requests, concurrency)`` of each batch serve_load runs (its ``args``): one per
+    ``--rates`` entry (``--num-requests`` each, concurrency None), or with ``--concurrency`` one
+    per value C: C x ``world`` requests at rate inf (rids ``c{C}-...``), C a rank."""
+    extra = (args.arrival, vocab, args.seed)
+    if args.concurrency:
+        return [(math.inf, make_requests(c * world, math.inf, args.lengths, *extra, f"c{c}", args.sampling,
+                                         args.shared_prefix_len, args.prefix_groups), c) for c in args.concurrency]
+    return [(rate, make_requests(args.num_requests, rate, args.lengths, *extra, f"q{i}", args.sampling,
+                                 args.shared_prefix_len, args.prefix_groups), None)
+            for i, rate in enumerate(args.rates)]
+
+
 def warmup_requests(n: int, lengths: Lengths, process: str, vocab: int, seed: int, *, chunk: int,
-                    max_prompt: int, world: int, sampling: SamplingParams | None = None) -> list[Request]:
-    """What runs, unreported, before the first rate: ``n`` requests all at once, then (if
-    ``n``) one prompt per rank (round-robin gives each rank one) of a whole prefill chunk plus
-    WARM_PAST_CHUNK tokens, ``max_prompt`` at most, generating one token.
+                    max_prompt: int, world: int, sampling: SamplingParams | None = None,
+                    max_new: int | None = None) -> list[Request]:
+    """What runs, unreported, before the first rate: ``n`` requests all at once (their output
+    lengths capped at ``max_new`` when given), then (if ``n``) one prompt per rank
+    (round-robin gives each rank one) of a whole prefill chunk plus WARM_PAST_CHUNK tokens,
+    ``max_prompt`` at most, generating one token.
 
     Why: a kernel's first step compiles or JIT-builds it, seconds that would otherwise land in
     the TTFT of the first timed rate. Such a prompt is prefilled in two extend steps on its
@@ -122,6 +158,9 @@ def warmup_requests(n: int, lengths: Lengths, process: str, vocab: int, seed: in
     has a cached prefix (FlashInfer's ``cascade`` module: the merge of the prefix and ragged
     passes). A model whose context is not longer than the chunk never splits a lone prompt."""
     warm = make_requests(n, math.inf, lengths, process, vocab, seed, "warm", sampling)
+    if max_new is not None:
+        warm = [dataclasses.replace(r, sampling=dataclasses.replace(
+            r.sampling, max_new_tokens=min(r.sampling.max_new_tokens, max_new))) for r in warm]
     if not warm:
         return warm
     size = min(chunk + WARM_PAST_CHUNK, max_prompt)

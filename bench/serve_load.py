@@ -23,7 +23,12 @@ prompt; the drawn prompt length follows them), the workload prefix caching serve
 prompts or conversations: at DP > 1 the engine's cache-aware routing keeps a group on a rank).
 Arrivals:
 a Poisson process at each of ``--rates`` requests/s (``--arrival fixed``: evenly spaced;
-``inf``: all at once), the first at 0.
+``inf``: all at once), the first at 0. ``--concurrency C1,C2,...`` instead: for each C, C
+requests a rank all at once (C x ranks in all, rate inf), one wave of C running on every rank,
+all on one set of ranks started with ``--max-running-requests`` (at least the largest C): a
+sweep of running counts for one model load (vLLM's ``--max-concurrency`` sweep with as many
+prompts as places). ``--warmup-max-new N`` caps the warm-up requests' output at N tokens (the
+warm-up builds kernels; a 1000-token output only adds decode steps).
 
 How arrivals reach the ranks: requests go to ranks round-robin in arrival order, each carrying
 its ``arrival_s``, all submitted at once; a rank's scheduler admits a request no earlier than its
@@ -81,7 +86,13 @@ from bench.load_summary import (
     summarize_rate,
 )
 from bench.load_table import print_table
-from bench.load_workload import Lengths, decode_probe_requests, make_requests, warmup_requests
+from bench.load_workload import (
+    Lengths,
+    decode_probe_requests,
+    make_batches,
+    parse_concurrency,
+    warmup_requests,
+)
 from dp_runtime.config import RuntimeConfig
 from dp_runtime.model.model_config import PRESETS, ModelConfig
 from dp_runtime.model.quant_config import QUANTIZATION_CHOICES
@@ -111,11 +122,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="local: ranks in this process (one, or one per torchrun process); ray: rank actors")
     p.add_argument("--dp", type=int, default=1, help="DP ranks with --launcher ray (torchrun: --nproc-per-node)")
     p.add_argument("--ray-address", default=None, help="default: a private local cluster; 'auto'; or host:port")
-    p.add_argument("--rates", default="1,4,16,inf", help="requests/s, comma-separated; inf: all at once")
+    p.add_argument("--rates", default=None,
+                   help="requests/s, comma-separated; inf: all at once (default 1,4,16,inf)")
+    p.add_argument("--concurrency", default=None,
+                   help="running requests a rank, comma-separated: each C runs C x ranks requests at "
+                        "once, one wave (instead of --rates and --num-requests)")
     p.add_argument("--arrival", default="poisson", choices=("poisson", "fixed"))
     p.add_argument("--num-requests", type=int, default=100, help="requests per rate")
     p.add_argument("--lengths", default="sharegpt", help="sharegpt | random:IN:OUT[:RATIO]")
     p.add_argument("--warmup", type=int, default=4, help="requests run (all at once) before the first rate")
+    p.add_argument("--warmup-max-new", type=int, default=None,
+                   help="cap the warm-up requests' output tokens (default: as --lengths draws them)")
     p.add_argument("--max-running-requests", type=int, default=128)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--dispatcher", default="auto")
@@ -152,12 +169,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.lengths = Lengths.parse(args.lengths)
     args.mixed_step_tokens = parse_mixed_step_tokens(args.mixed_step_tokens, args.chunked_prefill_size)
+    args.concurrency = parse_concurrency(args.concurrency, args.rates, args.max_running_requests)
     try:
-        args.rates = [float(x) for x in args.rates.split(",")]
+        args.rates = ([math.inf] * len(args.concurrency) if args.concurrency
+                      else [float(x) for x in (args.rates or "1,4,16,inf").split(",")])
     except ValueError:
         raise UsageError(f"--rates must be numbers or inf, comma-separated; got {args.rates!r}") from None
     if not args.rates or any(not r > 0 for r in args.rates):
         raise UsageError(f"--rates must be > 0 (inf: all at once), got {args.rates}")
+    if args.warmup_max_new is not None and args.warmup_max_new < 1:
+        raise UsageError(f"--warmup-max-new must be >= 1, got {args.warmup_max_new}")
     for name in ("num_requests", "dp", "max_running_requests", "chunked_prefill_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -198,13 +219,13 @@ def build_spec(args: argparse.Namespace, world: int, device: str, requests: list
     )
 
 
-def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, list[Request]]], world: int,
+def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, list[Request], int | None]], world: int,
               vocab: int, rt: RuntimeConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every rate through ``ranks``, then the decode probes (module docstring); the rows and
     the per-request entries on rank 0 (empty elsewhere). Collective under torchrun."""
     rows, per_request = [], []
     mixed, policy, kv, caching = rt.mixed_steps, rt.schedule_policy, _kv_name(rt), rt.prefix_caching
-    for rate, reqs in batches:
+    for rate, reqs, concurrency in batches:
         before, before_metrics = step_kinds(ranks.all_metrics), list(ranks.all_metrics)
         results = ranks.run(reqs)
         if results is None:
@@ -213,12 +234,12 @@ def run_rates(args: argparse.Namespace, ranks: Any, batches: list[tuple[float, l
         row = summarize_rate(rate, reqs, results, world)
         steps = {k: after[k] - before[k] for k in STEP_KINDS}
         # The ideal rank ignores arrival times: a ceiling only where every request waits from the start.
-        ideal = ideal_occupancy(reqs, args.max_running_requests, rt.chunked_prefill_size, rt.mixed_step_tokens,
-                                policy, mixed) if math.isinf(rate) else None
+        ideal = ideal_occupancy(reqs, concurrency or args.max_running_requests, rt.chunked_prefill_size,
+                                rt.mixed_step_tokens, policy, mixed) if math.isinf(rate) else None
         n_steps, most = sum(steps.values()), max(row["max_running"])
         occ = row["output_tokens"] / (n_steps * most) if n_steps and most else None
         prompt_tokens = sum(r.prompt_len for r in results)
-        rows.append(dict(row, mixed=mixed, policy=policy, kv_cache_dtype=kv, steps=steps, occupancy=occ,
+        rows.append(dict(row, concurrency=concurrency, mixed=mixed, policy=policy, kv_cache_dtype=kv, steps=steps, occupancy=occ,
                          ideal_occupancy=ideal, prefix_caching=caching, prompt_tokens=prompt_tokens,
                          cached_tokens=sum(r.cached_tokens for r in results))
                     | dp_balance_between(before_metrics, ranks.all_metrics)
@@ -260,9 +281,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         raise UsageError("--launcher ray starts its own ranks; do not run it under torchrun")
     mc = _model_config(args.model)
     vocab = mc.vocab_size
-    batches = [(rate, make_requests(args.num_requests, rate, args.lengths, args.arrival, vocab, args.seed, f"q{i}",
-                                    args.sampling, args.shared_prefix_len, args.prefix_groups))
-               for i, rate in enumerate(args.rates)]
     ray_started = own_group = False
     if args.launcher == "ray":
         import ray
@@ -282,6 +300,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         elif device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         rank = dist.get_rank() if world > 1 else 0
+    batches = make_batches(args, vocab, world)
     failed = True
     flags = {"on": (True,), "off": (False,), "both": (False, True)}
     modes = [(m, p, c) for m in flags[args.mixed]
@@ -293,10 +312,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         # their kernels here, not in the first rate's TTFT (warmup_requests).
         warm = warmup_requests(args.warmup, args.lengths, args.arrival, vocab, args.seed,
                                chunk=args.chunked_prefill_size, max_prompt=mc.max_positions - 1, world=world,
-                               sampling=args.sampling)
+                               sampling=args.sampling, max_new=args.warmup_max_new)
         probe = decode_probe_requests(1, 1, vocab, args.seed, prompt_len=args.probe_prompt_len,
                                       new_tokens=max(args.probe_tokens, 1), tag="size")
-        everything = [r for _, b in batches for r in b] + warm + (probe if args.probe_tokens else [])
+        everything = [r for _, b, _ in batches for r in b] + warm + (probe if args.probe_tokens else [])
         for mixed, policy, caching in modes:
             spec = build_spec(args, world, device, everything, mixed, policy, caching)
             t0 = time.perf_counter()
@@ -334,7 +353,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                       frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                       repetition_penalty=args.repetition_penalty),
-        num_requests=args.num_requests, max_running_requests=args.max_running_requests,
+        num_requests=args.num_requests, concurrency=args.concurrency or None, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, dispatcher=m.get("dispatcher"), attention=m.get("attention"),
         graphs=m.get("graphs"), build_s=build_s, mixed_steps=[m for m, _, _ in modes],
         policies=[p for _, p, _ in modes], kv_slots=m.get("kv_slots"),
