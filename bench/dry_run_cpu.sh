@@ -7,11 +7,12 @@
 #   DP2_ONLY=dp_sync bash bench/dry_run_cpu.sh dp2b
 #
 # The mode runs in a copy of this working tree (no .git, no bundles) with a stand-in
-# .gpubundle/setup.sh, and shims first on PATH: `nvidia-smi` names two GPUs; every `python` and
-# `torchrun` the mode starts gets --device cuda -> cpu, the qwen3-30b-a3b preset -> tiny,
-# --dispatcher flashinfer -> all_gather (FlashInfer needs CUDA), --num-requests N -> N / DRY_DIV
-# (8, at least 4); serve_step.py, which takes the GPU preset by default, gets --model tiny --device
-# cpu. The processes those start (torchrun's ranks, Ray's workers, serve_http's server) run the real
+# .gpubundle/setup.sh, and shims first on PATH: `nvidia-smi` names DRY_GPUS (2) GPUs; every
+# `python` and `torchrun` the mode starts gets --device cuda -> cpu, the qwen3-30b-a3b and
+# qwen3-235b-a22b presets -> tiny, --lengths random:IN:OUT[:R] -> random:32:8[:R] (the tiny model's
+# minutes, not hours), --dispatcher flashinfer -> all_gather (FlashInfer needs CUDA), --num-requests
+# N -> N / DRY_DIV (8, at least 4); serve_step.py, which takes the GPU preset by default, gets
+# --model tiny --device cpu; plan_running.py (--gpu auto reads the GPU) gets --gpu h200. The processes those start (torchrun's ranks, Ray's workers, serve_http's server) run the real
 # interpreter with the swapped arguments. gpu and gpu2 tests skip on CPU: their collection still runs.
 set -euo pipefail
 mode=${1:?usage: bash bench/dry_run_cpu.sh MODE}
@@ -30,12 +31,13 @@ args=(); prev=""
 for a in "\$@"; do
   case "\$prev:\$a" in
     --device:cuda) a=cpu;;
-    --model:qwen3-30b-a3b) a=tiny;;
+    --model:qwen3-30b-a3b|--model:qwen3-235b-a22b) a=tiny;;
+    --lengths:random:*) IFS=: read -r _ _ _ ratio <<< "\$a"; a=random:32:8\${ratio:+:\$ratio};;
     --dispatcher:flashinfer) a=all_gather;;
     --num-requests:*) a=\$(( a / ${DRY_DIV:-8} > 4 ? a / ${DRY_DIV:-8} : 4 ));;
   esac
   args+=("\$a"); prev=\$a
-  case "\$a" in */serve_step.py) args+=(--model tiny --device cpu);; esac
+  case "\$a" in */serve_step.py) args+=(--model tiny --device cpu);; */plan_running.py) args+=(--gpu h200);; esac
 done
 echo "dry run: \${args[*]}" >&2
 EOF
@@ -49,8 +51,9 @@ source "$dir/bin/swap.sh"; exec "$real_py" -m torch.distributed.run "\${args[@]}
 EOF
 cat > "$dir/bin/nvidia-smi" <<'EOF'
 #!/usr/bin/env bash
-case "$*" in *-L*) printf 'GPU 0: CPU stand-in (dry run)\nGPU 1: CPU stand-in (dry run)\n';;
-             *) printf 'CPU stand-in (dry run)\nCPU stand-in (dry run)\n';; esac
+for i in $(seq 0 $(( ${DRY_GPUS:-2} - 1 ))); do
+  case "$*" in *-L*) echo "GPU $i: CPU stand-in (dry run)";; *) echo "CPU stand-in (dry run)";; esac
+done
 EOF
 chmod +x "$dir/bin/python" "$dir/bin/torchrun" "$dir/bin/nvidia-smi"
 cd "$dir/tree"

@@ -13,8 +13,8 @@ missing or holds no document is named and left out. Rows are matched on ``--key`
 without the field stay). A metric is a row field, dotted for a nested one (``itl_s.p99``);
 ``/gpu`` divides it by the run's GPUs: the header's ``world_size`` or ``dp``, or ``xN`` in a text
 header (serve_step's). Fields in seconds (``*_s``) print in ms, fractions (``efficiency``,
-``occupancy``, ``ideal_occupancy``) in %. ``--tables``: serve_load's own table of each
-document too (``load_table.print_table``).
+``occupancy``, ``ideal_occupancy``, ``dp_balance``) in %. ``--tables``: serve_load's own table of
+each document too (``load_table.print_table``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FRACTIONS = ("efficiency", "occupancy", "ideal_occupancy")
+FRACTIONS = ("efficiency", "occupancy", "ideal_occupancy", "dp_balance")
 
 
 def load_doc(path: Path) -> dict[str, Any] | None:
