@@ -84,7 +84,8 @@ def dp_balance_between(before: list[dict[str, Any]], after: list[dict[str, Any]]
     if not before or not after:  # a torchrun rank but 0 holds no metrics
         return {}
     delta = {k: after[0].get(k, 0) - before[0].get(k, 0) for k in ("dp_tokens", "dp_max_tokens")}
-    waits = [(a.get("dp_sync_wait_us", 0) - b.get("dp_sync_wait_us", 0)) / 1e6 for a, b in zip(before, after, strict=True)]
+    waits = [(a.get("dp_sync_wait_us", 0) - b.get("dp_sync_wait_us", 0)) / 1e6
+             for b, a in zip(before, after, strict=True)]  # (b)efore, (a)fter
     return {"dp_balance": dp_balance(delta), "dp_sync_wait_s": max(waits, default=0.0)}
 
 

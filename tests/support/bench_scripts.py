@@ -42,6 +42,8 @@ def check_serve_load_report(report: dict[str, Any], *, rates: int, per_rate: int
         assert len(row["max_running"]) == world
         assert 1 <= max(row["max_running"]) <= max_running
         assert max(row["max_running"]) <= row["max_concurrency"] <= world * max_running
+        # waiting is counted up from the run's start: a rate's share can only be >= 0
+        assert row["dp_sync_wait_s"] >= 0 and 0 < row["dp_balance"] <= 1, row
     for r in reqs:
         assert r["error"] is None and r["output_len"] == out_len, r
         assert 0 <= r["queued_s"] <= r["ttft_s"] <= r["latency_s"], r
