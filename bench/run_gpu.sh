@@ -170,7 +170,7 @@ case "${1:-one}" in
         # hidden 4096, FlashInfer beside raw MoeAlltoAll; (c) qwen3-235b-a22b FP8 at DP N / EP N, random 1000/1000
         # (ratio 0, every output its full length: presets have no EOS), at each running count of WANT (64,128,256)
         # that the planner accepts at context 2048, else the most it accepts, one model load (--concurrency);
-        # (d) qwen3-30b-a3b bf16, sharegpt, 64 running a rank, REQ (128) requests a rank, DP N, DP 2 (N = 4), DP 1.
+        # (d) qwen3-30b-a3b bf16, sharegpt, 64 running a rank, REQ (64) requests a rank, DP N, DP 2 (N = 4), DP 1.
     [ "$ngpu" -ge 2 ] || { echo "dep needs 2 or 4 GPUs; this machine has $ngpu" >&2; exit 2; }
     n=$(( ngpu >= 4 ? 4 : 2 )); export DP2_BUDGET=${DP2_BUDGET:-535}
     # FlashInfer's MoeAlltoAll is in no carried cache (2-3 minutes of nvcc): built beside the tests' other cases;
@@ -180,7 +180,7 @@ case "${1:-one}" in
       > "$log/fi_a2a_jit.log" 2>&1 &
     fi_pid=$!  # its own process group (setsid): a build past FI_WAIT is ended with its nvcc children
     t235="torchrun --standalone --nproc-per-node $n -m pytest -m gpu$n -p no:cacheprovider -q -rs tests/test_preset_235b_gpu.py"
-    TAIL=8 dstep tests_gpu$n 200 60 $t235 -k "not flashinfer"
+    TAIL=8 dstep tests_gpu$n 240 60 $t235 -k "not flashinfer"
     while kill -0 $fi_pid 2>/dev/null && (( SECONDS - fi_t0 < ${FI_WAIT:-240} )); do sleep 2; done
     if kill -0 $fi_pid 2>/dev/null; then fi_rc=timeout; kill -- -$fi_pid; else wait $fi_pid; fi_rc=$?; fi
     echo "== FlashInfer MoeAlltoAll JIT: rc=$fi_rc after $(( SECONDS - fi_t0 )) s"; tail -n 3 "$log/fi_a2a_jit.log"
@@ -195,7 +195,7 @@ case "${1:-one}" in
       --max-running-requests "${counts##*,}" --warmup 1 --warmup-max-new 16 --dispatcher $disp --json
     [ "$fi_rc" = 0 ] && TAIL=8 dstep tests_gpu${n}_fi 100 50 $t235 -k flashinfer
     sl30="bench/serve_load.py --model qwen3-30b-a3b --device cuda --rates inf --max-running-requests 64 --warmup 2 --json"
-    req=${REQ:-128}
+    req=${REQ:-64}  # one wave a rank: three 30B runs fit after the 235B steps
     TAIL=0 dstep serve30_dp$n 150 70 torchrun --standalone --nproc-per-node $n $sl30 --num-requests $((n * req)) \
       --dispatcher $disp
     [ $n = 4 ] && TAIL=0 dstep serve30_dp2 130 70 torchrun --standalone --nproc-per-node 2 $sl30 \
@@ -203,13 +203,14 @@ case "${1:-one}" in
     TAIL=0 dstep serve30_dp1 120 60 python $sl30 --num-requests $req
     { echo "== summary (commit $commit, $n GPUs)"
       for t in tests_gpu$n tests_gpu${n}_fi; do
-        echo "   $t: $(grep -s -h -E '(passed|failed|skipped|error).* in [0-9.]+s' "$log/$t.log" | tail -n 1)"; done
+        [ -f "$log/$t.log" ] && echo "   $t: $(grep -h -E '(passed|failed|skipped|error).* in [0-9.]+s' "$log/$t.log" \
+          | tail -n 1)" || echo "   $t: not run"; done
       grep -s -A8 '^| hidden' "$log/dispatch_$n.log" | sed 's/^/   /'
       python bench/side_by_side.py --tables --key concurrency \
         --metric output_tok_s/gpu,dp_balance,dp_sync_wait_s,tpot_s.p50,ttft_s.p50,efficiency \
         --title "== qwen3-235b-a22b FP8, DP $n / EP $n, random 1000/1000: out tok/s per GPU and DP balance" \
         dep$n="$log/serve235_dep$n.log"
-      python bench/side_by_side.py --key rate --metric output_tok_s/gpu,dp_balance,itl_s.p50,ttft_s.p50 \
+      python bench/side_by_side.py --key rate --metric output_tok_s/gpu,dp_balance,itl_s.p50,ttft_s.p50,occupancy \
         --title "== qwen3-30b-a3b bf16, sharegpt, 64 running a rank: DP $n (and 2) against DP 1, per GPU" \
         dp1="$log/serve30_dp1.log" $([ $n = 4 ] && echo dp2="$log/serve30_dp2.log") dp$n="$log/serve30_dp$n.log"
     } 2>&1 | tee "$log/summary.txt"

@@ -40,7 +40,7 @@ from tests.model_gpu_checks import prompts_for
 # The preset's shapes but the layer count and the vocabulary (prompts_for draws ids below 256).
 SHAPES = dict(num_layers=2, vocab_size=512)
 NEW = 6
-TOL = 0.06  # of the logits' range
+TOL = 0.08  # of the logits' range, as tests/model_gpu_checks.py allows bf16 against float32
 
 # (dispatcher, CUDA graphs): all_to_all reads its split sizes on the host, so it runs eagerly.
 # FlashInfer's case comes last: bench/run_gpu.sh dep JIT-builds its MoeAlltoAll in the
