@@ -80,9 +80,11 @@ def step_kinds(all_metrics: list[dict[str, Any]]) -> dict[str, int]:
 def dp_balance_between(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, float]:
     """The DP balance of what ran between two readings of the ranks' metrics
     (``step_kinds.dp_balance`` on the counters' differences; every rank counts the same table,
-    so rank 0's are used) and the most seconds one rank waited in the exchange for its peers."""
-    if not before or not after:  # a torchrun rank but 0 holds no metrics
+    so rank 0's are used) and the most seconds one rank waited in the exchange for its peers.
+    No reading before (the first rate without a warm-up): counted from the ranks' start."""
+    if not after:  # a torchrun rank but 0 holds no metrics
         return {}
+    before = before or [{} for _ in after]
     delta = {k: after[0].get(k, 0) - before[0].get(k, 0) for k in ("dp_tokens", "dp_max_tokens")}
     waits = [(a.get("dp_sync_wait_us", 0) - b.get("dp_sync_wait_us", 0)) / 1e6
              for b, a in zip(before, after, strict=True)]  # (b)efore, (a)fter
