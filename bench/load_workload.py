@@ -11,8 +11,8 @@ import random
 from dp_runtime.serving.request import Request, SamplingParams
 from launch.cli_errors import UsageError
 
-__all__ = ["SHAREGPT_LIKE", "WARM_PAST_CHUNK", "Lengths", "arrival_times", "decode_probe_requests", "make_batches",
-           "make_requests", "parse_concurrency", "warmup_requests"]
+__all__ = ["SHAREGPT_LIKE", "WARM_PAST_CHUNK", "Lengths", "arrival_times", "decode_probe_requests",
+           "make_batches", "make_requests", "parse_concurrency", "warmup_requests"]
 
 # (lo, hi, weight): lengths uniform in [lo, hi) within a bin. Totals stay under 2048 tokens, the
 # tiny preset's context, so the default runs on every preset.
@@ -118,7 +118,8 @@ def parse_concurrency(text: str | None, rates: str | None, max_running: int) -> 
     if text is None:
         return []
     if rates is not None:
-        raise UsageError("--concurrency and --rates are exclusive: each concurrency runs all its requests at once")
+        raise UsageError("--concurrency and --rates are exclusive: each concurrency runs all its requests "
+                         "at once")
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
@@ -126,8 +127,8 @@ def parse_concurrency(text: str | None, rates: str | None, max_running: int) -> 
     if min(values) < 1:
         raise UsageError(f"--concurrency must be >= 1, got {text!r}")
     if max(values) > max_running:
-        raise UsageError(f"--concurrency {max(values)} exceeds --max-running-requests {max_running} "
-                         "(a rank runs at most that many at once)")
+        raise UsageError(f"--concurrency {max(values)} exceeds --max-running-requests "
+                         f"{max_running} (a rank runs at most that many at once)")
     return values
 
 
@@ -135,13 +136,13 @@ def make_batches(args, vocab: int, world: int) -> list[tuple[float, list[Request
     """``(rate, requests, concurrency)`` of each batch serve_load runs (its ``args``): one per
     ``--rates`` entry (``--num-requests`` each, concurrency None), or with ``--concurrency`` one
     per value C: C x ``world`` requests at rate inf (rids ``c{C}-...``), C a rank."""
-    extra = (args.arrival, vocab, args.seed)
+    def batch(n: int, rate: float, tag: str) -> list[Request]:
+        return make_requests(n, rate, args.lengths, args.arrival, vocab, args.seed, tag, args.sampling,
+                             args.shared_prefix_len, args.prefix_groups)
+
     if args.concurrency:
-        return [(math.inf, make_requests(c * world, math.inf, args.lengths, *extra, f"c{c}", args.sampling,
-                                         args.shared_prefix_len, args.prefix_groups), c) for c in args.concurrency]
-    return [(rate, make_requests(args.num_requests, rate, args.lengths, *extra, f"q{i}", args.sampling,
-                                 args.shared_prefix_len, args.prefix_groups), None)
-            for i, rate in enumerate(args.rates)]
+        return [(math.inf, batch(c * world, math.inf, f"c{c}"), c) for c in args.concurrency]
+    return [(rate, batch(args.num_requests, rate, f"q{i}"), None) for i, rate in enumerate(args.rates)]
 
 
 def warmup_requests(n: int, lengths: Lengths, process: str, vocab: int, seed: int, *, chunk: int,

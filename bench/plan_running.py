@@ -44,8 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         raise UsageError(f"--want must be ints, comma-separated; got {args.want!r}") from None
     if min(args.want) < 1 or args.dp < 1 or args.context_len < 1:
-        raise UsageError(f"--want, --dp and --context-len must be >= 1; got {args.want}, {args.dp}, "
-                         f"{args.context_len}")
+        raise UsageError(f"--want, --dp and --context-len must be >= 1; got {args.want}, "
+                         f"{args.dp}, {args.context_len}")
     return args
 
 
@@ -58,7 +58,8 @@ def _gpu(name: str) -> GpuSpec:
         raise UsageError("--gpu auto needs a CUDA GPU; name one (--gpu h200)")
     spec = gpu_spec_for_device(torch.cuda.get_device_name())
     if spec is None:
-        raise UsageError(f"--gpu auto: {torch.cuda.get_device_name()} is not in launch/gpu_specs.py; name one")
+        raise UsageError(f"--gpu auto: {torch.cuda.get_device_name()} is not in "
+                         "launch/gpu_specs.py; name one")
     return spec
 
 
@@ -71,10 +72,12 @@ def accepted(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     def plan(running: int):
         return plan_capacity(PlanInput(
             model=args.model, quantization=args.quantization, dp_size=args.dp, ep_size=args.dp,
-            gpu_mem_bytes=gpu.mem_bytes, gpu_name=gpu.name, nvlink=gpu.nvlink, max_running_requests=running,
-            context_len=args.context_len, chunked_prefill_size=args.chunked_prefill_size))
+            gpu_mem_bytes=gpu.mem_bytes, gpu_name=gpu.name, nvlink=gpu.nvlink,
+            max_running_requests=running, context_len=args.context_len,
+            chunked_prefill_size=args.chunked_prefill_size))
 
-    where = f"{args.model} {args.quantization} DP {args.dp} / EP {args.dp} on {gpu.name} at context {args.context_len}"
+    where = (f"{args.model} {args.quantization} DP {args.dp} / EP {args.dp} on {gpu.name} at "
+             f"context {args.context_len}")
     fits, lines = [], []
     for n in args.want:
         p = plan(n)
@@ -87,7 +90,8 @@ def accepted(args: argparse.Namespace) -> tuple[list[int], list[str]]:
         return fits, lines
     largest = plan(args.want[0]).largest_max_running_requests
     if largest >= 1:
-        lines.append(f"{where}: none of {args.want} fits; running {largest} a rank instead, the most that fits")
+        lines.append(f"{where}: none of {args.want} fits; running {largest} a rank instead, the "
+                     "most that fits")
         return [largest], lines
     lines.append(f"{where}: no running count fits")
     return [], lines

@@ -125,14 +125,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rates", default=None,
                    help="requests/s, comma-separated; inf: all at once (default 1,4,16,inf)")
     p.add_argument("--concurrency", default=None,
-                   help="running requests a rank, comma-separated: each C runs C x ranks requests at "
-                        "once, one wave (instead of --rates and --num-requests)")
+                   help="running requests a rank, comma-separated: each C runs C x ranks "
+                        "requests at once, one wave (instead of --rates and --num-requests)")
     p.add_argument("--arrival", default="poisson", choices=("poisson", "fixed"))
     p.add_argument("--num-requests", type=int, default=100, help="requests per rate")
     p.add_argument("--lengths", default="sharegpt", help="sharegpt | random:IN:OUT[:RATIO]")
     p.add_argument("--warmup", type=int, default=4, help="requests run (all at once) before the first rate")
     p.add_argument("--warmup-max-new", type=int, default=None,
-                   help="cap the warm-up requests' output tokens (default: as --lengths draws them)")
+                   help="cap the warm-up requests' output tokens (default: as drawn)")
     p.add_argument("--max-running-requests", type=int, default=128)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--dispatcher", default="auto")
