@@ -47,8 +47,9 @@ def status(key):
 
 def build(cfg, rank, size):
     ep = EPGroup(group=None, cpu_group=None, rank=rank, size=size)
-    dcfg = DispatcherConfig(num_experts=cfg.num_experts, top_k=cfg.top_k, hidden_size=cfg.hidden_size,
-                            dtype=torch.bfloat16, max_tokens_per_rank=8)
+    dcfg = DispatcherConfig(num_experts=cfg.num_experts, top_k=cfg.top_k,
+                            hidden_size=cfg.hidden_size, dtype=torch.bfloat16,
+                            max_tokens_per_rank=8)
     weights = iter_random(cfg, rank, size, torch.bfloat16, "cpu")
     return Qwen3MoeModel(cfg, weights, attention=None, dtype=torch.bfloat16, device="cpu",
                          dispatcher=AllToAllDispatcher(dcfg, ep, device="cpu"))
