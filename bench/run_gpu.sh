@@ -176,13 +176,13 @@ case "${1:-one}" in
     # FlashInfer's MoeAlltoAll is in no carried cache (2-3 minutes of nvcc): built beside the tests' other cases;
     # FlashInfer's dispatcher (and its test case) is used only if the build succeeded within FI_WAIT (240) s.
     fi_t0=$SECONDS
-    setsid python -c "from flashinfer.comm.trtllm_moe_alltoall import get_moe_alltoall_module as m; m()" \
+    $(command -v setsid) python -c "from flashinfer.comm.trtllm_moe_alltoall import get_moe_alltoall_module as m; m()" \
       > "$log/fi_a2a_jit.log" 2>&1 &
     fi_pid=$!  # its own process group (setsid): a build past FI_WAIT is ended with its nvcc children
     t235="torchrun --standalone --nproc-per-node $n -m pytest -m gpu$n -p no:cacheprovider -q -rs tests/test_preset_235b_gpu.py"
     TAIL=8 dstep tests_gpu$n 240 60 $t235 -k "not flashinfer"
     while kill -0 $fi_pid 2>/dev/null && (( SECONDS - fi_t0 < ${FI_WAIT:-240} )); do sleep 2; done
-    if kill -0 $fi_pid 2>/dev/null; then fi_rc=timeout; kill -- -$fi_pid; else wait $fi_pid; fi_rc=$?; fi
+    if kill -0 $fi_pid 2>/dev/null; then fi_rc=timeout; kill -- -$fi_pid || kill $fi_pid; else wait $fi_pid; fi_rc=$?; fi
     echo "== FlashInfer MoeAlltoAll JIT: rc=$fi_rc after $(( SECONDS - fi_t0 )) s"; tail -n 3 "$log/fi_a2a_jit.log"
     disp=auto methods="all_gather all_to_all flashinfer raw"
     [ "$fi_rc" = 0 ] || { disp=all_gather methods="all_gather all_to_all"; }
