@@ -40,7 +40,8 @@ SETTLED_S = 0.15
 class EngineRanks:
     """The ranks of one Engine (module docstring). ``launcher``: ``local`` (world size 1, in this
     process) or ``ray`` (Ray connected, or a private cluster the engine starts and stops).
-    A rank that fails fails the run (no gang restart: a benchmark reports what it measured)."""
+    A rank that fails fails the run (no gang restart: a benchmark reports what it measured); a
+    rank is hung only after an hour without a step."""
 
     def __init__(self, spec: RankSpec, launcher: str, show_progress: bool, spans: bool = False,
                  ray_address: str | None = None) -> None:
@@ -48,8 +49,10 @@ class EngineRanks:
 
         self._spans: list[Any] = []  # the in-process rank's StepSpans (with ``spans``)
         factory = _spans_factory(show_progress, self._spans) if spans else None
+        # A step that JIT-builds a kernel (FlashInfer's, in a warm-up's first steps) may run for
+        # minutes on a machine without the build cached: not a hang for a benchmark.
         options = EngineOptions(launcher=launcher, ray_address=ray_address, max_queued=1 << 20,
-                                max_restarts=0, sampling_defaults="none",
+                                max_restarts=0, hang_timeout_s=3600.0, sampling_defaults="none",
                                 show_progress=show_progress, worker_factory=factory)
         self.engine = Engine(spec, options).start()
         self.world = spec.runtime.world_size
