@@ -139,14 +139,26 @@ case "${1:-one}" in
       echo "== 2-GPU Ray test: $(grep -s -h -E '(passed|failed|skipped|error).* in [0-9.]+s' "$log/ray_gpu_test.log" | tail -n 1)"
     } 2>&1 | tee "$log/summary.txt"
     ;;
-  fp8)  # one GPU: FP8 GPU tests (TESTS=-k... narrows them), the FP8 kernels beside bf16 (fp8_kernels.py), then
+  fp8)  # one GPU: FP8 GPU tests (TESTS=-k... narrows them), the FP8 kernels beside bf16 (fp8_kernels.py; KERNELS=
+        # empty skips it), with TUNE=1 the tile sweep (fp8_tune.py, TUNE_ARGS), then
         # decode steps of qwen3-30b-a3b for each of QUANTS (none fp8: bf16 and --quantization fp8, same tree, one call)
     step fp8_tests timeout ${TESTS_TIMEOUT:-240} python -m pytest -m gpu -p no:cacheprovider -q -rs -x \
       tests/test_fp8_gpu.py ${TESTS:-}
-    [ -n "${KERNELS:-1}" ] && TAIL=40 step fp8_kernels timeout ${TKERN:-150} python bench/fp8_kernels.py
+    [ -n "${KERNELS-1}" ] && TAIL=40 step fp8_kernels timeout ${TKERN:-150} python bench/fp8_kernels.py
+    [ -n "${TUNE:-}" ] && TAIL=80 step fp8_tune timeout ${TTUNE:-240} python bench/fp8_tune.py ${TUNE_ARGS:-}
+    # BASE=.bases/NAME: FP8 decode steps of that earlier tree beside this one (compare_trees.py)
+    [ -n "${BASE:-}" ] && TAIL=14 step decode_fp8_vs_base timeout ${TDEC:-150} python bench/compare_trees.py \
+      --base "$BASE" -- python bench/serve_step.py --batch-sizes ${BS:-1,8,64,256} --iters 20 --modes graph \
+      --quantization fp8
     for q in ${QUANTS:-none fp8}; do
       TAIL=14 step decode_$q timeout ${TDEC:-150} python bench/serve_step.py --batch-sizes ${BS:-1,8,64,256} \
         --iters 20 --modes graph --quantization $q
+    done
+    # LOAD_QUANTS="none fp8": serve_load (lof, sharegpt, rate inf) for each weight format, LOAD_RUNNING running
+    for q in ${LOAD_QUANTS:-}; do
+      TAIL=8 step load_$q timeout ${TLOAD:-120} python bench/serve_load.py --model qwen3-30b-a3b --device cuda \
+        --policy lof --rates inf --max-running-requests ${LOAD_RUNNING:-64} --num-requests ${LOAD_REQ:-384} \
+        --quantization $q
     done
     [ -n "${SAVE_FI:-}" ] && XZ_OPT=-T8 tar cJf "$log/fic2.tar.xz" -C /tmp fi && ls -l "$log/fic2.tar.xz"
     ;;

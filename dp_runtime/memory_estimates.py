@@ -130,6 +130,8 @@ def forward_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, n
                     N*K*max((H + 2I)*e, H*(2e + 4))  other dtypes (torch path): grouped GEMM
                                                    rows, or the outputs put back in (token, k)
                                                    order beside their fp32 copy
+                  + (N*H + N*K*I)*(1 + 4/128)      FP8 experts (W8A8): the two GEMMs' inputs in
+                                                   e4m3 with their 1x128 scales
         head      = 2T*H*e + 2R*H*e + R*V*(e + 4)  the last layer's rows, the sampling rows,
                                                    logits in dtype and in fp32
 
@@ -145,6 +147,8 @@ def forward_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, n
     moe += t * k * (_FP32 + _INT32) + n * k * _INT32
     if dtype == torch.bfloat16:
         moe += n * k * (i + h) * e
+        if cfg.quantization is not None:
+            moe += -(-(n * h + n * k * i) * (128 + _FP32) // 128)
     else:
         moe += max(n * k * (h + 2 * i) * e, n * k * h * (2 * e + _FP32))
     head = 2 * t * h * e + 2 * r * h * e + r * cfg.vocab_size * (e + _FP32)

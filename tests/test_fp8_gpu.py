@@ -4,7 +4,7 @@ Both forms of ``fp8_tile`` are tested. Tolerances, stated once: an output elemen
 from its form's exact reference by 2% of the output's largest magnitude (fp32 accumulation
 order, bf16 rounding of the output and, in W8A16, of the scaled weight tile). W8A16's exact
 reference is the float one (the dequantized weight times the activation); W8A8's rounds the
-activation per 1x128 group as the kernel does (``fake_quant_activations``). Against the float
+activation per 1x128 group as ``fp8_act_quant.quantize_act`` does (``fake_quant_activations``). Against the float
 reference the relative error of the whole output (Frobenius) stays under 2% for W8A16 and 6%
 for W8A8 (e4m3 keeps 3 mantissa bits); the fused MoE's two GEMMs, under 3% and 8%.
 """
@@ -43,6 +43,24 @@ def test_fp8_linear_matches_the_references(m, n, k, w8a8):
     exact = (fake_quant_activations(x) if w8a8 else x.float()) @ deq.T
     assert (y.float() - exact).abs().max().item() <= 0.02 * exact.abs().max().item()
     assert _rel(y, x.float() @ deq.T) < (0.06 if w8a8 else 0.02)
+
+
+@pytest.mark.parametrize(("m", "k"), [(1, 2048), (300, 768), (33, 200)])
+def test_quantize_act_rounds_as_the_reference(m, k):
+    """``quantize_act``'s values times its scales are ``fake_quant_activations`` (a value at a
+    rounding boundary may land one e4m3 step away: the kernel's fp32 division is not IEEE's)."""
+    from dp_runtime.model.fp8_act_quant import quantize_act
+
+    x = torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(k))
+    x = (x * torch.linspace(0.01, 30, k, device="cuda")).to(torch.bfloat16)
+    q, s = quantize_act(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (m, k) and s.shape == (-(-k // 128), m)
+    got = q.float() * s.t().repeat_interleave(128, dim=1)[:, :k]
+    ref = fake_quant_activations(x)
+    assert (got == ref).float().mean().item() > 0.999
+    assert ((got - ref).abs() <= ref.abs() / 8 + 1e-30).all()  # at most one e4m3 step (2^-3)
+    amax = torch.nn.functional.pad(x.float(), (0, -k % 128)).view(m, -1, 128).abs().amax(-1)
+    torch.testing.assert_close(s.t(), amax / 448, rtol=1e-6, atol=0)
 
 
 def test_w8a8_linear_takes_no_rows_and_strided_rows():
@@ -89,16 +107,24 @@ def test_fused_fp8_experts_match_the_float_reference(n, extend, hidden, inter, w
     assert _rel(out, bf16) < (0.08 if w8a8 else 0.03)
 
 
-def test_fp8_model_on_gpu_follows_the_dequantized_reference(tmp_path):
+@pytest.mark.parametrize("form", ["w8a16", "w8a8"])
+def test_fp8_model_on_gpu_follows_the_dequantized_reference(tmp_path, monkeypatch, form):
     """A tiny FP8 checkpoint served in bf16 on the GPU (FP8 kernels) against transformers on its
-    dequantized float32 twin: the first greedy tokens agree and the logits stay close."""
+    dequantized float32 twin: the logits stay close (relative error under 0.1). W8A16 (the
+    weights' rounding only) gives the reference's first greedy tokens; W8A8, the default, also
+    rounds activations, which moves a logit by up to ~0.1 of the logits' spread on this random
+    model, so its first token must agree wherever the reference's top two logits are further
+    apart than that (near-ties may go either way)."""
     pytest.importorskip("transformers")
+    from dp_runtime.model import fp8_tile
     from dp_runtime.rank_spec import RankSpec
     from dp_runtime.rank_worker import RankWorker
     from dp_runtime.serving.request import Request, SamplingParams
     from tests.fp8_checkpoint import write_fp8_pair
     from tests.hf_reference import greedy_reference, load_reference
 
+    if form == "w8a16":
+        monkeypatch.setattr(fp8_tile, "W8A8_MIN_ROWS", None)
     _, fp8, deq = write_fp8_pair(tmp_path)
     hf = load_reference(deq)
     g = torch.Generator().manual_seed(5)
@@ -112,5 +138,7 @@ def test_fp8_model_on_gpu_follows_the_dequantized_reference(tmp_path):
         for r, p in zip(res, prompts, strict=True):
             tokens, logits = greedy_reference(hf, p, 4)
             ours = torch.stack(w.sampled_logits[r.rid]).float().cpu()
-            assert r.output_ids[0] == tokens[0]
             assert _rel(ours[0], logits[0]) < 0.1
+            top2 = logits[0].topk(2).values
+            if form == "w8a16" or (top2[0] - top2[1]).item() > 0.8 * logits[0].std().item():
+                assert r.output_ids[0] == tokens[0]

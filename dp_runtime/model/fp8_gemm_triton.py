@@ -2,8 +2,8 @@
 Fp8BlockWeight ``W`` (N, K) with 128 x 128 block scales.
 
 Each program owns a BLOCK_M x BLOCK_N output tile and walks K with ``fp8_tile.fp8_weight_dot``
-(W8A16 by default; W8A8 computes the activation's per-token scales in the kernel from the tile it
-loads, no separate quantization launch). Tiles by rows: decode sizes stream the weight with
+(W8A16 by default; W8A8 takes the activations quantized by ``fp8_act_quant.quantize_act``, one
+launch before the GEMM). Tiles by rows: decode sizes stream the weight with
 narrow column tiles and split K (``split_k``: fp32 partial tiles summed in order by a second
 launch, deterministic) so that every SM streams part of the weight; prefill sizes take 128-row
 tiles grouped along M for L2 reuse. No host sync: capturable.
@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dp_runtime.model.fp8_act_quant import quantize_act
 from dp_runtime.model.fp8_blocks import Fp8BlockWeight
 from dp_runtime.model.fp8_tile import fp8_weight_dot, use_w8a8
 
@@ -22,10 +23,10 @@ __all__ = ["fp8_block_linear", "fp8_linear_tiles", "split_k"]
 
 
 @triton.jit(do_not_specialize=["m"])
-def _fp8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_ym, m, n, k,
-                        k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, QUANT_A: tl.constexpr,
-                        SPLIT_K: tl.constexpr):
+def _fp8_linear_kernel(x_ptr, stride_xm, xs_ptr, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_ym,
+                       m, n, k, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                       QUANT_A: tl.constexpr, SPLIT_K: tl.constexpr):
     """One output tile over K, or (SPLIT_K > 1) over the ``k_split`` columns of K that
     ``program_id(1)`` owns (a multiple of 128: a split starts a scale block), its fp32 partial
     stored at plane ``program_id(1)`` of ``y`` (SPLIT_K, m, n) for ``_sum_splits_kernel``."""
@@ -45,10 +46,11 @@ def _fp8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, y_p
     a_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + k0 + offs_k[None, :]
     w_ptrs = w_ptr + offs_wn.to(tl.int64)[None, :] * stride_wn + k0 + offs_k[:, None]
     s_ptrs = s_ptr + (offs_wn // 128) * stride_sn + k0 // 128
+    sa_ptrs = xs_ptr + (k0 // 128) * m + offs_m  # W8A8: x's scales, (K / 128, m) contiguous
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_len = tl.minimum(k - k0, k_split)
-    acc, _ = fp8_weight_dot(acc, acc, a_ptrs, m_ok, w_ptrs, 0, s_ptrs, s_ptrs, 1, k_len, BLOCK_K, EVEN_K, False,
-                      QUANT_A)
+    acc, _ = fp8_weight_dot(acc, acc, a_ptrs, m_ok, sa_ptrs, m, w_ptrs, 0, s_ptrs, s_ptrs, 1, k_len,
+                            BLOCK_K, EVEN_K, False, QUANT_A)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K > 1:
         y_ptrs += tl.program_id(1).to(tl.int64) * m * stride_ym
@@ -68,12 +70,14 @@ def _sum_splits_kernel(part_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.
 
 def fp8_linear_tiles(m: int) -> dict[str, int]:
     """Launch constants by rows: narrow column tiles and deep pipelines at decode sizes (the
-    weight's bytes are the cost), wide tiles from 128 rows (FP8 MMA throughput)."""
+    weight's bytes are the cost), 128 x 64 tiles from 65 rows (W8A8 at 1,024-4,096 rows on an
+    H200: 45 / 144 us for qkv against 59 / 181 with 128 x 128 tiles at 8 warps). At 64 rows
+    32-column tiles: 9.0 / 11.1 us for o / qkv against 10.0 / 11.4 with 64 (bench/fp8_tune.py)."""
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
 
 
 # Split-K: at decode sizes a projection has few output tiles (o_proj at 64 rows: 32 tiles of 64
@@ -118,11 +122,13 @@ def fp8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tensor
     out = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=y.device)
     if splits > 1 and y.stride(0) != n:
         raise ValueError(f"fp8_block_linear: out_MN must be contiguous, got strides {y.stride()}")
+    quant_a = use_w8a8(m, w8a8)
+    a, a_scales = quantize_act(x_MK) if quant_a else (x_MK, w.scales)  # scales unread in W8A16
     grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), splits)
-    _fp8_linear_kernel[grid](x_MK, x_MK.stride(0), w.values, w.values.stride(0), w.scales, w.scales.stride(0),
-                              out, n if splits > 1 else y.stride(0), m, n, k, k_split,
-                              EVEN_K=k % meta["BLOCK_K"] == 0, QUANT_A=use_w8a8(m, w8a8), SPLIT_K=splits,
-                              **meta)
+    _fp8_linear_kernel[grid](a, a.stride(0), a_scales, w.values, w.values.stride(0), w.scales,
+                             w.scales.stride(0), out, n if splits > 1 else y.stride(0), m, n, k,
+                             k_split, EVEN_K=k % meta["BLOCK_K"] == 0, QUANT_A=quant_a,
+                             SPLIT_K=splits, **meta)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](out, y, m * n, SPLIT_K=splits, BLOCK=1024)
     return y

@@ -31,8 +31,9 @@ GEMM outputs are indexed by pick, not by slot: act and y have exactly P rows and
 a token's K terms as one contiguous (K, H) slab.
 
 FP8 experts (``fp8_blocks.Fp8BlockWeight`` stacks for both GEMMs) run the same tiles with
-``fp8_tile.fp8_weight_dot`` as the contraction: the FP8 weight tiles are scaled in registers (W8A16,
-the default) or multiplied with activations rounded per row and step (W8A8).
+``fp8_tile.fp8_weight_dot`` as the contraction: the FP8 weight tiles are scaled in registers
+(W8A16, the default) or multiplied on the FP8 tensor cores with activations quantized once per
+GEMM (W8A8: ``fp8_act_quant.quantize_act`` of x before GEMM1 and of act before GEMM2).
 
 The tile configs (``MoeTileConfig`` and the rule by token count) live in ``moe_tiles`` and are
 re-exported here.
@@ -47,6 +48,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from dp_runtime.model.fp8_act_quant import quantize_act
 from dp_runtime.model.fp8_blocks import Fp8BlockWeight
 from dp_runtime.model.fp8_tile import fp8_weight_dot, use_w8a8
 from dp_runtime.model.fused_moe_checks import check_expert_args
@@ -62,6 +64,8 @@ __all__ = ["MoeTileConfig", "align_picks", "fused_local_expert_sum", "gemm2_tile
 def _expert_gemm_kernel(
     a_ptr,  # GEMM1: x (N, H); GEMM2: act (P, I). Unit stride along the contraction.
     stride_am,
+    sa_ptr,  # W8A8: A's scales (ceil(k_in / 128), rows of A) (``fp8_act_quant``)
+    stride_sak,
     w_ptr,  # GEMM1: w13 (L, 2I, H); GEMM2: w2 (L, H, I)
     stride_we,
     stride_wn,
@@ -103,15 +107,16 @@ def _expert_gemm_kernel(
     # Unaligned blocks carry a pick's raw id: another rank's expert or a padding row is skipped.
     if (expert < 0) | (expert >= num_local):
         return
-    _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
-                 s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
-                 A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, FP8, QUANT_A, BLOCK_M, BLOCK_N, BLOCK_K)
+    _expert_tile(a_ptr, stride_am, sa_ptr, stride_sak, w_ptr, stride_we, stride_wn, stride_wk, c_ptr,
+                 stride_cm, topk_weights_ptr, s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr,
+                 num_picks, n_out, k_in, pid_m, pid_n, expert, A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT,
+                 FP8, QUANT_A, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["num_picks"])
 def _expert_gemm_persistent_kernel(
-    a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
-    s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr,
+    a_ptr, stride_am, sa_ptr, stride_sak, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm,
+    topk_weights_ptr, s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr,
     block_expert_ptr, num_rows_ptr, num_picks, n_out, k_in,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
     FP8: tl.constexpr, QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -129,9 +134,10 @@ def _expert_gemm_persistent_kernel(
     for tile in tl.range(tl.program_id(0), used * num_n, tl.num_programs(0), flatten=True):
         pid_m, pid_n = _tile_coords(tile, used, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
-                     s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
-                     A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT, FP8, QUANT_A, BLOCK_M, BLOCK_N, BLOCK_K)
+        _expert_tile(a_ptr, stride_am, sa_ptr, stride_sak, w_ptr, stride_we, stride_wn, stride_wk,
+                     c_ptr, stride_cm, topk_weights_ptr, s_ptr, stride_se, stride_sn, stride_sk,
+                     sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert, A_ROW_DIV, GATED,
+                     EVEN_K, UPCAST_DOT, FP8, QUANT_A, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -146,8 +152,9 @@ def _tile_coords(tile, num_blocks, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr, stride_cm, topk_weights_ptr,
-                 s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
+def _expert_tile(a_ptr, stride_am, sa_ptr, stride_sak, w_ptr, stride_we, stride_wn, stride_wk, c_ptr,
+                 stride_cm, topk_weights_ptr, s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr,
+                 num_picks, n_out, k_in, pid_m, pid_n, expert,
                  A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
                  FP8: tl.constexpr, QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The BLOCK_M x BLOCK_N output tile (``pid_m``, ``pid_n``) of block ``pid_m``, whose picks
@@ -160,7 +167,8 @@ def _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr
     # are dropped at the store.
     offs_wn = offs_n % n_out
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (pick // A_ROW_DIV).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    a_row = (pick // A_ROW_DIV).to(tl.int64)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -172,8 +180,9 @@ def _expert_tile(a_ptr, stride_am, w_ptr, stride_we, stride_wn, stride_wk, c_ptr
         # Each column's scale row; the up rows' blocks follow the gate rows' (n_out % 128 == 0).
         s_ptrs = s_ptr + expert * stride_se + (offs_wn // 128) * stride_sn
         s_up_ptrs = s_ptr + expert * stride_se + ((offs_wn + n_out) // 128) * stride_sn
-        acc, acc_up = fp8_weight_dot(acc, acc_up, a_ptrs, row_ok, w_ptrs, up_offset, s_ptrs, s_up_ptrs, stride_sk,
-                               k_in, BLOCK_K, EVEN_K, GATED, QUANT_A)
+        acc, acc_up = fp8_weight_dot(acc, acc_up, a_ptrs, row_ok, sa_ptr + a_row, stride_sak, w_ptrs,
+                                     up_offset, s_ptrs, s_up_ptrs, stride_sk, k_in, BLOCK_K,
+                                     EVEN_K, GATED, QUANT_A)
     else:
         for kk in range(0, tl.cdiv(k_in, BLOCK_K)):
             if EVEN_K:
@@ -261,10 +270,14 @@ def _launch_gemm(cfg: MoeTileConfig, a, w, c, weights_P, sorted_R, block_expert,
     fp8 = isinstance(w, Fp8BlockWeight)
     w, s = (w.values, w.scales) if fp8 else (w, weights_P)  # s: unread without FP8
     scale_strides = (s.stride(0), s.stride(1), s.stride(2)) if fp8 else (0, 0, 0)
-    args = (a, a.stride(0), w, w.stride(0), w.stride(1), w.stride(2), c, c.stride(0), weights_P, s,
+    # W8A8: ``a`` is (e4m3 values, their scales (groups, rows)); else the scales go unread.
+    a, a_scales = a if isinstance(a, tuple) else (a, weights_P)
+    args = (a, a.stride(0), a_scales, a.shape[0], w, w.stride(0), w.stride(1), w.stride(2), c,
+            c.stride(0), weights_P, s,
             *scale_strides, sorted_R, block_expert, num_rows, c.shape[0])  # c has a row per pick
     meta = dict(A_ROW_DIV=a_row_div, GATED=gated, EVEN_K=k_in % cfg.block_k == 0,
-                UPCAST_DOT=isinstance(_expert_gemm_kernel, InterpretedFunction), FP8=fp8, QUANT_A=fp8 and w8a8,
+                UPCAST_DOT=isinstance(_expert_gemm_kernel, InterpretedFunction), FP8=fp8,
+                QUANT_A=fp8 and w8a8,
                 BLOCK_M=cfg.block_m,
                 BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **pdl_meta(pdl))
@@ -332,8 +345,9 @@ def fused_local_expert_sum(
         if n and add_norm is not None:
             raise ValueError("add_norm needs K >= 1 picks per row")
         return out_ND.zero_()  # K = 0 sums nothing; N = 0 has no element to write
-    cfg = config or tile_config(n, extend)
-    cfg2 = config2 or (cfg if config else gemm2_tile_config(n, extend))
+    fp8 = isinstance(w13_L2IH, Fp8BlockWeight)
+    cfg = config or tile_config(n, extend, fp8)
+    cfg2 = config2 or (cfg if config else gemm2_tile_config(n, extend, fp8))
     if cfg2.block_m != cfg.block_m:
         raise ValueError(f"config2.block_m={cfg2.block_m} must equal the first GEMM's block_m={cfg.block_m}")
     if x_ND.stride(1) != 1:
@@ -347,12 +361,16 @@ def fused_local_expert_sum(
         sorted_R, block_expert, num_rows = align_picks(ids_P, num_local, cfg.block_m, pdl=pdl)
     else:
         sorted_R, block_expert, num_rows = unaligned_blocks(ids_P, cfg.block_m)
+    # W8A8 (FP8 weights only): each GEMM's input quantized once, per token and 128 columns.
+    quant_a = fp8 and use_w8a8(n, w8a8)
     act_PI = x_ND.new_empty((num_picks, inter))
-    _launch_gemm(cfg, x_ND, w13_L2IH, act_PI, weights_P, sorted_R, block_expert, num_rows, num_local, aligned,
-                 n_out=inter, k_in=hidden, a_row_div=top_k, gated=True, pdl=pdl, w8a8=use_w8a8(n, w8a8))
+    _launch_gemm(cfg, quantize_act(x_ND) if quant_a else x_ND, w13_L2IH, act_PI, weights_P, sorted_R,
+                 block_expert, num_rows, num_local, aligned, n_out=inter, k_in=hidden,
+                 a_row_div=top_k, gated=True, pdl=pdl, w8a8=quant_a)
     y_PH = x_ND.new_empty((num_picks, hidden))
-    _launch_gemm(cfg2, act_PI, w2_LHI, y_PH, weights_P, sorted_R, block_expert, num_rows, num_local, aligned,
-                 n_out=hidden, k_in=inter, a_row_div=1, gated=False, pdl=pdl, w8a8=use_w8a8(n, w8a8))
+    _launch_gemm(cfg2, quantize_act(act_PI) if quant_a else act_PI, w2_LHI, y_PH, weights_P,
+                 sorted_R, block_expert, num_rows, num_local, aligned, n_out=hidden, k_in=inter,
+                 a_row_div=1, gated=False, pdl=pdl, w8a8=quant_a)
     # A row's norm needs the whole row in one program; a plain sum takes 1024-column pieces.
     block_h = triton.next_power_of_2(hidden) if add_norm is not None else min(triton.next_power_of_2(hidden), 1024)
     if add_norm is None:

@@ -81,23 +81,39 @@ _EXTEND_MID_GEMM2 = MoeTileConfig(64, 64, 64, 8, 4, 3)
 _EXTEND_PERSISTENT_FROM = 129
 _EXTEND_LONG_GEMM2 = dataclasses.replace(_EXTEND_MID_GEMM2, programs_per_sm=4)
 
+# FP8 experts (W8A8: a byte per value of both operands) take a 128-deep contraction step where
+# bf16 takes 64 (a step then loads what bf16's does, and spans one 128 x 128 weight block), and
+# 64 x 128 tiles at 4 warps where bf16 takes 128 x 256 at 8. H200, bench/fp8_tune.py (docs/
+# BENCHMARKS.md session 25), us per layer: 405 -> 312 at 1,024 tokens, 3,337 -> 860 at 4,096.
+_FP8_LARGE = MoeTileConfig(64, 128, 128, 8, 4, 3)
+# And 16-row blocks up to 512 tokens (~32 rows an expert): 196 against 207 us at 256.
+_FP8_MID = MoeTileConfig(16, 128, 128, 1, 4, 3)
 
-def gemm2_tile_config(num_tokens: int, extend: bool = False) -> MoeTileConfig:
+
+def _fp8(cfg: MoeTileConfig) -> MoeTileConfig:
+    if cfg is _LARGE:
+        return _FP8_LARGE
+    if cfg is _TILE_RULE[2][1]:
+        return _FP8_MID
+    return dataclasses.replace(cfg, block_k=128) if cfg.block_k < 128 else cfg
+
+
+def gemm2_tile_config(num_tokens: int, extend: bool = False, fp8: bool = False) -> MoeTileConfig:
     """The second GEMM's tiles for a call of ``num_tokens`` rows: ``tile_config``'s, except for
     mid-size extends (``_EXTEND_MID_GEMM2``, ``_EXTEND_LONG_GEMM2``). Same ``block_m``: both
-    GEMMs walk one layout."""
+    GEMMs walk one layout. ``fp8``: FP8 expert weights (``_FP8_LARGE``)."""
     cfg = tile_config(num_tokens, extend)
-    if cfg is not _EXTEND_MID:
-        return cfg
-    return _EXTEND_LONG_GEMM2 if num_tokens >= _EXTEND_PERSISTENT_FROM else _EXTEND_MID_GEMM2
+    if cfg is _EXTEND_MID:
+        cfg = _EXTEND_LONG_GEMM2 if num_tokens >= _EXTEND_PERSISTENT_FROM else _EXTEND_MID_GEMM2
+    return _fp8(cfg) if fp8 else cfg
 
 
-def tile_config(num_tokens: int, extend: bool = False) -> MoeTileConfig:
+def tile_config(num_tokens: int, extend: bool = False, fp8: bool = False) -> MoeTileConfig:
     """The tile config used for a call with ``num_tokens`` rows (see ``_TILE_RULE``); ``extend``:
-    the rows are prompt tokens (see ``_EXTEND_MID``)."""
+    the rows are prompt tokens (see ``_EXTEND_MID``); ``fp8``: FP8 expert weights
+    (``_FP8_LARGE``)."""
     if extend and _EXTEND_FROM <= num_tokens <= _TILE_RULE[-1][0]:
-        return _EXTEND_MID
-    for limit, cfg in _TILE_RULE:
-        if num_tokens <= limit:
-            return cfg
-    return _LARGE
+        cfg = _EXTEND_MID
+    else:
+        cfg = next((c for limit, c in _TILE_RULE if num_tokens <= limit), _LARGE)
+    return _fp8(cfg) if fp8 else cfg
