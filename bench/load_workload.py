@@ -148,10 +148,12 @@ def make_batches(args, vocab: int, world: int) -> list[tuple[float, list[Request
 def warmup_requests(n: int, lengths: Lengths, process: str, vocab: int, seed: int, *, chunk: int,
                     max_prompt: int, world: int, sampling: SamplingParams | None = None,
                     max_new: int | None = None) -> list[Request]:
-    """What runs, unreported, before the first rate: ``n`` requests all at once (their output
-    lengths capped at ``max_new`` when given), then (if ``n``) one prompt per rank
-    (round-robin gives each rank one) of a whole prefill chunk plus WARM_PAST_CHUNK tokens,
-    ``max_prompt`` at most, generating one token.
+    """What runs, unreported, before the first rate, all at once: (if ``n``) one prompt per rank
+    of a whole prefill chunk plus WARM_PAST_CHUNK tokens, ``max_prompt`` at most, generating one
+    token, then ``n`` requests (their output lengths capped at ``max_new`` when given). The long
+    prompts come first, so both ways of spreading requests give each rank one: round-robin
+    (torchrun) and the engine's least outstanding tokens (the first to rank 0, the next to a rank
+    without one, ...).
 
     Why: a kernel's first step compiles or JIT-builds it, seconds that would otherwise land in
     the TTFT of the first timed rate. Such a prompt is prefilled in two extend steps on its
@@ -165,19 +167,21 @@ def warmup_requests(n: int, lengths: Lengths, process: str, vocab: int, seed: in
     if not warm:
         return warm
     size = min(chunk + WARM_PAST_CHUNK, max_prompt)
+    long = []
     for k in range(world):
         rng = random.Random(f"{seed}-warm-chunk-{k}")
-        warm.append(Request(f"warm-chunk-{k}", [rng.randrange(vocab) for _ in range(size)],
+        long.append(Request(f"warm-chunk-{k}", [rng.randrange(vocab) for _ in range(size)],
                             SamplingParams(max_new_tokens=1), arrival_s=0.0))
-    return warm
+    return long + warm
 
 
 def decode_probe_requests(running: int, world: int, vocab: int, seed: int, *, prompt_len: int,
                           new_tokens: int, tag: str, sampling: SamplingParams | None = None) -> list[Request]:
-    """``running`` requests per rank (round-robin gives each rank as many), all at once, of
-    ``prompt_len`` random tokens generating ``new_tokens``: once their prompts are in, every step
-    decodes ``running`` rows on every rank, so their token gaps time the decode step at that
-    batch (serve_load's decode-only bound). ``sampling`` as for ``make_requests``."""
+    """``running`` requests per rank (round-robin, or the engine's routing of equal requests, gives
+    each rank as many), all at once, of ``prompt_len`` random tokens generating ``new_tokens``:
+    once their prompts are in, every step decodes ``running`` rows on every rank, so their token
+    gaps time the decode step at that batch (serve_load's decode-only bound). ``sampling`` as for
+    ``make_requests``."""
     rng = random.Random(f"{seed}-{tag}")
     base = sampling or SamplingParams()
     return [Request(f"{tag}-{i:05d}", [rng.randrange(vocab) for _ in range(prompt_len)],

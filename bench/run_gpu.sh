@@ -8,6 +8,7 @@
 #   bash bench/run_gpu.sh model1  # one GPU: model tests, serve_step (DP 1), plan --measure
 #   bash bench/run_gpu.sh model2  # two GPUs: model gpu/gpu2 tests, Ray actors on 2 GPUs
 #   bash bench/run_gpu.sh tests2  # two GPUs: every gpu and gpu2 test
+#   bash bench/run_gpu.sh door2   # two GPUs: a rank killed under load on `serve --dp 2` (a Ray gang)
 #   bash bench/run_gpu.sh kernels # one GPU: kernel tests, moe_layer, a kernel census of serve_step
 #   bash bench/run_gpu.sh serve   # two GPUs: serve_step at DP 1 and DP 2, plan --measure
 #   bash bench/run_gpu.sh load    # two GPUs: prefill and serve_load (qwen3-30b-a3b) at DP 1 and DP 2
@@ -91,6 +92,9 @@ case "${1:-one}" in
   tests2)  # every GPU test tier on a 2-GPU machine
     step gpu_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/
     step gpu2_tests torchrun --standalone --nproc-per-node 2 -m pytest -m gpu2 -p no:cacheprovider -q -rs tests/
+    ;;
+  door2)  # two GPUs (issue 45): kill a rank of `serve --dp 2` under load; 503s, named errors, same tokens after
+    step door2_test python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_serve_rank_killed.py
     ;;
   kernels)  # one GPU: the decode kernels' tests, the expert path bench, a census, DP 1 vs earlier trees
     step kernel_tests python -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_qk_norm_rope.py \
@@ -219,6 +223,6 @@ case "${1:-one}" in
       && ls -l "$log/fic2.tar.xz"
     ;;
   *)
-    echo "unknown mode ${1}: one of one multi model1 model2 tests2 kernels serve load dp2b fp8 dep (others: docs/BENCHMARKS.md)" >&2; exit 2
+    echo "unknown mode ${1}: one of one multi model1 model2 tests2 door2 kernels serve load dp2b fp8 dep (others: docs/BENCHMARKS.md)" >&2; exit 2
     ;;
 esac

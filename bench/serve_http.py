@@ -13,8 +13,8 @@ cache-aware (launch/prefix_routing.py): with a shared prefix, run it beside an e
 (``--paths``) run one after the other on the same machine (the server first: its process gives
 its GPU memory back when it exits):
 
-- ``rank`` (the in-process run, default): serve_load.py's: the ranks in this process get every
-  request with its arrival time and the step loop times each one from its arrival;
+- ``rank`` (the in-process run, default): serve_load.py's: the Engine gets every request at
+  once, each with its arrival time, and the ranks' step loop times each one from its arrival;
 - ``engine``: the Engine in this process, each request submitted at its arrival time and read
   with ``Engine.stream`` by an asyncio client in the same process (its client and the ranks share
   one interpreter: on an H100 its TTFT at rate 16 was seconds, not milliseconds);
@@ -188,29 +188,17 @@ def run_engine(args, batches, warm, context_len: int) -> Runs:
 
 
 def run_ranks(args, batches, warm, context_len: int) -> Runs:
-    """serve_load's in-process run: the requests go to the ranks with their arrival times and
-    are timed by the step loop itself (no client, no asyncio beside the ranks)."""
-    from bench.load_ranks import InProcessRank, RayRanks
+    """serve_load's run: the Engine gets the requests with their arrival times, and the ranks'
+    step loop times them (no client, no asyncio beside the ranks; bench/load_ranks.py)."""
+    from bench.load_ranks import EngineRanks
 
-    spec = _spec(args, context_len)
-    ray_started = False
-    if args.launcher == "ray":  # as serve_load does: the gang's actors need a connected driver
-        from launch.ray_cluster import connect_ray
-
-        ray_started = connect_ray(None, num_cpus=max(args.dp, os.cpu_count() or 1), log_to_driver=False)
+    ranks = EngineRanks(_spec(args, context_len), args.launcher, False)
     try:
-        ranks = RayRanks(spec, False) if args.launcher == "ray" else InProcessRank(spec, 0, 1, False)
-        try:
-            if warm:
-                ranks.run(warm)
-            return [ranks.run(reqs) for _, reqs in batches], [{} for _ in batches]
-        finally:
-            ranks.close()
+        if warm:
+            ranks.run(warm)
+        return [ranks.run(reqs) for _, reqs in batches], [{} for _ in batches]
     finally:
-        if ray_started:
-            import ray
-
-            ray.shutdown()
+        ranks.close()
 
 
 def _free_port() -> int:

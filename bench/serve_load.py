@@ -30,13 +30,15 @@ sweep of running counts for one model load (vLLM's ``--max-concurrency`` sweep w
 prompts as places). ``--warmup-max-new N`` caps the warm-up requests' output at N tokens (the
 warm-up builds kernels; a 1000-token output only adds decode steps).
 
-How arrivals reach the ranks: requests go to ranks round-robin in arrival order, each carrying
-its ``arrival_s``, all submitted at once; a rank's scheduler admits a request no earlier than its
-arrival (between steps), and every rank's step loop (``RankWorker.run_until_idle``) goes on,
-IDLE where a rank has nothing, until no rank has a request left to arrive. So the torchrun path
-(a RankSession per process), the Ray path (the RankActors of one gang, kept for every rate) and
-one in-process rank run the same code. ``--warmup`` requests (and on each rank one prompt of a
-whole prefill chunk and a few tokens more) run first and are not reported.
+How arrivals reach the ranks (``bench/load_ranks.py``): a rate's requests, each carrying its
+``arrival_s``, are all submitted at once through the one ``Engine`` that ``dp-runtime serve``
+drives (one in-process rank, or the rank actors of one Ray gang, kept for every rate), which
+routes each to the rank left with the least outstanding tokens (``launch/prefix_routing.py``);
+a rank's scheduler admits a request no earlier than its arrival (between steps), and every rank
+steps, IDLE where it has nothing, while any rank has work. Under torchrun (no driver, by design)
+each process's rank takes its round-robin share and runs ``RankWorker.run_until_idle``.
+``--warmup`` requests (and on each rank one prompt of a whole prefill chunk and a few tokens
+more) run first and are not reported.
 
 Columns per rate: ``req/s`` and ``out tok/s``: finished requests and output tokens over the
 duration (submit to the last token); TTFT: arrival to first token; ITL: the gaps between
@@ -76,7 +78,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from bench.load_ranks import InProcessRank, RayRanks
+from bench.load_ranks import EngineRanks, TorchrunRank
 from bench.load_summary import (
     STEP_KINDS,
     decode_step_s,
@@ -319,8 +321,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         for mixed, policy, caching in modes:
             spec = build_spec(args, world, device, everything, mixed, policy, caching)
             t0 = time.perf_counter()
-            ranks = (RayRanks(spec, not args.json) if args.launcher == "ray"
-                     else InProcessRank(spec, rank, world, rank == 0 and not args.json, args.gpu_spans))
+            ranks = (TorchrunRank(spec, rank, world, rank == 0 and not args.json, args.gpu_spans)
+                     if torchrun and world > 1 else
+                     EngineRanks(spec, args.launcher, not args.json, args.gpu_spans, args.ray_address))
             build_s += time.perf_counter() - t0
             try:
                 if warm:

@@ -45,6 +45,7 @@ BENCHES: dict[str, BenchInfo] = {
     "prefill": BenchInfo(True, "prefill throughput and MFU of the rank worker (one chunk, 8 x 1024, 64 x 128)"),
     "moe_layer": BenchInfo(False, "one MoE layer's experts: grouped GEMM vs Triton fused vs the bytes floor"),
     "fp8_kernels": BenchInfo(False, "FP8-weight expert and dense kernels (W8A16, W8A8) beside bf16, one GPU"),
+    "fp8_tune": BenchInfo(False, "FP8 kernel tiles swept per row count beside the rules and bf16, one GPU"),
     "skinny_linear": BenchInfo(False, "1-4 row projections: the skinny Triton kernel vs cuBLAS vs the bytes floor"),
     "decode_attention": BenchInfo(False, "decode attention: FlashInfer's variants vs the Triton kernel vs the floor"),
     "prefill_attention": BenchInfo(False, "causal prefill attention: FlashInfer FA2 vs FA3 vs SDPA"),

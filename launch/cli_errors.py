@@ -9,7 +9,9 @@ Exit codes (``dp-runtime run``, ``dp-runtime plan``, the torchrun entry):
 - 3: the run finished but some requests failed on their own (refused at the door: over the
   context, a bad token id; or failed inside a step); each is listed with its reason
   (``dp-runtime run`` only);
-- 130: interrupted (Ctrl-C), after everything this command started was stopped.
+- 130: interrupted (Ctrl-C), after everything this command started was stopped;
+- 143: terminated (SIGTERM; 128 + 15, as a shell reports it), the same way (``dp-runtime run``;
+  ``serve`` exits 0 on SIGTERM: a server asked to stop has done its job).
 
 This module imports nothing heavy: ``--help`` and ``--version`` must not pay for torch.
 """
@@ -20,10 +22,11 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REQUESTS_FAILED", "EXIT_USAGE", "LOG_LEVELS", "UsageError", "bench_main",
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REQUESTS_FAILED", "EXIT_TERMINATED", "EXIT_USAGE", "LOG_LEVELS", "UsageError", "bench_main",
            "check_choice", "error_line", "is_user_error"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REQUESTS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_TERMINATED = 143
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 

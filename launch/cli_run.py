@@ -9,7 +9,8 @@ the table and the progress bar.
 Every option is checked before anything slow starts (torch, Ray), and a bad one is named as it
 was typed. Exit codes (``cli_errors``): 0 done; 1 the gang failed after every allowed restart
 (or a bug, with its traceback); 2 a user error (one line on stderr; ``--debug`` adds the
-traceback); 130 Ctrl-C, after the ranks and a Ray cluster this command started are stopped.
+traceback); 130 Ctrl-C, 143 SIGTERM, after the ranks and a Ray cluster this command started are
+stopped.
 
 Nothing heavy is imported at module level: ``dp-runtime --help`` must not import torch.
 """
@@ -31,6 +32,7 @@ from launch.cli_errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_REQUESTS_FAILED,
+    EXIT_TERMINATED,
     EXIT_USAGE,
     UsageError,
     check_choice,
@@ -46,6 +48,7 @@ from launch.cli_options import (
     check_launch,
     check_synthetic_fits,
 )
+from launch.interrupts import sigterm_raises
 
 if TYPE_CHECKING:
     from launch.run_config import RunConfig
@@ -186,21 +189,25 @@ def run(
     """Launch ranks, send a synthetic or file workload, print throughput and latency.
 
     Exit codes: 0 every request served; 1 the gang failed; 2 a user error; 3 some requests
-    failed (listed); 130 interrupted.
+    failed (listed); 130 interrupted; 143 terminated (SIGTERM).
     """
     t0 = time.perf_counter()
+    o = dict(dp=dp, model=model, dispatcher=dispatcher, requests=requests, prompt_len=prompt_len,
+             max_new_tokens=max_new_tokens, workload=workload or None, launcher=launcher,
+             ray_address=ray_address, max_restarts=max_restarts, device=device, dtype=dtype,
+             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
+             schedule_policy=schedule_policy, mixed_step_tokens=mixed_step_tokens,
+             kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
+             quantization=quantization, context_len=context_len, hang_timeout=hang_timeout,
+             num_cpus=num_cpus, seed=seed, as_json=as_json, with_results=with_results,
+             log_level=log_level)
     try:
-        code = _run(t0, dict(dp=dp, model=model, dispatcher=dispatcher, requests=requests, prompt_len=prompt_len,
-                             max_new_tokens=max_new_tokens, workload=workload or None, launcher=launcher,
-                             ray_address=ray_address, max_restarts=max_restarts, device=device, dtype=dtype,
-                             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
-                             schedule_policy=schedule_policy, mixed_step_tokens=mixed_step_tokens,
-                             kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
-                             quantization=quantization, context_len=context_len, hang_timeout=hang_timeout, num_cpus=num_cpus, seed=seed,
-                             as_json=as_json, with_results=with_results, log_level=log_level), debug)
+        # A supervisor's SIGTERM stops the ranks and Ray as Ctrl-C does (a KeyboardInterrupt).
+        with sigterm_raises() as terminated:
+            code = _run(t0, o, debug)
     except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        code = EXIT_INTERRUPTED
+        typer.echo("terminated" if terminated else "interrupted", err=True)
+        code = EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     if code:
         raise typer.Exit(code)
 

@@ -34,7 +34,7 @@ from dp_runtime.serving.request import Request
 from launch.engine_calls import generate_requests, stream_request
 from launch.engine_cluster import EngineCluster
 from launch.engine_errors import EngineUnavailable, QueueFull, RequestRejected, rejection
-from launch.engine_live import Live, RankView, call_quietly
+from launch.engine_live import Live, RankView, batch_refusal, call_quietly, take_outputs
 from launch.engine_ranks import close_ranks, launch_with_retries
 from launch.engine_types import LAUNCHERS, EngineHealth, EngineOptions, EngineStats, RequestOutput
 from launch.gang_faults import HangWatch, gang_failed, name_failures, poll_failure
@@ -131,8 +131,7 @@ class Engine:
             raise EngineUnavailable("the engine was shut down while it started")
 
     def _launch_gang(self) -> Any:
-        """A gang that is up (``engine_ranks.launch_with_retries``: failed tries are recorded and
-        count as restarts)."""
+        """A gang that is up (``launch_with_retries``: failed tries are recorded as restarts)."""
         t = time.perf_counter()
         try:
             ranks, self._restarts = launch_with_retries(self.spec, self.options, self._restarts,
@@ -203,29 +202,44 @@ class Engine:
         """Queue ``request`` on the rank with the least outstanding tokens; returns that rank.
         ``on_output`` is called from a poller thread (module docstring). Raises RequestRejected
         (bad field, or an rid already in flight), QueueFull, EngineUnavailable."""
-        self.check(request)
+        return self.submit_many([request], on_output)[0]
+
+    def submit_many(self, requests: Sequence[Request],
+                    on_output: Callable[[RequestOutput], None]) -> list[int]:
+        """``submit`` for several requests, routed in turn (each counting those before it), in one
+        message per rank (on Ray one call per rank: requests that arrive together reach the ranks
+        together); their ranks. All or none: after a raise none is in flight (what a rank took
+        is aborted; ``on_output`` may hear that)."""
+        reqs = list(requests)
+        for r in reqs:
+            self.check(r)
         with self._lock:
-            if self._state != "ready":
-                detail = f": {self._detail}" if self._detail else ""
-                raise EngineUnavailable(f"the engine is {self._state}{detail}")
-            if request.rid in self._live:
-                raise RequestRejected("rid", f"request {request.rid!r} is already in flight")
-            if len(self._live) >= self._capacity:
-                raise QueueFull(f"{len(self._live)} requests in flight, the limit is {self._capacity} "
-                                f"(max_running_requests x ranks + max_queued)", retry_after_s=1.0)
-            rank = self._pick_rank(request.prompt_ids)
-            due = time.monotonic() + request.arrival_s
-            self._live[request.rid] = Live(request, rank, on_output, due)
-            self._views[rank].routed += 1
-            self._number += 1
-            confirm = self._ranks.submit(rank, [request], self._number)
-        try:
-            confirm()  # EngineUnavailable when its rank died under it (its poller fails over)
-        except (ValueError, EngineUnavailable) as e:  # ValueError: the rank refused it
-            with self._lock:
-                self._live.pop(request.rid, None)
-            raise (e if isinstance(e, EngineUnavailable) else rejection(str(e))) from None
-        return rank
+            if refusal := batch_refusal(reqs, self._state, self._detail, self._live, self._capacity):
+                raise refusal
+            ranks, by_rank = [], {}
+            for r in reqs:
+                ranks.append(rank := self._pick_rank(r.prompt_ids))
+                self._live[r.rid] = Live(r, rank, on_output, time.monotonic() + r.arrival_s)
+                self._views[rank].routed += 1
+                by_rank.setdefault(rank, []).append(r)
+            sent = []
+            for rank, group in by_rank.items():
+                self._number += 1
+                sent.append((group, self._ranks.submit(rank, group, self._number)))
+        refusals = []
+        for group, confirm in sent:
+            try:
+                confirm()  # EngineUnavailable when its rank died under it (its poller fails over)
+            except (ValueError, EngineUnavailable) as e:  # ValueError: the rank refused them
+                with self._lock:
+                    for r in group:
+                        self._live.pop(r.rid, None)
+                refusals.append(e if isinstance(e, EngineUnavailable) else rejection(str(e)))
+        if refusals:
+            for r in reqs:
+                self.abort(r.rid)
+            raise refusals[0] from None
+        return ranks
 
     def _pick_rank(self, prompt: Sequence[int]) -> int:
         """The rank left with the least outstanding tokens (``prefix_routing.py``)."""
@@ -280,22 +294,9 @@ class Engine:
                 return
 
     def _deliver(self, rank: int, st: RankStatus) -> None:
-        outs: list[tuple[Live, RequestOutput]] = []
-        finished = {res.rid for res in st.results}
         with self._lock:
             self._views[rank].metrics = dict(st.metrics)
-            logprobs = dict(st.logprobs)
-            for rid, toks in st.tokens:
-                live = self._live.get(rid)
-                if live is not None and rid not in finished:
-                    live.emitted += len(toks)
-                    outs.append((live, RequestOutput(rid, toks, new_logprobs=logprobs.get(rid))))
-            for res in st.results:
-                live = self._live.pop(res.rid, None)
-                if live is not None:
-                    lps = None if res.logprobs is None else res.logprobs[live.emitted:]
-                    outs.append((live, RequestOutput(res.rid, res.output_ids[live.emitted:], True, res,
-                                                     new_logprobs=lps)))
+            outs = take_outputs(self._live, st)
         for live, out in outs:
             call_quietly(live.on_output, out)
 
@@ -381,7 +382,6 @@ class Engine:
                                tuple(self._failures), self._nodes, self._setup_s)
 
     def rank_handles(self) -> tuple[Any, ...]:
-        """The live gang's rank actors by rank (Ray; () for the in-process rank or no gang): for
-        tests and tools that act on one rank (kill it)."""
+        """The live gang's rank actors by rank (Ray; else ()): for tests and tools that kill one."""
         with self._lock:
             return tuple(getattr(self._ranks, "actors", ()))

@@ -17,21 +17,25 @@ naming the address and the cause Ray gives (nothing listening, a missing or wron
 process of the job (a ``worker_process_setup_hook``), so rank logs reach the driver's stderr at
 the level ``--log-level`` asks for (with ``log_to_driver``).
 
-Ctrl-C while Ray starts or stops is held until that step is over (``interrupts.held_sigint``):
-then Ray is shut down and KeyboardInterrupt raised, so an interrupt never leaves a half-started
-node's processes behind.
+Ctrl-C, and SIGTERM where the command asked for it (``interrupts.sigterm_raises``), while Ray
+starts or stops is held until that step is over (``interrupts.held_interrupts``): then Ray is
+shut down and KeyboardInterrupt (or Terminated) raised, so an interrupt never leaves a
+half-started node's processes behind. ``ray.init`` in the main thread sets its own SIGTERM
+handler as it begins (``sys.exit``, which would cut the start half-way); where a handler of ours
+takes SIGTERM, it is kept (``_sigterm_kept``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from launch.interrupts import held_sigint
+from launch.interrupts import held_interrupts, interrupt_error
 
 __all__ = ["LOGGERS", "RayConnectError", "check_reachable", "cluster_device", "connect_ray",
            "joins_existing_cluster", "rank_logging", "stop_ray"]
@@ -54,8 +58,8 @@ def joins_existing_cluster(address: str | None) -> bool:
 def connect_ray(address: str | None = None, *, num_cpus: int | None = None,
                 log_to_driver: bool = True, log_level: str | None = None) -> bool:
     """Connect this process to Ray (module docstring); True when Ray was initialised here.
-    Raises RayConnectError when a given cluster cannot be joined, KeyboardInterrupt after a
-    clean shutdown when Ctrl-C came while Ray started."""
+    Raises RayConnectError when a given cluster cannot be joined, KeyboardInterrupt (Terminated:
+    SIGTERM under ``sigterm_raises``) after a clean shutdown when it came while Ray started."""
     import ray
 
     if ray.is_initialized():
@@ -65,7 +69,7 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None,
     where = address or os.environ.get("RAY_ADDRESS", "")
     interrupts: list[int] = []
     try:
-        with held_sigint() as interrupts:
+        with _sigterm_kept(), held_interrupts() as interrupts:
             if not joins:
                 with _loopback_node():
                     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
@@ -82,7 +86,7 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None,
         if interrupts:
             # A terminal's Ctrl-C reaches the whole process group, Ray's starting servers too;
             # ray.init then fails on their loss. The user's interrupt is the cause, not Ray.
-            raise KeyboardInterrupt from e
+            raise interrupt_error(interrupts) from e
         if not joins:
             raise
         # Ray's AuthenticationError says which token is missing and where it is looked for.
@@ -137,6 +141,26 @@ def _loopback_node() -> Iterator[None]:
         services.resolve_ip_for_localhost = original
 
 
+@contextmanager
+def _sigterm_kept() -> Iterator[None]:
+    """Keep SIGTERM's Python handler, where there is one, through the block: ``ray.init`` in
+    the main thread sets its own as it begins (it exits at once: a start cut half-way leaves
+    Ray's agents running), and ``held_interrupts`` holds SIGTERM for ours until the start is
+    over. Without a handler of ours Ray's is set as Ray sets it. A private hook of Ray, like
+    ``_loopback_node``: tests/test_cli_interrupt.py sends SIGTERM while Ray starts."""
+    from ray._private import utils
+
+    original = getattr(utils, "set_sigterm_handler", None)
+    if original is None or not callable(signal.getsignal(signal.SIGTERM)):
+        yield
+        return
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = original
+
+
 def _cause(exc: BaseException) -> str:
     """Ray's reason for a failed join, with its own cause (the auth or connection error) when it
     wraps one, as one line."""
@@ -179,7 +203,7 @@ def stop_ray() -> None:
     stops must not leave its agents running)."""
     import ray
 
-    with held_sigint():
+    with held_interrupts():
         ray.shutdown()
 
 

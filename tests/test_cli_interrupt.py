@@ -1,7 +1,9 @@
 """`dp-runtime run` on a private Ray cluster as a real subprocess (slow tier, ~1 min): a full run
 reports Ray's start-up inside its wall time and leaves no process behind; Ctrl-C (SIGINT to the
 command's process group, as a terminal sends it) while Ray starts and while the ranks run exits
-130 with no traceback and leaves no process behind.
+130 with no traceback and leaves no process behind; SIGTERM to the command's process while Ray
+starts exits 143, the same way. `dp-runtime serve` on a private cluster: SIGTERM to the server
+process while Ray starts exits 0 and leaves no process or listening socket behind.
 
 The interrupt waits for a sign of its phase, never for a fixed time (Ray's start takes from a few
 seconds to minutes on a loaded machine): while Ray starts, a Ray server carrying the marker
@@ -70,14 +72,15 @@ def _assert_nothing_left(tag: str, within_s: float = 30.0) -> None:
 
 
 class _Cli:
-    """``python -m launch run ARGS`` in its own session, stderr read line by line."""
+    """``python -m launch COMMAND ARGS`` (``run`` unless said) in its own session, stderr read line
+    by line."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, command: str = "run") -> None:
         self.tag = uuid.uuid4().hex
         env = {**os.environ, "OMP_NUM_THREADS": "1", MARKER: self.tag,
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
         env.pop("RAY_ADDRESS", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "launch", "run", *args], cwd=REPO, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "launch", command, *args], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
         self.lines: queue.Queue[str] = queue.Queue()
@@ -162,3 +165,57 @@ def test_ctrl_c_exits_130_and_leaves_nothing(when):
     if when == "starting Ray":
         assert "dp-runtime: placing" not in err, err[-3000:]  # it landed before Ray was up
     _assert_nothing_left(cli.tag)
+
+
+def test_sigterm_while_ray_starts_exits_143_and_leaves_nothing():
+    """SIGTERM to the `run` process alone (what a supervisor or `timeout` sends) while `ray.init`
+    starts the private cluster: held until the start is over (Ray's own handler would exit at
+    once and leave its agents running), then the cluster stops; exit 143, no traceback, no Ray
+    signal dump, nothing left."""
+    cli = _Cli("--requests", "4", "--max-new-tokens", "4", "--num-cpus", "2")
+    cli.wait_for("dp-runtime: starting Ray", timeout_s=180)
+    cli.wait_until(cli.ray_server_started, "Ray server process", timeout_s=180)
+    cli.proc.send_signal(signal.SIGTERM)
+    code, _, err = cli.finish(120)
+    assert code == 143, err[-3000:]
+    assert "terminated" in err and "Traceback" not in err and "SIGTERM received" not in err, err[-3000:]
+    assert "dp-runtime: placing" not in err, err[-3000:]  # it landed in Ray's start
+    _assert_nothing_left(cli.tag)
+
+
+def _listening(pids: list[int]) -> set[tuple[str, int]]:
+    """The (address, port) pairs ``pids`` listen on (TCP, IPv4 and IPv6)."""
+    import psutil
+
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):  # a process that exited meanwhile
+            found |= {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("inet")
+                      if c.status == psutil.CONN_LISTEN}
+    return found
+
+
+def test_sigterm_while_a_servers_private_ray_cluster_starts_exits_0_and_leaves_nothing():
+    """`serve --dp 2` on a private cluster, SIGTERM (what a supervisor sends: the process alone,
+    not its group) while `ray.init` starts the cluster: the start stops the cluster it brought up,
+    the command exits 0 (docs/serve.md) with no traceback or Ray signal dump, and no process it
+    started and no socket they listened on is left."""
+    psutil = pytest.importorskip("psutil")
+    pytest.importorskip("uvicorn")
+    from tests.support.serve_process import free_port
+
+    cli = _Cli("--model", "tiny", "--dp", "2", "--port", str(free_port()), command="serve")
+    cli.wait_for("[dp-runtime serve] starting Ray", timeout_s=180)
+    cli.wait_until(cli.ray_server_started, "Ray server process", timeout_s=180)
+    sockets = _listening(_carriers(cli.tag))
+    cli.proc.send_signal(signal.SIGTERM)
+    code, _, err = cli.finish(120)
+    assert code == 0, err[-3000:]
+    assert "Traceback" not in err and "SIGTERM received" not in err, err[-3000:]  # Ray's C++ dump
+    assert "[dp-runtime serve] placing" not in err, err[-3000:]  # it landed in Ray's start
+    assert "[dp-runtime serve] stopped" in err, err[-3000:]
+    _assert_nothing_left(cli.tag)
+    assert sockets, "the Ray server's listening sockets were never seen"
+    still = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("inet")
+             if c.status == psutil.CONN_LISTEN} & sockets
+    assert not still, f"still listening after the exit: {sorted(still)}"

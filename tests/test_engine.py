@@ -1,6 +1,6 @@
 """The engine API (launch/engine.py) on one in-process rank: tokens equal transformers' greedy
-generate, EOS from the checkpoint, streaming, submits while the rank runs, abort frees KV, the
-door's errors, drain on shutdown. The Ray gang is in test_engine_ray.py."""
+generate, EOS from the checkpoint, streaming, submits while the rank runs (one by one or many at
+once), abort frees KV, the door's errors, drain on shutdown. The Ray gang is in test_engine_ray.py."""
 
 from __future__ import annotations
 
@@ -111,6 +111,25 @@ def test_submit_while_running_and_routing_stats(engine, prompts, reference):
     assert engine.stats().ranks[0]["routed_requests"] == before + 2
 
 
+def test_submit_many_is_one_message_per_rank_and_all_or_none(engine, prompts, reference):
+    got = {}
+
+    def on_output(out):
+        if out.finished:
+            got[out.rid] = out.result
+
+    _wait_idle(engine)
+    twice = _reqs(prompts[:2], prefix="d") + _reqs(prompts[:1], prefix="d")
+    with pytest.raises(RequestRejected, match="an rid appears twice") as e:
+        engine.submit_many(twice, on_output)
+    assert e.value.field == "rid" and engine.stats().ranks[0]["in_flight"] == 0  # none of them
+    assert engine.submit_many(_reqs(prompts, prefix="m"), on_output) == [0] * len(prompts)
+    deadline = time.monotonic() + 60
+    while len(got) < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [list(got[f"m{i}"].output_ids) for i in range(len(prompts))] == reference
+
+
 def test_abort_ends_a_stream_and_frees_its_kv(engine, prompts):
     _wait_idle(engine)
 
@@ -203,6 +222,9 @@ def test_a_full_queue_is_refused_and_shutdown_drains(ckpt, prompts):
         with pytest.raises(QueueFull, match="2 requests in flight, the limit is 2") as e:
             eng.submit(Request("q2", prompts[0]), lambda out: None)
         assert e.value.retry_after_s > 0
+        with pytest.raises(QueueFull, match=r"2 requests in flight \(\+2 submitted together\)"):
+            eng.submit_many(_reqs(prompts[:2], prefix="n"), lambda out: None)
+        assert eng.stats().ranks[0]["in_flight"] == 2  # all or none: neither was taken
     finally:
         eng.shutdown(drain_timeout_s=60)
     # Drained: both finished whole, none aborted.

@@ -1,6 +1,7 @@
 """Overlapped steps on one GPU: a replayed decode step never makes the host wait for the GPU
 (torch's sync debug mode raises on any synchronising call), greedy or sampled with logprobs, and
-overlap gives the tokens of step-by-step serving with graphs and FlashInfer."""
+overlap gives the tokens of step-by-step serving with graphs and FlashInfer; serve_load's
+--gpu-spans times the steps of the engine's in-process rank."""
 
 from __future__ import annotations
 
@@ -92,3 +93,20 @@ def test_step_spans_time_every_launched_step_and_give_the_methods_back(ckpt):
         spans.close()
         assert "replay" not in vars(w.graphs) and "_eager" not in vars(w)
         assert all(len(r.output_ids) == 20 for r in w.pop_finished())
+
+
+def test_serve_load_gpu_spans_time_the_engine_s_in_process_rank(capsys):
+    # bench/serve_load.py --gpu-spans: the Engine's in-process rank built with StepSpans on it
+    # (bench/load_ranks.py: a worker_factory), one rate's GPU timeline in its row.
+    import json
+
+    from tests.support.bench_scripts import load_bench
+
+    code = load_bench("serve_load").main(["--device", "cuda", "--model", "tiny", "--num-requests", "4",
+                                          "--rates", "inf", "--lengths", "random:16:8", "--warmup", "0",
+                                          "--probe-tokens", "0", "--gpu-spans", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    row = json.loads(out)["rows"][0]
+    assert row["completed"] == 4 and row["output_tokens"] == 32
+    assert sum(k["n"] for k in row["gpu"]["steps"].values()) > 0 and 0 < row["gpu"]["busy"] <= 1.001

@@ -37,8 +37,8 @@ def test_the_warm_up_keeps_its_prompts_and_caps_its_outputs():
 
     capped, full = warm(5), warm(None)
     assert [r.prompt_ids for r in capped] == [r.prompt_ids for r in full]
-    assert [r.sampling.max_new_tokens for r in full] == [40, 40, 40, 1, 1]  # the chunk prompts: 1
-    assert [r.sampling.max_new_tokens for r in capped] == [5, 5, 5, 1, 1]
+    assert [r.sampling.max_new_tokens for r in full] == [1, 1, 40, 40, 40]  # the chunk prompts: 1
+    assert [r.sampling.max_new_tokens for r in capped] == [1, 1, 5, 5, 5]
 
 
 @pytest.mark.parametrize("argv, message", [

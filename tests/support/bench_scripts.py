@@ -25,14 +25,19 @@ def load_bench(name: str) -> ModuleType:
 def check_serve_load_report(report: dict[str, Any], *, rates: int, per_rate: int, out_len: int,
                             world: int, max_running: int) -> None:
     """Every request answered once and without error, counts that add up, per-request times in
-    order (queued <= TTFT <= latency), and no rank above ``max_running`` requests at once.
+    order (queued <= TTFT <= latency), no rank above ``max_running`` requests at once, and the
+    requests spread as the launcher spreads them (round-robin under torchrun, else the engine's
+    routing, which gives equal requests to every rank alike).
     ``out_len``: every request's exact output length (``--lengths random:IN:OUT``)."""
     rows, reqs = report["rows"], report["requests"]
     assert len(rows) == rates and len(reqs) == rates * per_rate
     assert len({r["rid"] for r in reqs}) == len(reqs)
     assert report["header"]["world_size"] == world
+    launcher = report["header"]["launcher"]
     for row in rows:
         assert row["requests"] == row["completed"] == per_rate and row["errors"] == 0
+        if launcher != "torchrun":  # ``--lengths random:IN:OUT``: every request the same size
+            assert max(row["per_rank_requests"]) - min(row["per_rank_requests"]) <= 1, row
         assert sum(row["per_rank_requests"]) == per_rate and len(row["per_rank_requests"]) == world
         assert row["output_tokens"] == per_rate * out_len
         assert abs(row["output_tok_s"] - row["output_tokens"] / row["duration_s"]) < 1e-6 * row["output_tok_s"]
@@ -47,4 +52,7 @@ def check_serve_load_report(report: dict[str, Any], *, rates: int, per_rate: int
     for r in reqs:
         assert r["error"] is None and r["output_len"] == out_len, r
         assert 0 <= r["queued_s"] <= r["ttft_s"] <= r["latency_s"], r
-        assert r["rank"] == int(r["rid"].split("-")[1]) % world, r  # round-robin in arrival order
+        if launcher == "torchrun":
+            assert r["rank"] == int(r["rid"].split("-")[1]) % world, r  # round-robin, in order
+        else:  # the engine's routing: equal requests go to every rank alike
+            assert 0 <= r["rank"] < world, r
