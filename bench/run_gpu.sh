@@ -215,12 +215,12 @@ case "${1:-one}" in
         --title "== qwen3-235b-a22b FP8, DP $n / EP $n, random 1000/1000: out tok/s per GPU and DP balance" \
         dep$n="$log/serve235_dep$n.log"
       python bench/side_by_side.py --key rate --metric output_tok_s/gpu,dp_balance,itl_s.p50,ttft_s.p50,occupancy \
-        --title "== qwen3-30b-a3b bf16, sharegpt, 64 running a rank: DP $n (and 2) against DP 1, per GPU" \
+        --title "== qwen3-30b-a3b bf16, sharegpt, 64 running a rank: DP $n$([ $n = 4 ] && echo ' and 2') against DP 1" \
         dp1="$log/serve30_dp1.log" $([ $n = 4 ] && echo dp2="$log/serve30_dp2.log") dp$n="$log/serve30_dp$n.log"
     } 2>&1 | tee "$log/summary.txt"
     # FlashInfer's JIT modules of this call (MoeAlltoAll included): carry $OUT/fic2.tar.xz as .fic2/ next time
-    (( SECONDS < 580 )) && XZ_OPT=-T0 timeout $(( 590 - SECONDS )) tar cJf "$log/fic2.tar.xz" -C /tmp fi \
-      && ls -l "$log/fic2.tar.xz"
+    (( SECONDS < 580 )) && XZ_OPT=-T0 timeout $(( 590 - SECONDS )) tar cJf "$log/fic2.part" -C /tmp fi \
+      && mv "$log/fic2.part" "$log/fic2.tar.xz" && ls -l "$log/fic2.tar.xz"; rm -f "$log/fic2.part"
     ;;
   *)
     echo "unknown mode ${1}: one of one multi model1 model2 tests2 door2 kernels serve load dp2b fp8 dep (others: docs/BENCHMARKS.md)" >&2; exit 2
