@@ -180,8 +180,8 @@ case "${1:-one}" in
     # FlashInfer's MoeAlltoAll is in no carried cache (2-3 minutes of nvcc): built beside the tests' other cases;
     # FlashInfer's dispatcher (and its test case) is used only if the build succeeded within FI_WAIT (240) s.
     fi_t0=$SECONDS
-    $(command -v setsid) python -c "from flashinfer.comm.trtllm_moe_alltoall import get_moe_alltoall_module as m; m()" \
-      > "$log/fi_a2a_jit.log" 2>&1 &
+    $(command -v setsid > /dev/null && echo setsid -w) python -c \
+      "from flashinfer.comm.trtllm_moe_alltoall import get_moe_alltoall_module as m; m()" > "$log/fi_a2a_jit.log" 2>&1 &
     fi_pid=$!  # its own process group (setsid): a build past FI_WAIT is ended with its nvcc children
     t235="torchrun --standalone --nproc-per-node $n -m pytest -m gpu$n -p no:cacheprovider -q -rs tests/test_preset_235b_gpu.py"
     TAIL=8 dstep tests_gpu$n 240 60 $t235 -k "not flashinfer"
