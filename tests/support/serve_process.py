@@ -59,7 +59,9 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"serve-{self.port}.log"
         self.args = [sys.executable, "-m", "launch", "serve", "--port", str(self.port), *args]
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        # This checkout first; what the caller's path adds (a GPU machine's bundle) after it.
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        self.env = {**os.environ, "PYTHONPATH": path, **(env or {})}
         self.start_timeout_s = start_timeout_s
         self.returncode: int | None = None
         self.proc: subprocess.Popen | None = None
