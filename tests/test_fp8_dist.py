@@ -4,9 +4,6 @@ of transformers on the dequantized float32 twin, through each CPU dispatcher."""
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +14,7 @@ from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.request import Request, SamplingParams
 from tests.fp8_checkpoint import write_fp8_pair
 from tests.hf_reference import greedy_reference, load_reference
+from tests.support.job_dir import job_dir
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("transformers")
@@ -27,25 +25,17 @@ NEW = 5
 @pytest.fixture(scope="module")
 def fp8_setup(dist_group):
     rank, world = dist.get_rank(), dist.get_world_size()
-    # One directory for the job, written by rank 0 only (the pair is written with plain file
-    # writes beside save_pretrained), read by every rank after the barrier.
-    tmp = tempfile.TemporaryDirectory(prefix="dp_runtime_fp8_") if rank == 0 else None
-    name = [tmp.name if tmp is not None else None]
-    dist.broadcast_object_list(name, src=0)
-    root = Path(name[0])
-    if rank == 0:
-        write_fp8_pair(root)
-    dist.barrier()
-    g = torch.Generator().manual_seed(11)
-    lens = [6, 17, 3, 25, 9, 12, 4][: 2 * world]
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
-    mine = [(i, p) for i, p in enumerate(prompts) if i % world == rank]
-    hf = load_reference(root / "deq")
-    refs = {i: greedy_reference(hf, p, NEW)[0] for i, p in mine}
-    yield root / "fp8", rank, world, mine, refs
-    dist.barrier()
-    if tmp is not None:
-        tmp.cleanup()
+    with job_dir("dp_runtime_fp8_") as root:
+        if rank == 0:  # the pair is written with plain file writes beside save_pretrained
+            write_fp8_pair(root)
+        dist.barrier()
+        g = torch.Generator().manual_seed(11)
+        lens = [6, 17, 3, 25, 9, 12, 4][: 2 * world]
+        prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
+        mine = [(i, p) for i, p in enumerate(prompts) if i % world == rank]
+        hf = load_reference(root / "deq")
+        refs = {i: greedy_reference(hf, p, NEW)[0] for i, p in mine}
+        yield root / "fp8", rank, world, mine, refs
 
 
 @pytest.mark.parametrize(("dispatcher", "graphs"), [("all_gather", False), ("all_to_all", False),

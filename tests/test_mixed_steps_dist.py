@@ -5,9 +5,6 @@ only a prompt to prefill keeps its chunks to the mixed budget while its peers de
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +14,7 @@ from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.request import Request, SamplingParams
 from tests.hf_reference import write_tiny_checkpoint
+from tests.support.job_dir import job_dir
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("transformers")
@@ -41,18 +39,13 @@ def _requests(rank: int) -> list[Request]:
 @pytest.fixture(scope="module")
 def setup(dist_group):
     rank, world = dist.get_rank(), dist.get_world_size()
-    tmp = tempfile.TemporaryDirectory(prefix="dp_runtime_mixed_") if rank == 0 else None
-    name = [tmp.name if tmp is not None else None]
-    dist.broadcast_object_list(name, src=0)
-    ckpt = write_tiny_checkpoint(Path(name[0]))
-    dist.barrier()
-    # This rank's requests served alone (world size 1, no mixed steps): the tokens to match.
-    with RankWorker(_spec(ckpt, 1, mixed_steps=False)) as w:
-        alone = {r.rid: r.output_ids for r in w.generate(_requests(rank))}
-    yield ckpt, rank, world, alone
-    dist.barrier()
-    if tmp is not None:
-        tmp.cleanup()
+    with job_dir("dp_runtime_mixed_") as root:
+        ckpt = write_tiny_checkpoint(root)
+        dist.barrier()
+        # This rank's requests served alone (world size 1, no mixed steps): the tokens to match.
+        with RankWorker(_spec(ckpt, 1, mixed_steps=False)) as w:
+            alone = {r.rid: r.output_ids for r in w.generate(_requests(rank))}
+        yield ckpt, rank, world, alone
 
 
 @pytest.mark.parametrize("graphs", [False, "extend"], ids=["eager", "graphs"])

@@ -4,9 +4,6 @@ with and without the graph runner, while ranks with fewer requests run IDLE step
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +12,7 @@ from dp_runtime.rank_spec import RankSpec
 from dp_runtime.rank_worker import RankWorker
 from dp_runtime.serving.request import Request, SamplingParams
 from tests.hf_reference import greedy_reference, load_reference, write_tiny_checkpoint
+from tests.support.job_dir import job_dir
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("transformers")
@@ -25,24 +23,17 @@ NEW = 6
 @pytest.fixture(scope="module")
 def setup(dist_group):
     rank, world = dist.get_rank(), dist.get_world_size()
-    # One directory for the job, made by rank 0 (not tmp_path_factory: ranks share pytest's
-    # numbered base directory and one rank's cleanup can remove another's files). Every rank
-    # calls save_pretrained, which writes on rank 0 only when torch.distributed is initialised.
-    tmp = tempfile.TemporaryDirectory(prefix="dp_runtime_tiny_") if rank == 0 else None
-    name = [tmp.name if tmp is not None else None]
-    dist.broadcast_object_list(name, src=0)
-    ckpt = write_tiny_checkpoint(Path(name[0]))
-    dist.barrier()
-    g = torch.Generator().manual_seed(3)
-    lens = [5, 19, 9, 33, 2, 14, 27, 8, 12][: 2 * world + 1]  # rank 0 gets one more: the others idle
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
-    mine = [(i, p) for i, p in enumerate(prompts) if i % world == rank]
-    hf = load_reference(ckpt)
-    refs = {i: greedy_reference(hf, p, NEW)[0] for i, p in mine}
-    yield ckpt, rank, world, mine, refs
-    dist.barrier()
-    if tmp is not None:
-        tmp.cleanup()
+    with job_dir("dp_runtime_tiny_") as root:
+        # Every rank calls save_pretrained: it writes on rank 0 only under torch.distributed.
+        ckpt = write_tiny_checkpoint(root)
+        dist.barrier()
+        g = torch.Generator().manual_seed(3)
+        lens = [5, 19, 9, 33, 2, 14, 27, 8, 12][: 2 * world + 1]  # rank 0 one more: others idle
+        prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
+        mine = [(i, p) for i, p in enumerate(prompts) if i % world == rank]
+        hf = load_reference(ckpt)
+        refs = {i: greedy_reference(hf, p, NEW)[0] for i, p in mine}
+        yield ckpt, rank, world, mine, refs
 
 
 @pytest.mark.parametrize("graphs", [False, True, "extend"], ids=["eager", "graph-runner", "extend-graphs"])
