@@ -306,14 +306,20 @@ class Engine:
         name every failed rank (a probe finds the dead ones), kill the gang, and restart it
         while ``max_restarts`` allows."""
         failure = RankFailure(self._restarts, rank, kind, reason, detail=detail)
+        # The ranks whose counters stopped with this one's are named with it at once: a rank
+        # stuck in a step holds its peers in the next collective, and which poller notices first
+        # is chance (the probe below adds the dead ones).
+        known = [failure] + [RankFailure(self._restarts, r, "hung", msg)
+                             for r, msg in also_hung if r != rank]
         with self._lock:
             if self._ranks is not ranks:  # another poller of this gang got here first
                 return
             self._ranks, can_restart = None, self._may_restart()
             # The failure is named at once (a reader of health and stats sees it before the
             # probe below names the others and, with no restart left, the whole verdict).
-            self._state, self._detail = "restarting" if can_restart else "failed", f"rank {rank} {kind}: {reason}"
-            self._failures.append(failure)
+            self._state = "restarting" if can_restart else "failed"
+            self._detail = "; ".join(f"rank {f.rank} {f.kind}: {f.message}" for f in known)
+            self._failures.extend(known)
         logger.error("engine: rank %d %s: %s", rank, kind, reason)
         self._fail_in_flight(f"rank {rank} failed: {reason}")
         failures = name_failures(ranks, failure, self.options.probe_timeout_s, also_hung)
@@ -326,7 +332,7 @@ class Engine:
                 ranks.close(timeout_s=5.0)
         with self._lock:
             # named again, with the others, in ``failures``
-            self._failures = [f for f in self._failures if f is not failure]
+            self._failures = [f for f in self._failures if all(f is not k for k in known)]
             self._failures.extend(failures)
             if not can_restart:
                 self._detail = str(gang_failed(self._failures, self._restarts, self.options.max_restarts))
