@@ -77,7 +77,8 @@ def _counts_slot(name: str, field: str, dp_size: int) -> Slot:
         if values is None:
             raise ValueError(f"slot {name!r} is computed from batch.{field}, which is None")
         if len(values) != buf.shape[0]:
-            raise ValueError(f"slot {name!r}: batch.{field} has {len(values)} entries, dp_size is {buf.shape[0]}")
+            raise ValueError(f"slot {name!r}: batch.{field} has {len(values)} entries, dp_size "
+                             f"is {buf.shape[0]}")
         return host.get(values)
 
     return Slot(name, lambda b, t: (dp_size,), torch.int32, Axis.NONE, compute=compute)
@@ -98,7 +99,8 @@ def _zero_tail(buf: torch.Tensor, batch: Any, sizes: FillSizes) -> None:
 
 
 def _common_slots(
-    token_ids_padding, seq_len_fill_value: int, dp_size: int, register_global_num_tokens: bool, mrope: bool
+    token_ids_padding, seq_len_fill_value: int, dp_size: int, register_global_num_tokens: bool,
+    mrope: bool
 ) -> list[Slot]:
     slots = [
         Slot("input_ids", lambda b, t: (t,), torch.int64, Axis.TOKENS, token_ids_padding),
@@ -106,18 +108,22 @@ def _common_slots(
         Slot("out_cache_loc", lambda b, t: (t,), torch.int64, Axis.TOKENS, ZERO),
         Slot("req_pool_indices", lambda b, t: (b,), torch.int64, Axis.BS, ZERO),
         Slot("seq_lens", lambda b, t: (b,), torch.int64, Axis.BS, fill(seq_len_fill_value)),
-        Slot("seq_lens_cpu", lambda b, t: (b,), torch.int64, Axis.BS, fill(seq_len_fill_value), device="cpu"),
+        Slot("seq_lens_cpu", lambda b, t: (b,), torch.int64, Axis.BS, fill(seq_len_fill_value),
+             device="cpu"),
         _num_token_non_padded_slot(),
     ]
     if mrope:
-        slots.append(Slot("mrope_positions", lambda b, t: (3, t), torch.int64, Axis.TOKENS, ZERO, dim=1))
+        slots.append(Slot("mrope_positions", lambda b, t: (3, t), torch.int64, Axis.TOKENS, ZERO,
+                          dim=1))
     if register_global_num_tokens:
         slots.append(_counts_slot("global_num_tokens_gpu", "global_num_tokens_cpu", dp_size))
-        slots.append(_counts_slot("global_num_tokens_for_logprob_gpu", "global_num_tokens_for_logprob_cpu", dp_size))
+        slots.append(_counts_slot("global_num_tokens_for_logprob_gpu",
+                                  "global_num_tokens_for_logprob_cpu", dp_size))
     return slots
 
 
-def _build(slots: list[Slot], max_bs: int, max_num_tokens: int, device, pool: BufferPool, user: str, source: Any) -> BufferRegistry:
+def _build(slots: list[Slot], max_bs: int, max_num_tokens: int, device, pool: BufferPool, user: str,
+           source: Any) -> BufferRegistry:
     bind = None
     if source is not None:
         bind = {}
@@ -174,6 +180,7 @@ def build_prefill_registry(
         if hidden_size is None:
             raise ValueError("build_prefill_registry: register_input_embeds=True needs hidden_size")
         slots.append(
-            Slot("input_embeds", lambda b, t: (t, hidden_size), embed_dtype, Axis.TOKENS, compute=_zero_tail)
+            Slot("input_embeds", lambda b, t: (t, hidden_size), embed_dtype, Axis.TOKENS,
+                 compute=_zero_tail)
         )
     return _build(slots, max_bs, max_num_tokens, device, pool, user, source)

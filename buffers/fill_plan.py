@@ -13,8 +13,8 @@ import torch
 
 from buffers.slot import Axis, FillSizes, Slot
 
-__all__ = ["PER_SIZE_CACHE", "BoundedCache", "CopyGroup", "FillPlan", "LiveSlot", "PackedSlots", "checked_fill_sizes",
-           "count_arg"]
+__all__ = ["PER_SIZE_CACHE", "BoundedCache", "CopyGroup", "FillPlan", "LiveSlot", "PackedSlots",
+           "checked_fill_sizes", "count_arg"]
 
 # Entries each per-size cache keeps (least recently used go first).
 PER_SIZE_CACHE = 256
@@ -110,27 +110,30 @@ class FillPlan:
 
 
 def checked_fill_sizes(user: str, raw_bs: int, padded_bs: int, raw_num_tokens: int | None,
-                       padded_num_tokens: int | None, capacities: list[tuple[Slot, int]]) -> FillSizes:
+                       padded_num_tokens: int | None, capacities: list[tuple[Slot,
+                                                                             int]]) -> FillSizes:
     """The sizes of one ``fill`` of registry ``user``: the token counts default to the request
     counts (one token per request), or the padded tokens to the raw ones. ValueError unless
     ``0 <= raw <= padded`` on each axis and every slot of that axis (``capacities``: each slot
     and its rows) holds the padded size."""
     where = f"registry {user!r}: fill"
-    raw_bs, padded_bs = count_arg(raw_bs, f"{where} raw_bs"), count_arg(padded_bs, f"{where} padded_bs")
+    raw_bs, padded_bs = (count_arg(raw_bs, f"{where} raw_bs"),
+                         count_arg(padded_bs, f"{where} padded_bs"))
     if raw_num_tokens is not None:
         raw_num_tokens = count_arg(raw_num_tokens, f"{where} raw_num_tokens")
     if padded_num_tokens is not None:
         padded_num_tokens = count_arg(padded_num_tokens, f"{where} padded_num_tokens")
     raw_t = raw_bs if raw_num_tokens is None else raw_num_tokens
-    pad_t = (padded_bs if raw_num_tokens is None else raw_t) if padded_num_tokens is None else padded_num_tokens
+    pad_t = ((padded_bs if raw_num_tokens is None else raw_t) if padded_num_tokens is None
+             else padded_num_tokens)
     sizes = FillSizes(raw_bs, padded_bs, raw_t, pad_t)
     for axis, raw, padded in (
         (Axis.BS, sizes.raw_bs, sizes.padded_bs),
         (Axis.TOKENS, sizes.raw_num_tokens, sizes.padded_num_tokens),
     ):
         if raw < 0 or raw > padded:
-            raise ValueError(f"registry {user!r}: need 0 <= raw <= padded on axis {axis.value}, got raw={raw}, "
-                             f"padded={padded}")
+            raise ValueError(f"registry {user!r}: need 0 <= raw <= padded on axis {axis.value}, "
+                             f"got raw={raw}, padded={padded}")
         for slot, capacity in capacities:
             if slot.axis is axis and padded > capacity:
                 raise ValueError(

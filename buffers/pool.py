@@ -46,7 +46,8 @@ class BufferNeed:
         return math.prod(self.shape)
 
     def describe(self) -> str:
-        return f"{self.user!r} declared {self.name!r} as {tuple(self.shape)} {self.dtype} on {self.device}"
+        return (f"{self.user!r} declared {self.name!r} as {tuple(self.shape)} {self.dtype} "
+                f"on {self.device}")
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,8 @@ class BufferPool:
         self._needs.setdefault(name, []).append(need)
         return need
 
-    def declare_all(self, needs: list[tuple[str, tuple[int, ...], torch.dtype, torch.device | str]], user: str) -> None:
+    def declare_all(self, needs: list[tuple[str, tuple[int, ...], torch.dtype, torch.device | str]],
+                    user: str) -> None:
         """Declare several buffers at once: either all are recorded or, on error, none is."""
         with self.atomic():
             for name, shape, dtype, device in needs:
@@ -229,7 +231,8 @@ class BufferPool:
         for name in sorted(self._needs):
             needs = self._needs[name]
             first = needs[0]
-            numel = self._storage[name].numel() if name in self._storage else max(n.numel for n in needs)
+            numel = (self._storage[name].numel() if name in self._storage
+                     else max(n.numel for n in needs))
             out.append(
                 PoolEntry(
                     name=name,
@@ -258,6 +261,7 @@ class BufferPool:
         return "\n".join(lines)
 
     def clear(self) -> None:
-        """Drop every declaration and storage. Call only after graphs that point into it are gone."""
+        """Drop every declaration and storage. Call only after graphs that point into it are
+        gone."""
         self._needs.clear()
         self._storage.clear()

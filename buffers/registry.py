@@ -66,8 +66,10 @@ class BufferRegistry:
         self._buffers: dict[str, torch.Tensor] = {}
         # Per-size caches, bounded: an eager runner sees every prefill size from 1 to the chunk,
         # and each entry holds views; the hot sizes of a serving loop stay, the rest are evicted.
-        self._plans: fp.BoundedCache[tuple[int, int, int | None, int | None], fp.FillPlan] = fp.BoundedCache(fp.PER_SIZE_CACHE)
-        self._padded: fp.BoundedCache[tuple[int, int], dict[str, torch.Tensor]] = fp.BoundedCache(fp.PER_SIZE_CACHE)
+        self._plans: fp.BoundedCache[tuple[int, int, int | None, int | None], fp.FillPlan] = (
+            fp.BoundedCache(fp.PER_SIZE_CACHE))
+        self._padded: fp.BoundedCache[tuple[int, int], dict[str, torch.Tensor]] = fp.BoundedCache(
+            fp.PER_SIZE_CACHE)
         self._pad_sources: dict[str, torch.Tensor] = {}
         self._packs = []
         self._once_done: set[str] = set()
@@ -93,7 +95,8 @@ class BufferRegistry:
         packed = {dtype: members for dtype, members in packed.items() if len(members) > 1}
         for slot in to_allocate:
             if slot not in packed.get(slot.dtype, ()):
-                pool.declare(slot.name, self.full_shape(slot), slot.dtype, self.slot_device(slot), user)
+                pool.declare(slot.name, self.full_shape(slot), slot.dtype, self.slot_device(slot),
+                             user)
         for dtype, members in packed.items():
             numel = sum(math.prod(self.full_shape(m)) for m in members)
             pool.declare(self._pack_name(dtype), (numel,), dtype, self.device, user)
@@ -122,7 +125,8 @@ class BufferRegistry:
         return torch.device(slot.device) if slot.device is not None else self.device
 
     def full_shape(self, slot: Slot) -> tuple[int, ...]:
-        shape = checked_shape(slot.shape(self.max_bs, self.max_num_tokens), f"registry {self.user!r}: slot {slot.name!r} has shape")
+        shape = checked_shape(slot.shape(self.max_bs, self.max_num_tokens),
+                              f"registry {self.user!r}: slot {slot.name!r} has shape")
         if slot.axis is not Axis.NONE and not -len(shape) <= slot.dim < len(shape):
             raise ValueError(f"slot {slot.name!r}: dim {slot.dim} is outside its shape {shape}")
         return shape
@@ -147,7 +151,8 @@ class BufferRegistry:
         slot = self.slots[name]
         want = self.full_shape(slot)
         device = self.slot_device(slot)
-        if tuple(tensor.shape) != want or tensor.dtype != slot.dtype or tensor.device.type != device.type:
+        if (tuple(tensor.shape) != want or tensor.dtype != slot.dtype
+                or tensor.device.type != device.type):
             raise ValueError(
                 f"cannot bind slot {name!r}: it needs {want} {slot.dtype} on {device}, "
                 f"got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
@@ -160,8 +165,10 @@ class BufferRegistry:
         self._pad_sources.pop(name, None)
 
     # -- fill ----------------------------------------------------------------------------------
-    def _sizes(self, raw_bs: int, padded_bs: int, raw_num_tokens: int | None, padded_num_tokens: int | None) -> FillSizes:
-        return fp.checked_fill_sizes(self.user, raw_bs, padded_bs, raw_num_tokens, padded_num_tokens,
+    def _sizes(self, raw_bs: int, padded_bs: int, raw_num_tokens: int | None,
+               padded_num_tokens: int | None) -> FillSizes:
+        return fp.checked_fill_sizes(self.user, raw_bs, padded_bs, raw_num_tokens,
+                                     padded_num_tokens,
                                      [(slot, self.capacity(slot)) for slot in self.slots.values()])
 
     def _index(self, slot: Slot, start: int, stop: int) -> tuple[slice, ...]:
@@ -201,15 +208,16 @@ class BufferRegistry:
                     plan.computed.append((slot, buf))
                 continue
             if slot.axis is Axis.NONE:
-                plan.live.append(fp.LiveSlot(slot, buf.shape, buf.dtype, (place(buf, None),), (), False))
+                plan.live.append(fp.LiveSlot(slot, buf.shape, buf.dtype, (place(buf, None),), (),
+                                             False))
                 continue
             raw, padded = sizes.raw(slot.axis), sizes.padded(slot.axis)
             kind = slot.padding.kind
             pads = padded > raw and kind != "keep"
             if pads and slot.padding.value is None and kind in ("fill", "fill_once"):
                 raise ValueError(
-                    f"registry {self.user!r}: slot {slot.name!r} has padding {kind} without a value, "
-                    f"and this fill has a tail to pad (raw {raw}, padded {padded})"
+                    f"registry {self.user!r}: slot {slot.name!r} has padding {kind} without a "
+                    f"value, and this fill has a tail to pad (raw {raw}, padded {padded})"
                 )
             if pads and kind == "fill_once":
                 plan.fill_once.append((slot, buf))
@@ -276,8 +284,9 @@ class BufferRegistry:
                 continue
             if src.shape != live.shape or src.dtype != live.dtype:
                 raise ValueError(
-                    f"registry {self.user!r}: slot {live.slot.name!r} expects {tuple(live.shape)} {live.dtype} "
-                    f"for this fill, batch gives {tuple(src.shape)} {src.dtype}"
+                    f"registry {self.user!r}: slot {live.slot.name!r} "
+                    f"expects {tuple(live.shape)} {live.dtype} for this fill, batch "
+                    f"gives {tuple(src.shape)} {src.dtype}"
                 )
             if live.split_rows:
                 for (group, at), row in zip(live.lives, src.unbind(0), strict=True):
@@ -325,8 +334,9 @@ class BufferRegistry:
             for (slot, buf), out in zip(pack.members, outs, strict=True):
                 if out.numel() != buf.numel() or out.dtype != buf.dtype:
                     raise ValueError(
-                        f"registry {self.user!r}: computed slot {slot.name!r} returned {tuple(out.shape)} "
-                        f"{out.dtype}, its buffer is {tuple(buf.shape)} {buf.dtype}"
+                        f"registry {self.user!r}: computed slot {slot.name!r} "
+                        f"returned {tuple(out.shape)} {out.dtype}, its buffer "
+                        f"is {tuple(buf.shape)} {buf.dtype}"
                     )
             host = torch.cat([o.reshape(-1) for o in outs])
             if torch.cuda.is_available():
@@ -338,7 +348,8 @@ class BufferRegistry:
         pack.block.copy_(entry[0], non_blocking=True)
 
     # -- view ----------------------------------------------------------------------------------
-    def views(self, padded_bs: int, padded_num_tokens: int | None = None) -> dict[str, torch.Tensor | None]:
+    def views(self, padded_bs: int,
+              padded_num_tokens: int | None = None) -> dict[str, torch.Tensor | None]:
         """``{slot name: view}`` at the padded sizes, None for plain slots the last fill lacked."""
         if self._present is None:
             raise RuntimeError(f"registry {self.user!r}: view() before any fill()")

@@ -29,7 +29,8 @@ def _children(obj: Any, path: str) -> list[tuple[str, Any]]:
     if isinstance(obj, dict):
         for key in obj:
             if not isinstance(key, str):
-                raise TypeError(f"share_input_buffers_in: dict key {key!r} under {path or '<root>'!r} is not a str")
+                raise TypeError(f"share_input_buffers_in: dict key {key!r} "
+                                f"under {path or '<root>'!r} is not a str")
         return list(obj.items())
     raise TypeError(
         f"share_input_buffers_in: {path or '<root>'!r} is a {type(obj).__name__}; "

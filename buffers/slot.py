@@ -53,7 +53,8 @@ class Padding:
 
     def __post_init__(self) -> None:
         if self.kind not in ("keep", "zero", "fill", "fill_once"):
-            raise ValueError(f"unknown padding kind {self.kind!r}; expected keep, zero, fill or fill_once")
+            raise ValueError(f"unknown padding kind {self.kind!r}; expected keep, zero, fill or "
+                             "fill_once")
 
 
 KEEP = Padding("keep")
@@ -110,7 +111,8 @@ class Slot:
     dim: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_path", tuple((self.source or self.name).split(".")) if not callable(self.source) else None)
+        object.__setattr__(self, "_path", tuple((self.source or self.name).split("."))
+                           if not callable(self.source) else None)
         if not self.name:
             raise ValueError("a slot needs a name")
         try:

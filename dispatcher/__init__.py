@@ -1,7 +1,8 @@
 """dispatcher/: MoE token dispatch and combine over the EP group, and their buffer sizing.
 
-Backends: local (world size 1), all-gather + reduce-scatter through the DP buffer service, variable-split all-to-all (torch.distributed), and
-FlashInfer's MoeAlltoAll (imported lazily). See docs/dispatcher.md.
+Backends: local (world size 1), all-gather + reduce-scatter through the DP buffer service,
+variable-split all-to-all (torch.distributed), and FlashInfer's MoeAlltoAll (imported lazily). See
+docs/dispatcher.md.
 """
 
 from dispatcher.all_gather import AllGatherDispatcher, AllGatherHandle, GatherBuffers

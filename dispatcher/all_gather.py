@@ -49,9 +49,11 @@ class GatherBuffers(Protocol):
 
     def gather(self, local_TD: torch.Tensor) -> torch.Tensor: ...
 
-    def gather_routing(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor, invalid_id: int) -> torch.Tensor: ...
+    def gather_routing(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                       invalid_id: int) -> torch.Tensor: ...
 
-    def reduce_scatter(self, global_GD: torch.Tensor, *, num_rows: int | None = None) -> torch.Tensor: ...
+    def reduce_scatter(self, global_GD: torch.Tensor, *,
+                       num_rows: int | None = None) -> torch.Tensor: ...
 
     def set_from_plan(self, plan: StepPlanLike) -> Any:
         """Lay the buffers out for ``plan``; returns the layout."""
@@ -112,10 +114,11 @@ class AllGatherDispatcher(DispatcherKind):
     def close(self) -> None:
         self.buffers = None
 
-    def dispatch(self, hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                 plan: StepPlanLike) -> DispatchResult:
+    def dispatch(self, hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor, plan: StepPlanLike) -> DispatchResult:
         cfg, ep = self.config, self.ep
-        check_step(hidden_TD, topk_ids_TK, topk_weights_TK, plan, config=cfg, ep=ep, backend=self.kind)
+        check_step(hidden_TD, topk_ids_TK, topk_weights_TK, plan, config=cfg, ep=ep,
+                   backend=self.kind)
         self._guard.before_step(plan, self.warmup)
         # The one place the buffers are laid out: from the plan of this forward (a graph capture
         # records this layout; the same plan in the next layer costs an identity check).
@@ -130,7 +133,8 @@ class AllGatherDispatcher(DispatcherKind):
             num_local_experts=self.partition.num_local(ep.rank),
             first_expert=self.partition.first(ep.rank),
         )
-        return DispatchResult(AllGatherHandle(id(self), hidden_TD.shape[0], gathered_GD, int(plan.fingerprint)), inputs)
+        return DispatchResult(AllGatherHandle(id(self), hidden_TD.shape[0], gathered_GD,
+                                              int(plan.fingerprint)), inputs)
 
     def expert_output_buffer(self, handle: AllGatherHandle) -> torch.Tensor:
         """The gathered hidden rows themselves: the experts' partial sums overwrite their input."""

@@ -71,7 +71,8 @@ class RowLayout:
         hidden_SD = rows_SB[:, off:end].view(self.dtype)
         return hidden_SD, ids_SK, weights_SK
 
-    def pack(self, hidden_SD: torch.Tensor, ids_SK: torch.Tensor, weights_SK: torch.Tensor) -> torch.Tensor:
+    def pack(self, hidden_SD: torch.Tensor, ids_SK: torch.Tensor,
+             weights_SK: torch.Tensor) -> torch.Tensor:
         """New ``[S, B]`` uint8 rows holding the given hidden rows, ids and weights."""
         rows_SB = self.empty(hidden_SD.shape[0], hidden_SD.device)
         h, i, w = self.views(rows_SB)
@@ -89,7 +90,8 @@ def all_to_all_rows(out_NX: torch.Tensor, src_SX: torch.Tensor, out_splits: Sequ
     if not ep.distributed:
         out_NX.copy_(src_SX)
         return
-    dist.all_to_all_single(out_NX, src_SX.contiguous(), list(out_splits), list(in_splits), group=ep.group)
+    dist.all_to_all_single(out_NX, src_SX.contiguous(), list(out_splits), list(in_splits),
+                           group=ep.group)
 
 
 def exchange_counts(send_counts_R: torch.Tensor, ep: EPGroup) -> torch.Tensor:
@@ -151,7 +153,8 @@ class AllToAllDispatcher(DispatcherKind):
 
     def workspace_bytes_per_rank(self) -> int:
         c = self.config
-        return all_to_all_buffer_bytes(self.ep.size, c.max_tokens_per_rank, c.hidden_size, c.top_k, c.dtype)
+        return all_to_all_buffer_bytes(self.ep.size, c.max_tokens_per_rank, c.hidden_size, c.top_k,
+                                       c.dtype)
 
     def warmup(self) -> None:
         warmup_round(self, self._guard, self.config.first_step_timeout_s)
@@ -159,10 +162,11 @@ class AllToAllDispatcher(DispatcherKind):
     def close(self) -> None:
         pass
 
-    def dispatch(self, hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                 plan: StepPlanLike) -> DispatchResult:
+    def dispatch(self, hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor, plan: StepPlanLike) -> DispatchResult:
         cfg, ep = self.config, self.ep
-        check_step(hidden_TD, topk_ids_TK, topk_weights_TK, plan, config=cfg, ep=ep, backend=self.kind)
+        check_step(hidden_TD, topk_ids_TK, topk_weights_TK, plan, config=cfg, ep=ep,
+                   backend=self.kind)
         self._guard.before_step(plan, self.warmup)
         t, device = hidden_TD.shape[0], hidden_TD.device
 
@@ -174,7 +178,8 @@ class AllToAllDispatcher(DispatcherKind):
         _, send_token_idx_S = dest_TR.T.nonzero(as_tuple=True)
         send_counts_R = dest_TR.sum(dim=0)
         recv_counts_R = exchange_counts(send_counts_R, ep)
-        send_counts, recv_counts = (tuple(c) for c in torch.stack([send_counts_R, recv_counts_R]).tolist())
+        send_counts, recv_counts = (tuple(c)
+                                    for c in torch.stack([send_counts_R, recv_counts_R]).tolist())
 
         send_SB = self._layout.pack(hidden_TD[send_token_idx_S], topk_ids_TK[send_token_idx_S],
                                     topk_weights_TK[send_token_idx_S])
@@ -182,7 +187,8 @@ class AllToAllDispatcher(DispatcherKind):
         all_to_all_rows(recv_NB, send_SB, recv_counts, send_counts, ep)
         hidden_ND, ids_NK, weights_NK = self._layout.views(recv_NB)
 
-        handle = AllToAllHandle(id(self), t, send_token_idx_S, send_counts, recv_counts, int(plan.fingerprint))
+        handle = AllToAllHandle(id(self), t, send_token_idx_S, send_counts, recv_counts,
+                                int(plan.fingerprint))
         inputs = ExpertInputs(
             hidden_ND=hidden_ND,
             expert_ids_NK=ids_NK,
@@ -203,7 +209,8 @@ class AllToAllDispatcher(DispatcherKind):
         d = self.config.hidden_size
         back_SD = expert_out_ND.new_empty((len(handle.send_token_idx_S), d))
         all_to_all_rows(back_SD, expert_out_ND, handle.send_counts, handle.recv_counts, self.ep)
-        out_TD = torch.zeros((handle.num_tokens, d), dtype=torch.float32, device=expert_out_ND.device)
+        out_TD = torch.zeros((handle.num_tokens, d), dtype=torch.float32,
+                             device=expert_out_ND.device)
         out_TD.index_add_(0, handle.send_token_idx_S, back_SD.float())
         return out_TD.to(self.config.dtype)
 

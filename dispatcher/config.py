@@ -39,8 +39,11 @@ class DispatcherConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"DispatcherConfig.{name} must be a positive int, got {value!r}")
         if self.top_k > self.num_experts:
-            raise ValueError(f"DispatcherConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+            raise ValueError(f"DispatcherConfig.top_k={self.top_k} exceeds "
+                             f"num_experts={self.num_experts}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise ValueError(f"DispatcherConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
+            raise ValueError("DispatcherConfig.dtype must be a floating torch.dtype, "
+                             f"got {self.dtype!r}")
         if self.first_step_timeout_s <= 0:
-            raise ValueError(f"DispatcherConfig.first_step_timeout_s must be > 0, got {self.first_step_timeout_s}")
+            raise ValueError("DispatcherConfig.first_step_timeout_s must be > 0, "
+                             f"got {self.first_step_timeout_s}")

@@ -62,21 +62,23 @@ class ExpertInputs:
     def local_expert_ids_NK(self) -> torch.Tensor:
         if self.given_local_ids_NK is not None:
             return self.given_local_ids_NK
-        return ExpertPartition.local_ids_of(self.expert_ids_NK, self.first_expert, self.num_local_experts)
+        return ExpertPartition.local_ids_of(self.expert_ids_NK, self.first_expert,
+                                            self.num_local_experts)
 
     @property
     def shifted_expert_ids_NK(self) -> torch.Tensor:
         if self.given_local_ids_NK is not None:
             return self.given_local_ids_NK
-        return self.expert_ids_NK if self.first_expert == 0 else self.expert_ids_NK - self.first_expert
+        return (self.expert_ids_NK if self.first_expert == 0
+                else self.expert_ids_NK - self.first_expert)
 
     @property
     def num_rows(self) -> int:
         return self.hidden_ND.shape[0]
 
 
-def run_local_experts(inputs: ExpertInputs, expert_fn: ExpertFn, *, out_ND: torch.Tensor | None = None,
-                      dense: bool = False) -> torch.Tensor:
+def run_local_experts(inputs: ExpertInputs, expert_fn: ExpertFn, *,
+                      out_ND: torch.Tensor | None = None, dense: bool = False) -> torch.Tensor:
     """Weighted sum of this rank's experts over each received row.
 
     Takes the dispatch's ``ExpertInputs``, an expert function, an optional output buffer (e.g. the
@@ -94,7 +96,8 @@ def run_local_experts(inputs: ExpertInputs, expert_fn: ExpertFn, *, out_ND: torc
     if out_ND is None:
         out_ND = torch.empty((n, d), dtype=x_ND.dtype, device=x_ND.device)
     elif out_ND.shape != (n, d) or out_ND.dtype != x_ND.dtype:
-        raise ValueError(f"out_ND must be {(n, d)} {x_ND.dtype}, got {tuple(out_ND.shape)} {out_ND.dtype}")
+        raise ValueError(f"out_ND must be {(n, d)} {x_ND.dtype}, "
+                         f"got {tuple(out_ND.shape)} {out_ND.dtype}")
     acc_ND = torch.zeros((n, d), dtype=torch.float32, device=x_ND.device)
     ids_NK = inputs.local_expert_ids_NK
     w_NK = inputs.weights_NK.float()
@@ -132,8 +135,10 @@ class SwiGLUExperts:
                seed: int = 0) -> SwiGLUExperts:
         """Experts with seeded random weights (the same on every rank for the same seed)."""
         g = torch.Generator().manual_seed(seed)
-        gate_up = torch.randn(num_experts, 2 * intermediate_size, hidden_size, generator=g) / hidden_size**0.5
-        down = torch.randn(num_experts, hidden_size, intermediate_size, generator=g) / intermediate_size**0.5
+        gate_up = (torch.randn(num_experts, 2 * intermediate_size, hidden_size, generator=g)
+                   / hidden_size**0.5)
+        down = (torch.randn(num_experts, hidden_size, intermediate_size, generator=g)
+                / intermediate_size**0.5)
         return cls(gate_up.to(device=device, dtype=dtype), down.to(device=device, dtype=dtype))
 
     @property
@@ -143,7 +148,8 @@ class SwiGLUExperts:
     def local(self, partition: ExpertPartition, rank: int) -> SwiGLUExperts:
         """The experts rank ``rank`` owns (views, local ids ``0..L-1``)."""
         first, count = partition.first(rank), partition.num_local(rank)
-        return SwiGLUExperts(self.gate_up_E2ID[first:first + count], self.down_EDI[first:first + count])
+        return SwiGLUExperts(self.gate_up_E2ID[first:first + count],
+                             self.down_EDI[first:first + count])
 
     def __call__(self, x_MD: torch.Tensor, expert_id: int) -> torch.Tensor:
         gate_up_MI2 = x_MD @ self.gate_up_E2ID[expert_id].T

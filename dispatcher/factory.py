@@ -30,12 +30,13 @@ from dispatcher.kind import DispatcherKind
 from dispatcher.local import LocalDispatcher
 from dispatcher.protocol import Dispatcher
 
-__all__ = ["DISPATCHER_KINDS", "KINDS", "auto_kind", "dispatcher_kind", "flashinfer_dispatch_verdict",
-           "make_dispatcher"]
+__all__ = ["DISPATCHER_KINDS", "KINDS", "auto_kind", "dispatcher_kind",
+           "flashinfer_dispatch_verdict", "make_dispatcher"]
 
 # The one table of kinds (``auto`` asks them in their ``auto_order``).
 KINDS: dict[str, type[DispatcherKind]] = {
-    cls.kind: cls for cls in (LocalDispatcher, AllGatherDispatcher, AllToAllDispatcher, FlashInferDispatcher)
+    cls.kind: cls for cls in (LocalDispatcher, AllGatherDispatcher, AllToAllDispatcher,
+                              FlashInferDispatcher)
 }
 DISPATCHER_KINDS = tuple(KINDS)
 
@@ -48,7 +49,8 @@ def dispatcher_kind(kind: str) -> type[DispatcherKind]:
     return KINDS[kind]
 
 
-def auto_kind(world_size: int, flashinfer_dispatch: tuple[bool, str], graphs_on_cuda: bool) -> tuple[str, str]:
+def auto_kind(world_size: int, flashinfer_dispatch: tuple[bool, str],
+              graphs_on_cuda: bool) -> tuple[str, str]:
     """``(kind, why)`` that ``dispatcher="auto"`` takes: the first kind, by ``auto_order``, that
     says it fits (``DispatcherKind.auto_reason``)."""
     for kind, cls in sorted(KINDS.items(), key=lambda item: item[1].auto_order):
@@ -111,7 +113,9 @@ def make_dispatcher(kind: str, config: DispatcherConfig, *, ep: EPGroup | None =
     ep = ep if ep is not None else EPGroup.local()
     dev = torch.device(device) if device is not None else default_device()
     if ep.rank == 0:
-        logger.info("MoE dispatcher: %s; ep_size=%d, max_tokens_per_rank=%d", kind, ep.size, config.max_tokens_per_rank)
+        logger.info("MoE dispatcher: %s; ep_size=%d, max_tokens_per_rank=%d", kind, ep.size,
+                    config.max_tokens_per_rank)
     if backend_kwargs and not cls.gathers:  # ``buffers``: the DP buffer service it gathers through
-        raise ValueError(f"{kind} dispatcher takes no extra arguments, got {sorted(backend_kwargs)}")
+        raise ValueError(
+            f"{kind} dispatcher takes no extra arguments, got {sorted(backend_kwargs)}")
     return cls(config, ep, device=dev, **backend_kwargs)

@@ -48,7 +48,8 @@ from dispatcher.sizing import FLASHINFER_MAX_RANKS, dtype_bytes, flashinfer_work
 from dispatcher.startup import FirstStepGuard, warmup_round
 from dispatcher.validate import check_combine_input, check_step
 
-__all__ = ["FLASHINFER_TOP_K", "FlashInferDispatcher", "FlashInferHandle", "import_flashinfer_moe_a2a"]
+__all__ = ["FLASHINFER_TOP_K", "FlashInferDispatcher", "FlashInferHandle",
+           "import_flashinfer_moe_a2a"]
 
 # Top-k values the 0.7.2.post1 combine kernel is instantiated for (SWITCH_TOP_K in
 # moeAlltoAllKernels.cu); any other value fails inside the library at the first combine.
@@ -122,31 +123,39 @@ class FlashInferDispatcher(DispatcherKind):
     @classmethod
     def auto_reason(cls, world_size: int, flashinfer_dispatch: tuple[bool, str],
                     graphs_on_cuda: bool) -> str | None:
-        return "auto: every EP rank can run FlashInfer's MoeAlltoAll" if flashinfer_dispatch[0] else None
+        return ("auto: every EP rank can run FlashInfer's MoeAlltoAll" if flashinfer_dispatch[0]
+                else None)
 
     @classmethod
     def workspace_bytes(cls, ep_size: int, max_tokens_per_rank: int, hidden_size: int, top_k: int,
                         dtype: torch.dtype) -> int:
         # The MoeAlltoAll workspace, allocated once and kept.
-        return flashinfer_workspace_bytes_per_rank(ep_size, max_tokens_per_rank, hidden_size, top_k, dtype)
+        return flashinfer_workspace_bytes_per_rank(ep_size, max_tokens_per_rank, hidden_size, top_k,
+                                                   dtype)
 
-    def __init__(self, config: DispatcherConfig, ep: EPGroup, *, device: torch.device | str | None = None) -> None:
+    def __init__(self, config: DispatcherConfig, ep: EPGroup, *,
+                 device: torch.device | str | None = None) -> None:
         """Takes the config and the EP group (with a process group: the workspace handles are
         exchanged over ``ep.cpu_group``) and the CUDA device (default: the current one).
         Collective: every EP rank must construct its dispatcher at the same time. JIT-compiles the
         kernels on first use (about 100 s cold) and allocates the workspace."""
         fi = import_flashinfer_moe_a2a()
         if not ep.distributed:
-            raise ValueError("the flashinfer dispatcher needs an initialized process group (even at ep_size 1)")
+            raise ValueError("the flashinfer dispatcher needs an initialized process group (even "
+                             "at ep_size 1)")
         if config.top_k not in FLASHINFER_TOP_K:
-            raise ValueError(f"flashinfer MoeAlltoAll supports top_k in {FLASHINFER_TOP_K}, got {config.top_k}")
+            raise ValueError(f"flashinfer MoeAlltoAll supports top_k in {FLASHINFER_TOP_K}, "
+                             f"got {config.top_k}")
         if config.dtype not in _COMBINE_DTYPES:
-            raise ValueError(f"flashinfer MoeAlltoAll combines {_COMBINE_DTYPES}, got {config.dtype}")
+            raise ValueError(f"flashinfer MoeAlltoAll combines {_COMBINE_DTYPES}, "
+                             f"got {config.dtype}")
         if config.hidden_size * dtype_bytes(config.dtype) % 4:
-            raise ValueError(f"flashinfer dispatcher: hidden_size * dtype bytes must be a multiple of 4 "
-                             f"(the int32 payload follows the hidden rows), got hidden_size={config.hidden_size}")
+            raise ValueError("flashinfer dispatcher: hidden_size * dtype bytes must be a multiple "
+                             "of 4 (the int32 payload follows the hidden rows), got "
+                             f"hidden_size={config.hidden_size}")
         if ep.size > FLASHINFER_MAX_RANKS:
-            raise ValueError(f"flashinfer MoeAlltoAll supports ep_size <= {FLASHINFER_MAX_RANKS}, got {ep.size}")
+            raise ValueError(f"flashinfer MoeAlltoAll supports ep_size <= {FLASHINFER_MAX_RANKS}, "
+                             f"got {ep.size}")
         self.config = config
         self.ep = ep
         self.partition = ExpertPartition(config.num_experts, ep.size)
@@ -155,7 +164,8 @@ class FlashInferDispatcher(DispatcherKind):
         self._guard = FirstStepGuard(ep, f"{self.kind} dispatcher")
         self._workspace_bytes = flashinfer_workspace_bytes_per_rank(
             ep.size, config.max_tokens_per_rank, config.hidden_size, config.top_k, config.dtype)
-        # Pure-EP mapping over the EP group, as flashinfer.moe_ep's NVLinkOneSidedAlltoAll builds it.
+        # Pure-EP mapping over the EP group, as flashinfer.moe_ep's NVLinkOneSidedAlltoAll builds
+        # it.
         mapping = fi.Mapping(world_size=ep.size, rank=ep.rank, gpus_per_node=ep.size,
                              tp_size=ep.size, moe_ep_size=ep.size)
         mnnvl_config = fi.MnnvlConfig(comm_backend=fi.TorchDistBackend(group=ep.cpu_group))
@@ -192,10 +202,11 @@ class FlashInferDispatcher(DispatcherKind):
         self._a2a = None
         self._inflight = None
 
-    def dispatch(self, hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                 plan: StepPlanLike) -> DispatchResult:
+    def dispatch(self, hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor, plan: StepPlanLike) -> DispatchResult:
         cfg, ep = self.config, self.ep
-        check_step(hidden_TD, topk_ids_TK, topk_weights_TK, plan, config=cfg, ep=ep, backend=self.kind)
+        check_step(hidden_TD, topk_ids_TK, topk_weights_TK, plan, config=cfg, ep=ep,
+                   backend=self.kind)
         if self._inflight is not None:
             raise RuntimeError("flashinfer dispatcher: dispatch called twice without combine")
         self._guard.before_step(plan, self.warmup)
@@ -208,7 +219,8 @@ class FlashInferDispatcher(DispatcherKind):
             self._inflight = handle
             empty = hidden_TD.new_empty((0, cfg.hidden_size))
             ids = torch.empty((0, cfg.top_k), dtype=torch.int32, device=hidden_TD.device)
-            return DispatchResult(handle, ExpertInputs(empty, ids, ids.float(), self.partition.num_local(ep.rank),
+            return DispatchResult(handle, ExpertInputs(empty, ids, ids.float(),
+                                                       self.partition.num_local(ep.rank),
                                                        self.partition.first(ep.rank)))
         ids_TK = topk_ids_TK.to(torch.int32).contiguous()
         weights_TK = topk_weights_TK.to(torch.float32).contiguous()
@@ -251,13 +263,15 @@ class FlashInferDispatcher(DispatcherKind):
         self._inflight = None
         if p == 0:
             return expert_out_ND.new_empty((0, d))
-        in_workspace = self._combine_buffer_ptr is not None and expert_out_ND.data_ptr() == self._combine_buffer_ptr
+        in_workspace = (self._combine_buffer_ptr is not None
+                        and expert_out_ND.data_ptr() == self._combine_buffer_ptr)
         self._combine_buffer_ptr = None
         payload_RPD = expert_out_ND.contiguous().view(self.ep.size, p, d)
         # Our own output tensor: allocated by torch (graph-pool aware under capture) rather than
         # inside the library. An idle rank (no tokens) lets the library make the empty result.
         out_TD = expert_out_ND.new_empty((handle.num_tokens, d)) if handle.num_tokens > 0 else None
-        return self.moe_alltoall.combine(payload_RPD, p, payload_in_workspace=in_workspace, output=out_TD)
+        return self.moe_alltoall.combine(payload_RPD, p, payload_in_workspace=in_workspace,
+                                         output=out_TD)
 
     def _new_handle(self, t: int, p: int, plan: StepPlanLike) -> FlashInferHandle:
         self._sequence += 1

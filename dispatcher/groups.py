@@ -51,7 +51,8 @@ class EPGroup:
         """
         if not dist.is_initialized():
             if group is not None or cpu_group is not None:
-                raise ValueError("process groups were passed but torch.distributed is not initialized")
+                raise ValueError("process groups were passed but torch.distributed is not "
+                                 "initialized")
             return cls.local()
         if group is None:
             group = dist.group.WORLD
@@ -59,9 +60,11 @@ class EPGroup:
             if str(dist.get_backend(group)) == "gloo":
                 cpu_group = group
             else:
-                cpu_group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
+                cpu_group = dist.new_group(ranks=dist.get_process_group_ranks(group),
+                                           backend="gloo")
         elif str(dist.get_backend(cpu_group)) != "gloo":
-            raise ValueError(f"cpu_group must be a gloo group, got backend {dist.get_backend(cpu_group)!r}")
+            raise ValueError("cpu_group must be a gloo group, got "
+                             f"backend {dist.get_backend(cpu_group)!r}")
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         if dist.get_world_size(cpu_group) != size or dist.get_rank(cpu_group) != rank:
             raise ValueError(
@@ -71,7 +74,8 @@ class EPGroup:
         return cls(group=group, cpu_group=cpu_group, rank=rank, size=size)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, indexed by EP rank, over the CPU group (``[obj]`` at world size 1)."""
+        """Every rank's ``obj``, indexed by EP rank, over the CPU group (``[obj]`` at world size
+        1)."""
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.size
@@ -82,4 +86,5 @@ class EPGroup:
 def default_device() -> torch.device:
     """CUDA's current device when CUDA is available (``dist_group`` and launchers set it per
     rank), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))

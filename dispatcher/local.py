@@ -52,7 +52,8 @@ class LocalDispatcher(DispatcherKind):
         self.config = config
         self.ep = ep if ep is not None else EPGroup.local()
         if self.ep.size != 1:
-            raise ValueError(f"the local dispatcher serves one rank; the EP group has {self.ep.size}")
+            raise ValueError("the local dispatcher serves one rank; the EP group "
+                             f"has {self.ep.size}")
         self.partition = ExpertPartition(config.num_experts, 1)
         self.device = torch.device(device) if device is not None else default_device()
 
@@ -65,19 +66,20 @@ class LocalDispatcher(DispatcherKind):
     def close(self) -> None:
         pass
 
-    def dispatch(self, hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                 plan: StepPlanLike) -> DispatchResult:
-        check_step(hidden_TD, topk_ids_TK, topk_weights_TK, plan, config=self.config, ep=self.ep, backend=self.kind,
-                   padding_ids=True)
+    def dispatch(self, hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor, plan: StepPlanLike) -> DispatchResult:
+        check_step(hidden_TD, topk_ids_TK, topk_weights_TK, plan, config=self.config, ep=self.ep,
+                   backend=self.kind, padding_ids=True)
         # Every id is local: the conversion the other backends need is the identity here.
-        inputs = ExpertInputs(hidden_ND=hidden_TD, expert_ids_NK=topk_ids_TK, weights_NK=topk_weights_TK,
-                              num_local_experts=self.config.num_experts, first_expert=0,
-                              given_local_ids_NK=topk_ids_TK)
+        inputs = ExpertInputs(hidden_ND=hidden_TD, expert_ids_NK=topk_ids_TK,
+                              weights_NK=topk_weights_TK, num_local_experts=self.config.num_experts,
+                              first_expert=0, given_local_ids_NK=topk_ids_TK)
         return DispatchResult(LocalHandle(id(self), hidden_TD.shape[0]), inputs)
 
     def expert_output_buffer(self, handle: LocalHandle) -> torch.Tensor:
         self._check_handle(handle)
-        return torch.empty((handle.num_tokens, self.config.hidden_size), dtype=self.config.dtype, device=self.device)
+        return torch.empty((handle.num_tokens, self.config.hidden_size), dtype=self.config.dtype,
+                           device=self.device)
 
     def combine(self, expert_out_TD: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
         self._check_handle(handle)

@@ -33,7 +33,8 @@ class ExpertPartition:
             raise ValueError(f"ep_size must be >= 1, got {self.ep_size}")
         if self.num_experts < self.ep_size:
             raise ValueError(
-                f"num_experts={self.num_experts} < ep_size={self.ep_size}: every EP rank must own at least one expert"
+                f"num_experts={self.num_experts} < ep_size={self.ep_size}: every EP rank must own "
+                "at least one expert"
             )
 
     @property

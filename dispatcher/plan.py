@@ -56,7 +56,8 @@ class FixedPlan:
         """Plan for ``counts`` tokens per rank; the runtime max defaults to ``max(counts)``;
         ``is_max_len=False``: an all-gather dispatcher moves live rows only (SUM_LEN)."""
         counts = tuple(int(c) for c in counts)
-        runtime_max = max(counts, default=0) if runtime_max_tokens_per_rank is None else int(runtime_max_tokens_per_rank)
+        runtime_max = (max(counts, default=0) if runtime_max_tokens_per_rank is None
+                       else int(runtime_max_tokens_per_rank))
         # crc32 of the geometry: the same on every rank and every process (unlike hash()).
         fingerprint = zlib.crc32(repr((counts, runtime_max, bool(is_max_len))).encode())
         return cls(counts, runtime_max, fingerprint, bool(is_max_len))

@@ -50,8 +50,8 @@ class Dispatcher(Protocol):
     partition: ExpertPartition
     device: torch.device
 
-    def dispatch(self, hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                 plan: StepPlanLike) -> DispatchResult:
+    def dispatch(self, hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor, plan: StepPlanLike) -> DispatchResult:
         """Send tokens to their experts' ranks; returns ``(handle, ExpertInputs)``."""
         ...
 
@@ -86,5 +86,6 @@ def moe_forward(dispatcher: Dispatcher, hidden_TD: torch.Tensor, topk_ids_TK: to
     and the ``run_local_experts`` mode; returns ``T x D``.
     """
     handle, inputs = dispatcher.dispatch(hidden_TD, topk_ids_TK, topk_weights_TK, plan)
-    out_ND = run_local_experts(inputs, expert_fn, out_ND=dispatcher.expert_output_buffer(handle), dense=dense)
+    out_ND = run_local_experts(inputs, expert_fn, out_ND=dispatcher.expert_output_buffer(handle),
+                               dense=dense)
     return dispatcher.combine(out_ND, handle)

@@ -63,15 +63,16 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def max_tokens_per_rank(chunked_prefill_size: int, max_running_requests: int, attn_tp_size: int = 1) -> int:
+def max_tokens_per_rank(chunked_prefill_size: int, max_running_requests: int,
+                        attn_tp_size: int = 1) -> int:
     """The largest step one rank can issue: a prefill chunk or one decode token per request.
 
     Takes the runtime's limits and returns ``max(chunked_prefill_size, max_running_requests)``
     aligned up to ``attn_tp_size``: the ``max_num_tokens`` every dispatcher workspace and the DP
     buffers are sized for, per rank. The one definition (RuntimeConfig's property calls it).
     """
-    _check_positive(chunked_prefill_size=chunked_prefill_size, max_running_requests=max_running_requests,
-                    attn_tp_size=attn_tp_size)
+    _check_positive(chunked_prefill_size=chunked_prefill_size,
+                    max_running_requests=max_running_requests, attn_tp_size=attn_tp_size)
     most = max(chunked_prefill_size, max_running_requests)
     return -(-most // attn_tp_size) * attn_tp_size
 
@@ -81,7 +82,8 @@ def routing_bytes_per_token(top_k: int) -> int:
     return top_k * _INT32 + top_k * _INT32
 
 
-def flashinfer_aux_bytes(ep_size: int, max_tokens_per_rank: int, eplb_stats_num_experts: int = 0) -> int:
+def flashinfer_aux_bytes(ep_size: int, max_tokens_per_rank: int,
+                         eplb_stats_num_experts: int = 0) -> int:
     """FlashInfer's aux region per rank (counters, flags, per-token top-k bookkeeping), in bytes.
 
     Mirrors ``calculateOffsets(epSize, maxNumTokens, eplbStatsNumExperts)
@@ -119,7 +121,8 @@ def flashinfer_dispatch_bytes_per_token(hidden_size: int, top_k: int, dtype: tor
     """
     _check_positive(hidden_size=hidden_size, top_k=top_k,
                     extra_payload_bytes_per_token=extra_payload_bytes_per_token)
-    return hidden_size * dtype_bytes(dtype) + routing_bytes_per_token(top_k) + extra_payload_bytes_per_token
+    return (hidden_size * dtype_bytes(dtype) + routing_bytes_per_token(top_k)
+            + extra_payload_bytes_per_token)
 
 
 def flashinfer_combine_bytes_per_token(hidden_size: int, dtype: torch.dtype) -> int:
@@ -145,7 +148,8 @@ def flashinfer_workspace_bytes_per_rank(ep_size: int, max_tokens_per_rank: int, 
         raise ValueError(f"ep_size must be >= 1, got {ep_size}")
     if max_tokens_per_rank < 1:
         raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
-    dispatch = flashinfer_dispatch_bytes_per_token(hidden_size, top_k, dtype, extra_payload_bytes_per_token)
+    dispatch = flashinfer_dispatch_bytes_per_token(hidden_size, top_k, dtype,
+                                                   extra_payload_bytes_per_token)
     combine = flashinfer_combine_bytes_per_token(hidden_size, dtype)
     aux = flashinfer_aux_bytes(ep_size, max_tokens_per_rank, eplb_stats_num_experts)
     return (

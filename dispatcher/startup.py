@@ -53,11 +53,12 @@ def barrier_with_timeout(ep: EPGroup, timeout_s: float, what: str) -> None:
                                wait_all_ranks=True)
     except RuntimeError as exc:
         raise DispatcherStartupError(
-            f"{what}: not every EP rank reached the startup barrier within {timeout_s:g} s "
-            f"(seen from EP rank {ep.rank} of {ep.size}). A peer is slow (still compiling kernels?), "
-            f"stuck or dead; the step is refused on the host because FlashInfer's all-to-all kernels "
-            f"would spin on the GPU waiting for it and then kill the CUDA context. Raise "
-            f"DispatcherConfig.first_step_timeout_s if the peer is only slow. torch said: {exc}"
+            f"{what}: not every EP rank reached the startup barrier within {timeout_s:g} s (seen "
+            f"from EP rank {ep.rank} of {ep.size}). A peer is slow (still compiling "
+            "kernels?), stuck or dead; the step is refused on the host because FlashInfer's "
+            "all-to-all kernels would spin on the GPU waiting for it and then kill the CUDA "
+            "context. Raise DispatcherConfig.first_step_timeout_s if the peer is only slow. torch "
+            f"said: {exc}"
         ) from exc
 
 
@@ -113,7 +114,8 @@ class FirstStepGuard:
 def warmup_round(dispatcher: Any, guard: FirstStepGuard, timeout_s: float) -> None:
     """Barrier, one tiny dispatch + combine (one token per rank, routed to other ranks' experts,
     identity experts), device sync, barrier. Raises ``DispatcherStartupError`` if a peer misses a
-    barrier and ``RuntimeError`` if the round's output is wrong. Idempotent; every rank must call it.
+    barrier and ``RuntimeError`` if the round's output is wrong. Idempotent; every rank must call
+    it.
     """
     if guard.warmed:
         return
@@ -132,10 +134,12 @@ def _tiny_round(dispatcher: Any) -> None:
     cfg, ep, part = dispatcher.config, dispatcher.ep, dispatcher.partition
     device = dispatcher.device
     plan = FixedPlan.uniform(ep.size, 1)
-    x_TD = (torch.arange(cfg.hidden_size, device=device, dtype=torch.float32) % 7 + ep.rank).to(cfg.dtype)[None]
+    x_TD = (torch.arange(cfg.hidden_size, device=device, dtype=torch.float32) % 7
+            + ep.rank).to(cfg.dtype)[None]
     # Pick k goes to rank (rank + 1 + k) % R, so tokens cross ranks whenever R > 1.
     owners = [(ep.rank + 1 + k) % ep.size for k in range(cfg.top_k)]
-    ids_TK = torch.tensor([[part.first(r) + (k // ep.size) % part.num_local(r) for k, r in enumerate(owners)]],
+    ids_TK = torch.tensor([[part.first(r) + (k // ep.size) % part.num_local(r)
+                            for k, r in enumerate(owners)]],
                           dtype=torch.int32, device=device)
     w_TK = torch.full((1, cfg.top_k), 1.0 / cfg.top_k, dtype=torch.float32, device=device)
     out_TD = moe_forward(dispatcher, x_TD, ids_TK, w_TK, plan, lambda x, e: x)
@@ -143,6 +147,7 @@ def _tiny_round(dispatcher: Any) -> None:
         torch.cuda.synchronize(device)
     if not torch.allclose(out_TD.float(), x_TD.float(), rtol=1e-2, atol=1e-2):
         raise RuntimeError(
-            f"{dispatcher.kind} dispatcher warmup: a dispatch + combine of identity experts changed the "
-            f"tokens on EP rank {ep.rank} (max error {(out_TD.float() - x_TD.float()).abs().max().item():.3g})"
+            f"{dispatcher.kind} dispatcher warmup: a dispatch + combine of identity experts "
+            f"changed the tokens on EP rank {ep.rank} (max "
+            f"error {(out_TD.float() - x_TD.float()).abs().max().item():.3g})"
         )

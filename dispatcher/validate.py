@@ -37,26 +37,28 @@ def check_step(hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
     runtime_max = int(plan.runtime_max_tokens_per_rank)
     if len(counts) != ep.size:
         raise ValueError(
-            f"plan.global_num_tokens_cpu has {len(counts)} entries but the EP group has {ep.size} ranks "
-            "(the plan must list every EP rank's tokens, indexed by EP rank)"
+            f"plan.global_num_tokens_cpu has {len(counts)} entries but the EP group has {ep.size} "
+            "ranks (the plan must list every EP rank's tokens, indexed by EP rank)"
         )
     if runtime_max > config.max_tokens_per_rank:
         raise ValueError(
-            f"step refused before communication: plan.runtime_max_tokens_per_rank={runtime_max} exceeds "
-            f"the {backend} dispatcher's max_num_tokens={config.max_tokens_per_rank} per rank "
-            f"(= max(chunked_prefill_size, max_running_requests)); raise chunked_prefill_size or "
-            f"max_running_requests to at least {runtime_max}, or split the step"
+            f"step refused before communication: plan.runtime_max_tokens_per_rank={runtime_max} "
+            f"exceeds the {backend} dispatcher's max_num_tokens={config.max_tokens_per_rank} per "
+            "rank (= max(chunked_prefill_size, max_running_requests)); raise chunked_prefill_size "
+            f"or max_running_requests to at least {runtime_max}, or split the step"
         )
     if hidden_TD.dim() != 2:
-        raise ValueError(f"hidden_TD must be 2-D [tokens, hidden], got shape {tuple(hidden_TD.shape)}")
+        raise ValueError("hidden_TD must be 2-D [tokens, hidden], got "
+                         f"shape {tuple(hidden_TD.shape)}")
     num_tokens, hidden = hidden_TD.shape
     if hidden_TD.dtype != config.dtype:
         raise ValueError(
-            f"hidden_TD dtype {hidden_TD.dtype} does not match the dispatcher's dtype {config.dtype} "
-            "(DispatcherConfig.dtype)"
+            f"hidden_TD dtype {hidden_TD.dtype} does not match the dispatcher's "
+            f"dtype {config.dtype} (DispatcherConfig.dtype)"
         )
     if hidden != config.hidden_size:
-        raise ValueError(f"hidden_TD has hidden size {hidden}, the dispatcher was built for {config.hidden_size}")
+        raise ValueError(f"hidden_TD has hidden size {hidden}, the dispatcher was built "
+                         f"for {config.hidden_size}")
     if num_tokens > runtime_max:
         raise ValueError(
             f"local tokens {num_tokens} exceed plan.runtime_max_tokens_per_rank={runtime_max}; "
@@ -64,8 +66,9 @@ def check_step(hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
         )
     if num_tokens != counts[ep.rank]:
         raise ValueError(
-            f"local tokens {num_tokens} differ from plan.global_num_tokens_cpu[{ep.rank}]={counts[ep.rank]} "
-            "(this rank's entry of the gathered table)"
+            f"local tokens {num_tokens} differ from "
+            f"plan.global_num_tokens_cpu[{ep.rank}]={counts[ep.rank]} (this rank's entry of the "
+            "gathered table)"
         )
     if runtime_max < max(counts, default=0):
         raise ValueError(
@@ -74,12 +77,15 @@ def check_step(hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
         )
     expected = (num_tokens, config.top_k)
     if tuple(topk_ids_TK.shape) != expected:
-        raise ValueError(f"topk_ids_TK must have shape {expected} [tokens, top_k], got {tuple(topk_ids_TK.shape)}")
+        raise ValueError(f"topk_ids_TK must have shape {expected} [tokens, top_k], "
+                         f"got {tuple(topk_ids_TK.shape)}")
     if tuple(topk_weights_TK.shape) != expected:
         raise ValueError(
-            f"topk_weights_TK must have shape {expected} [tokens, top_k], got {tuple(topk_weights_TK.shape)}"
+            f"topk_weights_TK must have shape {expected} [tokens, top_k], "
+            f"got {tuple(topk_weights_TK.shape)}"
         )
-    if topk_ids_TK.dtype.is_floating_point or topk_ids_TK.dtype == torch.bool or topk_ids_TK.is_complex():
+    if (topk_ids_TK.dtype.is_floating_point or topk_ids_TK.dtype == torch.bool
+            or topk_ids_TK.is_complex()):
         raise ValueError(f"topk_ids_TK must be an integer tensor, got {topk_ids_TK.dtype}")
     if not topk_weights_TK.dtype.is_floating_point:
         raise ValueError(f"topk_weights_TK must be a floating tensor, got {topk_weights_TK.dtype}")
@@ -97,8 +103,10 @@ def check_step(hidden_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
             )
 
 
-def check_combine_input(expert_out_ND: torch.Tensor, num_rows: int, config: DispatcherConfig) -> None:
-    """Raise ``ValueError`` unless the expert outputs are ``num_rows x hidden`` in the config dtype."""
+def check_combine_input(expert_out_ND: torch.Tensor, num_rows: int,
+                        config: DispatcherConfig) -> None:
+    """Raise ``ValueError`` unless the expert outputs are ``num_rows x hidden`` in the config
+    dtype."""
     expected = (num_rows, config.hidden_size)
     if tuple(expert_out_ND.shape) != expected:
         raise ValueError(
@@ -106,4 +114,5 @@ def check_combine_input(expert_out_ND: torch.Tensor, num_rows: int, config: Disp
             f"got {tuple(expert_out_ND.shape)}"
         )
     if expert_out_ND.dtype != config.dtype:
-        raise ValueError(f"expert_out_ND dtype {expert_out_ND.dtype} does not match the dispatcher's dtype {config.dtype}")
+        raise ValueError(f"expert_out_ND dtype {expert_out_ND.dtype} does not match the "
+                         f"dispatcher's dtype {config.dtype}")

@@ -29,8 +29,8 @@ import torch
 from dispatcher.factory import KINDS, auto_kind, dispatcher_kind
 from dp_runtime.attention.backend import flashinfer_unsupported
 
-__all__ = ["CAPTURABLE_DISPATCHERS", "DISPATCHERS", "Choices", "check_kv_cache_dtype", "rank_choices",
-           "resolve_choices"]
+__all__ = ["CAPTURABLE_DISPATCHERS", "DISPATCHERS", "Choices", "check_kv_cache_dtype",
+           "rank_choices", "resolve_choices"]
 
 DISPATCHERS = ("auto", *KINDS)
 # Kinds a CUDA graph can hold (each class says: ``DispatcherKind.capturable``).
@@ -66,7 +66,8 @@ def resolve_choices(
     MoeAlltoAll, why not) — only read for ``dispatcher="auto"`` at world size > 1. Raises
     ValueError naming the option for a choice that cannot run."""
     if dispatcher != "auto" and dispatcher not in KINDS:
-        raise ValueError(f"dispatcher must be one of {', '.join(('auto', *KINDS))}; got {dispatcher!r}")
+        raise ValueError(f"dispatcher must be one of {', '.join(('auto', *KINDS))}; "
+                         f"got {dispatcher!r}")
     if use_cuda_graph is False:
         graphs, graphs_why = False, "use_cuda_graph is False"
     elif not capture_sizes:
@@ -82,8 +83,9 @@ def resolve_choices(
         kind, why = dispatcher, "configured"
         if graphs and device_type == "cuda" and not KINDS[kind].capturable:
             multi = [k for k, cls in KINDS.items() if cls.capturable and not cls.single_rank]
-            raise ValueError(f"dispatcher {kind!r} reads its counts on the host and cannot be captured in a "
-                             f"CUDA graph; pick {' or '.join(multi)}, or turn graphs off")
+            raise ValueError(f"dispatcher {kind!r} reads its counts on the host and cannot be "
+                             f"captured in a CUDA graph; pick {' or '.join(multi)}, or turn graphs "
+                             "off")
     else:
         kind, why = auto_kind(world_size, flashinfer_dispatch, graphs and device_type == "cuda")
 
@@ -103,17 +105,20 @@ def resolve_choices(
     return Choices(kind, why, graphs, graphs_why, attn, attn_why)
 
 
-def check_kv_cache_dtype(kv_dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None,
-                         gpu: str = "") -> None:
+def check_kv_cache_dtype(kv_dtype: torch.dtype, device_type: str,
+                         capability: tuple[int, int] | None, gpu: str = "") -> None:
     """An FP8 KV cache on CUDA needs compute capability 8.9 or newer (Ada, Hopper): the Triton
     kernels that store and read it have no e4m3 type below. ValueError naming the field, the
     GPU and its capability; CPU (SDPA upcasts in torch) and other dtypes pass."""
-    if kv_dtype == torch.float8_e4m3fn and device_type == "cuda" and capability is not None and capability < (8, 9):
-        raise ValueError(f"kv_cache_dtype float8_e4m3fn needs a GPU of compute capability 8.9 or newer (Ada, "
-                         f"Hopper); {gpu or 'this GPU'} is {capability[0]}.{capability[1]}: use kv_cache_dtype auto")
+    if (kv_dtype == torch.float8_e4m3fn and device_type == "cuda" and capability is not None
+            and capability < (8, 9)):
+        raise ValueError("kv_cache_dtype float8_e4m3fn needs a GPU of compute capability 8.9 or "
+                         f"newer (Ada, Hopper); {gpu or 'this GPU'} "
+                         f"is {capability[0]}.{capability[1]}: use kv_cache_dtype auto")
 
 
-def rank_choices(spec: Any, head_dim: int, world_size: int, device: torch.device, ep: Any) -> Choices:
+def rank_choices(spec: Any, head_dim: int, world_size: int, device: torch.device,
+                 ep: Any) -> Choices:
     """``resolve_choices`` for a rank built from ``spec`` (a RankSpec), after
     ``check_kv_cache_dtype`` on its device. A collective when the dispatcher is "auto" over
     several ranks: every rank asks FlashInfer's dispatcher together."""

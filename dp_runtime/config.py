@@ -6,62 +6,62 @@ construction, naming the rule and the values.
 
 Rules (checked in this order):
 
-====================================  ==================================================  ==========
-field                                 rule                                                "auto"
-====================================  ==================================================  ==========
-dp_size, attn_tp_size                 >= 1; ``world_size = dp_size * attn_tp_size``
-ep_size                               >= 1 and divides ``world_size`` (experts are        world_size
-                                      spread over EP groups of ``ep_size`` ranks that
-                                      tile the world)
-max_running_requests                  >= 1
-chunked_prefill_size                  >= 1
-hidden_size                           >= 1
-cuda_graph_max_bs                     0 <= value <= max_running_requests, a multiple of   min(mrr, 256)
-                                      ``attn_tp_size`` (a graph is captured at an         rounded down
-                                      aligned per-rank size); 0 disables graphs           to attn_tp
-cuda_graph_bs (capture sizes, tokens  strictly increasing, each > 0 and a multiple of     graph/'s
-per rank)                             ``attn_tp_size``; the last equals                   capture_sizes
-                                      ``cuda_graph_max_bs``; empty iff that is 0          policy
-cuda_graph_extend_tokens (token        strictly increasing, each > 0, a multiple of        16, 32, 64,
-buckets of extend graphs)             ``attn_tp_size`` and <= max_tokens_per_rank;        128, 256,
-                                      empty: extend steps run eager                       384, 512,
-                                                                                          768, 1024,
-                                                                                          capped
-dp_padding                            None / "auto" (the rule) / "max_len" / "sum_len"     None
-dp_sync_exchange                      "auto" (same node: shm, else gloo) / "shm" / "gloo"  env or auto
-dp_sync_timeout_s                     > 0                                                  (120)
-dp_sync_shm_dir                       a directory                                          env, /dev/shm
-eager_input_no_copy                   bool / "auto": the eager runner's no-copy escape       env, False
-                                      hatch (the batch's own tensors, no registry)
-flashinfer_checks                     bool / "auto": host checks of every FlashInfer plan    env, False
-overlap_schedule                      bool: the host schedules step N+1 while the GPU       (True)
-                                      runs step N (docs/model.md, "Overlapped steps")
-mixed_steps                           bool: a step carries every decode row with the        (True)
-                                      prefill chunks (docs/model.md, "Mixed steps");
-                                      False: a step prefills or decodes, never both
-mixed_step_tokens                     1 <= value <= chunked_prefill_size: the most tokens  the largest
-                                      a mixed step brings, its decode rows included        extend bucket
-                                                                                           (else the
-                                                                                           chunk)
-schedule_policy                       "fcfs" (arrival order) / "lof" (longest output       ("fcfs")
-                                      first: the arrived request with the most
-                                      max_new_tokens is admitted first)
-prefix_caching                        bool: reuse the K/V of cached prompt prefixes         (True)
-                                      (serving/prefix_cache.py)
-dtype                                 a torch.dtype or a name: bfloat16, bf16, float16,   (bfloat16)
-                                      fp16, float32, fp32
-kv_cache_dtype                        ``dtype`` or float8_e4m3fn (names: fp8, fp8_e4m3):  dtype
-                                      what the KV cache stores; fp8 halves its bytes per
-                                      token (twice the slots, half the bytes a decode
-                                      step's attention reads), K/V rounded to e4m3 at
-                                      scale 1 (saturating at +-448), read back in
-                                      ``dtype``
-quantization                          "none" (weights as stored) / "fp8": float weights    ("none")
-                                      quantized at load to FP8 128x128 blocks
-                                      (``model.quant_config``)
-device                                anything ``torch.device`` takes                     cuda if
-                                                                                          available
-====================================  ==================================================  ==========
+===============================  ===================================================  ==============
+field                            rule                                                 "auto"
+===============================  ===================================================  ==============
+dp_size, attn_tp_size            >= 1; ``world_size = dp_size * attn_tp_size``
+ep_size                          >= 1 and divides ``world_size`` (experts are         world_size
+                                 spread over EP groups of ``ep_size`` ranks that
+                                 tile the world)
+max_running_requests             >= 1
+chunked_prefill_size             >= 1
+hidden_size                      >= 1
+cuda_graph_max_bs                0 <= value <= max_running_requests, a multiple of    min(mrr, 256)
+                                 ``attn_tp_size`` (a graph is captured at an          rounded down
+                                 aligned per-rank size); 0 disables graphs            to attn_tp
+cuda_graph_bs (capture sizes,    strictly increasing, each > 0 and a multiple of      graph/'s
+tokens per rank)                 ``attn_tp_size``; the last equals                    capture_sizes
+                                 ``cuda_graph_max_bs``; empty iff that is 0           policy
+cuda_graph_extend_tokens (token  strictly increasing, each > 0, a multiple of         16, 32, 64,
+buckets of extend graphs)        ``attn_tp_size`` and <= max_tokens_per_rank;         128, 256,
+                                 empty: extend steps run eager                        384, 512,
+                                                                                      768, 1024,
+                                                                                      capped
+dp_padding                       None / "auto" (the rule) / "max_len" / "sum_len"     None
+dp_sync_exchange                 "auto" (same node: shm, else gloo) / "shm" / "gloo"  env or auto
+dp_sync_timeout_s                > 0                                                  (120)
+dp_sync_shm_dir                  a directory                                          env, /dev/shm
+eager_input_no_copy              bool / "auto": the eager runner's no-copy escape     env, False
+                                 hatch (the batch's own tensors, no registry)
+flashinfer_checks                bool / "auto": host checks of every FlashInfer plan  env, False
+overlap_schedule                 bool: the host schedules step N+1 while the GPU      (True)
+                                 runs step N (docs/model.md, "Overlapped steps")
+mixed_steps                      bool: a step carries every decode row with the       (True)
+                                 prefill chunks (docs/model.md, "Mixed steps");
+                                 False: a step prefills or decodes, never both
+mixed_step_tokens                1 <= value <= chunked_prefill_size: the most tokens  the largest
+                                 a mixed step brings, its decode rows included        extend bucket
+                                                                                      (else the
+                                                                                      chunk)
+schedule_policy                  "fcfs" (arrival order) / "lof" (longest output       ("fcfs")
+                                 first: the arrived request with the most
+                                 max_new_tokens is admitted first)
+prefix_caching                   bool: reuse the K/V of cached prompt prefixes        (True)
+                                 (serving/prefix_cache.py)
+dtype                            a torch.dtype or a name: bfloat16, bf16, float16,    (bfloat16)
+                                 fp16, float32, fp32
+kv_cache_dtype                   ``dtype`` or float8_e4m3fn (names: fp8, fp8_e4m3):   dtype
+                                 what the KV cache stores; fp8 halves its bytes per
+                                 token (twice the slots, half the bytes a decode
+                                 step's attention reads), K/V rounded to e4m3 at
+                                 scale 1 (saturating at +-448), read back in
+                                 ``dtype``
+quantization                     "none" (weights as stored) / "fp8": float weights    ("none")
+                                 quantized at load to FP8 128x128 blocks
+                                 (``model.quant_config``)
+device                           anything ``torch.device`` takes                      cuda if
+                                                                                      available
+===============================  ===================================================  ==============
 
 ``dp_sync_exchange == "auto"`` stays "auto" after resolution unless DP_RUNTIME_DP_SYNC_EXCHANGE
 sets it: which path "auto" takes depends on where the ranks run, which only the step sync
@@ -109,7 +109,8 @@ _DTYPES = {
     "float": torch.float32,
 }
 # KV cache storage other than the model's dtype: FP8 e4m3 (vLLM's and SGLang's "fp8" KV cache).
-_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
+_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+              "float8_e4m3fn": torch.float8_e4m3fn}
 _EXCHANGES = ("auto", "shm", "gloo")
 # The scheduler's admission orders (dp_runtime/serving/scheduler.py, module docstring).
 SCHEDULE_POLICIES = ("fcfs", "lof")
@@ -202,10 +203,12 @@ class RuntimeConfig:
         out["cuda_graph_bs"] = tuple(bs)
         ext = self.cuda_graph_extend_tokens
         if ext == "auto":
-            cap = max_tokens_per_rank(self.chunked_prefill_size, self.max_running_requests, self.attn_tp_size)
+            cap = max_tokens_per_rank(self.chunked_prefill_size, self.max_running_requests,
+                                      self.attn_tp_size)
             ext = tuple(n for n in _AUTO_EXTEND_TOKENS if n <= cap and n % self.attn_tp_size == 0)
         elif isinstance(ext, str):
-            raise _fail('cuda_graph_extend_tokens must be "auto" or a sequence of ints', cuda_graph_extend_tokens=ext)
+            raise _fail('cuda_graph_extend_tokens must be "auto" or a sequence of ints',
+                        cuda_graph_extend_tokens=ext)
         out["cuda_graph_extend_tokens"] = tuple(ext)
         dtype = self.dtype
         if isinstance(dtype, str):
@@ -217,7 +220,8 @@ class RuntimeConfig:
         if isinstance(kv, str):
             names = {**_DTYPES, **_KV_DTYPES, "auto": dtype}
             if kv.lower() not in names:
-                raise _fail(f'kv_cache_dtype must be "auto", a torch.dtype or one of {sorted(_KV_DTYPES)}',
+                raise _fail('kv_cache_dtype must be "auto", a torch.dtype or one '
+                            f'of {sorted(_KV_DTYPES)}',
                             kv_cache_dtype=kv)
             kv = names[kv.lower()]
         out["kv_cache_dtype"] = kv
@@ -290,11 +294,13 @@ class RuntimeConfig:
         self._validate_capture_sizes()
         self._validate_extend_tokens()
         mixed = self.mixed_step_tokens
-        if isinstance(mixed, bool) or not isinstance(mixed, int) or not 1 <= mixed <= self.chunked_prefill_size:
+        if (isinstance(mixed, bool) or not isinstance(mixed, int)
+                or not 1 <= mixed <= self.chunked_prefill_size):
             raise _fail("mixed_step_tokens must be an int in [1, chunked_prefill_size] or \"auto\"",
                         mixed_step_tokens=mixed, chunked_prefill_size=self.chunked_prefill_size)
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise _fail(f"schedule_policy must be one of {SCHEDULE_POLICIES}", schedule_policy=self.schedule_policy)
+            raise _fail(f"schedule_policy must be one of {SCHEDULE_POLICIES}",
+                        schedule_policy=self.schedule_policy)
         if self.dp_sync_exchange not in _EXCHANGES:
             raise _fail(
                 f"dp_sync_exchange must be one of {_EXCHANGES}",
@@ -321,7 +327,8 @@ class RuntimeConfig:
             raise _fail(f"{name} must be strictly increasing and > 0", **{name: sizes})
         unaligned = [s for s in sizes if s % tp]
         if unaligned:
-            raise _fail(f"every {name} size must be a multiple of attn_tp_size", unaligned=unaligned, attn_tp_size=tp)
+            raise _fail(f"every {name} size must be a multiple of attn_tp_size",
+                        unaligned=unaligned, attn_tp_size=tp)
         return sizes
 
     def _validate_capture_sizes(self) -> None:
@@ -337,7 +344,8 @@ class RuntimeConfig:
         sizes = self._check_sizes("cuda_graph_extend_tokens")
         if sizes and sizes[-1] > self.max_tokens_per_rank:
             raise _fail("cuda_graph_extend_tokens must not exceed max_tokens_per_rank",
-                        cuda_graph_extend_tokens=sizes, max_tokens_per_rank=self.max_tokens_per_rank)
+                        cuda_graph_extend_tokens=sizes,
+                        max_tokens_per_rank=self.max_tokens_per_rank)
 
     # -- derived sizes ---------------------------------------------------------------------------
     @property
@@ -349,7 +357,8 @@ class RuntimeConfig:
     def max_tokens_per_rank(self) -> int:
         """The most tokens one rank can bring to a step (prefill chunk or decode batch), aligned
         (``dispatcher.sizing.max_tokens_per_rank``, the one definition)."""
-        return max_tokens_per_rank(self.chunked_prefill_size, self.max_running_requests, self.attn_tp_size)
+        return max_tokens_per_rank(self.chunked_prefill_size, self.max_running_requests,
+                                   self.attn_tp_size)
 
     @property
     def max_global_tokens(self) -> int:

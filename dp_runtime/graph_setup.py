@@ -48,7 +48,8 @@ class RankGraphs:
 def capture_plan(cfg: RuntimeConfig, bucket: int, *, extend: bool = False) -> StepPlan:
     """The plan of a step in which every rank runs ``bucket`` (tokens of an extend step, or
     requests of a decode step)."""
-    return plan_step(StepTable.from_counts([bucket] * cfg.dp_size, can_run_graph=True, is_extend=extend), cfg)
+    return plan_step(StepTable.from_counts([bucket] * cfg.dp_size, can_run_graph=True,
+                                           is_extend=extend), cfg)
 
 
 def extend_capture_tokens(cfg: RuntimeConfig, max_context_len: int) -> tuple[int, ...]:
@@ -70,8 +71,9 @@ def _reserved(device: torch.device) -> int:
     return torch.cuda.memory_reserved(device)
 
 
-def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], split: AttentionSplit, attention: Any,
-                        pool: BufferPool, device: torch.device, max_context_len: int, show_progress: bool,
+def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], split: AttentionSplit,
+                        attention: Any, pool: BufferPool, device: torch.device,
+                        max_context_len: int, show_progress: bool,
                         on_phase: Callable[[str], None]) -> RankGraphs:
     """Capture the decode buckets (``cfg.cuda_graph_bs``) and the extend token buckets
     (``extend_capture_tokens``; none: extend steps stay eager). ``memory_bytes``: the device
@@ -81,8 +83,8 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
     # No graph path reads device-side counts (a graph always gathers MAX_LEN), so no registry
     # holds a global_num_tokens_gpu slot.
     sizes = cfg.cuda_graph_bs
-    registry = build_decode_registry(sizes[-1], device, pool, dp_size=cfg.dp_size, register_global_num_tokens=False,
-                                     user="decode_graph")
+    registry = build_decode_registry(sizes[-1], device, pool, dp_size=cfg.dp_size,
+                                     register_global_num_tokens=False, user="decode_graph")
     decode = GraphRunner(
         forward, attention, registry, sizes,
         capture_batch=lambda bs, n, plan: capture_batch(bs, n, plan, device=device),
@@ -96,9 +98,9 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
         mrr = cfg.max_running_requests
         tokens = extend_capture_tokens(cfg, max_context_len)
         if tokens:
-            registry = build_prefill_registry(min(tokens[-1], mrr), tokens[-1], device, pool, dp_size=cfg.dp_size,
-                                              register_input_embeds=False, register_global_num_tokens=False,
-                                              user="extend_graph")
+            registry = build_prefill_registry(min(tokens[-1], mrr), tokens[-1], device, pool,
+                                              dp_size=cfg.dp_size, register_input_embeds=False,
+                                              register_global_num_tokens=False, user="extend_graph")
             graphs.extend = PiecewiseRunner(
                 forward, split, attention, registry, tokens, max_requests=mrr,
                 capture_batch=lambda bs, n, plan: capture_batch(bs, n, plan, device=device,
@@ -111,5 +113,6 @@ def capture_rank_graphs(*, cfg: RuntimeConfig, forward: Callable[[Any], Any], sp
         graphs.destroy()
         raise
     if use_cuda:
-        graphs.memory_bytes = _reserved(device) - before - (ms.pool_device_bytes(pool) - pool_before)
+        graphs.memory_bytes = (_reserved(device) - before
+                               - (ms.pool_device_bytes(pool) - pool_before))
     return graphs

@@ -81,7 +81,8 @@ def attention_backend_bytes(attention: str) -> int:
     its four wrappers' int workspaces and the paged wrapper's kv_lens; SDPA nothing."""
     if attention != "flashinfer":
         return 0
-    return (FLASHINFER_FLOAT_WORKSPACE_BYTES + _FLASHINFER_EAGER_WRAPPERS * FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES
+    return (FLASHINFER_FLOAT_WORKSPACE_BYTES
+            + _FLASHINFER_EAGER_WRAPPERS * FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES
             + _FLASHINFER_PAGED_KV_LENS_BYTES)
 
 
@@ -105,16 +106,18 @@ def expert_rows(dispatcher: str, dp_size: int, ep_size: int, num_tokens: int) ->
     return dispatcher_kind(dispatcher).expert_rows(dp_size, ep_size, num_tokens)
 
 
-def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, num_logit_rows: int, *,
-                                dispatcher: str = "local", dp_size: int = 1, ep_size: int = 1) -> int:
+def forward_peak_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int,
+                                num_logit_rows: int, *, dispatcher: str = "local", dp_size: int = 1,
+                                ep_size: int = 1) -> int:
     """ESTIMATE of the intermediates of one forward live at once, at its peak: the largest of
     its phases (``forward_phase_bytes``)."""
-    return max(forward_phase_bytes(cfg, dtype, num_tokens, num_logit_rows, dispatcher=dispatcher, dp_size=dp_size,
-                                   ep_size=ep_size))
+    return max(forward_phase_bytes(cfg, dtype, num_tokens, num_logit_rows, dispatcher=dispatcher,
+                                   dp_size=dp_size, ep_size=ep_size))
 
 
-def forward_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, num_logit_rows: int, *,
-                        dispatcher: str = "local", dp_size: int = 1, ep_size: int = 1) -> tuple[int, int, int]:
+def forward_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, num_logit_rows: int,
+                        *, dispatcher: str = "local", dp_size: int = 1,
+                        ep_size: int = 1) -> tuple[int, int, int]:
     """ESTIMATE of the intermediates live at once in each phase of a forward, ``(attention, moe,
     head)`` bytes, where (module legend; ``N = expert_rows(...)``)::
 
@@ -163,8 +166,8 @@ def forward_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_tokens: int, n
 SORT_BYTES_PER_ELEMENT = 48
 
 
-def draw_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_logit_rows: int, sort_chunk: int = SORT_CHUNK,
-                     bias_chunk: int = ROW_CHUNK) -> int:
+def draw_phase_bytes(cfg: ModelConfig, dtype: torch.dtype, num_logit_rows: int,
+                     sort_chunk: int = SORT_CHUNK, bias_chunk: int = ROW_CHUNK) -> int:
     """ESTIMATE of what the profile's costliest draw (``step_tokens.worst_case_draw``: every row
     penalized, with a logit_bias and a top-p alone, and every logprob) holds at its peak, after
     the forward::
@@ -213,8 +216,8 @@ def allocator_cache_bytes(cfg: ModelConfig) -> int:
     return rope + CUBLAS_WORKSPACE_BYTES + ms.allocator_segment_bytes(1)
 
 
-def largest_step_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len: int, *, attention: str,
-                                dispatcher: str) -> int:
+def largest_step_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len: int, *,
+                                attention: str, dispatcher: str) -> int:
     """ESTIMATE of what the rank's profile step measures (``rank_memory.profile_largest_step``):
     the allocation growth over one eager forward of the largest step
     (``memory_sizing.largest_step_tokens``) on a one-slot KV cache with an attention backend of
@@ -237,8 +240,8 @@ def largest_step_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len
 
 # -- the graphs ------------------------------------------------------------------------------------
 def graph_pool_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, *, capture_sizes: Sequence[int],
-                              extend_tokens: Sequence[int], max_running_requests: int, context_len: int,
-                              attention: str) -> int:
+                              extend_tokens: Sequence[int], max_running_requests: int,
+                              context_len: int, attention: str) -> int:
     """ESTIMATE of the memory that capturing the graphs leaves reserved (what
     ``graph_setup.capture_rank_graphs`` measures). Graphs are captured largest first into one
     private pool, where what a capture frees is reused by the next; the pool keeps what the
@@ -277,27 +280,30 @@ def graph_pool_bytes_estimate(cfg: ModelConfig, dtype: torch.dtype, *, capture_s
         return 0
     v = cfg.vocab_size
     b = max(sizes)
-    total = attention_graph_state_bytes(attention, b, context_len) + b * v * _FP32 + CUBLAS_WORKSPACE_BYTES
+    total = (attention_graph_state_bytes(attention, b, context_len) + b * v * _FP32
+             + CUBLAS_WORKSPACE_BYTES)
     if attention == "flashinfer":
-        total += sum(s < TRITON_DECODE_MIN_BS for s in sizes) * FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES
+        total += (sum(s < TRITON_DECODE_MIN_BS for s in sizes)
+                  * FLASHINFER_WRAPPER_INT_WORKSPACE_BYTES)
     if not tokens:
         return total + sum(forward_phase_bytes(cfg, dtype, b, b))
     t_max, e = max(tokens), ms.dtype_bytes(dtype)
-    total += ms.allocator_segment_bytes(t_max * cfg.num_heads * cfg.head_dim * e) + CUBLAS_WORKSPACE_BYTES
+    total += (ms.allocator_segment_bytes(t_max * cfg.num_heads * cfg.head_dim * e)
+              + CUBLAS_WORKSPACE_BYTES)
     total += min(t_max, max_running_requests) * v * (e + _FP32)
     return total + sum(forward_phase_bytes(cfg, dtype, t_max, min(t_max, max_running_requests)))
 
 
-def rank_graph_pool_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len: int, *, attention: str,
-                                   graphs: bool) -> int:
+def rank_graph_pool_bytes_estimate(cfg: ModelConfig, rt: RuntimeConfig, context_len: int, *,
+                                   attention: str, graphs: bool) -> int:
     """``graph_pool_bytes_estimate`` for the graphs a rank of ``rt`` captures: its decode sizes
     and the extend buckets ``graph_setup.extend_capture_tokens`` keeps; 0 without graphs."""
     if not graphs:
         return 0
     return graph_pool_bytes_estimate(cfg, rt.dtype, capture_sizes=rt.cuda_graph_bs,
                                      extend_tokens=extend_capture_tokens(rt, context_len),
-                                     max_running_requests=rt.max_running_requests, context_len=context_len,
-                                     attention=attention)
+                                     max_running_requests=rt.max_running_requests,
+                                     context_len=context_len, attention=attention)
 
 
 def graph_reserve_bytes(graph_pool_estimate: int) -> int:

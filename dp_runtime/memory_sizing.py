@@ -86,14 +86,16 @@ _SMALL_REQUEST, _SMALL_SEGMENT = 1 * _MIB, 2 * _MIB
 _MEDIUM_REQUEST, _MEDIUM_SEGMENT = 10 * _MIB, 20 * _MIB
 # Dispatchers whose ``workspace_bytes_per_rank()`` is the peak of buffers allocated per step
 # (live only during a step's MoE section), not memory held between steps as FlashInfer's is.
-TRANSIENT_WORKSPACE_DISPATCHERS = tuple(kind for kind, cls in KINDS.items() if cls.transient_workspace)
+TRANSIENT_WORKSPACE_DISPATCHERS = tuple(kind for kind, cls in KINDS.items()
+                                        if cls.transient_workspace)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def weight_bytes_per_rank(cfg: ModelConfig, dtype: torch.dtype, ep_rank: int = 0, ep_size: int = 1) -> int:
+def weight_bytes_per_rank(cfg: ModelConfig, dtype: torch.dtype, ep_rank: int = 0,
+                          ep_size: int = 1) -> int:
     """Bytes of the weights EP rank ``ep_rank`` holds: every shared tensor plus its experts, the
     groups ``weight_groups`` stores FP8 at a byte per value plus their float32 block scales."""
     b = dtype_bytes(dtype)
@@ -109,7 +111,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes(dtype)
 
 
-def kv_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_reqs: int, max_context_len: int) -> int:
+def kv_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_reqs: int,
+                   max_context_len: int) -> int:
     """What ``KVCache`` allocates: ``num_slots + 1`` token slots per layer (slot 0 is the padding
     target) and an int32 ``req_to_token`` table of ``max_reqs + 1`` rows (row 0 likewise)."""
     return (num_slots + 1) * kv_bytes_per_token(cfg, dtype) + (max_reqs + 1) * max_context_len * 4
@@ -153,12 +156,13 @@ def kv_slots_for_rank(spec, device: torch.device) -> int:
     if device.type != "cuda":
         return min(cfg.max_running_requests * spec.context_len, CPU_MAX_KV_TOKENS)
     free, _ = torch.cuda.mem_get_info(device)
-    slots = kv_slots_for_budget(mc, cfg.kv_cache_dtype, int(free * spec.kv_mem_fraction), cfg.max_running_requests,
-                                spec.context_len)
+    slots = kv_slots_for_budget(mc, cfg.kv_cache_dtype, int(free * spec.kv_mem_fraction),
+                                cfg.max_running_requests, spec.context_len)
     if slots < spec.context_len:
         raise RuntimeError(
-            f"RankWorker: {free / 2**30:.2f} GiB free after the weights gives {slots} KV slots "
-            f"(kv_mem_fraction={spec.kv_mem_fraction}); one request of max_context_len={spec.context_len} needs more"
+            f"RankWorker: {free / 2**30:.2f} GiB free after the weights gives {slots} KV "
+            f"slots (kv_mem_fraction={spec.kv_mem_fraction}); one request of "
+            f"max_context_len={spec.context_len} needs more"
         )
     return slots
 
@@ -228,8 +232,9 @@ def graph_input_bytes_by_name(config: RuntimeConfig, *, decode_graphs: bool = Tr
     ``max_running_requests``, ``max_num_tokens`` = ``max_tokens_per_rank``; with
     ``input_embeds``, a ``max_num_tokens x H`` slot of ``config.dtype``, which the rank worker's
     eager registry does not register) share storage by name in one pool, so each name costs the
-    largest of its declarations. Each registry is built by its builder into a meta pool of its own and the
-    per-name maxima are taken, which is what one shared pool materializes whatever the order.
+    largest of its declarations. Each registry is built by its builder into a meta pool of its own
+    and the per-name maxima are taken, which is what one shared pool materializes whatever the
+    order.
 
     Difference from CUDA, bounded: there a registry packs its computed per-step counter
     (``num_token_non_padded``) into one block of its own instead of sharing it by name, which
@@ -256,7 +261,8 @@ def graph_input_bytes_by_name(config: RuntimeConfig, *, decode_graphs: bool = Tr
 def graph_input_bytes(config: RuntimeConfig, *, decode_graphs: bool = True,
                       input_embeds: bool = False) -> int:
     """The sum of ``graph_input_bytes_by_name``: device bytes of the pooled graph inputs."""
-    by_name = graph_input_bytes_by_name(config, decode_graphs=decode_graphs, input_embeds=input_embeds)
+    by_name = graph_input_bytes_by_name(config, decode_graphs=decode_graphs,
+                                        input_embeds=input_embeds)
     return sum(by_name.values())
 
 
@@ -270,7 +276,8 @@ def penalty_count_bytes(config: RuntimeConfig, vocab_size: int) -> int:
 # -- dispatcher -----------------------------------------------------------------------------------
 def dispatcher_workspace_bytes(kind: str, ep_size: int, max_tokens_per_rank: int, hidden_size: int,
                                top_k: int, dtype: torch.dtype) -> int:
-    """What the dispatcher's ``workspace_bytes_per_rank()`` reports, by kind, from dispatcher/sizing.
+    """What the dispatcher's ``workspace_bytes_per_rank()`` reports, by kind, from
+    dispatcher/sizing.
 
     ``flashinfer``: the MoeAlltoAll workspace, allocated once and kept. ``all_gather``: 0 (its
     gathered storage is the DP buffer service's, counted in ``dp_buffer_bytes``; the experts
@@ -279,7 +286,8 @@ def dispatcher_workspace_bytes(kind: str, ep_size: int, max_tokens_per_rank: int
     a full step (so the same bytes are part of the activation peak). Raises ValueError for
     another kind.
     """
-    return dispatcher_kind(kind).workspace_bytes(ep_size, max_tokens_per_rank, hidden_size, top_k, dtype)
+    return dispatcher_kind(kind).workspace_bytes(ep_size, max_tokens_per_rank, hidden_size, top_k,
+                                                 dtype)
 
 
 def dispatcher_step_bytes(kind: str, ep_size: int, num_tokens: int, hidden_size: int,
@@ -294,7 +302,7 @@ def dispatcher_step_bytes(kind: str, ep_size: int, num_tokens: int, hidden_size:
     return dispatcher_kind(kind).step_bytes(ep_size, num_tokens, hidden_size, top_k, dtype)
 
 
-# -- fixed overheads --------------------------------------------------------------------------------
+# -- fixed overheads -------------------------------------------------------------------------------
 def cuda_context_bytes(device_type: str = "cuda") -> int:
     """``CUDA_CONTEXT_BYTES`` for one process on a CUDA device (0 elsewhere). An estimate."""
     return CUDA_CONTEXT_BYTES if device_type == "cuda" else 0

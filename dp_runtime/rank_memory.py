@@ -14,9 +14,9 @@ cache after a profiling forward for the same reason). On CUDA, with no ``kv_cach
    captured after the cache, whose addresses they bake in, so they are reserved from an estimate
    with a margin, ``memory_estimates``, and their measured size is reported beside it). What
    else is held then is recorded too: torch's reserved memory beyond the weights, the
-   penalties' count and mark tables (``serving/penalty_counts.py``, allocated before the profile) and the
-   pool (``allocator_cache``, ``memory_estimates.allocator_cache_bytes``) and the memory outside torch
-   (``cuda_context``: the CUDA context and kernel modules).
+   penalties' count and mark tables (``serving/penalty_counts.py``, allocated before the profile)
+   and the pool (``allocator_cache``, ``memory_estimates.allocator_cache_bytes``) and the memory
+   outside torch (``cuda_context``: the CUDA context and kernel modules).
 3. **Check** (``check_largest_step``): once the graphs are captured, the largest step runs once
    more, eagerly, against the real cache. A configuration that cannot run it is refused at start
    with the numbers, never out of memory mid-serving.
@@ -43,8 +43,8 @@ from dp_runtime.sync.step_plan import plan_step
 from dp_runtime.sync.step_table import StepTable
 from graph import AttentionSplit
 
-__all__ = ["check_largest_step", "eager_step", "graph_reserve_bytes", "make_kv_cache", "measured_kv_slots",
-           "profile_largest_step", "run_largest_step"]
+__all__ = ["check_largest_step", "eager_step", "graph_reserve_bytes", "make_kv_cache",
+           "measured_kv_slots", "profile_largest_step", "run_largest_step"]
 
 logger = logging.getLogger("dp_runtime")
 
@@ -63,11 +63,14 @@ def run_largest_step(eager: Any, cfg: Any, device: torch.device, context_len: in
     nothing live is touched."""
     tokens, requests = ms.largest_step_tokens(cfg, context_len)
     last = min(tokens, context_len - 1)
-    shapes = [(tokens, requests, 0), (min(tokens, context_len), 1, 0)] + ([(last, 1, context_len - last)] * (last > 0))
+    shapes = ([(tokens, requests, 0), (min(tokens, context_len), 1, 0)]
+              + ([(last, 1, context_len - last)] * (last > 0)))
     # dict.fromkeys: one forward where two shapes are one (a single request of the budget)
     for n, reqs, prefix in dict.fromkeys(shapes):
-        plan = plan_step(StepTable.from_counts([n] * cfg.dp_size, can_run_graph=False, is_extend=True), cfg)
-        batch = capture_batch(reqs, n, plan, device=device, forward_mode=ForwardMode.EXTEND, prefix_len=prefix)
+        plan = plan_step(StepTable.from_counts([n] * cfg.dp_size, can_run_graph=False,
+                                               is_extend=True), cfg)
+        batch = capture_batch(reqs, n, plan, device=device, forward_mode=ForwardMode.EXTEND,
+                              prefix_len=prefix)
         worst_case_draw(eager.run(batch))
 
 
@@ -94,12 +97,14 @@ def graph_reserve_bytes(spec: Any, graphs: bool, attention: str) -> int:
     """What the rank's graphs are expected to take, with the margin:
     ``memory_estimates.graph_reserve_bytes`` of ``rank_graph_pool_bytes_estimate`` (0 without
     graphs), the function the planner predicts with."""
-    estimate = me.rank_graph_pool_bytes_estimate(spec.model_config(), spec.runtime, spec.context_len,
-                                                 attention=attention, graphs=graphs)
+    estimate = me.rank_graph_pool_bytes_estimate(spec.model_config(), spec.runtime,
+                                                 spec.context_len, attention=attention,
+                                                 graphs=graphs)
     return me.graph_reserve_bytes(estimate)
 
 
-def check_largest_step(run: Callable[[], None], device: torch.device, memory: dict[str, int]) -> None:
+def check_largest_step(run: Callable[[], None], device: torch.device,
+                       memory: dict[str, int]) -> None:
     """Run the largest step against the real cache (module docstring, step 3). RuntimeError
     naming every component in GiB when it runs out of memory."""
     try:
@@ -109,13 +114,14 @@ def check_largest_step(run: Callable[[], None], device: torch.device, memory: di
         free, total = torch.cuda.mem_get_info(device)
         parts = ", ".join(f"{k} {v / _GIB:.2f}" for k, v in memory.items())
         raise RuntimeError(
-            f"RankWorker: the largest step does not fit on {device} ({total / _GIB:.2f} GiB, {free / _GIB:.2f} "
-            f"free after it failed; components in GiB: {parts}): lower chunked_prefill_size, "
-            f"max_running_requests or kv_mem_fraction"
+            f"RankWorker: the largest step does not fit on {device} ({total / _GIB:.2f} "
+            f"GiB, {free / _GIB:.2f} free after it failed; components in GiB: {parts}): lower "
+            "chunked_prefill_size, max_running_requests or kv_mem_fraction"
         ) from None
 
 
-def eager_step(eager: Any, batch: Any, device: torch.device, memory: dict[str, int]) -> torch.Tensor:
+def eager_step(eager: Any, batch: Any, device: torch.device,
+               memory: dict[str, int]) -> torch.Tensor:
     """``eager.run(batch)``'s logits; on CUDA its allocation growth raises
     ``memory["activation_peak"]`` where larger (what a serving step really took)."""
     if device.type != "cuda":
@@ -128,18 +134,20 @@ def eager_step(eager: Any, batch: Any, device: torch.device, memory: dict[str, i
     return logits
 
 
-def make_kv_cache(spec: Any, num_slots: int, device: torch.device, max_reqs: int | None = None) -> KVCache:
+def make_kv_cache(spec: Any, num_slots: int, device: torch.device,
+                  max_reqs: int | None = None) -> KVCache:
     """The rank's paged KV cache of ``num_slots`` slots (``max_reqs``: its request rows, by
     default ``max_running_requests``)."""
     mc = spec.model_config()
     return KVCache(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                    num_slots=num_slots, max_reqs=max_reqs or spec.runtime.max_running_requests,
-                   max_context_len=spec.context_len, dtype=spec.runtime.kv_cache_dtype, device=device)
+                   max_context_len=spec.context_len, dtype=spec.runtime.kv_cache_dtype,
+                   device=device)
 
 
 def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
-                      eager_runner: Callable[[Any, Any], Any], pool: BufferPool, memory: dict[str, int],
-                      on_phase: Callable[[str], None]) -> int:
+                      eager_runner: Callable[[Any, Any], Any], pool: BufferPool,
+                      memory: dict[str, int], on_phase: Callable[[str], None]) -> int:
     """The KV slots of a rank: ``memory_sizing.kv_slots_for_rank`` when they are given or the
     device is not CUDA; else measured (module docstring, steps 1-2), with ``activation_peak``,
     ``graph_reserve``, ``allocator_cache`` (torch's reserved memory less ``memory["weights"]``,
@@ -166,14 +174,17 @@ def measured_kv_slots(spec: Any, model: Any, device: torch.device, choices: Any,
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
     budget = ms.kv_budget_bytes(free, peak, reserve, spec.kv_mem_fraction)
-    slots = ms.kv_slots_for_budget(mc, cfg.kv_cache_dtype, budget, cfg.max_running_requests, spec.context_len)
-    memory.update(activation_peak=int(peak), graph_reserve=reserve, cuda_context=int(total - free - reserved),
+    slots = ms.kv_slots_for_budget(mc, cfg.kv_cache_dtype, budget, cfg.max_running_requests,
+                                   spec.context_len)
+    memory.update(activation_peak=int(peak), graph_reserve=reserve,
+                  cuda_context=int(total - free - reserved),
                   allocator_cache=int(reserved - memory["weights"] - memory.get("penalty_counts", 0)
                                       - ms.pool_device_bytes(pool)))
     if slots < spec.context_len:
         raise RuntimeError(
-            f"RankWorker: {free / _GIB:.2f} GiB free after the weights, less the largest step's {peak / _GIB:.2f} "
-            f"GiB and the graphs' reserve {reserve / _GIB:.2f} GiB, times kv_mem_fraction={spec.kv_mem_fraction}, "
-            f"gives {slots} KV slots; one request of max_context_len={spec.context_len} needs more (lower "
-            f"chunked_prefill_size or max_running_requests)")
+            f"RankWorker: {free / _GIB:.2f} GiB free after the weights, less the largest "
+            f"step's {peak / _GIB:.2f} GiB and the graphs' reserve {reserve / _GIB:.2f} GiB, times "
+            f"kv_mem_fraction={spec.kv_mem_fraction}, gives {slots} KV slots; one request of "
+            f"max_context_len={spec.context_len} needs more (lower chunked_prefill_size or "
+            "max_running_requests)")
     return slots

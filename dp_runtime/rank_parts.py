@@ -18,8 +18,8 @@ from dp_runtime.sync.dp_buffer import DPBufferService
 __all__ = ["build_moe_exchange", "load_model"]
 
 
-def build_moe_exchange(spec: Any, rank: int, device_group: Any, ep: EPGroup, kind: str, pool: BufferPool,
-                       device: torch.device) -> Any:
+def build_moe_exchange(spec: Any, rank: int, device_group: Any, ep: EPGroup, kind: str,
+                       pool: BufferPool, device: torch.device) -> Any:
     """The dispatcher of ``kind`` (resolved). One that gathers (all_gather) gets the rank's DP
     buffer service, storage from ``pool``, as its own: it is the service's one user and lays it
     out from each forward's plan. The others have no gathered storage and no layout to keep."""
@@ -31,7 +31,8 @@ def build_moe_exchange(spec: Any, rank: int, device_group: Any, ep: EPGroup, kin
     )
     extra = {}
     if memory_sizing.dispatcher_gathers(kind):
-        extra["buffers"] = DPBufferService(cfg, pool, rank, group=device_group, device=device, routing_top_k=mc.top_k)
+        extra["buffers"] = DPBufferService(cfg, pool, rank, group=device_group, device=device,
+                                           routing_top_k=mc.top_k)
     return make_dispatcher(kind, dcfg, ep=ep, device=device, **extra)
 
 
@@ -43,4 +44,5 @@ def load_model(spec: Any, ep: EPGroup, dispatcher: Any, device: torch.device) ->
         weights = iter_random(mc, ep.rank, ep.size, cfg.dtype, device, spec.seed)
     else:
         weights = iter_checkpoint(spec.model, mc, ep.rank, ep.size, cfg.dtype, device)
-    return Qwen3MoeModel(mc, weights, attention=None, dispatcher=dispatcher, dtype=cfg.dtype, device=device)
+    return Qwen3MoeModel(mc, weights, attention=None, dispatcher=dispatcher, dtype=cfg.dtype,
+                         device=device)

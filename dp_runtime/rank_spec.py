@@ -60,25 +60,31 @@ class RankSpec:
         from dp_runtime.choices import DISPATCHERS
 
         if self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"RankSpec.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
+            raise ValueError(f"RankSpec.dispatcher must be one of {DISPATCHERS}, "
+                             f"got {self.dispatcher!r}")
         if self.attention not in ATTENTION_KINDS:
-            raise ValueError(f"RankSpec.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+            raise ValueError(f"RankSpec.attention must be one of {ATTENTION_KINDS}, "
+                             f"got {self.attention!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"RankSpec.kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
         if not 0 < self.kv_mem_fraction <= 1:
-            raise ValueError(f"RankSpec.kv_mem_fraction must be in (0, 1], got {self.kv_mem_fraction}")
+            raise ValueError("RankSpec.kv_mem_fraction must be in (0, 1], "
+                             f"got {self.kv_mem_fraction}")
         if self.model_overrides and not self.is_preset:
-            raise ValueError(f"RankSpec.model_overrides apply to presets only; {self.model!r} is a checkpoint")
+            raise ValueError(f"RankSpec.model_overrides apply to presets only; {self.model!r} is a "
+                             "checkpoint")
         cfg = self.model_config()
         if self.runtime.hidden_size != cfg.hidden_size:
             raise ValueError(
-                f"RankSpec: runtime.hidden_size={self.runtime.hidden_size} but model {self.model!r} has "
-                f"hidden_size={cfg.hidden_size} (use RankSpec.create, which takes it from the model)"
+                f"RankSpec: runtime.hidden_size={self.runtime.hidden_size} but "
+                f"model {self.model!r} has hidden_size={cfg.hidden_size} (use RankSpec.create, "
+                "which takes it from the model)"
             )
         if self.context_len > cfg.max_positions:
             what = "max_position_embeddings" if cfg.rope_yarn is None else "YaRN-extended context"
             raise ValueError(
-                f"RankSpec.max_context_len={self.context_len} exceeds the model's {what}={cfg.max_positions}"
+                f"RankSpec.max_context_len={self.context_len} exceeds the "
+                f"model's {what}={cfg.max_positions}"
             )
         if cfg.sliding_window is not None and self.context_len > cfg.sliding_window:
             # Keys further back than the window would be masked by the model; ours attends to all.
@@ -90,9 +96,11 @@ class RankSpec:
 
     @classmethod
     def create(cls, model: str = "tiny", *, model_overrides: dict[str, Any] | None = None,
-               dispatcher: str = DEFAULTS.dispatcher, attention: str = "auto", use_cuda_graph: bool | None = None,
-               kv_cache_tokens: int | None = None, kv_mem_fraction: float = DEFAULTS.kv_mem_fraction,
-               max_context_len: int | None = None, seed: int = DEFAULTS.seed, **runtime: Any) -> RankSpec:
+               dispatcher: str = DEFAULTS.dispatcher, attention: str = "auto",
+               use_cuda_graph: bool | None = None, kv_cache_tokens: int | None = None,
+               kv_mem_fraction: float = DEFAULTS.kv_mem_fraction,
+               max_context_len: int | None = None, seed: int = DEFAULTS.seed,
+               **runtime: Any) -> RankSpec:
         """A spec whose RuntimeConfig takes ``runtime`` keywords and the model's hidden size."""
         overrides = tuple(sorted((model_overrides or {}).items()))
         cfg = _model_config(model, overrides)
@@ -111,7 +119,8 @@ class RankSpec:
     @functools.cached_property
     def _model(self) -> ModelConfig:
         # A checkpoint's config.json is read once per spec, not at every question about it.
-        return with_quantization(_model_config(self.model, self.model_overrides), self.runtime.quantization)
+        return with_quantization(_model_config(self.model, self.model_overrides),
+                                 self.runtime.quantization)
 
     @functools.cached_property
     def eos_token_ids(self) -> tuple[int, ...]:

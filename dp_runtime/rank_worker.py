@@ -90,9 +90,11 @@ class RankWorker:
                  on_phase: Callable[[str], None] | None = None) -> None:
         cfg = spec.runtime
         if cfg.dp_size != world_size:
-            raise ValueError(f"RankWorker: spec.runtime.dp_size={cfg.dp_size} but world_size={world_size}")
+            raise ValueError(f"RankWorker: spec.runtime.dp_size={cfg.dp_size} but "
+                             f"world_size={world_size}")
         if cfg.attn_tp_size != 1:
-            raise ValueError(f"RankWorker: the reference model runs attn_tp_size=1, got {cfg.attn_tp_size}")
+            raise ValueError("RankWorker: the reference model runs attn_tp_size=1, "
+                             f"got {cfg.attn_tp_size}")
         if cfg.ep_size != world_size:  # the model spreads its experts over every rank
             raise ValueError(f"RankWorker: ep_size must be {world_size}, got {cfg.ep_size}")
         self.spec, self.rank, self.world_size = spec, rank, world_size
@@ -140,7 +142,8 @@ class RankWorker:
     # -- construction ----------------------------------------------------------------------------
     def _build(self, group: Any) -> None:
         spec, cfg, mc, dev = self.spec, self.spec.runtime, self.model_config, self.device
-        device_group, cpu_group, self._own_cpu_group = rank_groups(group, self.world_size, cfg.dp_sync_timeout_s)
+        device_group, cpu_group, self._own_cpu_group = rank_groups(group, self.world_size,
+                                                                   cfg.dp_sync_timeout_s)
         self.cpu_group = cpu_group  # the DP CPU group (None at world size 1)
         # First collective of the build: ranks whose specs differ would hang in the dispatcher's
         # warm-up or give wrong tokens; they raise here, every rank alike, naming the field.
@@ -148,13 +151,15 @@ class RankWorker:
         exchange = LocalExchange(NCOLS) if self.world_size == 1 else None
         self.sync = DPStepSync(cfg, cpu_group, exchange=exchange)
         self._failure = FailureNotice(cpu_group, abandon=self.sync.abandon)
-        ep = EPGroup.local() if self.world_size == 1 else EPGroup.from_torch(device_group, cpu_group)
+        ep = (EPGroup.local() if self.world_size == 1
+              else EPGroup.from_torch(device_group, cpu_group))
         self.choices = choices = rank_choices(spec, mc.head_dim, self.world_size, dev, ep)
         self.dispatcher_kind = choices.dispatcher
 
         # The rank's one pool. Its first tenant is the DP buffer service of a gathering dispatcher.
         self.pool = pool = BufferPool()
-        self.dispatcher = build_moe_exchange(spec, self.rank, device_group, ep, choices.dispatcher, pool, dev)
+        self.dispatcher = build_moe_exchange(spec, self.rank, device_group, ep, choices.dispatcher,
+                                             pool, dev)
         self._memory["dp_buffers"] = pool.total_bytes()
         self._memory["dispatcher_workspace"] = self.dispatcher.workspace_bytes_per_rank()
         self._on_phase("loading weights")
@@ -169,7 +174,8 @@ class RankWorker:
         pool_before = pool.total_bytes()
 
         def eager_registry(bs: int, tokens: int):
-            return build_prefill_registry(bs, tokens, dev, pool, dp_size=cfg.dp_size, register_input_embeds=False,
+            return build_prefill_registry(bs, tokens, dev, pool, dp_size=cfg.dp_size,
+                                          register_input_embeds=False,
                                           register_global_num_tokens=False, user="eager")
 
         def eager_runner(model, attention) -> EagerRunner:
@@ -178,29 +184,35 @@ class RankWorker:
                                max_num_tokens=cfg.max_tokens_per_rank)
 
         # Before the KV cache is sized, so its size is measured with the rest that the rank holds.
-        self.penalty_counts = PenaltyCounts.for_runtime(cfg.max_running_requests, mc.vocab_size, dev)
+        self.penalty_counts = PenaltyCounts.for_runtime(cfg.max_running_requests, mc.vocab_size,
+                                                        dev)
         self._memory["penalty_counts"] = self.penalty_counts.nbytes
-        slots = rm.measured_kv_slots(spec, self.model, dev, choices, eager_runner, pool, self._memory, self._on_phase)
+        slots = rm.measured_kv_slots(spec, self.model, dev, choices, eager_runner, pool,
+                                     self._memory, self._on_phase)
         self.kv_cache = rm.make_kv_cache(spec, slots, dev)
         self._memory["kv_cache"] = self.kv_cache.nbytes()
-        self.attention = make_attention_backend(choices.attention, self.kv_cache, mc, q_dtype=cfg.dtype,
+        self.attention = make_attention_backend(choices.attention, self.kv_cache, mc,
+                                                q_dtype=cfg.dtype,
                                                 check_indices=cfg.flashinfer_checks)
         # The model's one binding: it attends through a seam that extend graphs cut their pieces
         # at, and stores K/V into the cache that attention reads.
         self.model.bind_attention(AttentionSplit(self.attention))
         self.scheduler = Scheduler.for_runtime(KVAllocator(self.kv_cache), cfg, rank=self.rank,
-                                               vocab_size=mc.vocab_size, eos_token_ids=spec.eos_token_ids)
+                                               vocab_size=mc.vocab_size,
+                                               eos_token_ids=spec.eos_token_ids)
         self.eager = eager_runner(self.model, self.attention)
         if choices.graphs:
             self.rank_graphs = capture_rank_graphs(
-                cfg=cfg, forward=self.model.forward, split=self.model.attention, attention=self.attention, pool=pool,
-                device=dev, max_context_len=spec.context_len,
+                cfg=cfg, forward=self.model.forward, split=self.model.attention,
+                attention=self.attention, pool=pool, device=dev, max_context_len=spec.context_len,
                 show_progress=self._show_progress, on_phase=self._on_phase)
         self._memory["graph_pool"] = self.rank_graphs.memory_bytes if self.rank_graphs else 0
         self._memory["graph_inputs"] = pool.total_bytes() - pool_before
         if "graph_reserve" in self._memory:  # profiled: the largest step must still fit
             self._on_phase("checking the largest step")
-            rm.check_largest_step(lambda: rm.run_largest_step(self.eager, cfg, dev, spec.context_len), dev, self._memory)
+            rm.check_largest_step(
+                lambda: rm.run_largest_step(self.eager, cfg, dev, spec.context_len), dev,
+                self._memory)
             logger.info("rank %d memory (bytes): %s", self.rank, self._memory)
 
     # -- requests --------------------------------------------------------------------------------
@@ -331,7 +343,8 @@ class RankWorker:
         c = self._counters
         # A request that stopped at the step before ran this one for nothing: its token is dropped.
         lps = pending.logprobs or [None] * len(tokens)
-        kept = [(r.request.rid, t, lp) for r, s, t, lp in zip(scheduled.reqs, scheduled.samples, tokens, lps, strict=True)
+        kept = [(r.request.rid, t, lp)
+                for r, s, t, lp in zip(scheduled.reqs, scheduled.samples, tokens, lps, strict=True)
                 if s and not r.done and isinstance(t, int)]
         with self._lock:
             finished = self.scheduler.advance(scheduled, tokens, pending.logprobs)
@@ -341,7 +354,8 @@ class RankWorker:
             self._step_tokens.observe(scheduled.num_tokens)
         self.outputs.add(kept, finished)
 
-    def run_until_idle(self, stop: threading.Event | None = None, max_steps: int | None = None) -> int:
+    def run_until_idle(self, stop: threading.Event | None = None,
+                       max_steps: int | None = None) -> int:
         """``serve_loop.run_until_idle`` on this worker (a collective; see there)."""
         return run_until_idle(self, stop, max_steps)
 

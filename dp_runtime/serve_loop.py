@@ -97,7 +97,8 @@ def serve_until_stopped(worker: Any, wake: Wake) -> int:
     return steps
 
 
-def run_until_idle(worker: Any, stop: threading.Event | None = None, max_steps: int | None = None) -> int:
+def run_until_idle(worker: Any, stop: threading.Event | None = None,
+                   max_steps: int | None = None) -> int:
     """Step ``worker`` until a step in which every rank had nothing and no rank has a request
     still to arrive (a collective; every rank returns after the same step). While requests are
     yet to arrive somewhere, every rank sleeps until the earliest of them after such a step.

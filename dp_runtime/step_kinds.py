@@ -43,4 +43,5 @@ def dp_balance(counters: dict[str, int]) -> float:
 def steps_by_kind(counters: dict[str, int]) -> dict[str, int]:
     """``{"decode": n, "extend": n, "mixed": n}``: disjoint counts of the recorded steps."""
     mixed = counters["mixed_steps"]
-    return {"decode": counters["decode_steps"], "extend": counters["extend_steps"] - mixed, "mixed": mixed}
+    return {"decode": counters["decode_steps"], "extend": counters["extend_steps"] - mixed,
+            "mixed": mixed}

@@ -33,7 +33,8 @@ def checked_sizes(owner: str, sizes: Sequence[int]) -> tuple[int, ...]:
     """``sizes`` sorted and unique; ValueError naming ``owner`` unless non-empty and positive."""
     out = tuple(sorted({int(s) for s in sizes}))
     if not out or out[0] < 1:
-        raise ValueError(f"{owner}: sizes must be a non-empty list of positive ints, got {list(sizes)}")
+        raise ValueError(f"{owner}: sizes must be a non-empty list of positive ints, "
+                         f"got {list(sizes)}")
     return out
 
 
@@ -44,13 +45,14 @@ def resolve_cuda_graph(owner: str, use_cuda_graph: bool | None, registry: Buffer
     if use_cuda_graph is None:
         return cuda_ok
     if use_cuda_graph and not cuda_ok:
-        raise ValueError(f"{owner}: use_cuda_graph=True needs CUDA and a CUDA registry (device {registry.device})")
+        raise ValueError(f"{owner}: use_cuda_graph=True needs CUDA and a CUDA registry "
+                         f"(device {registry.device})")
     return bool(use_cuda_graph)
 
 
-def capture_largest_first(sizes: Sequence[int], store: dict, capture_one: Callable[[int, Any], Any], *,
-                          device: torch.device, use_cuda_graph: bool, label: str, show_progress: bool,
-                          on_error: Callable[[], None]) -> int:
+def capture_largest_first(sizes: Sequence[int], store: dict, capture_one: Callable[[int, Any], Any],
+                          *, device: torch.device, use_cuda_graph: bool, label: str,
+                          show_progress: bool, on_error: Callable[[], None]) -> int:
     """``store[size] = capture_one(size, stream)`` for each size, largest first (the first capture
     sizes the shared pool's blocks and the smaller ones reuse them), the GC frozen, on one side
     stream (None without CUDA), a tqdm bar. On a failure ``on_error()`` releases what was captured
@@ -61,7 +63,8 @@ def capture_largest_first(sizes: Sequence[int], store: dict, capture_one: Callab
         stream = torch.cuda.Stream(device=device)
     try:
         with _gc_frozen():
-            bar = tqdm(list(sizes)[::-1], desc=f"capture {label}", unit="graph", disable=not show_progress)
+            bar = tqdm(list(sizes)[::-1], desc=f"capture {label}", unit="graph",
+                       disable=not show_progress)
             for size in bar:
                 bar.set_postfix(size=size)
                 store[size] = capture_one(size, stream)

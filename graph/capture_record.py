@@ -43,7 +43,8 @@ class CaptureRecord:
             )
         if not problems:
             return None
-        return f"graph of bucket {self.bucket} was captured with other values than this step's plan: " + "; ".join(problems)
+        return (f"graph of bucket {self.bucket} was captured with other values than this step's "
+                "plan: " + "; ".join(problems))
 
     def fields_mismatch(self, fields: frozenset[str]) -> str | None:
         """Why a batch providing ``fields`` cannot replay this graph, or None when it can."""

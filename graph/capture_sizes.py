@@ -56,14 +56,16 @@ def capture_sizes(
     else:
         configured = [int(s) for s in configured]
         if not configured:
-            raise ValueError("capture sizes: the configured list is empty; give sizes or None for the default")
+            raise ValueError("capture sizes: the configured list is empty; give sizes or None for "
+                             "the default")
         bad = sorted({s for s in configured if s < 1})
         if bad:
             raise ValueError(f"capture sizes: sizes must be >= 1, got {bad}")
         misaligned = sorted({s for s in configured if s % alignment})
         if misaligned:
             raise ValueError(
-                f"capture sizes: {misaligned} are not multiples of the alignment {alignment} (attention-TP size)"
+                f"capture sizes: {misaligned} are not multiples of the alignment {alignment} "
+                "(attention-TP size)"
             )
         candidates = configured
     return tuple(sorted({s for s in candidates if s <= cap} | {cap}))
@@ -78,5 +80,6 @@ def bucket_for(sizes: Sequence[int], n: int) -> int:
         raise ValueError(f"bucket_for: size must be >= 0, got {n}")
     i = bisect.bisect_left(sizes, n)
     if i == len(sizes):
-        raise ValueError(f"bucket_for: size {n} exceeds the largest captured bucket {sizes[-1] if sizes else None}")
+        raise ValueError(f"bucket_for: size {n} exceeds the largest captured "
+                         f"bucket {sizes[-1] if sizes else None}")
     return sizes[i]

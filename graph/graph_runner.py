@@ -102,17 +102,21 @@ class GraphRunner:
     ) -> None:
         self.sizes = checked_sizes("GraphRunner", sizes)
         if forward_mode is ForwardMode.IDLE:
-            raise ValueError("GraphRunner: cannot capture IDLE; IDLE batches replay the captured mode")
+            raise ValueError("GraphRunner: cannot capture IDLE; IDLE batches replay the captured "
+                             "mode")
         if num_tokens_per_bs < 1:
-            raise ValueError(f"GraphRunner: num_tokens_per_bs must be >= 1, got {num_tokens_per_bs}")
+            raise ValueError(
+                f"GraphRunner: num_tokens_per_bs must be >= 1, got {num_tokens_per_bs}")
         for name in ("req_pool_indices", "seq_lens"):
             if name not in registry.slots:
-                raise ValueError(f"GraphRunner: registry {registry.user!r} has no {name!r} slot (the backend reads it)")
+                raise ValueError(f"GraphRunner: registry {registry.user!r} has no {name!r} slot "
+                                 "(the backend reads it)")
         largest = self.sizes[-1]
         if largest > registry.max_bs or largest * num_tokens_per_bs > registry.max_num_tokens:
             raise ValueError(
-                f"GraphRunner: largest bucket {largest} ({largest * num_tokens_per_bs} tokens) exceeds registry "
-                f"{registry.user!r} capacity max_bs={registry.max_bs}, max_num_tokens={registry.max_num_tokens}"
+                f"GraphRunner: largest bucket {largest} ({largest * num_tokens_per_bs} tokens) "
+                f"exceeds registry {registry.user!r} capacity max_bs={registry.max_bs}, "
+                f"max_num_tokens={registry.max_num_tokens}"
             )
         self.use_cuda_graph = resolve_cuda_graph("GraphRunner", use_cuda_graph, registry)
         self.forward = forward
@@ -158,7 +162,8 @@ class GraphRunner:
             self._pool = torch.cuda.graph_pool_handle()
         self.capture_memory_bytes = capture_largest_first(
             self.sizes, self._captured, self._capture_one, device=self.registry.device,
-            use_cuda_graph=self.use_cuda_graph, label="graphs", show_progress=self.show_progress, on_error=self.destroy)
+            use_cuda_graph=self.use_cuda_graph, label="graphs", show_progress=self.show_progress,
+            on_error=self.destroy)
 
     def _capture_one(self, bs: int, stream: torch.cuda.Stream | None) -> _Captured:
         n = bs * self.num_tokens_per_bs
@@ -166,8 +171,8 @@ class GraphRunner:
         batch = self._capture_batch(bs, n, plan)
         if batch.batch_size != bs or batch.num_tokens != n:
             raise ValueError(
-                f"GraphRunner: capture_batch({bs}, {n}) returned a batch of {batch.batch_size} requests, "
-                f"{batch.num_tokens} tokens"
+                f"GraphRunner: capture_batch({bs}, {n}) returned a batch of {batch.batch_size} "
+                f"requests, {batch.num_tokens} tokens"
             )
         self.registry.fill(batch, bs, bs, n, n)
         views = self.registry.views(bs, n)
@@ -212,14 +217,16 @@ class GraphRunner:
         if shared is None:  # the largest bucket: captured first, its output is the shared one
             self._shared_output = output
             return output
-        if shared.shape[1:] != output.shape[1:] or shared.dtype != output.dtype or shared.shape[0] < rows:
+        if (shared.shape[1:] != output.shape[1:] or shared.dtype != output.dtype
+                or shared.shape[0] < rows):
             return output
         return shared[:rows].copy_(output)
 
     # -- replay --------------------------------------------------------------------------------
     def _fields(self, batch: Any) -> frozenset[str]:
         return frozenset(
-            name for name, slot in self.registry.slots.items() if not slot.computed and slot.read(batch) is not None
+            name for name, slot in self.registry.slots.items()
+            if not slot.computed and slot.read(batch) is not None
         )
 
     def bucket_for(self, plan: StepPlanView) -> int:
@@ -239,12 +246,14 @@ class GraphRunner:
             return reason
         most = max(plan.global_num_tokens_cpu, default=0)
         if most > record.num_tokens:
-            return f"a rank has {most} tokens in this plan; bucket {record.bucket} holds {record.num_tokens} per rank"
+            return (f"a rank has {most} tokens in this plan; bucket {record.bucket} holds "
+                    f"{record.num_tokens} per rank")
         mode = batch.forward_mode
         if mode is not record.forward_mode and mode is not ForwardMode.IDLE:
             return f"batch mode {mode.name}; graphs were captured for {record.forward_mode.name}"
         if batch.batch_size > record.bucket:
-            return f"batch has {batch.batch_size} requests; bucket {record.bucket} holds {record.bucket}"
+            return (f"batch has {batch.batch_size} requests; bucket {record.bucket} holds "
+                    f"{record.bucket}")
         want = batch.batch_size * self.num_tokens_per_bs
         if batch.num_tokens != want:
             return (
@@ -306,8 +315,8 @@ class GraphRunner:
         else:
             # The stand-in runs what the capture recorded: the captured mode (an IDLE batch too)
             # and the capture plan (a gathering dispatcher lays its buffers out from it).
-            view = dataclasses.replace(self.registry.view(batch, bucket, n), forward_mode=self.forward_mode,
-                                       plan=captured.plan)
+            view = dataclasses.replace(self.registry.view(batch, bucket, n),
+                                       forward_mode=self.forward_mode, plan=captured.plan)
             with torch.inference_mode():
                 output = self.forward(view)
         if raw_n == n and raw_bs == bucket:

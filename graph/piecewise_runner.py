@@ -99,7 +99,8 @@ def _unowned(t: torch.Tensor) -> torch.Tensor:
     """``t``'s memory (same address, shape and strides) in a tensor that does not keep it
     allocated: through ``__cuda_array_interface__``, of a same-width integer view (the interface
     knows no bfloat16), held by an object that owns no storage."""
-    as_int = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    as_int = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32,
+                     8: torch.int64}[t.element_size()])
 
     class _Address:
         __cuda_array_interface__ = as_int.__cuda_array_interface__
@@ -172,8 +173,8 @@ class PiecewiseRunner:
         largest = self.sizes[-1]
         if self.slots(largest) > registry.max_bs or largest > registry.max_num_tokens:
             raise ValueError(
-                f"PiecewiseRunner: largest bucket {largest} exceeds registry {registry.user!r} capacity "
-                f"max_bs={registry.max_bs}, max_num_tokens={registry.max_num_tokens}"
+                f"PiecewiseRunner: largest bucket {largest} exceeds registry {registry.user!r} "
+                f"capacity max_bs={registry.max_bs}, max_num_tokens={registry.max_num_tokens}"
             )
         if split.backend is not backend:
             raise ValueError("PiecewiseRunner: the split must wrap the backend the runner plans")
@@ -184,7 +185,8 @@ class PiecewiseRunner:
         self._capture_batch, self._capture_plan = capture_batch, capture_plan
         self._pool = pool
         self._buckets: dict[int, _Bucket] = {}
-        self._out_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # by width: every layer's
+        # by width: every layer's
+        self._out_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.capture_memory_bytes = 0
 
     @property
@@ -205,8 +207,8 @@ class PiecewiseRunner:
             self._pool = torch.cuda.graph_pool_handle()
         self.capture_memory_bytes = capture_largest_first(
             self.sizes, self._buckets, self._capture_one, device=self.registry.device,
-            use_cuda_graph=self.use_cuda_graph, label="extend graphs", show_progress=self.show_progress,
-            on_error=self.destroy)
+            use_cuda_graph=self.use_cuda_graph, label="extend graphs",
+            show_progress=self.show_progress, on_error=self.destroy)
 
     def _out_buffer(self, q: torch.Tensor) -> torch.Tensor:
         width = q.shape[1] * q.shape[2] if q.dim() == 3 else q.shape[1]
@@ -220,9 +222,10 @@ class PiecewiseRunner:
         plan = self._capture_plan(tokens)
         bs = self.slots(tokens)
         batch = self._capture_batch(bs, tokens, plan)
-        if batch.forward_mode is not ForwardMode.EXTEND or batch.num_tokens != tokens or batch.batch_size != bs:
-            raise ValueError(f"PiecewiseRunner: capture_batch({bs}, {tokens}) must be an EXTEND batch of {bs} "
-                             f"requests, {tokens} tokens")
+        if (batch.forward_mode is not ForwardMode.EXTEND or batch.num_tokens != tokens
+                or batch.batch_size != bs):
+            raise ValueError(f"PiecewiseRunner: capture_batch({bs}, {tokens}) must be an EXTEND "
+                             f"batch of {bs} requests, {tokens} tokens")
         self.registry.fill(batch, bs, bs, tokens, tokens)
         if stream is None:
             return _Bucket(tokens, plan, [], [], None)
@@ -268,10 +271,11 @@ class PiecewiseRunner:
         except ValueError as e:
             return str(e)
         if batch.forward_mode not in (ForwardMode.EXTEND, ForwardMode.IDLE):
-            return f"batch mode {batch.forward_mode.name}; extend graphs replay EXTEND (and IDLE) batches"
+            return (f"batch mode {batch.forward_mode.name}; extend graphs replay EXTEND (and IDLE) "
+                    "batches")
         if batch.num_tokens > tokens or batch.batch_size > self.slots(tokens):
-            return (f"batch has {batch.num_tokens} tokens in {batch.batch_size} requests; bucket {tokens} holds "
-                    f"{tokens} tokens in {self.slots(tokens)} requests")
+            return (f"batch has {batch.num_tokens} tokens in {batch.batch_size} requests; "
+                    f"bucket {tokens} holds {tokens} tokens in {self.slots(tokens)} requests")
         return None
 
     def replay(self, batch: Any, plan: StepPlanView) -> Any:
@@ -308,7 +312,8 @@ class PiecewiseRunner:
             output = b.output
         else:
             # The capture plan, as the pieces recorded it (a gathering dispatcher lays out from it).
-            view = dataclasses.replace(self.registry.view(batch, bs, t), forward_mode=ForwardMode.EXTEND, plan=b.plan)
+            view = dataclasses.replace(self.registry.view(batch, bs, t),
+                                       forward_mode=ForwardMode.EXTEND, plan=b.plan)
 
             def stand_in(q, k, v, layer_id, _batch) -> torch.Tensor:
                 out = q.new_zeros(t, q.shape[1] * q.shape[2] if q.dim() == 3 else q.shape[1])

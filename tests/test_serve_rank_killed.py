@@ -9,7 +9,9 @@ rank actor's process is killed (SIGKILL). Then:
   stream cut without an error event); the whole request with a 503 JSON body and Retry-After;
 - a new request sent while the gang restarts gets a 503 with Retry-After and OpenAI's error
   object (one sent just as the new gang came up may be served);
-- after the restart the same greedy prompt gives the same tokens as before the kill.
+- after the restart the same greedy prompt gives the same tokens as before the kill;
+- on CPU (with psutil) the private cluster and both gangs listen on loopback only (GCS,
+  raylet, agents, workers, the ranks' process-group store and gloo).
 
 The same body runs on CPU (gloo, in the unit run) and on 2 GPUs (``-m gpu``: NCCL, one GPU a
 rank; ``bash bench/run_gpu.sh door2``). HTTP through the standard library only: the GPU
@@ -94,6 +96,22 @@ def _greedy(url: str) -> list[int]:
     return choice["token_ids"]
 
 
+def _loopback_sockets(srv: ServeProcess, device: str):
+    """The server tree's listening sockets, checked to be on loopback with the ranks among
+    them; on CPU with psutil (the GPU machine has no psutil), else None."""
+    if device != "cpu":
+        return None
+    pytest.importorskip("psutil")
+    import psutil
+
+    from tests.support.listening import assert_loopback_only, ranks_listen, tree_sockets
+
+    sockets = tree_sockets(psutil.Process(srv.proc.pid))
+    assert ranks_listen(sockets), sockets
+    assert_loopback_only(sockets)
+    return sockets
+
+
 def _in_flight(srv: ServeProcess) -> list[float]:
     m = srv.metrics()
     return [m.get(("dp_runtime_in_flight_requests", (("rank", str(r)),)), 0.0) for r in (0, 1)]
@@ -118,6 +136,7 @@ def test_a_rank_killed_under_load_restarts_the_gang_and_every_request_is_answere
     with ServeProcess(tmp_path, "--model", "tiny", "--dp", "2", "--device", device,
                       "--max-running-requests", "8", env=env) as srv:
         before = _greedy(srv.url)
+        sockets = _loopback_sockets(srv, device)
         assert len(before) == GREEDY["max_tokens"]
         long = {"model": "tiny", "prompt": [3, 1, 4, 1, 5], "max_tokens": LONG,
                 "ignore_eos": True}
@@ -157,6 +176,10 @@ def test_a_rank_killed_under_load_restarts_the_gang_and_every_request_is_answere
             t.join(timeout=120)
         assert not any(t.is_alive() for t in threads), "a request in flight hangs"
         after = _greedy(srv.url)
+        new_actors = _rank_actors(tag)
+        assert len(new_actors) == 2 and not set(new_actors) & set(actors), (actors, new_actors)
+        sockets_after = _loopback_sockets(srv, device)
+        assert sockets is None or sockets_after != sockets  # the new gang's own sockets
 
     assert srv.returncode == 0, srv.log()[-3000:]
     # /health: 200 until the engine noticed, then 503 "restarting" until the new gang serves.

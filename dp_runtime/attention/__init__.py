@@ -28,7 +28,8 @@ __all__ = [
 ]
 
 
-def make_attention_backend(kind: str, kv_cache, model_config, *, q_dtype=None, check_indices: bool = False):
+def make_attention_backend(kind: str, kv_cache, model_config, *, q_dtype=None,
+                           check_indices: bool = False):
     """The backend ``kind`` names (``flashinfer`` or ``sdpa``, as ``dp_runtime.choices``
     resolved it) over ``kv_cache``, with the model's head geometry; ``q_dtype``: the model's
     dtype, which FlashInfer plans for (the cache's when None; SDPA reads it off the query)."""

@@ -8,7 +8,8 @@ import torch
 
 from graph.attention_protocol import AttentionMetadataBackend
 
-__all__ = ["FLASHINFER_HEAD_DIMS", "AttentionBackend", "flashinfer_unsupported", "import_flashinfer"]
+__all__ = ["FLASHINFER_HEAD_DIMS", "AttentionBackend", "flashinfer_unsupported",
+           "import_flashinfer"]
 
 # FlashInfer builds its attention kernels for 16-bit K/V and these head dims only.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
@@ -47,5 +48,6 @@ def import_flashinfer() -> Any:
     try:
         import flashinfer
     except ImportError as e:
-        raise ImportError("FlashInferBackend needs flashinfer-python (pip install 'dp-runtime[gpu]')") from e
+        raise ImportError(
+            "FlashInferBackend needs flashinfer-python (pip install 'dp-runtime[gpu]')") from e
     return flashinfer

@@ -73,7 +73,8 @@ class FlashInferBackend(FlashInferGraphPlans):
             eager wrappers and one more for the graph wrappers (allocated by ``init_capture``).
         scale: softmax scale, default ``1/sqrt(head_dim)``.
         check_indices: verify every plan on the host (syncs; see the module docstring); the
-            rank worker passes ``RuntimeConfig.flashinfer_checks`` (``DP_RUNTIME_FLASHINFER_CHECKS``).
+            rank worker passes ``RuntimeConfig.flashinfer_checks``
+            (``DP_RUNTIME_FLASHINFER_CHECKS``).
         flashinfer_module: the module providing the wrappers and ``merge_state``; None imports
             ``flashinfer``. Tests pass a pure-torch emulation, which may run on CPU.
         triton_decode_min_bs: decode graph buckets of at least this many requests use the
@@ -98,19 +99,21 @@ class FlashInferBackend(FlashInferGraphPlans):
     ) -> None:
         q_dtype = q_dtype or kv_cache.dtype
         if q_dtype.itemsize == 1:
-            raise ValueError(f"FlashInferBackend: queries in {q_dtype}: pass q_dtype, the model's dtype, with an "
-                             f"FP8 KV cache")
+            raise ValueError(f"FlashInferBackend: queries in {q_dtype}: pass q_dtype, the model's "
+                             f"dtype, with an FP8 KV cache")
         if flashinfer_module is None and kv_cache.device.type != "cuda":
             raise ValueError(f"FlashInferBackend needs a CUDA KV cache, got {kv_cache.device}")
         if num_q_heads % num_kv_heads:
-            raise ValueError(f"FlashInferBackend: num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+            raise ValueError(f"FlashInferBackend: num_q_heads={num_q_heads} is not a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
         if (kv_cache.num_kv_heads, kv_cache.head_dim) != (num_kv_heads, head_dim):
             raise ValueError(
-                f"FlashInferBackend: cache has {kv_cache.num_kv_heads} KV heads of dim {kv_cache.head_dim}, "
-                f"backend was given {num_kv_heads} of dim {head_dim}"
+                f"FlashInferBackend: cache has {kv_cache.num_kv_heads} KV heads of dim "
+                f"{kv_cache.head_dim}, backend was given {num_kv_heads} of dim {head_dim}"
             )
         self._fi = flashinfer_module if flashinfer_module is not None else import_flashinfer()
-        self.kv_cache, self.num_q_heads, self.num_kv_heads, self.head_dim = kv_cache, num_q_heads, num_kv_heads, head_dim
+        self.kv_cache, self.num_q_heads, self.num_kv_heads, self.head_dim = (
+            kv_cache, num_q_heads, num_kv_heads, head_dim)
         self.q_dtype = q_dtype
         self.deterministic = deterministic
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
@@ -125,20 +128,26 @@ class FlashInferBackend(FlashInferGraphPlans):
         device = kv_cache.device
         # The eager wrappers share this workspace: they run one after another on one stream.
         self.workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
-        self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                   use_tensor_cores=self.use_tensor_cores)
-        self._paged = self._fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
-        self._ragged = self._fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+        self._paged = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2")
+        self._ragged = self._fi.BatchPrefillWithRaggedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2")
         # Long runs of new tokens: FlashInfer's own choice, FA3 on sm90 (measured on an H200,
         # causal 32/4 heads of 128: 1.84x FA2 at 8192 tokens, 1.47x at 8 x 1024, 1.05x at
         # 64 x 128). Its query tile is 128 rows, so short runs stay on FA2.
-        self._ragged_long = self._fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="auto")
+        self._ragged_long = self._fi.BatchPrefillWithRaggedKVCacheWrapper(
+            self.workspace, "NHD", backend="auto")
         # Never rewritten after creation, so an asynchronous copy from it cannot race.
-        self._ones_host = torch.ones(kv_cache.max_reqs + 1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        self._ones_host = torch.ones(kv_cache.max_reqs + 1, dtype=torch.int32,
+                                     pin_memory=torch.cuda.is_available())
         # Decode plans' host indptr, reused: the fence orders each plan after the last one's copies.
         self._fence = StagingFence(device)
-        self._indptr_host = torch.empty(kv_cache.max_reqs + 2, dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        self._init_graph_state()  # graph mode: its own workspace, wrappers and buffers (init_capture)
+        self._indptr_host = torch.empty(kv_cache.max_reqs + 2, dtype=torch.int32,
+                                        pin_memory=torch.cuda.is_available())
+        # graph mode: its own workspace, wrappers and buffers (init_capture)
+        self._init_graph_state()
         self.metadata: FlashInferMetadata | None = None
 
     # -- limits and checks ---------------------------------------------------------------------
@@ -158,8 +167,8 @@ class FlashInferBackend(FlashInferGraphPlans):
         """Plan options; the KV type is the cache's unless ``kv_dtype`` (the ragged pass, whose
         K/V are the step's own, in the model's dtype). An FP8 cache is read at scale 1 (the runs
         pass no k_scale / v_scale): kv_cache.py."""
-        return {"q_data_type": self.q_dtype, "kv_data_type": kv_dtype or self.kv_cache.dtype, "sm_scale": self.scale,
-                "non_blocking": True}
+        return {"q_data_type": self.q_dtype, "kv_data_type": kv_dtype or self.kv_cache.dtype,
+                "sm_scale": self.scale, "non_blocking": True}
 
     def _heads(self) -> tuple[int, int, int]:
         return self.num_q_heads, self.num_kv_heads, self.head_dim
@@ -183,29 +192,32 @@ class FlashInferBackend(FlashInferGraphPlans):
         indices_capacity: int | None,
     ) -> None:
         lens_cpu = seq_lens_cpu[:bs] if seq_lens_cpu is not None else seq_lens[:bs].cpu()
-        check_lens(self.kv_cache, where, bs, lens_cpu, max_bs=max_bs, max_bs_name=max_bs_name, min_len=1)
+        check_lens(self.kv_cache, where, bs, lens_cpu, max_bs=max_bs, max_bs_name=max_bs_name,
+                   min_len=1)
         indptr = host_indptr(lens_cpu, self._indptr_host)
         total = int(indptr[-1])
         if indices_capacity is not None and total > indices_capacity:
             raise ValueError(
-                f"FlashInferBackend ({where}): {total} KV indices for bucket {bs} exceed the graph index buffer's "
-                f"{indices_capacity} (init_capture's max_bs x max_context_len)"
+                f"FlashInferBackend ({where}): {total} KV indices for bucket {bs} exceed the graph "
+                f"index buffer's {indices_capacity} (init_capture's max_bs x max_context_len)"
             )
         rows, lens = req_pool_indices[:bs], seq_lens[:bs]
         verify_lens(self.check_indices, self.kv_cache, where, rows, lens, lens_cpu)
         if wrapper is None:  # the kernel reads the graph buffers themselves: no plan, no extra copy
             indptr_dev = self._graph_indptr[: bs + 1]
             indptr_dev.copy_(indptr, non_blocking=True)
-            indices = build_kv_indices(self.kv_cache.req_to_token, rows, lens, total, indptr_cpu=indptr,
-                                       indptr_dev=indptr_dev, out=self._graph_indices[:total])
+            indices = build_kv_indices(self.kv_cache.req_to_token, rows, lens, total,
+                                       indptr_cpu=indptr, indptr_dev=indptr_dev,
+                                       out=self._graph_indices[:total])
             verify_indices(self.check_indices, self.kv_cache, where, indices)
             return
         indices = build_kv_indices(self.kv_cache.req_to_token, rows, lens, total, indptr_cpu=indptr)
         verify_indices(self.check_indices, self.kv_cache, where, indices)
         # Graph buckets only: the measured case (the eager decode wrapper keeps FlashInfer's split).
-        no_split = {"disable_split_kv": True} if bs >= NO_SPLIT_KV_BS and indices_capacity is not None else {}
-        wrapper.plan(indptr, indices, self._decode_last_page_len(lens_cpu), *self._heads(), 1, **no_split,
-                     **self._plan_kw())
+        no_split = ({"disable_split_kv": True}
+                    if bs >= NO_SPLIT_KV_BS and indices_capacity is not None else {})
+        wrapper.plan(indptr, indices, self._decode_last_page_len(lens_cpu), *self._heads(), 1,
+                     **no_split, **self._plan_kw())
 
     def _plan_paged(
         self,
@@ -229,15 +241,20 @@ class FlashInferBackend(FlashInferGraphPlans):
     def _plan_extend(self, layout: KVLayout, batch: Any) -> FlashInferMetadata:
         bs = batch.batch_size
         rows, seq_lens = batch.req_pool_indices[:bs], batch.seq_lens[:bs]
-        seq_cpu = (batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu())[:bs]
+        seq_cpu = (batch.seq_lens_cpu if batch.seq_lens_cpu is not None
+                   else batch.seq_lens.cpu())[:bs]
         ext = batch.extend_seq_lens_cpu
-        ext_cpu = torch.tensor(ext[:bs], dtype=torch.int64) if ext is not None else batch.extend_seq_lens[:bs].cpu()
-        check_lens(self.kv_cache, "extend", bs, seq_cpu, max_bs=self.kv_cache.max_reqs, max_bs_name="max_reqs", min_len=1)
+        ext_cpu = (torch.tensor(ext[:bs], dtype=torch.int64) if ext is not None
+                   else batch.extend_seq_lens[:bs].cpu())
+        check_lens(self.kv_cache, "extend", bs, seq_cpu, max_bs=self.kv_cache.max_reqs,
+                   max_bs_name="max_reqs", min_len=1)
         p = extend_plan_inputs(ext_cpu, seq_cpu)
         if layout is KVLayout.PAGED:
             # The whole sequence from the cache (this step's K/V are written before the run),
-            # causal: FlashInfer aligns the mask to the end, so new token i sees prefix + i + 1 keys.
-            self._plan_paged("extend paged", p.qo_indptr, p.kv_indptr, p.kv_last_page_len, rows, seq_lens, seq_cpu, True)
+            # causal: FlashInfer aligns the mask to the end, so new token i sees prefix + i + 1
+            # keys.
+            self._plan_paged("extend paged", p.qo_indptr, p.kv_indptr, p.kv_last_page_len, rows,
+                             seq_lens, seq_cpu, True)
             return FlashInferMetadata(layout, paged=self._paged)
         # A mixed step's leading decode rows (one new token each) attend as a decode step's rows
         # do: a prefill kernel over them read their KV tile by tile for one query each, and
@@ -249,12 +266,14 @@ class FlashInferBackend(FlashInferGraphPlans):
             triton = (bool(self.triton_decode_min_bs) and d >= self.triton_decode_min_bs
                       and self._graph_indptr is not None and d <= self._graph_max_bs)
             if triton:  # the Triton kernel over the graph buffers (no graph reads them meanwhile)
-                self._plan_decode("mixed decode rows", None, d, rows, seq_lens, seq_cpu, max_bs=self._graph_max_bs,
-                                  max_bs_name="init_capture's max_bs", indices_capacity=self.graph_indices_capacity)
+                self._plan_decode("mixed decode rows", None, d, rows, seq_lens, seq_cpu,
+                                  max_bs=self._graph_max_bs, max_bs_name="init_capture's max_bs",
+                                  indices_capacity=self.graph_indices_capacity)
                 meta.triton_bs = d
             else:
                 self._plan_decode("mixed decode rows", self._decode, d, rows, seq_lens, seq_cpu,
-                                  max_bs=self.kv_cache.max_reqs, max_bs_name="max_reqs", indices_capacity=None)
+                                  max_bs=self.kv_cache.max_reqs, max_bs_name="max_reqs",
+                                  indices_capacity=None)
                 meta.decode = self._decode
             if d == bs:
                 return meta
@@ -263,12 +282,14 @@ class FlashInferBackend(FlashInferGraphPlans):
         # The new tokens among themselves (this step's k/v, causal), then the cached prefix
         # (non-causal: every new token sees all of it), merged by log-sum-exp.
         ragged = self._ragged_long if int(ext_cpu[d:].max()) >= LONG_EXTEND_TOKENS else self._ragged
-        ragged.plan(p.qo_indptr, p.qo_indptr, *self._heads(), causal=True, **self._plan_kw(self.q_dtype))
+        ragged.plan(p.qo_indptr, p.qo_indptr, *self._heads(), causal=True,
+                    **self._plan_kw(self.q_dtype))
         if p.has_prefix:
             prefix = batch.extend_prefix_lens
             prefix = prefix[d:bs] if prefix is not None else seq_lens - batch.extend_seq_lens[d:bs]
             self._plan_paged(
-                "extend prefix", p.qo_indptr, p.prefix_indptr, p.prefix_last_page_len, rows, prefix, p.prefix_lens, False
+                "extend prefix", p.qo_indptr, p.prefix_indptr, p.prefix_last_page_len, rows, prefix,
+                p.prefix_lens, False
             )
         meta.ragged, meta.has_prefix = ragged, p.has_prefix
         meta.paged = self._paged if p.has_prefix else None
@@ -285,8 +306,9 @@ class FlashInferBackend(FlashInferGraphPlans):
         self._fence.wait()
         if mode is ForwardMode.DECODE:
             self._plan_decode(
-                "eager decode", self._decode, bs, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu,
-                max_bs=self.kv_cache.max_reqs, max_bs_name="max_reqs", indices_capacity=None,
+                "eager decode", self._decode, bs, batch.req_pool_indices, batch.seq_lens,
+                batch.seq_lens_cpu, max_bs=self.kv_cache.max_reqs, max_bs_name="max_reqs",
+                indices_capacity=None,
             )
             self.metadata = FlashInferMetadata(layout, decode=self._decode)
         elif mode is ForwardMode.EXTEND:
@@ -318,23 +340,26 @@ class FlashInferBackend(FlashInferGraphPlans):
             o_TQD = o.view(t, self.num_q_heads, self.head_dim)
             if meta.triton_bs:
                 triton_decode_attention(q[:d].view(d, self.num_q_heads, self.head_dim), *paged_kv,
-                                        self._graph_indptr[: d + 1], self._graph_indices, self.scale, out=o_TQD[:d])
+                                        self._graph_indptr[: d + 1], self._graph_indices,
+                                        self.scale, out=o_TQD[:d])
             else:
-                o_TQD[:d].copy_(meta.decode.run(q[:d], paged_kv).view(d, self.num_q_heads, self.head_dim))
+                o_TQD[:d].copy_(
+                    meta.decode.run(q[:d], paged_kv).view(d, self.num_q_heads, self.head_dim))
             if d < t:
                 self._ragged_run(meta, q[d:], k[d:], v[d:], paged_kv, o[d:])
             return o
         if meta.triton_bs:
             o = triton_decode_attention(q.view(t, self.num_q_heads, self.head_dim), *paged_kv,
-                                        self._graph_indptr[: t + 1], self._graph_indices, self.scale)
+                                        self._graph_indptr[: t + 1], self._graph_indices,
+                                        self.scale)
         elif meta.decode is not None:
             o = meta.decode.run(q, paged_kv)
         else:
             o = meta.paged.run(q, paged_kv)
         return o.reshape(t, -1) if out is None else out.copy_(o.reshape(t, -1))
 
-    def _ragged_run(self, meta: FlashInferMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    paged_kv: Any, out: torch.Tensor | None) -> torch.Tensor:
+    def _ragged_run(self, meta: FlashInferMetadata, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, paged_kv: Any, out: torch.Tensor | None) -> torch.Tensor:
         """The RAGGED passes of ``q`` (the new tokens after any decode rows), into ``out``."""
         t = q.shape[0]
         o_TQD = None if out is None else out.view(t, self.num_q_heads, self.head_dim)

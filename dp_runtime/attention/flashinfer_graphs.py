@@ -35,8 +35,11 @@ class FlashInferMetadata:
     paged: Any = None  # a planned paged prefill wrapper (PAGED extend, or RAGGED's prefix part)
     ragged: Any = None  # a planned ragged prefill wrapper (RAGGED extend)
     has_prefix: bool = False  # RAGGED: whether some request has cached tokens to merge in
-    triton_bs: int = 0  # a decode bucket (or a mixed step's decode rows) attended by the Triton kernel over the graph buffers
-    decode_rows: int = 0  # RAGGED: the leading one-token requests, attended as decode rows (decode / triton_bs)
+    # a decode bucket (or a mixed step's decode rows) attended by the Triton kernel over the graph
+    # buffers
+    triton_bs: int = 0
+    # RAGGED: the leading one-token requests, attended as decode rows (decode / triton_bs)
+    decode_rows: int = 0
 
 
 class FlashInferGraphPlans:
@@ -62,26 +65,32 @@ class FlashInferGraphPlans:
             raise ValueError(f"FlashInferBackend.init_capture: max_bs must be >= 1, got {max_bs}")
         device = self.kv_cache.device
         if self.graph_workspace is None:
-            self.graph_workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
+            self.graph_workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8,
+                                               device=device)
         self._graph_max_bs = int(max_bs)
         self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self._graph_indices = torch.zeros(max_bs * self.kv_cache.max_context_len, dtype=torch.int32, device=device)
+        self._graph_indices = torch.zeros(max_bs * self.kv_cache.max_context_len, dtype=torch.int32,
+                                          device=device)
         self._graph_wrappers.clear()
         self._graph_layouts.clear()
 
     def init_forward_metadata_capture(
-        self, *, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, forward_mode: ForwardMode
+        self, *, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+        forward_mode: ForwardMode
     ) -> None:
         layout = self._layout(forward_mode)
         if forward_mode is not ForwardMode.DECODE:
             raise NotImplementedError(
-                f"FlashInferBackend captures DECODE only, got {forward_mode.name} (extend runs eager)"
+                f"FlashInferBackend captures DECODE only, got {forward_mode.name} "
+                "(extend runs eager)"
             )
-        if self._graph_indptr is None or self._graph_indices is None or self._graph_last_page_len is None:
+        if (self._graph_indptr is None or self._graph_indices is None
+                or self._graph_last_page_len is None):
             raise RuntimeError("FlashInferBackend: init_capture() was not called")
         if bs > self._graph_max_bs:
-            raise ValueError(f"FlashInferBackend (capture): bucket {bs} exceeds init_capture's max_bs={self._graph_max_bs}")
+            raise ValueError(f"FlashInferBackend (capture): bucket {bs} exceeds init_capture's "
+                             f"max_bs={self._graph_max_bs}")
         triton = bool(self.triton_decode_min_bs) and bs >= self.triton_decode_min_bs
         wrapper = None if triton else self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.graph_workspace,
@@ -94,7 +103,8 @@ class FlashInferGraphPlans:
         )
         self._plan_decode(  # capture may sync (no host lengths here)
             "capture", wrapper, bs, req_pool_indices, seq_lens, None,
-            max_bs=self._graph_max_bs, max_bs_name="init_capture's max_bs", indices_capacity=self.graph_indices_capacity,
+            max_bs=self._graph_max_bs, max_bs_name="init_capture's max_bs",
+            indices_capacity=self.graph_indices_capacity,
         )
         self._graph_wrappers[bs] = wrapper
         self._graph_layouts[bs] = layout
@@ -114,15 +124,17 @@ class FlashInferGraphPlans:
         layout = self._layout(forward_mode)
         if bs not in self._graph_wrappers:
             raise KeyError(
-                f"FlashInferBackend: no captured wrapper for bucket {bs}; captured {sorted(self._graph_wrappers)}"
+                f"FlashInferBackend: no captured wrapper for bucket {bs}; "
+                f"captured {sorted(self._graph_wrappers)}"
             )
         if layout is not self._graph_layouts[bs]:
             raise ValueError(
-                f"FlashInferBackend: bucket {bs} was captured for layout {self._graph_layouts[bs].name}, "
-                f"replay asks {layout.name}"
+                f"FlashInferBackend: bucket {bs} was captured for layout "
+                f"{self._graph_layouts[bs].name}, replay asks {layout.name}"
             )
         if raw_bs > bs:
-            raise ValueError(f"FlashInferBackend (replay): {raw_bs} live requests exceed bucket {bs}")
+            raise ValueError(
+                f"FlashInferBackend (replay): {raw_bs} live requests exceed bucket {bs}")
         # Plan all bs rows: rows [raw_bs:bs) are padding (row 0, length 1) the graph still runs.
         wrapper = self._graph_wrappers[bs]
         self._fence.wait()
@@ -131,4 +143,5 @@ class FlashInferGraphPlans:
             max_bs=bs, max_bs_name="the bucket", indices_capacity=self.graph_indices_capacity,
         )
         self._fence.mark()
-        self.metadata = FlashInferMetadata(layout, decode=wrapper, triton_bs=0 if wrapper is not None else bs)
+        self.metadata = FlashInferMetadata(layout, decode=wrapper,
+                                           triton_bs=0 if wrapper is not None else bs)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ExtendPlanInputs", "build_kv_indices", "extend_plan_inputs", "host_indptr", "last_page_len"]
+__all__ = ["ExtendPlanInputs", "build_kv_indices", "extend_plan_inputs", "host_indptr",
+           "last_page_len"]
 
 
 def _pin() -> bool:
@@ -71,13 +72,15 @@ class ExtendPlanInputs:
     has_prefix: bool
 
 
-def extend_plan_inputs(extend_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor) -> ExtendPlanInputs:
+def extend_plan_inputs(extend_lens_cpu: torch.Tensor,
+                       seq_lens_cpu: torch.Tensor) -> ExtendPlanInputs:
     """The plan inputs of an extend batch from its host lengths (``seq_lens`` include the new
     tokens). Raises ValueError when a request extends by less than 1 or more than its length."""
     ext = extend_lens_cpu.to(torch.int64)
     seq = seq_lens_cpu.to(torch.int64)
     if ext.shape != seq.shape:
-        raise ValueError(f"extend_plan_inputs: {ext.shape[0]} extend lengths for {seq.shape[0]} sequence lengths")
+        raise ValueError(f"extend_plan_inputs: {ext.shape[0]} extend lengths for {seq.shape[0]} "
+                         "sequence lengths")
     prefix = seq - ext
     if bool((ext < 1).any()) or bool((prefix < 0).any()):
         raise ValueError(
@@ -130,7 +133,8 @@ def _load_triton_gather():
         return None
 
     @triton.jit
-    def _gather_rows_kernel(req_to_token_ptr, row_stride, rows_ptr, indptr_ptr, out_ptr, BLOCK: tl.constexpr):
+    def _gather_rows_kernel(req_to_token_ptr, row_stride, rows_ptr, indptr_ptr, out_ptr,
+                            BLOCK: tl.constexpr):
         i = tl.program_id(0)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         start = tl.load(indptr_ptr + i)
@@ -143,8 +147,10 @@ def _load_triton_gather():
                indptr_dev: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
         bs = int(indptr_cpu.shape[0]) - 1
         longest = int((indptr_cpu[1:] - indptr_cpu[:-1]).max())
-        indptr = indptr_dev if indptr_dev is not None else indptr_cpu.to(req_to_token.device, non_blocking=True)
-        out = torch.empty(total, dtype=torch.int32, device=req_to_token.device) if out is None else out[:total]
+        indptr = (indptr_dev if indptr_dev is not None
+                  else indptr_cpu.to(req_to_token.device, non_blocking=True))
+        out = (torch.empty(total, dtype=torch.int32, device=req_to_token.device) if out is None
+               else out[:total])
         block = 1024
         _gather_rows_kernel[(bs, triton.cdiv(longest, block))](
             req_to_token, req_to_token.stride(0), rows, indptr, out, BLOCK=block, num_warps=4)

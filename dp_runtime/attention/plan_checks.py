@@ -11,13 +11,16 @@ from dp_runtime.serving.kv_cache import KVCache
 __all__ = ["check_lens", "verify_indices", "verify_lens"]
 
 
-def check_lens(cache: KVCache, where: str, bs: int, lens_cpu: torch.Tensor, *, max_bs: int, max_bs_name: str,
-               min_len: int) -> None:
-    """A batch of ``bs`` requests with host KV lengths ``lens_cpu`` fits ``max_bs`` and the cache."""
+def check_lens(cache: KVCache, where: str, bs: int, lens_cpu: torch.Tensor, *, max_bs: int,
+               max_bs_name: str, min_len: int) -> None:
+    """A batch of ``bs`` requests with host KV lengths ``lens_cpu`` fits ``max_bs`` and the
+    cache."""
     if bs > max_bs:
-        raise ValueError(f"FlashInferBackend ({where}): a batch of {bs} requests exceeds {max_bs_name}={max_bs}")
+        raise ValueError(f"FlashInferBackend ({where}): a batch of {bs} requests exceeds "
+                         f"{max_bs_name}={max_bs}")
     if int(lens_cpu.shape[0]) < bs:
-        raise ValueError(f"FlashInferBackend ({where}): {int(lens_cpu.shape[0])} host sequence lengths for {bs} requests")
+        raise ValueError(f"FlashInferBackend ({where}): {int(lens_cpu.shape[0])} host sequence "
+                         f"lengths for {bs} requests")
     if bs == 0:
         return
     lens = lens_cpu[:bs]
@@ -25,12 +28,12 @@ def check_lens(cache: KVCache, where: str, bs: int, lens_cpu: torch.Tensor, *, m
     limit = cache.max_context_len
     if longest > limit:
         raise ValueError(
-            f"FlashInferBackend ({where}): request {int(lens.argmax())} has {longest} KV tokens, more than the "
-            f"cache's max_context_len={limit}"
+            f"FlashInferBackend ({where}): request {int(lens.argmax())} has {longest} KV tokens, "
+            f"more than the cache's max_context_len={limit}"
         )
     if shortest < min_len:
-        raise ValueError(f"FlashInferBackend ({where}): request {int(lens.argmin())} has {shortest} KV tokens; "
-                         f"at least {min_len} needed")
+        raise ValueError(f"FlashInferBackend ({where}): request {int(lens.argmin())} has "
+                         f"{shortest} KV tokens; at least {min_len} needed")
 
 
 def _checking(enabled: bool, t: torch.Tensor) -> bool:
@@ -47,13 +50,14 @@ def verify_lens(enabled: bool, cache: KVCache, where: str, rows: torch.Tensor, l
     host_lens = lens_cpu.to(torch.int64)
     if not torch.equal(dev_lens, host_lens):
         raise RuntimeError(
-            f"FlashInferBackend ({where}): device sequence lengths {dev_lens.tolist()} differ from the host "
-            f"copy {host_lens.tolist()} the plan was sized with"
+            f"FlashInferBackend ({where}): device sequence lengths {dev_lens.tolist()} differ from "
+            f"the host copy {host_lens.tolist()} the plan was sized with"
         )
     rows_cpu = rows.detach().to("cpu", torch.int64)
     max_row = cache.req_to_token.shape[0] - 1
     if rows_cpu.numel() and (int(rows_cpu.min()) < 0 or int(rows_cpu.max()) > max_row):
-        raise RuntimeError(f"FlashInferBackend ({where}): request rows {rows_cpu.tolist()} outside [0, {max_row}]")
+        raise RuntimeError(f"FlashInferBackend ({where}): request rows {rows_cpu.tolist()} "
+                           f"outside [0, {max_row}]")
 
 
 def verify_indices(enabled: bool, cache: KVCache, where: str, indices: torch.Tensor) -> None:
@@ -64,5 +68,6 @@ def verify_indices(enabled: bool, cache: KVCache, where: str, indices: torch.Ten
     lo, hi = int(idx.min()), int(idx.max())
     if lo < 0 or hi > cache.num_slots:
         raise RuntimeError(
-            f"FlashInferBackend ({where}): KV indices span [{lo}, {hi}], outside the cache's slots [0, {cache.num_slots}]"
+            f"FlashInferBackend ({where}): KV indices span [{lo}, {hi}], outside the cache's slots "
+            f"[0, {cache.num_slots}]"
         )

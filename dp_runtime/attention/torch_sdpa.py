@@ -53,12 +53,13 @@ class TorchSDPABackend:
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(
-                f"TorchSDPABackend: num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+                f"TorchSDPABackend: num_q_heads={num_q_heads} is not a multiple of "
+                f"num_kv_heads={num_kv_heads}"
             )
         if (kv_cache.num_kv_heads, kv_cache.head_dim) != (num_kv_heads, head_dim):
             raise ValueError(
-                f"TorchSDPABackend: cache has {kv_cache.num_kv_heads} KV heads of dim {kv_cache.head_dim}, "
-                f"backend was given {num_kv_heads} of dim {head_dim}"
+                f"TorchSDPABackend: cache has {kv_cache.num_kv_heads} KV heads of dim "
+                f"{kv_cache.head_dim}, backend was given {num_kv_heads} of dim {head_dim}"
             )
         self.kv_cache = kv_cache
         self.num_q_heads = num_q_heads
@@ -72,7 +73,8 @@ class TorchSDPABackend:
 
     # -- metadata ------------------------------------------------------------------------------
     def _decode_meta(
-        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, into: _DecodeMeta | None
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+        into: _DecodeMeta | None
     ) -> _DecodeMeta:
         # bs is the caller's: the buffers may hold more rows than this batch (never len(buffer)).
         # Window positions at or past a request's length point at slot 0, which padded rows
@@ -127,7 +129,8 @@ class TorchSDPABackend:
             raise RuntimeError("TorchSDPABackend: init_capture() was not called")
         if bs > buffers.kv_indices_BW.shape[0]:
             raise ValueError(
-                f"TorchSDPABackend: bucket {bs} exceeds init_capture's max_bs {buffers.kv_indices_BW.shape[0]}"
+                f"TorchSDPABackend: bucket {bs} exceeds init_capture's max_bs "
+                f"{buffers.kv_indices_BW.shape[0]}"
             )
         # Every bucket uses the leading rows of the same buffers: one replay runs at a time.
         return _DecodeMeta(buffers.kv_indices_BW[:bs], buffers.valid_BW[:bs])
@@ -168,7 +171,8 @@ class TorchSDPABackend:
         meta = self._graph_meta.get(bs)
         if meta is None:
             raise KeyError(
-                f"TorchSDPABackend: no captured metadata for bucket {bs}; captured {sorted(self._graph_meta)}"
+                f"TorchSDPABackend: no captured metadata for bucket {bs}; "
+                f"captured {sorted(self._graph_meta)}"
             )
         # Rows [raw_bs:bs) are padding (row 0, length 1): valid targets, so all bs rows are written.
         self.metadata = self._decode_meta(bs, req_pool_indices, seq_lens, meta)
@@ -194,10 +198,12 @@ class TorchSDPABackend:
         b, hkv, d = meta.kv_indices_BW.shape[0], self.num_kv_heads, self.head_dim
         if q_TQD.shape[0] != b:
             raise ValueError(
-                f"TorchSDPABackend: decode of {q_TQD.shape[0]} tokens with metadata for {b} requests"
+                f"TorchSDPABackend: decode of {q_TQD.shape[0]} tokens with metadata for {b} "
+                "requests"
             )
         # An FP8 cache is upcast to the query's dtype (scale 1: kv_cache.py).
-        k = self.kv_cache.k[layer][meta.kv_indices_BW].permute(0, 2, 1, 3).to(q_TQD.dtype)  # (B, Hkv, W, D)
+        # (B, Hkv, W, D)
+        k = self.kv_cache.k[layer][meta.kv_indices_BW].permute(0, 2, 1, 3).to(q_TQD.dtype)
         v = self.kv_cache.v[layer][meta.kv_indices_BW].permute(0, 2, 1, 3).to(q_TQD.dtype)
         # The G query heads of one KV head act as G query rows: plain SDPA, no KV repeat.
         q = q_TQD.reshape(b, hkv, -1, d)
@@ -212,9 +218,11 @@ class TorchSDPABackend:
         for i, (seq_len, ext) in enumerate(zip(meta.seq_lens, meta.extend_lens, strict=True)):
             idx = meta.rows_BW[i, :seq_len]
             k = (
-                self.kv_cache.k[layer][idx].to(q_TQD.dtype).repeat_interleave(g, dim=1).transpose(0, 1)
+                self.kv_cache.k[layer][idx].to(q_TQD.dtype).repeat_interleave(g, dim=1)
+                .transpose(0, 1)
             )  # (Hq, L, D)
-            v = self.kv_cache.v[layer][idx].to(q_TQD.dtype).repeat_interleave(g, dim=1).transpose(0, 1)
+            v = (self.kv_cache.v[layer][idx].to(q_TQD.dtype).repeat_interleave(g, dim=1)
+                 .transpose(0, 1))
             q = q_TQD[start : start + ext].transpose(0, 1)  # (Hq, E, D)
             prefix = seq_len - ext
             q_pos = torch.arange(prefix, seq_len, device=q.device)

@@ -60,8 +60,8 @@ def _decode_kernel(
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
     g_ok = g < GROUP
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * GROUP + g)[:, None] * stride_qh
+                + d[None, :], mask=g_ok[:, None], other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
     if KV_FP8:
@@ -73,8 +73,10 @@ def _decode_kernel(
         offs = n0 + tl.arange(0, BLOCK_N)
         ok = offs < end
         slot = tl.load(indices_ptr + offs, mask=ok, other=0).to(tl.int64)
-        k = tl.load(k_ptr + slot[:, None] * stride_kt + h * stride_kh + d[None, :], mask=ok[:, None], other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vt + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)
+        k = tl.load(k_ptr + slot[:, None] * stride_kt + h * stride_kh + d[None, :],
+                    mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * stride_vt + h * stride_vh + d[None, :],
+                    mask=ok[:, None], other=0.0)
         if KV_FP8:
             k = k.to(tl.float16)
             v = v.to(tl.float16)
@@ -117,15 +119,17 @@ def triton_decode_attention(
     bs, hq, d = q.shape
     hk = k_cache.shape[1]
     if k_cache.dtype not in (q.dtype, torch.float8_e4m3fn) or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"triton_decode_attention: caches {k_cache.dtype} / {v_cache.dtype} for q {q.dtype}: need "
-                         f"q's dtype or float8_e4m3fn, both alike")
+        raise ValueError(f"triton_decode_attention: caches {k_cache.dtype} / {v_cache.dtype} for "
+                         f"q {q.dtype}: need q's dtype or float8_e4m3fn, both alike")
     if hq % hk or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
-        raise ValueError(f"triton_decode_attention: q {tuple(q.shape)} against caches {tuple(k_cache.shape)} / "
-                         f"{tuple(v_cache.shape)}: need Hq a multiple of Hk and one head dim")
+        raise ValueError(f"triton_decode_attention: q {tuple(q.shape)} against caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}: need Hq a multiple of "
+                         "Hk and one head dim")
     if d & (d - 1) or d < 16:
         raise ValueError(f"triton_decode_attention: head dim {d} must be a power of two >= 16")
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
-        raise ValueError("triton_decode_attention: q and the caches need a unit stride along the head dim")
+        raise ValueError(
+            "triton_decode_attention: q and the caches need a unit stride along the head dim")
     if out is None:
         out = torch.empty_like(q)
     if bs == 0:
@@ -134,8 +138,8 @@ def triton_decode_attention(
     upcast = isinstance(_decode_kernel, InterpretedFunction)
     _decode_kernel[(bs, hk)](
         q, k_cache, v_cache, out, indptr, indices, scale * _LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_N=block_n,
         UPCAST_DOT=upcast, KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4, num_stages=2,
         **pdl_meta(resolve_pdl(pdl, q, bs)),

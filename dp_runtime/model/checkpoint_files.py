@@ -23,7 +23,8 @@ def open_shard(file: Path):
     try:
         handle = safe_open(str(file), "pt", device="cpu")
     except (SafetensorError, OSError) as exc:
-        raise ModelConfigError(f"safetensors file {str(file)!r} is unreadable (truncated or corrupt?): {exc}") from None
+        raise ModelConfigError(f"safetensors file {str(file)!r} is unreadable "
+                               f"(truncated or corrupt?): {exc}") from None
     with handle as f:
         yield f
 
@@ -42,7 +43,8 @@ def checkpoint_index(path: str | Path) -> dict[str, Path]:
         files = {name: root / file for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.is_file():
-                raise ModelConfigError(f"{index.name} names shard {file.name!r}, which is missing from {str(root)!r}")
+                raise ModelConfigError(f"{index.name} names shard {file.name!r}, "
+                                       f"which is missing from {str(root)!r}")
         return files
     shards = sorted(root.glob("*.safetensors"))
     if not shards:

@@ -36,6 +36,8 @@ class YarnScaling:
             raise ModelConfigError(f"YaRN factor must be >= 1, got {self.factor}")
         if self.original_max_position_embeddings <= 0:
             raise ModelConfigError(
-                f"YaRN original_max_position_embeddings must be > 0, got {self.original_max_position_embeddings}")
+                f"YaRN original_max_position_embeddings must be > 0, "
+                f"got {self.original_max_position_embeddings}")
         if not self.attention_factor > 0:
-            raise ModelConfigError(f"YaRN attention_factor must be > 0, got {self.attention_factor}")
+            raise ModelConfigError(
+                f"YaRN attention_factor must be > 0, got {self.attention_factor}")

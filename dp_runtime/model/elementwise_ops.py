@@ -75,7 +75,8 @@ class TorchOps:
         return rotary.apply(q_THD, k_THD, positions_T)
 
     @staticmethod
-    def linear(x: torch.Tensor, w: torch.Tensor | Fp8BlockWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(x: torch.Tensor, w: torch.Tensor | Fp8BlockWeight,
+               b: torch.Tensor | None = None) -> torch.Tensor:
         return fp8_linear(x, w, b) if isinstance(w, Fp8BlockWeight) else F.linear(x, w, b)
 
 
@@ -148,9 +149,11 @@ def elementwise_ops(device: torch.device, dtype: torch.dtype) -> TorchOps | Flas
     else:
         ops = FlashInferOps(device)
         if not ops.fused_qk_prologue:
-            log_fallback("fused q/k norm + RoPE + KV store kernel and skinny linear not used (triton does "
-                      "not import): FlashInfer's norm and RoPE, separate KV copies, F.linear")
+            log_fallback("fused q/k norm + RoPE + KV store kernel and skinny linear not used "
+                         "(triton does not import): FlashInfer's norm and RoPE, separate KV "
+                         "copies, F.linear")
         return ops
-    log_fallback(f"fused RMSNorm / add+RMSNorm / SiLU-and-mul / RoPE kernels not used ({why}): torch ops")
+    log_fallback(f"fused RMSNorm / add+RMSNorm / SiLU-and-mul / RoPE kernels not used ({why}): "
+                 "torch ops")
     return TorchOps()
 

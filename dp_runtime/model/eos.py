@@ -33,6 +33,7 @@ def checkpoint_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
             continue
         values = value if isinstance(value, list) else [value]
         if not all(is_int(v) and v >= 0 for v in values):
-            raise ModelConfigError(f"{file}: eos_token_id must be a token id >= 0 or a list of them, got {value!r}")
+            raise ModelConfigError(f"{file}: eos_token_id must be a token id >= 0 or a list of "
+                                   f"them, got {value!r}")
         ids.extend(int(v) for v in values)
     return tuple(dict.fromkeys(ids))

@@ -61,12 +61,14 @@ def expert_path(device: torch.device, dtype: torch.dtype, top_k: int, renormaliz
                                        live_rows=live_rows)
 
         def fused(x, ids, w, w13, w2, out_ND=None, extend=False, add_norm=None):
-            return fused_local_expert_sum(x, ids, w, w13, w2, out_ND=out_ND, extend=extend, add_norm=add_norm)
+            return fused_local_expert_sum(x, ids, w, w13, w2, out_ND=out_ND, extend=extend,
+                                          add_norm=add_norm)
 
         return ExpertPath("triton", why, route_triton, fused, fuses_add_norm=True)
 
     def route_torch(logits_TE: torch.Tensor, live_rows: torch.Tensor | None = None):
-        weights_TK, ids_TK = softmax_topk(logits_TE, top_k, renormalize=renormalize, live_rows=live_rows)
+        weights_TK, ids_TK = softmax_topk(logits_TE, top_k, renormalize=renormalize,
+                                          live_rows=live_rows)
         # Hugging Face rounds the routing weights to the model dtype before weighting.
         return weights_TK.to(dtype).float(), ids_TK
 
@@ -75,7 +77,8 @@ def expert_path(device: torch.device, dtype: torch.dtype, top_k: int, renormaliz
 
     def unfused(x, ids, w, w13, w2, out_ND=None, extend=False, add_norm=None):
         if add_norm is not None:
-            raise ValueError(f"the {name} expert path does not fold the next add+RMSNorm (fuses_add_norm is False)")
+            raise ValueError(f"the {name} expert path does not fold the next add+RMSNorm "
+                             "(fuses_add_norm is False)")
         return local_expert_sum(x, ids, w, w13, w2, use_grouped_mm=grouped, out_ND=out_ND)
 
     if prefer is None and device.type == "cuda":
@@ -83,7 +86,8 @@ def expert_path(device: torch.device, dtype: torch.dtype, top_k: int, renormaliz
     return ExpertPath(name, "configured" if prefer else why, route_torch, unfused)
 
 
-def recording_routes(path: ExpertPath, record: Callable[[torch.Tensor, torch.Tensor], None]) -> ExpertPath:
+def recording_routes(path: ExpertPath,
+                     record: Callable[[torch.Tensor, torch.Tensor], None]) -> ExpertPath:
     """``path`` whose ``route`` also hands each call's ``(weights_TK, ids_TK)`` to ``record``:
     how a benchmark or a test reads the routing a model chose (set it as ``model.experts``).
     Eager steps only: a graph replay runs no Python."""

@@ -27,14 +27,16 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def _grouped(x_TH: torch.Tensor, ids_TK: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> torch.Tensor:
+def _grouped(x_TH: torch.Tensor, ids_TK: torch.Tensor, w13_E2IH: torch.Tensor,
+             w2_EHI: torch.Tensor) -> torch.Tensor:
     t, k = ids_TK.shape
     e = w13_E2IH.shape[0]
     flat = ids_TK.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (T*K,) rows grouped by expert
     x_sorted = x_TH[order // k]
     # Group ends: how many sorted rows have expert id <= e (searchsorted: no host sync).
-    offs = torch.searchsorted(flat[order], torch.arange(e, device=flat.device), right=True).to(torch.int32)
+    offs = torch.searchsorted(flat[order], torch.arange(e, device=flat.device),
+                              right=True).to(torch.int32)
     h = torch._grouped_mm(x_sorted, w13_E2IH.transpose(1, 2), offs=offs)
     del x_sorted  # intermediates go as soon as they are used: this runs on T*K rows
     gate, up = h.chunk(2, dim=-1)

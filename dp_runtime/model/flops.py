@@ -42,14 +42,16 @@ class ForwardFlops:
         return sum(getattr(self, f.name) for f in fields(self))
 
 
-def forward_flops(cfg: ModelConfig, chunks: Sequence[tuple[int, int]], logit_rows: int | None = None) -> ForwardFlops:
+def forward_flops(cfg: ModelConfig, chunks: Sequence[tuple[int, int]],
+                  logit_rows: int | None = None) -> ForwardFlops:
     """FLOPs of one forward over ``chunks``: one ``(prefix_len, new_tokens)`` per request, where
     ``prefix_len`` tokens of it are already in the KV cache (0 for a fresh prompt; a decode
     step is ``(context_len, 1)``). ``logit_rows``: rows through the LM head (default: one per
     chunk). Raises ValueError for a negative prefix or a chunk of no tokens."""
     for prefix, new in chunks:
         if prefix < 0 or new < 1:
-            raise ValueError(f"forward_flops: a chunk needs prefix_len >= 0 and new_tokens >= 1, got ({prefix}, {new})")
+            raise ValueError(f"forward_flops: a chunk needs prefix_len >= 0 and new_tokens >= 1, "
+                             f"got ({prefix}, {new})")
     h, d = cfg.hidden_size, cfg.head_dim
     tokens = sum(new for _, new in chunks)
     # Keys seen by the chunk's tokens at positions prefix .. prefix + new - 1: sum of (p + 1).
@@ -58,7 +60,8 @@ def forward_flops(cfg: ModelConfig, chunks: Sequence[tuple[int, int]], logit_row
     dense = cfg.num_layers - sparse
     layers = cfg.num_layers
     return ForwardFlops(
-        projections=layers * tokens * (2 * h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + 2 * cfg.num_heads * d * h),
+        projections=layers * tokens * (2 * h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+                                       + 2 * cfg.num_heads * d * h),
         attention=layers * 4 * cfg.num_heads * d * keys,
         router=sparse * tokens * 2 * h * cfg.num_experts,
         experts=sparse * tokens * cfg.top_k * 3 * 2 * h * cfg.moe_intermediate_size,

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "Fp8BlockWeight", "dequantize_blocks", "fake_quant_activations",
-           "quantize_blocks", "scale_shape"]
+__all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "Fp8BlockWeight", "dequantize_blocks",
+           "fake_quant_activations", "quantize_blocks", "scale_shape"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -29,7 +29,8 @@ BLOCK = (128, 128)  # the one block shape served: (rows of N, columns of K)
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[int, ...]:
-    """The scale tensor's shape for values of ``shape`` (…, N, K): (…, ceil(N/bn), ceil(K/bk))."""
+    """The scale tensor's shape for values of ``shape`` (…, N, K): (…, ceil(N/bn),
+    ceil(K/bk))."""
     *lead, n, k = shape
     return (*lead, -(-n // block[0]), -(-k // block[1]))
 
@@ -44,7 +45,8 @@ def _blocked(t: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tup
     return t.reshape(*lead, pn // bn, bn, pk // bk, bk), (n, k)
 
 
-def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(w: torch.Tensor,
+                    block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values fp8 (…, N, K), scales fp32 (…, ceil(N/bn), ceil(K/bk)))`` of ``w`` (…, N, K):
     each block scaled so its absolute maximum maps to ``FP8_MAX``; computed in float32."""
     blocks, (n, k) = _blocked(w.float(), block)
@@ -61,8 +63,8 @@ def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, block: tuple[i
     """``values * scales`` broadcast over each block, in ``dtype`` (multiplied in float32)."""
     n, k = values.shape[-2:]
     if tuple(scales.shape) != scale_shape(tuple(values.shape), block):
-        raise ValueError(f"dequantize_blocks: scales of shape {tuple(scales.shape)} do not fit values "
-                         f"{tuple(values.shape)} in {block[0]}x{block[1]} blocks "
+        raise ValueError(f"dequantize_blocks: scales of shape {tuple(scales.shape)} do not fit "
+                         f"values {tuple(values.shape)} in {block[0]}x{block[1]} blocks "
                          f"(need {scale_shape(tuple(values.shape), block)})")
     s = scales.float().repeat_interleave(block[0], dim=-2)[..., :n, :]
     s = s.repeat_interleave(block[1], dim=-1)[..., :k]
@@ -96,17 +98,20 @@ class Fp8BlockWeight:
         if self.values.dtype != FP8_DTYPE:
             raise ValueError(f"Fp8BlockWeight.values must be {FP8_DTYPE}, got {self.values.dtype}")
         if self.scales.dtype != torch.float32:
-            raise ValueError(f"Fp8BlockWeight.scales must be torch.float32, got {self.scales.dtype}")
+            raise ValueError(
+                f"Fp8BlockWeight.scales must be torch.float32, got {self.scales.dtype}")
         want = scale_shape(tuple(self.values.shape), self.block)
         if tuple(self.scales.shape) != want:
             raise ValueError(f"Fp8BlockWeight: scales {tuple(self.scales.shape)} do not fit values "
                              f"{tuple(self.values.shape)} ({want} needed)")
 
     @classmethod
-    def empty(cls, *shape: int, device: torch.device | str, block: tuple[int, int] = BLOCK) -> Fp8BlockWeight:
+    def empty(cls, *shape: int, device: torch.device | str,
+              block: tuple[int, int] = BLOCK) -> Fp8BlockWeight:
         """Uninitialised storage for values of ``shape``."""
         values = torch.empty(shape, dtype=FP8_DTYPE, device=device)
-        return cls(values, torch.empty(scale_shape(shape, block), dtype=torch.float32, device=device), block)
+        return cls(values, torch.empty(scale_shape(shape, block), dtype=torch.float32,
+                                       device=device), block)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, block: tuple[int, int] = BLOCK) -> Fp8BlockWeight:
@@ -136,9 +141,10 @@ class Fp8BlockWeight:
         end one (or the weight), so the run owns whole scale rows."""
         bn, n = self.block[0], self.values.shape[-2]
         if start % bn or (stop % bn and stop != n):
-            raise ValueError(f"Fp8BlockWeight.rows({start}, {stop}): not aligned to {bn}-row blocks")
-        return Fp8BlockWeight(self.values[..., start:stop, :], self.scales[..., start // bn: -(-stop // bn), :],
-                              self.block)
+            raise ValueError(
+                f"Fp8BlockWeight.rows({start}, {stop}): not aligned to {bn}-row blocks")
+        return Fp8BlockWeight(self.values[..., start:stop, :],
+                              self.scales[..., start // bn: -(-stop // bn), :], self.block)
 
     def copy_(self, src: torch.Tensor | Fp8BlockWeight) -> None:
         """Fill from a checkpoint's quantized weight, or quantize a float one into place."""

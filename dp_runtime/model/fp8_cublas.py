@@ -34,9 +34,10 @@ def cublas_takes(x: torch.Tensor, w: Fp8BlockWeight) -> bool:
     9.x: cuBLAS's block-scaled FP8 is Hopper's), whole 128-blocks along N and K (the shapes
     measured), a torch that has the API."""
     n, k = w.values.shape[-2:]
-    return (x.is_cuda and x.dtype == torch.bfloat16 and w.values.dim() == 2 and w.block == (128, 128)
-            and n % 128 == 0 and k % 128 == 0 and x.shape[-1] == k
-            and torch.cuda.get_device_capability(x.device)[0] == 9 and _scaled_mm_api() is not None)
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.values.dim() == 2
+            and w.block == (128, 128) and n % 128 == 0 and k % 128 == 0 and x.shape[-1] == k
+            and torch.cuda.get_device_capability(x.device)[0] == 9
+            and _scaled_mm_api() is not None)
 
 
 def cublas_fp8_linear(x_MK: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:

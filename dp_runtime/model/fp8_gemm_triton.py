@@ -23,8 +23,8 @@ __all__ = ["fp8_block_linear", "fp8_linear_tiles", "split_k"]
 
 
 @triton.jit(do_not_specialize=["m"])
-def _fp8_linear_kernel(x_ptr, stride_xm, xs_ptr, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_ym,
-                       m, n, k, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _fp8_linear_kernel(x_ptr, stride_xm, xs_ptr, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr,
+                       stride_ym, m, n, k, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                        QUANT_A: tl.constexpr, SPLIT_K: tl.constexpr):
     """One output tile over K, or (SPLIT_K > 1) over the ``k_split`` columns of K that
@@ -59,7 +59,8 @@ def _fp8_linear_kernel(x_ptr, stride_xm, xs_ptr, w_ptr, stride_wn, s_ptr, stride
 
 @triton.jit
 def _sum_splits_kernel(part_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """``y = sum over planes of part`` (SPLIT_K, numel) in plane order: deterministic, no atomics."""
+    """``y = sum over planes of part`` (SPLIT_K, numel) in plane order: deterministic, no
+    atomics."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -98,7 +99,8 @@ def split_k(m: int, n: int, k: int, tiles: dict[str, int]) -> int:
 
 
 def fp8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tensor | None = None,
-                      w8a8: bool | None = None, tiles: dict[str, int] | None = None) -> torch.Tensor:
+                     w8a8: bool | None = None,
+                     tiles: dict[str, int] | None = None) -> torch.Tensor:
     """``x @ W.T`` in x's dtype (module docstring); ``w8a8`` picks the form (None:
     ``fp8_tile.use_w8a8`` by rows). ``x`` unit-stride along K; ValueError naming the shapes for
     a K that differs from the weight's or a weight not K-contiguous. ``tiles`` overrides
@@ -106,10 +108,11 @@ def fp8_block_linear(x_MK: torch.Tensor, w: Fp8BlockWeight, out_MN: torch.Tensor
     m, k = x_MK.shape
     n = w.values.shape[0]
     if w.values.dim() != 2 or w.values.shape[1] != k:
-        raise ValueError(f"fp8_block_linear: x has K={k} columns but the weight is {tuple(w.values.shape)}")
+        raise ValueError(f"fp8_block_linear: x has K={k} columns but the weight is "
+                         f"{tuple(w.values.shape)}")
     if w.values.stride(1) != 1 or w.block != (128, 128):
-        raise ValueError(f"fp8_block_linear: the weight must be K-contiguous in 128x128 blocks, got strides "
-                         f"{w.values.stride()} blocks {w.block}")
+        raise ValueError(f"fp8_block_linear: the weight must be K-contiguous in 128x128 blocks, "
+                         f"got strides {w.values.stride()} blocks {w.block}")
     if x_MK.stride(1) != 1:
         x_MK = x_MK.contiguous()
     y = out_MN if out_MN is not None else x_MK.new_empty((m, n))

@@ -56,8 +56,8 @@ from dp_runtime.model.moe_align import UNALIGNED_PICKS, align_picks, max_blocks,
 from dp_runtime.model.moe_tiles import MoeTileConfig, gemm2_tile_config, tile_config
 from dp_runtime.model.pdl import pdl_entry, pdl_meta, resolve_pdl
 
-__all__ = ["MoeTileConfig", "align_picks", "fused_local_expert_sum", "gemm2_tile_config", "max_blocks",
-           "tile_config"]
+__all__ = ["MoeTileConfig", "align_picks", "fused_local_expert_sum", "gemm2_tile_config",
+           "max_blocks", "tile_config"]
 
 
 @triton.jit(do_not_specialize=["num_picks", "num_blocks"])
@@ -107,10 +107,10 @@ def _expert_gemm_kernel(
     # Unaligned blocks carry a pick's raw id: another rank's expert or a padding row is skipped.
     if (expert < 0) | (expert >= num_local):
         return
-    _expert_tile(a_ptr, stride_am, sa_ptr, stride_sak, w_ptr, stride_we, stride_wn, stride_wk, c_ptr,
-                 stride_cm, topk_weights_ptr, s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr,
-                 num_picks, n_out, k_in, pid_m, pid_n, expert, A_ROW_DIV, GATED, EVEN_K, UPCAST_DOT,
-                 FP8, QUANT_A, BLOCK_M, BLOCK_N, BLOCK_K)
+    _expert_tile(a_ptr, stride_am, sa_ptr, stride_sak, w_ptr, stride_we, stride_wn, stride_wk,
+                 c_ptr, stride_cm, topk_weights_ptr, s_ptr, stride_se, stride_sn, stride_sk,
+                 sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert, A_ROW_DIV, GATED, EVEN_K,
+                 UPCAST_DOT, FP8, QUANT_A, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["num_picks"])
@@ -119,7 +119,8 @@ def _expert_gemm_persistent_kernel(
     topk_weights_ptr, s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr,
     block_expert_ptr, num_rows_ptr, num_picks, n_out, k_in,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    FP8: tl.constexpr, QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FP8: tl.constexpr, QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """``_expert_gemm_kernel`` on a fixed grid: program ``p`` takes the tiles in use ``p, p +
@@ -152,11 +153,12 @@ def _tile_coords(tile, num_blocks, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _expert_tile(a_ptr, stride_am, sa_ptr, stride_sak, w_ptr, stride_we, stride_wn, stride_wk, c_ptr,
-                 stride_cm, topk_weights_ptr, s_ptr, stride_se, stride_sn, stride_sk, sorted_ptr,
-                 num_picks, n_out, k_in, pid_m, pid_n, expert,
-                 A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                 FP8: tl.constexpr, QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _expert_tile(a_ptr, stride_am, sa_ptr, stride_sak, w_ptr, stride_we, stride_wn, stride_wk,
+                 c_ptr, stride_cm, topk_weights_ptr, s_ptr, stride_se, stride_sn, stride_sk,
+                 sorted_ptr, num_picks, n_out, k_in, pid_m, pid_n, expert,
+                 A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
+                 UPCAST_DOT: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The BLOCK_M x BLOCK_N output tile (``pid_m``, ``pid_n``) of block ``pid_m``, whose picks
     are all ``expert``'s: the contraction and the epilogue, stored by pick."""
     pick = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -180,9 +182,9 @@ def _expert_tile(a_ptr, stride_am, sa_ptr, stride_sak, w_ptr, stride_we, stride_
         # Each column's scale row; the up rows' blocks follow the gate rows' (n_out % 128 == 0).
         s_ptrs = s_ptr + expert * stride_se + (offs_wn // 128) * stride_sn
         s_up_ptrs = s_ptr + expert * stride_se + ((offs_wn + n_out) // 128) * stride_sn
-        acc, acc_up = fp8_weight_dot(acc, acc_up, a_ptrs, row_ok, sa_ptr + a_row, stride_sak, w_ptrs,
-                                     up_offset, s_ptrs, s_up_ptrs, stride_sk, k_in, BLOCK_K,
-                                     EVEN_K, GATED, QUANT_A)
+        acc, acc_up = fp8_weight_dot(acc, acc_up, a_ptrs, row_ok, sa_ptr + a_row, stride_sak,
+                                     w_ptrs, up_offset, s_ptrs, s_up_ptrs, stride_sk, k_in,
+                                     BLOCK_K, EVEN_K, GATED, QUANT_A)
     else:
         for kk in range(0, tl.cdiv(k_in, BLOCK_K)):
             if EVEN_K:
@@ -213,7 +215,8 @@ def _expert_tile(a_ptr, stride_am, sa_ptr, stride_sak, w_ptr, stride_we, stride_
         weight = tl.load(topk_weights_ptr + pick, mask=row_ok, other=0.0).to(tl.float32)
         out = acc * weight[:, None]
     c_ptrs = c_ptr + pick.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < n_out))
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_n[None, :] < n_out))
 
 
 @triton.jit
@@ -251,7 +254,8 @@ def _sum_picks_kernel(
     if ADD_NORM:
         # The next layer's fused add+RMSNorm on the rounded sum: residual += sum (in fp32, then
         # rounded), out = rms_norm(residual) * w from the fp32 sum, as FlashInfer's kernel does.
-        s = out.to(tl.float32) + tl.load(res_ptr + n * stride_rm + offs, mask=in_row, other=0.0).to(tl.float32)
+        s = out.to(tl.float32) + tl.load(res_ptr + n * stride_rm + offs, mask=in_row,
+                                         other=0.0).to(tl.float32)
         tl.store(res_ptr + n * stride_rm + offs, s.to(res_ptr.dtype.element_ty), mask=in_row)
         inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)
         w = tl.load(norm_w_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
@@ -259,9 +263,9 @@ def _sum_picks_kernel(
     tl.store(out_ptr + n * stride_om + offs, out, mask=in_row)
 
 
-def _launch_gemm(cfg: MoeTileConfig, a, w, c, weights_P, sorted_R, block_expert, num_rows, num_local: int,
-                 aligned: bool, *, n_out: int, k_in: int, a_row_div: int, gated: bool,
-                 pdl: bool, w8a8: bool = False) -> None:
+def _launch_gemm(cfg: MoeTileConfig, a, w, c, weights_P, sorted_R, block_expert, num_rows,
+                 num_local: int, aligned: bool, *, n_out: int, k_in: int, a_row_div: int,
+                 gated: bool, pdl: bool, w8a8: bool = False) -> None:
     """One expert GEMM of ``fused_local_expert_sum``: ``c = a @ w[e].T`` per block, GATED (GEMM1:
     ``cfg.block_n`` split into gate and up halves, SwiGLU epilogue) or weighted (GEMM2)."""
     blocks = block_expert.shape[0]
@@ -349,7 +353,8 @@ def fused_local_expert_sum(
     cfg = config or tile_config(n, extend, fp8)
     cfg2 = config2 or (cfg if config else gemm2_tile_config(n, extend, fp8))
     if cfg2.block_m != cfg.block_m:
-        raise ValueError(f"config2.block_m={cfg2.block_m} must equal the first GEMM's block_m={cfg.block_m}")
+        raise ValueError(f"config2.block_m={cfg2.block_m} must equal the first GEMM's "
+                         f"block_m={cfg.block_m}")
     if x_ND.stride(1) != 1:
         x_ND = x_ND.contiguous()
     ids_P = local_ids_NK.contiguous().view(-1)
@@ -364,19 +369,21 @@ def fused_local_expert_sum(
     # W8A8 (FP8 weights only): each GEMM's input quantized once, per token and 128 columns.
     quant_a = fp8 and use_w8a8(n, w8a8)
     act_PI = x_ND.new_empty((num_picks, inter))
-    _launch_gemm(cfg, quantize_act(x_ND) if quant_a else x_ND, w13_L2IH, act_PI, weights_P, sorted_R,
-                 block_expert, num_rows, num_local, aligned, n_out=inter, k_in=hidden,
+    _launch_gemm(cfg, quantize_act(x_ND) if quant_a else x_ND, w13_L2IH, act_PI, weights_P,
+                 sorted_R, block_expert, num_rows, num_local, aligned, n_out=inter, k_in=hidden,
                  a_row_div=top_k, gated=True, pdl=pdl, w8a8=quant_a)
     y_PH = x_ND.new_empty((num_picks, hidden))
     _launch_gemm(cfg2, quantize_act(act_PI) if quant_a else act_PI, w2_LHI, y_PH, weights_P,
                  sorted_R, block_expert, num_rows, num_local, aligned, n_out=hidden, k_in=inter,
                  a_row_div=1, gated=False, pdl=pdl, w8a8=quant_a)
     # A row's norm needs the whole row in one program; a plain sum takes 1024-column pieces.
-    block_h = triton.next_power_of_2(hidden) if add_norm is not None else min(triton.next_power_of_2(hidden), 1024)
+    block_h = (triton.next_power_of_2(hidden) if add_norm is not None
+               else min(triton.next_power_of_2(hidden), 1024))
     if add_norm is None:
         residual = norm_w = out_ND  # unread: ADD_NORM is off
     _sum_picks_kernel[(n, triton.cdiv(hidden, block_h))](
-        y_PH, ids_P, out_ND, out_ND.stride(0), hidden, num_local, residual, residual.stride(0), norm_w, eps,
+        y_PH, ids_P, out_ND, out_ND.stride(0), hidden, num_local, residual, residual.stride(0),
+        norm_w, eps,
         TOP_K=top_k, BLOCK_H=block_h, ADD_NORM=add_norm is not None, num_warps=4, **pdl_meta(pdl),
     )
     return out_ND

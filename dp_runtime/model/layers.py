@@ -32,7 +32,8 @@ def yarn_inv_freq(head_dim: int, theta: float, yarn: YarnScaling) -> tuple[torch
     d = head_dim
 
     def correction_dim(rotations: float) -> float:
-        return d * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return (d * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
 
     low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
     if yarn.truncate:
@@ -57,7 +58,8 @@ class RotaryEmbedding:
         if head_dim % 2:
             raise ValueError(f"RotaryEmbedding: head_dim must be even, got {head_dim}")
         if yarn is None:
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64)
+                                        / head_dim))
             scale = 1.0
         else:
             inv_freq, scale = yarn_inv_freq(head_dim, theta, yarn)

@@ -64,25 +64,31 @@ class ModelConfig:
             object.__setattr__(self, "rope_yarn", YarnScaling(**self.rope_yarn))
         if isinstance(self.quantization, dict):
             object.__setattr__(self, "quantization", QuantConfig(**self.quantization))
-        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts", "top_k", "moe_intermediate_size")
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                    "head_dim", "num_experts", "top_k", "moe_intermediate_size")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ModelConfigError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ModelConfigError(f"num_heads={self.num_heads} must be a multiple of "
+                                   f"num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
-            raise ModelConfigError(f"head_dim must be even for the rotary embedding, got {self.head_dim}")
+            raise ModelConfigError(
+                f"head_dim must be even for the rotary embedding, got {self.head_dim}")
         if self.top_k > self.num_experts:
             raise ModelConfigError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.family not in ("qwen3_moe", "mixtral"):
-            raise ModelConfigError(f"ModelConfig.family must be 'qwen3_moe' or 'mixtral', got {self.family!r}")
+            raise ModelConfigError(
+                f"ModelConfig.family must be 'qwen3_moe' or 'mixtral', got {self.family!r}")
         if self.decoder_sparse_step <= 0:
-            raise ModelConfigError(f"decoder_sparse_step must be > 0, got {self.decoder_sparse_step}")
+            raise ModelConfigError(
+                f"decoder_sparse_step must be > 0, got {self.decoder_sparse_step}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelConfigError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
 
     def is_sparse(self, layer: int) -> bool:
-        """Whether ``layer`` has experts (Qwen3-MoE's decoder_sparse_step / mlp_only_layers rule)."""
+        """Whether ``layer`` has experts (Qwen3-MoE's decoder_sparse_step / mlp_only_layers
+        rule)."""
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
     @property
@@ -115,23 +121,26 @@ class ModelConfig:
         root = Path(path)
         if not root.exists():
             raise ModelConfigError(
-                f"model {str(path)!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory")
+                f"model {str(path)!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+                "checkpoint directory")
         file = root / "config.json"
         if not file.is_file():
             raise ModelConfigError(f"no config.json in checkpoint directory {str(path)!r}")
         cfg = cls.from_hf(read_json_object(file), str(file))
-        if cfg.tie_word_embeddings and has_weights(root) and "lm_head.weight" in checkpoint_index(root):
+        if (cfg.tie_word_embeddings and has_weights(root)
+                and "lm_head.weight" in checkpoint_index(root)):
             # transformers 5 does not tie a head the checkpoint carries (it warns when the values
             # differ; equal values tie to the same logits): the checkpoint's head is the head.
-            logger.warning("%s: tie_word_embeddings is true but the checkpoint carries its own lm_head.weight; "
-                           "using that head, as transformers does", file)
+            logger.warning("%s: tie_word_embeddings is true but the checkpoint carries its own "
+                           "lm_head.weight; using that head, as transformers does", file)
             cfg = replace(cfg, tie_word_embeddings=False)
         return cfg
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         if name not in PRESETS:
-            raise ModelConfigError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+            raise ModelConfigError(
+                f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
         return replace(PRESETS[name], **overrides)
 
     @classmethod
@@ -141,12 +150,14 @@ class ModelConfig:
         if model in PRESETS:
             return cls.preset(model, **overrides)
         if overrides:
-            raise ModelConfigError(f"model overrides apply to presets only; {model!r} is a checkpoint")
+            raise ModelConfigError(
+                f"model overrides apply to presets only; {model!r} is a checkpoint")
         path = Path(model)
         if path.name == "config.json" and path.is_file():
             path = path.parent
         elif path.is_file():
-            raise ModelConfigError(f"model {model!r} is a file; give a preset, a checkpoint directory or its config.json")
+            raise ModelConfigError(f"model {model!r} is a file; give a preset, a checkpoint "
+                                   "directory or its config.json")
         return cls.from_dir(path)
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,16 +173,16 @@ PRESETS: dict[str, ModelConfig] = {
     # Qwen3-30B-A3B: 48 layers, hidden 2048, 32 query / 4 KV heads of 128, 128 experts, top-8,
     # expert intermediate 768 (the published config.json).
     "qwen3-30b-a3b": ModelConfig(
-        vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
-        num_experts=128, top_k=8, moe_intermediate_size=768, intermediate_size=6144,
+        vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+        head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=768, intermediate_size=6144,
         norm_topk_prob=True, rope_theta=1_000_000.0, max_position_embeddings=40960,
     ),
     # Qwen3-235B-A22B: 94 layers, hidden 4096, 64 query / 4 KV heads of 128, 128 experts, top-8,
     # expert intermediate 1536 (the published config.json). 438 GiB in bf16, 219 GiB in FP8:
     # it needs several GPUs (plan says which).
     "qwen3-235b-a22b": ModelConfig(
-        vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
-        num_experts=128, top_k=8, moe_intermediate_size=1536, intermediate_size=12288,
+        vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
+        head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=1536, intermediate_size=12288,
         norm_topk_prob=True, rope_theta=1_000_000.0, max_position_embeddings=40960,
     ),
 }

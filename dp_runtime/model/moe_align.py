@@ -1,6 +1,6 @@
-"""Expert-aligned blocks of a MoE layer's picks, for the fused expert GEMMs
-(``fused_moe_triton``): each local expert's picks gathered into blocks of ``block_m`` row slots,
-in one Triton launch (two for many picks); or, for a handful of picks (decode), one block per pick with no launch.
+"""Expert-aligned blocks of a MoE layer's picks, for the fused expert GEMMs (``fused_moe_triton``):
+each local expert's picks gathered into blocks of ``block_m`` row slots, in one Triton launch (two
+for many picks); or, for a handful of picks (decode), one block per pick with no launch.
 
 Shapes: P picks (tokens x top-k), L local experts, R row slots.
 """
@@ -26,8 +26,9 @@ def max_blocks(num_picks: int, num_local: int, block_m: int) -> int:
 
 
 @triton.jit
-def _write_blocks(block_expert_ptr, sorted_ptr, counts, block_start, block_end, used_blocks, num_blocks,
-                  num_picks, experts, first, stride, BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr):
+def _write_blocks(block_expert_ptr, sorted_ptr, counts, block_start, block_end, used_blocks,
+                  num_blocks, num_picks, experts, first, stride, BLOCK_M: tl.constexpr,
+                  CHUNK_B: tl.constexpr):
     """Per block, its expert (the number of experts that end at or before it; empty experts own
     no block and padded lanes end at used_blocks), and the sentinel in every slot past that
     expert's last pick, for the CHUNK_B-block tiles from ``first`` on, ``stride`` blocks apart.
@@ -58,7 +59,8 @@ def _one_hot(ids_ptr, start, num_picks, num_local, experts, CHUNK: tl.constexpr)
 
 
 @triton.jit
-def _scatter_chunk(ids_ptr, sorted_ptr, start, next_slot, num_picks, num_local, experts, CHUNK: tl.constexpr):
+def _scatter_chunk(ids_ptr, sorted_ptr, start, next_slot, num_picks, num_local, experts,
+                   CHUNK: tl.constexpr):
     """Each valid pick of one chunk to its expert's next slot, in pick order (a stable sort)."""
     hit, picks = _one_hot(ids_ptr, start, num_picks, num_local, experts, CHUNK)
     rank = tl.cumsum(hit, axis=0)  # 1-based rank of the pick among this chunk's picks of e
@@ -107,7 +109,8 @@ def _align_by_expert_kernel(
     e = tl.program_id(0)
     counts = _expert_counts(ids_ptr, num_picks, num_local, BLOCK_E, CHUNK)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    block_end = tl.cumsum(blocks, axis=0)  # inclusive: expert e owns [block_end - blocks, block_end)
+    # inclusive: expert e owns [block_end - blocks, block_end)
+    block_end = tl.cumsum(blocks, axis=0)
     used_blocks = tl.sum(blocks, axis=0)
     mine = tl.arange(0, BLOCK_E) == e
     count = tl.sum(tl.where(mine, counts, 0), axis=0)
@@ -151,9 +154,10 @@ def _chunk_counts_kernel(ids_ptr, table_ptr, num_picks, num_local, per_prog, BLO
 
 
 @triton.jit(do_not_specialize=["num_picks", "num_blocks", "per_prog", "num_progs"])
-def _chunk_scatter_kernel(ids_ptr, table_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, num_picks, num_local,
-                          num_blocks, per_prog, num_progs, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                          CHUNK: tl.constexpr, CHUNK_B: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+def _chunk_scatter_kernel(ids_ptr, table_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, num_picks,
+                          num_local, num_blocks, per_prog, num_progs, BLOCK_M: tl.constexpr,
+                          BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr,
+                          ROWS: tl.constexpr, PDL: tl.constexpr):
     """Parallel layout, launch 2 of 2: program c reads the whole count table (at most
     MAX_PROGRAMS rows, from L2) for each expert's picks and blocks and, from the rows before its
     own, its first slot per expert; it places its picks in their slots, in pick order, and
@@ -166,7 +170,8 @@ def _chunk_scatter_kernel(ids_ptr, table_ptr, sorted_ptr, block_expert_ptr, num_
     before = tl.zeros([BLOCK_E], dtype=tl.int32)  # picks of programs < c, per expert
     for r0 in range(0, num_progs, ROWS):
         rs = r0 + tl.arange(0, ROWS)
-        tile = tl.load(table_ptr + rs[:, None] * BLOCK_E + experts[None, :], mask=rs[:, None] < num_progs, other=0)
+        tile = tl.load(table_ptr + rs[:, None] * BLOCK_E + experts[None, :],
+                       mask=rs[:, None] < num_progs, other=0)
         counts += tl.sum(tile, axis=0)
         before += tl.sum(tl.where(rs[:, None] < c, tile, 0), axis=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
@@ -175,11 +180,13 @@ def _chunk_scatter_kernel(ids_ptr, table_ptr, sorted_ptr, block_expert_ptr, num_
     used_blocks = tl.sum(blocks, axis=0)
     if c == 0:
         tl.store(num_rows_ptr, used_blocks * BLOCK_M)
-    _write_blocks(block_expert_ptr, sorted_ptr, counts, block_start, block_end, used_blocks, num_blocks,
-                  num_picks, experts, c * CHUNK_B, tl.num_programs(0) * CHUNK_B, BLOCK_M, CHUNK_B)
+    _write_blocks(block_expert_ptr, sorted_ptr, counts, block_start, block_end, used_blocks,
+                  num_blocks, num_picks, experts, c * CHUNK_B, tl.num_programs(0) * CHUNK_B,
+                  BLOCK_M, CHUNK_B)
     next_slot = block_start * BLOCK_M + before
     for start in range(c * per_prog, tl.minimum((c + 1) * per_prog, num_picks), CHUNK):
-        next_slot += _scatter_chunk(ids_ptr, sorted_ptr, start, next_slot, num_picks, num_local, experts, CHUNK)
+        next_slot += _scatter_chunk(ids_ptr, sorted_ptr, start, next_slot, num_picks, num_local,
+                                    experts, CHUNK)
 
 
 # Up to this many picks (two tokens at top-8) each pick is a block of its own and the alignment
@@ -196,13 +203,16 @@ MAX_PROGRAMS = 128  # programs of the parallel form's counting and scatter launc
 
 
 @functools.lru_cache(maxsize=64)
-def _slot_table(num_picks: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _slot_table(num_picks: int, block_m: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     sorted_R = torch.full((num_picks, block_m), num_picks, dtype=torch.int32)
     sorted_R[:, 0] = torch.arange(num_picks, dtype=torch.int32)
-    return sorted_R.view(-1).to(device), torch.tensor([num_picks * block_m], dtype=torch.int32, device=device)
+    return sorted_R.view(-1).to(device), torch.tensor([num_picks * block_m], dtype=torch.int32,
+                                                      device=device)
 
 
-def unaligned_blocks(ids_P: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unaligned_blocks(ids_P: torch.Tensor,
+                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``align_picks``'s layout with one block per pick: block b's first slot is pick b, the rest
     the sentinel P, its expert the pick's own id (the GEMMs skip ids outside [0, L)). No launch:
     the slot table and row count depend only on (P, block_m); made once, before any capture
@@ -252,9 +262,10 @@ def align_picks(ids_P: torch.Tensor, num_local: int, block_m: int,
             **pdl_meta(pdl),
         )
         return sorted_R, block_expert, num_rows
-    _chunk_counts_kernel[(progs,)](ids_P, tables, num_picks, num_local, per_prog, BLOCK_E=block_e, CHUNK=chunk,
-                                   num_warps=4, **pdl_meta(pdl))
-    _chunk_scatter_kernel[(progs,)](ids_P, tables, sorted_R, block_expert, num_rows, num_picks, num_local, blocks,
-                                    per_prog, progs, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
-                                    CHUNK_B=chunk_b, ROWS=max(1, 8192 // block_e), num_warps=4, **pdl_meta(pdl))
+    _chunk_counts_kernel[(progs,)](ids_P, tables, num_picks, num_local, per_prog, BLOCK_E=block_e,
+                                   CHUNK=chunk, num_warps=4, **pdl_meta(pdl))
+    _chunk_scatter_kernel[(progs,)](ids_P, tables, sorted_R, block_expert, num_rows, num_picks,
+                                    num_local, blocks, per_prog, progs, BLOCK_M=block_m,
+                                    BLOCK_E=block_e, CHUNK=chunk, CHUNK_B=chunk_b,
+                                    ROWS=max(1, 8192 // block_e), num_warps=4, **pdl_meta(pdl))
     return sorted_R, block_expert, num_rows

@@ -37,9 +37,10 @@ class MoeTileConfig:
             low = 32 if name == "block_n" else 16
             if value < low or value & (value - 1):
                 raise ValueError(f"MoeTileConfig.{name}={value}: must be a power of two >= {low}")
-        if self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1 or self.programs_per_sm < 0:
-            raise ValueError(f"MoeTileConfig: group_m, num_warps, num_stages must be >= 1 and programs_per_sm >= 0, "
-                             f"got {self}")
+        if (self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1
+                or self.programs_per_sm < 0):
+            raise ValueError(f"MoeTileConfig: group_m, num_warps, num_stages must be >= 1 and "
+                             f"programs_per_sm >= 0, got {self}")
 
 
 # Tile configs by tokens on the rank (N), for Qwen3-30B-A3B-like layers (top-8 of 128 experts,

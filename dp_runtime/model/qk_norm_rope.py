@@ -54,8 +54,9 @@ if triton is not None:
         q_norm_ptr, k_norm_ptr, cos_sin_ptr, pos_ptr, loc_ptr,
         q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,
         eps, num_tokens,
-        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-        BLOCK_T: tl.constexpr, FP8_MAX: tl.constexpr,  # > 0: the cache is FP8, saturate at it
+        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+        HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+        FP8_MAX: tl.constexpr,  # > 0: the cache is FP8, saturate at it
         PDL: tl.constexpr,  # launched with programmatic dependent launch
     ):
         pdl_entry(PDL)
@@ -102,7 +103,8 @@ if triton is not None:
             if FP8_MAX > 0:  # saturate, then round to e4m3 (kv_cache.to_kv_dtype)
                 tl.store(kc + offs, _clamp(y1, FP8_MAX).to(cache_dtype), mask=m)
                 tl.store(kc + half + offs, _clamp(y2, FP8_MAX).to(cache_dtype), mask=m)
-                tl.store(v_cache_ptr + (slot * HKV + j) * D + full, _clamp(v, FP8_MAX).to(cache_dtype), mask=m)
+                tl.store(v_cache_ptr + (slot * HKV + j) * D + full,
+                         _clamp(v, FP8_MAX).to(cache_dtype), mask=m)
             else:
                 tl.store(kc + offs, y1, mask=m)
                 tl.store(kc + half + offs, y2, mask=m)
@@ -156,7 +158,8 @@ def qk_norm_rope_store(
         w, k_norm if has_norm else w, cos_sin_PD, positions_T, out_cache_loc_T,
         q, k, k_cache_SHD, v_cache_SHD,
         eps, t,
-        HQ=num_heads, HKV=num_kv_heads, D=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm, BLOCK_T=block_t,
+        HQ=num_heads, HKV=num_kv_heads, D=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm,
+        BLOCK_T=block_t,
         FP8_MAX=FP8_KV_MAX if k_cache_SHD.dtype == torch.float8_e4m3fn else 0.0,
         num_warps=(1 if head_dim <= 128 else 2) if block_t == 1 else 4,
         **pdl_meta(resolve_pdl(pdl, qkv_TX, t)),

@@ -58,18 +58,21 @@ def quant_config_from_hf(qc: Any, source: str = "config.json") -> QuantConfig:
         raise ModelConfigError(f"{source}: quantization_config must be an object, got {qc!r}")
     method = qc.get("quant_method")
     if method != "fp8":
-        raise _fail("quant_method", method, "is not supported (supported: fp8 with 128x128 weight blocks)", source)
+        raise _fail("quant_method", method,
+                    "is not supported (supported: fp8 with 128x128 weight blocks)", source)
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise _fail("fmt", fmt, "is not supported (supported: e4m3)", source)
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
-        raise _fail("activation_scheme", scheme, "is not supported (supported: dynamic, per-token 1x128 "
-                    "activation scales)", source)
+        raise _fail("activation_scheme", scheme,
+                    "is not supported (supported: dynamic, per-token 1x128 activation scales)",
+                    source)
     block = qc.get("weight_block_size")
     if block != _BLOCK:
-        raise _fail("weight_block_size", block, "is not supported (supported: [128, 128]; per-tensor FP8 "
-                    "checkpoints have none)", source)
+        raise _fail("weight_block_size", block,
+                    "is not supported (supported: [128, 128]; per-tensor FP8 checkpoints have "
+                    "none)", source)
     skip = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
     if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
         raise _fail("modules_to_not_convert", skip, "must be a list of module names", source)
@@ -81,7 +84,8 @@ def with_quantization(cfg: Any, quantization: str) -> Any:
     checkpoint stays FP8); ``fp8`` quantizes float weights at load (an FP8 checkpoint is
     already). ValueError naming the option for another value."""
     if quantization not in QUANTIZATION_CHOICES:
-        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                         f"got {quantization!r}")
     if quantization == "none" or cfg.quantization is not None:
         return cfg
     return replace(cfg, quantization=QuantConfig(source="online"))

@@ -13,10 +13,11 @@ Per decoder layer (Hugging Face ``Qwen3MoeForCausalLM`` arithmetic):
     dense layer (``mlp_only_layers`` / ``decoder_sparse_step``): a SwiGLU MLP on the rank
     h = h + moe_or_mlp(x)
 
-then a final RMSNorm and the LM head. RMSNorm and RoPE run as FlashInfer's fused kernels on
-CUDA in bf16/fp16 (``dp_runtime.model.elementwise_ops``), as torch ops elsewhere. ``forward(batch)`` returns float32 logits of the rows that
-sample: every token of a decode batch (one per request), the last token of each request of an
-extend batch. The forward never syncs with the host on the decode path, so it can be captured.
+then a final RMSNorm and the LM head. RMSNorm and RoPE run as FlashInfer's fused kernels on CUDA in
+bf16/fp16 (``dp_runtime.model.elementwise_ops``), as torch ops elsewhere. ``forward(batch)`` returns
+float32 logits of the rows that sample: every token of a decode batch (one per request), the last
+token of each request of an extend batch. The forward never syncs with the host on the decode path,
+so it can be captured.
 
 The model is bound once to its attention and that attention's KV cache (``bind_attention``;
 ``with_attention`` gives a copy bound to another, weights shared): its attention block is the
@@ -137,12 +138,14 @@ class Qwen3MoeModel:
             # table next, then the cuBLAS workspace), or the KV sizing counts the largest (the
             # embedding's, 594 MiB on qwen3-30b-a3b) as taken although ~540 MiB of it is free.
             torch.cuda.empty_cache()
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope_theta, device, yarn=cfg.rope_yarn)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope_theta, device,
+                                      yarn=cfg.rope_yarn)
         self.ops = elementwise_ops(device, dtype)
         if attention is not None:
             self.bind_attention(attention)
 
-    def _load(self, weights: Iterable[tuple[str, torch.Tensor]], want: dict[str, tuple[int, ...]]) -> None:
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]],
+              want: dict[str, tuple[int, ...]]) -> None:
         """Copy every weight into its place (``_target``), checking names and shapes; in a
         function of its own so that the last temporary dies with its frame."""
         ep = f"EP rank {self.dispatcher.ep.rank} of {self.dispatcher.ep.size}"
@@ -152,7 +155,8 @@ class Qwen3MoeModel:
                 if name not in want:
                     raise KeyError(f"weight {name!r} is not a tensor of this rank's model ({ep})")
                 if tuple(tensor.shape) != want[name]:
-                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}; the config needs {want[name]}")
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}; the config "
+                                     f"needs {want[name]}")
                 _fill(self._target(name), tensor)
                 seen.add(name)
         missing = sorted(set(want) - seen)
@@ -166,8 +170,8 @@ class Qwen3MoeModel:
         so the model cannot write one cache while its attention reads another. Once per model
         (RuntimeError on a second: graphs captured with the first would keep writing it)."""
         if self.attention is not None:
-            raise RuntimeError("Qwen3MoeModel: attention is bound already; with_attention() gives a copy bound "
-                               "to another")
+            raise RuntimeError("Qwen3MoeModel: attention is bound already; with_attention() gives "
+                               "a copy bound to another")
         self.attention, self.kv_cache = attention, attention.kv_cache
 
     def with_attention(self, attention: Any) -> Qwen3MoeModel:
@@ -199,10 +203,12 @@ class Qwen3MoeModel:
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             groups = layer_groups(c, i, ep.rank, ep.size)
-            w = {key: Fp8BlockWeight.empty(*g.shape, device=self.device) if g.fp8 else self._empty(*g.shape)
+            w = {key: (Fp8BlockWeight.empty(*g.shape, device=self.device) if g.fp8
+                       else self._empty(*g.shape))
                  for key, g in groups.items()}
             layer = _Layer(
-                attn_norm=self._empty(h), w_qkv=w["qkv"], q_norm=self._empty(d) if c.qk_norm else None,
+                attn_norm=self._empty(h), w_qkv=w["qkv"],
+                q_norm=self._empty(d) if c.qk_norm else None,
                 k_norm=self._empty(d) if c.qk_norm else None, w_o=w["o"], mlp_norm=self._empty(h),
                 sparse=c.is_sparse(i), b_qkv=self._empty(q + 2 * kv) if c.attention_bias else None,
                 b_o=self._empty(h) if c.attention_bias else None, w13=w["w13"], w2=w["w2"],
@@ -218,15 +224,15 @@ class Qwen3MoeModel:
             by_role = {
                 "attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "q_norm": layer.q_norm,
                 "k_norm": layer.k_norm, "o_proj": layer.w_o, "q_proj": _rows(layer.w_qkv, 0, q),
-                "k_proj": _rows(layer.w_qkv, q, q + kv), "v_proj": _rows(layer.w_qkv, q + kv, q + 2 * kv),
-                "router": layer.w_router,
+                "k_proj": _rows(layer.w_qkv, q, q + kv),
+                "v_proj": _rows(layer.w_qkv, q + kv, q + 2 * kv), "router": layer.w_router,
             }
             if not layer.sparse:
-                by_role.update(mlp_gate=_rows(layer.w13, 0, size), mlp_up=_rows(layer.w13, size, 2 * size),
-                               mlp_down=layer.w2)
+                by_role.update(mlp_gate=_rows(layer.w13, 0, size),
+                               mlp_up=_rows(layer.w13, size, 2 * size), mlp_down=layer.w2)
             if c.attention_bias:
-                by_role.update(q_bias=layer.b_qkv[:q], k_bias=layer.b_qkv[q : q + kv], v_bias=layer.b_qkv[q + kv :],
-                               o_bias=layer.b_o)
+                by_role.update(q_bias=layer.b_qkv[:q], k_bias=layer.b_qkv[q : q + kv],
+                               v_bias=layer.b_qkv[q + kv :], o_bias=layer.b_o)
             for role, name in layer_names(c, i).items():
                 targets[name] = by_role[role]
             self.layers.append(layer)
@@ -238,22 +244,28 @@ class Qwen3MoeModel:
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights (``memory_sizing.weight_bytes_per_rank`` predicts it)."""
-        tensors = [self.embed, self.final_norm] + ([] if self.cfg.tie_word_embeddings else [self.lm_head])
+        tensors = [self.embed, self.final_norm] + ([] if self.cfg.tie_word_embeddings
+                                                   else [self.lm_head])
         for layer in self.layers:
-            tensors += [t for t in (layer.attn_norm, layer.w_qkv, layer.q_norm, layer.k_norm, layer.w_o,
-                                    layer.b_qkv, layer.b_o, layer.mlp_norm, layer.w_router, layer.w13, layer.w2) if t is not None]
-        return sum(t.nbytes if isinstance(t, Fp8BlockWeight) else t.numel() * t.element_size() for t in tensors)
+            tensors += [t for t in (layer.attn_norm, layer.w_qkv, layer.q_norm, layer.k_norm,
+                                    layer.w_o, layer.b_qkv, layer.b_o, layer.mlp_norm,
+                                    layer.w_router, layer.w13, layer.w2) if t is not None]
+        return sum(t.nbytes if isinstance(t, Fp8BlockWeight) else t.numel() * t.element_size()
+                   for t in tensors)
 
     # -- forward ---------------------------------------------------------------------------------
-    def _moe(self, layer: _Layer, x_TH: torch.Tensor, plan, extend: bool, live_rows, add_norm=None) -> torch.Tensor:
+    def _moe(self, layer: _Layer, x_TH: torch.Tensor, plan, extend: bool, live_rows,
+             add_norm=None) -> torch.Tensor:
         """The sparse block's output; with ``add_norm=(h_TH, weight, eps)`` (``_fuses_add_norm``)
         the next norm's input instead, ``h_TH`` updated in place: ``ops.add_rms_norm`` done.
         ``live_rows`` (``_live_rows``): rows from it on are padding, routed to no expert."""
         weights_TK, ids_TK = self.experts.route(self.ops.linear(x_TH, layer.w_router), live_rows)
         d = self.dispatcher
         handle, inputs = d.dispatch(x_TH, ids_TK, weights_TK, plan)
-        out_ND = self.experts.experts(inputs.hidden_ND, inputs.shifted_expert_ids_NK, inputs.weights_NK, layer.w13,
-                                      layer.w2, out_ND=d.expert_output_buffer(handle), extend=extend, add_norm=add_norm)
+        out_ND = self.experts.experts(inputs.hidden_ND, inputs.shifted_expert_ids_NK,
+                                      inputs.weights_NK, layer.w13, layer.w2,
+                                      out_ND=d.expert_output_buffer(handle), extend=extend,
+                                      add_norm=add_norm)
         return d.combine(out_ND, handle)
 
     @property
@@ -299,15 +311,17 @@ class Qwen3MoeModel:
             a_TH = qk_norm_attention(
                 x_TH, layer.w_qkv, layer.q_norm, layer.k_norm,
                 layer.w_o, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                eps=eps, rotary=self.rotary, attention=self.attention, kv_cache=self.kv_cache, layer_id=i,
-                batch=batch, ops=ops, b_qkv=layer.b_qkv, b_o=layer.b_o,
+                eps=eps, rotary=self.rotary, attention=self.attention, kv_cache=self.kv_cache,
+                layer_id=i, batch=batch, ops=ops, b_qkv=layer.b_qkv, b_o=layer.b_o,
             )
             x_TH, h_TH = ops.add_rms_norm(a_TH, h_TH, layer.mlp_norm, eps)
             if layer.sparse and fuse_norm and i + 1 < len(self.layers):
                 # the sum's launch adds into h and writes the next layer's normed input
-                x_TH = self._moe(layer, x_TH, plan, extend, live, add_norm=(h_TH, self.layers[i + 1].attn_norm, eps))
+                x_TH = self._moe(layer, x_TH, plan, extend, live,
+                                 add_norm=(h_TH, self.layers[i + 1].attn_norm, eps))
                 continue
-            m_TH = self._moe(layer, x_TH, plan, extend, live) if layer.sparse else self._mlp(layer, x_TH)
+            m_TH = (self._moe(layer, x_TH, plan, extend, live) if layer.sparse
+                    else self._mlp(layer, x_TH))
             if i + 1 < len(self.layers):
                 x_TH, h_TH = ops.add_rms_norm(m_TH, h_TH, self.layers[i + 1].attn_norm, eps)
         # Only the sampling rows need the last add, the final norm and the LM head.

@@ -40,7 +40,8 @@ def softmax_topk(logits_TE: torch.Tensor, top_k: int, *, renormalize: bool,
         weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
     ids_TK = ids_TK.to(torch.int32)
     if live_rows is not None:
-        live_T1 = (torch.arange(logits_TE.shape[0], device=logits_TE.device) < live_rows.reshape(1))[:, None]
+        live_T1 = (torch.arange(logits_TE.shape[0], device=logits_TE.device)
+                   < live_rows.reshape(1))[:, None]
         ids_TK = torch.where(live_T1, ids_TK, PADDING_ID)
         weights_TK = torch.where(live_T1, weights_TK, 0.0)
     return weights_TK, ids_TK

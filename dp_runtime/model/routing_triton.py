@@ -41,7 +41,8 @@ def _softmax_topk_kernel(
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     is_expert = experts < num_experts
-    x = tl.load(logits_ptr + t * stride_lt + experts, mask=is_expert, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + t * stride_lt + experts, mask=is_expert,
+                other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     # Lanes past E get probability 0; they also have the highest indices, so the lowest-index
     # tie-break never takes one while an expert (even one whose probability underflowed) is left.
@@ -68,8 +69,8 @@ def _softmax_topk_kernel(
     tl.store(ids_ptr + out, top_i, mask=slots < TOP_K)
 
 
-def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, *, renormalize: bool, round_bf16: bool = False,
-                        live_rows: torch.Tensor | None = None,
+def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, *, renormalize: bool,
+                        round_bf16: bool = False, live_rows: torch.Tensor | None = None,
                         pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing.softmax_topk`` in one launch: logits (T, E) in bf16, fp16 or fp32 to
     ``(weights_TK fp32, ids_TK int32)``, largest weight first, rounded through bf16 when
@@ -88,9 +89,11 @@ def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, *, renormalize: boo
         logits_TE = logits_TE.contiguous()
     block_e = triton.next_power_of_2(e)
     _softmax_topk_kernel[(t,)](
-        logits_TE, logits_TE.stride(0), weights_TK, ids_TK, ids_TK if live_rows is None else live_rows, e,
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        ROUND_BF16=round_bf16, HAS_LIVE=live_rows is not None, PADDING_ID=PADDING_ID,
+        logits_TE, logits_TE.stride(0), weights_TK, ids_TK,
+        ids_TK if live_rows is None else live_rows, e,
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k), ROUND_BF16=round_bf16,
+        HAS_LIVE=live_rows is not None, PADDING_ID=PADDING_ID,
         # A row of up to 1024 experts fits one warp's registers (32 per thread): the reductions
         # stay within the warp, with no shared-memory round trips.
         num_warps=1 if block_e <= 1024 else 4, **pdl_meta(resolve_pdl(pdl, logits_TE, t)),

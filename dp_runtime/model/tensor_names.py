@@ -37,21 +37,25 @@ def layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     names = {
         "attn_norm": p + "input_layernorm.weight",
         "mlp_norm": p + "post_attention_layernorm.weight",
-        **{proj: f"{p}self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")},
+        **{proj: f"{p}self_attn.{proj}.weight"
+           for proj in ("q_proj", "k_proj", "v_proj", "o_proj")},
     }
     if cfg.attention_bias:
-        names.update({f"{proj[0]}_bias": f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")})
+        names.update({f"{proj[0]}_bias": f"{p}self_attn.{proj}.bias"
+                      for proj in ("q_proj", "k_proj", "v_proj", "o_proj")})
     if cfg.qk_norm:
         names["q_norm"] = p + "self_attn.q_norm.weight"
         names["k_norm"] = p + "self_attn.k_norm.weight"
     if cfg.is_sparse(i):
         names["router"] = f"{p}{_MOE[cfg.family][0]}.gate.weight"
     else:
-        names.update({f"mlp_{part}": f"{p}mlp.{part}_proj.weight" for part in ("gate", "up", "down")})
+        names.update({f"mlp_{part}": f"{p}mlp.{part}_proj.weight"
+                      for part in ("gate", "up", "down")})
     return names
 
 
 def expert_names(cfg: ModelConfig, i: int, e: int) -> tuple[str, str, str]:
     """The (gate, up, down) tensor names of global expert ``e`` in layer ``i``."""
     block, parts = _MOE[cfg.family]
-    return tuple(f"model.layers.{i}.{block}.experts.{e}.{part}.weight" for part in parts)  # type: ignore[return-value]
+    return tuple(f"model.layers.{i}.{block}.experts.{e}.{part}.weight"  # type: ignore[return-value]
+                 for part in parts)

@@ -57,7 +57,8 @@ def _fp8(cfg: ModelConfig, names: list[str], member_rows: list[int]) -> bool:
     return all(rows % q.block[0] == 0 for rows in member_rows[:-1])
 
 
-def layer_groups(cfg: ModelConfig, i: int, ep_rank: int = 0, ep_size: int = 1) -> dict[str, WeightGroup]:
+def layer_groups(cfg: ModelConfig, i: int, ep_rank: int = 0,
+                 ep_size: int = 1) -> dict[str, WeightGroup]:
     """``{key: WeightGroup}`` of layer ``i`` on EP rank ``ep_rank`` of ``ep_size``."""
     names = layer_names(cfg, i)
     h, d = cfg.hidden_size, cfg.head_dim
@@ -71,7 +72,8 @@ def layer_groups(cfg: ModelConfig, i: int, ep_rank: int = 0, ep_size: int = 1) -
         first, n_local = part.first(ep_rank), part.num_local(ep_rank)
         size = cfg.moe_intermediate_size
         experts = [expert_names(cfg, i, e) for e in range(first, first + n_local)]
-        groups["w13"] = ((n_local, 2 * size, h), [n for g, u, _ in experts for n in (g, u)], [size, size])
+        groups["w13"] = ((n_local, 2 * size, h), [n for g, u, _ in experts for n in (g, u)],
+                         [size, size])
         groups["w2"] = ((n_local, h, size), [dn for _, _, dn in experts], [h])
     else:
         size = cfg.intermediate_size

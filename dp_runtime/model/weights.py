@@ -1,8 +1,8 @@
 """Weights of the reference model: from a Hugging Face checkpoint directory, or random.
 
-Tensors keep their Hugging Face names (``model.layers.3.mlp.experts.17.up_proj.weight``). An EP
-rank holds only its own experts and their scales (``dispatcher.partition.ExpertPartition``, the
-rule every dispatcher uses) and reads only those from disk: safetensors opens files lazily, so a rank
+Tensors keep their Hugging Face names (``model.layers.3.mlp.experts.17.up_proj.weight``). An EP rank
+holds only its own experts and their scales (``dispatcher.partition.ExpertPartition``, the rule
+every dispatcher uses) and reads only those from disk: safetensors opens files lazily, so a rank
 touches the bytes of its experts and of the shared tensors, nothing else.
 
 Errors are ModelConfigError and name the file (and the tensor): a tensor missing from every
@@ -28,19 +28,21 @@ from dp_runtime.model.fp8_blocks import Fp8BlockWeight, scale_shape
 from dp_runtime.model.model_config import ModelConfig, ModelConfigError
 from dp_runtime.model.tensor_names import expert_names, layer_names
 
-__all__ = ["FLOAT_DTYPES", "checkpoint_index", "expected_shapes", "iter_checkpoint", "iter_random", "load_weights",
-           "random_weights"]
+__all__ = ["FLOAT_DTYPES", "checkpoint_index", "expected_shapes", "iter_checkpoint", "iter_random",
+           "load_weights", "random_weights"]
 
 # safetensors dtype names a weight may be stored as (cast to the runtime dtype on load).
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 FP8_SAFETENSORS = "F8_E4M3"  # a block-quantized weight, read with its weight_scale_inv
 
 
-def expected_shapes(cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: ModelConfig, ep_rank: int = 0,
+                    ep_size: int = 1) -> dict[str, tuple[int, ...]]:
     """``{tensor name: shape}`` of everything rank ``ep_rank`` of ``ep_size`` holds."""
     part = ExpertPartition(cfg.num_experts, ep_size)
     h, hd = cfg.hidden_size, cfg.head_dim
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h),
+                                       "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, h)
     first, n_local = part.first(ep_rank), part.num_local(ep_rank)
@@ -49,7 +51,8 @@ def expected_shapes(cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> dic
         "attn_norm": (h,), "mlp_norm": (h,), "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h),
         "o_proj": (h, q), "q_norm": (hd,), "k_norm": (hd,), "router": (cfg.num_experts, h),
         "mlp_gate": (cfg.intermediate_size, h), "mlp_up": (cfg.intermediate_size, h),
-        "mlp_down": (h, cfg.intermediate_size), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "o_bias": (h,),
+        "mlp_down": (h, cfg.intermediate_size), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
+        "o_bias": (h,),
     }
     for i in range(cfg.num_layers):
         for role, name in layer_names(cfg, i).items():
@@ -86,8 +89,10 @@ def iter_checkpoint(
     missing = [name for name in want if name not in files]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelConfigError(f"tensor {missing[0]!r}{more} is in no safetensors file of {str(path)!r}")
-    fp8 = _check_files(files, want, lambda name, file, dtype: _check_dtype(cfg, path, files, name, file, dtype))
+        raise ModelConfigError(
+            f"tensor {missing[0]!r}{more} is in no safetensors file of {str(path)!r}")
+    fp8 = _check_files(files, want,
+                       lambda name, file, dtype: _check_dtype(cfg, path, files, name, file, dtype))
     scales = {_scale_name(n): scale_shape(want[n], cfg.quantization.block) for n in fp8}
     _check_files(files, scales, _check_scale_dtype)
     for file, names in _by_file(files, want).items():
@@ -122,19 +127,22 @@ def _check_files(files: dict[str, Path], want: dict[str, tuple[int, ...]], check
             present = set(f.keys())
             for name in names:
                 if name not in present:  # an index that names a file the tensor is not in
-                    raise ModelConfigError(f"tensor {name!r} is not in {str(file)!r}, where the index places it")
+                    raise ModelConfigError(
+                        f"tensor {name!r} is not in {str(file)!r}, where the index places it")
                 meta = f.get_slice(name)
                 shape = tuple(meta.get_shape())
                 if shape != want[name]:
                     raise ModelConfigError(
-                        f"tensor {name!r} in {str(file)!r} has shape {shape}; the config needs {want[name]}"
+                        f"tensor {name!r} in {str(file)!r} has shape {shape}; the config needs "
+                        f"{want[name]}"
                     )
                 if check_dtype(name, file, meta.get_dtype()):
                     fp8.add(name)
     return fp8
 
 
-def _check_dtype(cfg: ModelConfig, path, files: dict[str, Path], name: str, file: Path, dtype: str) -> bool:
+def _check_dtype(cfg: ModelConfig, path, files: dict[str, Path], name: str, file: Path,
+                 dtype: str) -> bool:
     """Whether the tensor is FP8 (with its scale in the checkpoint); ModelConfigError if it is
     neither a float type nor an FP8 weight the config declares."""
     if dtype in FLOAT_DTYPES:
@@ -142,8 +150,8 @@ def _check_dtype(cfg: ModelConfig, path, files: dict[str, Path], name: str, file
     where = f"{name!r} in {str(file)!r}"
     if dtype == FP8_SAFETENSORS and cfg.quantization is not None and name.endswith(".weight"):
         if _scale_name(name) not in files:
-            raise ModelConfigError(f"tensor {where} is FP8 but its scale {_scale_name(name)!r} is in no "
-                                   f"safetensors file of {str(path)!r}")
+            raise ModelConfigError(f"tensor {where} is FP8 but its scale {_scale_name(name)!r} is "
+                                   f"in no safetensors file of {str(path)!r}")
         return True
     why = ("FP8 tensors need quantization_config in config.json" if dtype == FP8_SAFETENSORS
            else "integer tensors are not cast and only FP8 (F8_E4M3) weights are dequantized")
@@ -153,8 +161,8 @@ def _check_dtype(cfg: ModelConfig, path, files: dict[str, Path], name: str, file
 
 def _check_scale_dtype(name: str, file: Path, dtype: str) -> bool:
     if dtype not in FLOAT_DTYPES:
-        raise ModelConfigError(f"scale {name!r} in {str(file)!r} has dtype {dtype}; a weight_scale_inv must be "
-                               "a float type")
+        raise ModelConfigError(f"scale {name!r} in {str(file)!r} has dtype {dtype}; a "
+                               "weight_scale_inv must be a float type")
     return False
 
 
@@ -185,7 +193,8 @@ def iter_random(
     seconds), so values differ between a CPU and a GPU run of one seed."""
     device = torch.device(device)
     for name, shape in expected_shapes(cfg, ep_rank, ep_size).items():
-        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003
+                                                         + zlib.crc32(name.encode()))
         t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
         if name.endswith("norm.weight"):
             t = t.mul_(0.1).add_(1.0)

@@ -33,8 +33,8 @@ _BLOCK = 2048
 if triton is not None:
 
     @triton.jit
-    def _adjust_kernel(logits_ptr, stride_l, rows_ptr, table_rows_ptr, counts_ptr, seen_ptr, stride_t, rep_ptr,
-                       freq_ptr, pres_ptr, out_ptr, vocab,
+    def _adjust_kernel(logits_ptr, stride_l, rows_ptr, table_rows_ptr, counts_ptr, seen_ptr,
+                       stride_t, rep_ptr, freq_ptr, pres_ptr, out_ptr, vocab,
                        HAS_REP: tl.constexpr, HAS_PEN: tl.constexpr, BLOCK: tl.constexpr):
         c = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -56,8 +56,9 @@ if triton is not None:
         tl.store(out_ptr + c.to(tl.int64) * vocab + cols, x, mask=in_row)
 
 
-def adjusted_rows_triton(logits_BV: torch.Tensor, rows_C: torch.Tensor, table_rows_C: torch.Tensor | None,
-                         counts_RV: torch.Tensor | None, seen_RV: torch.Tensor | None, rep_C: torch.Tensor | None,
+def adjusted_rows_triton(logits_BV: torch.Tensor, rows_C: torch.Tensor,
+                         table_rows_C: torch.Tensor | None, counts_RV: torch.Tensor | None,
+                         seen_RV: torch.Tensor | None, rep_C: torch.Tensor | None,
                          pen_2C: torch.Tensor | None) -> torch.Tensor:
     """``x_CV``: rows ``rows_C`` of ``logits_BV`` as float32 with the penalties applied (module
     docstring). ``table_rows_C``: each row's request row in ``counts_RV`` / ``seen_RV`` (same
@@ -66,8 +67,8 @@ def adjusted_rows_triton(logits_BV: torch.Tensor, rows_C: torch.Tensor, table_ro
     if triton is None:
         raise RuntimeError("adjusted_rows_triton: needs triton")
     if logits_BV.stride(1) != 1:
-        raise ValueError(f"adjusted_rows_triton: logits must be unit-stride along the vocabulary, got strides "
-                         f"{logits_BV.stride()}")
+        raise ValueError("adjusted_rows_triton: logits must be unit-stride along the vocabulary, "
+                         f"got strides {logits_BV.stride()}")
     vocab, c = logits_BV.shape[1], rows_C.shape[0]
     out_CV = torch.empty((c, vocab), dtype=torch.float32, device=logits_BV.device)
     if c == 0:
@@ -75,16 +76,17 @@ def adjusted_rows_triton(logits_BV: torch.Tensor, rows_C: torch.Tensor, table_ro
     tables = [t for t in (counts_RV, seen_RV) if t is not None]
     for t in tables:
         if t.shape[1] != vocab or not t.is_contiguous():
-            raise ValueError(f"adjusted_rows_triton: a table of shape {tuple(t.shape)} (contiguous: "
-                             f"{t.is_contiguous()}) for a vocabulary of {vocab}")
+            raise ValueError(f"adjusted_rows_triton: a table of shape {tuple(t.shape)} "
+                             f"(contiguous: {t.is_contiguous()}) for a vocabulary of {vocab}")
     stride_t = tables[0].stride(0) if tables else 0
     unused = rows_C  # a pointer for what a constexpr branch never reads
     freq_C, pres_C = (pen_2C[0], pen_2C[1]) if pen_2C is not None else (unused, unused)
     block = min(_BLOCK, triton.next_power_of_2(vocab))
     _adjust_kernel[(c, triton.cdiv(vocab, block))](
-        logits_BV, logits_BV.stride(0), rows_C, table_rows_C if table_rows_C is not None else unused,
-        counts_RV if counts_RV is not None else unused, seen_RV if seen_RV is not None else unused, stride_t,
-        rep_C if rep_C is not None else unused, freq_C, pres_C, out_CV, vocab,
+        logits_BV, logits_BV.stride(0), rows_C,
+        table_rows_C if table_rows_C is not None else unused,
+        counts_RV if counts_RV is not None else unused, seen_RV if seen_RV is not None else unused,
+        stride_t, rep_C if rep_C is not None else unused, freq_C, pres_C, out_CV, vocab,
         HAS_REP=rep_C is not None, HAS_PEN=pen_2C is not None, BLOCK=block, num_warps=4,
     )
     return out_CV

@@ -74,9 +74,9 @@ class _Entries:
         return lo, len(self.values)
 
 
-def adjusted_chunks(logits_BV: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams | None],
-                    counts: StepCounts | None, chunk: int, use_triton: bool = False,
-                    bans: Sequence[Sequence[int]] = ()
+def adjusted_chunks(logits_BV: torch.Tensor, rows: Sequence[int],
+                    params: Sequence[SamplingParams | None], counts: StepCounts | None, chunk: int,
+                    use_triton: bool = False, bans: Sequence[Sequence[int]] = ()
                     ) -> Iterator[tuple[Sequence[int], torch.Tensor, torch.Tensor]]:
     """For rows ``rows`` of ``logits_BV`` (ascending, each with a bias or a penalty), ``chunk``
     at a time: ``(the chunk's rows, those rows on the device, x_CV)``, x_CV a float32 copy of
@@ -99,7 +99,8 @@ def adjusted_chunks(logits_BV: torch.Tensor, rows: Sequence[int], params: Sequen
         if use_triton and (rep_C is not None or pen_2C is not None):  # one pass (adjust_triton)
             x_CV = adjusted_rows_triton(logits_BV, rows_C, counts.rows_B.index_select(0, rows_C),
                                         counts.table_RV if pen_2C is not None else None,
-                                        counts.seen_RV if rep_C is not None else None, rep_C, pen_2C)
+                                        counts.seen_RV if rep_C is not None else None, rep_C,
+                                        pen_2C)
         else:
             x_CV = _adjusted_torch(logits_BV, rows_C, counts, rep_C, pen_2C)
         if bias[0][1] > bias[0][0]:
@@ -129,7 +130,8 @@ def _repetition(x_CV: torch.Tensor, seen_CV: torch.Tensor, r_C1: torch.Tensor) -
     up_CV = x_CV > 0
     factor_CV = torch.where(seen_CV & up_CV, r_C1, one)
     x_CV.div_(factor_CV)
-    torch.where(seen_CV.logical_and_(up_CV.logical_not_()), r_C1, one, out=factor_CV)  # the rest seen
+    # the rest seen
+    torch.where(seen_CV.logical_and_(up_CV.logical_not_()), r_C1, one, out=factor_CV)
     x_CV.mul_(factor_CV)
 
 
@@ -141,8 +143,8 @@ def repetition_factor(r: float) -> float:
     return min(max(r, lo), hi)
 
 
-def _plan(part: Sequence[int], params: Sequence[SamplingParams | None], counts: StepCounts | None, vocab: int,
-          ints: _Entries, floats: _Entries, bans: Sequence[Sequence[int]] = ()):
+def _plan(part: Sequence[int], params: Sequence[SamplingParams | None], counts: StepCounts | None,
+          vocab: int, ints: _Entries, floats: _Entries, bans: Sequence[Sequence[int]] = ()):
     """One chunk's host entries, appended to ``ints`` / ``floats``; returns the chunk's rows and
     its segments: bias (flat index, value), the repetition penalties and the presence and
     frequency ones (frequencies then presences); None: no such penalty in the chunk."""
@@ -164,11 +166,13 @@ def _plan(part: Sequence[int], params: Sequence[SamplingParams | None], counts: 
         if p.penalized and (counts is None or counts.table_RV is None):
             raise ValueError(f"draw_tokens: row {row} has a penalty and no StepCounts was given")
         if p.repeats_penalized and (counts is None or counts.seen_RV is None):
-            raise ValueError(f"draw_tokens: row {row} has a repetition penalty and no StepCounts marks were given")
+            raise ValueError(f"draw_tokens: row {row} has a repetition penalty and no StepCounts "
+                             "marks were given")
     bias = (ints.add(bias_i), floats.add(bias_v))
     rep = pen = None
     if any(params[row].repeats_penalized for row in part):
         rep = floats.add([repetition_factor(params[r].repetition_penalty) for r in part])
     if any(params[row].penalized for row in part):
-        pen = floats.add([params[r].frequency_penalty for r in part] + [params[r].presence_penalty for r in part])
+        pen = floats.add([params[r].frequency_penalty for r in part]
+                         + [params[r].presence_penalty for r in part])
     return part, bias, rep, pen

@@ -3,8 +3,8 @@
 Every path that takes requests applies these same pure functions: ``SamplingParams`` and
 ``Request`` at construction (what they can know alone), the scheduler at ``submit`` (the
 Python API: ValueError, all or none, for bad input; a request that only its rank's KV cache
-cannot hold fails alone, with its own error result), the JSONL loader (WorkloadError naming file and line),
-and the launchers (Ray, torchrun, local), which turn a refused request into its own
+cannot hold fails alone, with its own error result), the JSONL loader (WorkloadError naming file and
+line), and the launchers (Ray, torchrun, local), which turn a refused request into its own
 ``RequestResult`` with ``error`` set and finish_reason "error" so that it costs no other
 request. A refused request never enters a step.
 
@@ -39,9 +39,10 @@ def check_request(req: Request, vocab_size: int | None = None, context_len: int 
     names the field, the limit and the value; None when it may be queued.
 
     Rules: its own fields (``request.check_request_fields``: rid, prompt_ids, sampling,
-    arrival_s); token ids, the prompt's, ``logit_bias``'s and ``stop_token_ids``, in ``[0, vocab_size)`` (not
-    checked when None); prompt + max_new_tokens - 1 KV tokens within ``context_len`` and within
-    a rank's whole KV cache of ``kv_slots`` token slots (each not checked when None).
+    arrival_s); token ids, the prompt's, ``logit_bias``'s and ``stop_token_ids``, in ``[0,
+    vocab_size)`` (not checked when None); prompt + max_new_tokens - 1 KV tokens within
+    ``context_len`` and within a rank's whole KV cache of ``kv_slots`` token slots (each not checked
+    when None).
     """
     problem = check_request_fields(req)
     if problem is not None:
@@ -50,7 +51,8 @@ def check_request(req: Request, vocab_size: int | None = None, context_len: int 
     if vocab_size is not None:
         for pos, t in enumerate(ids):
             if t >= vocab_size:
-                return f"{where}: prompt_ids[{pos}]={t} is not a token id in [0, vocab_size={vocab_size})"
+                return (f"{where}: prompt_ids[{pos}]={t} is not a token id in "
+                        f"[0, vocab_size={vocab_size})")
         for pos, (t, _) in enumerate(req.sampling.logit_bias):
             if t >= vocab_size:
                 return (f"{where}: SamplingParams.logit_bias[{pos}]: token id {t} is not in "
@@ -71,8 +73,8 @@ def check_request(req: Request, vocab_size: int | None = None, context_len: int 
 def kv_refusal(req: Request, kv_slots: int) -> str:
     """Why ``req`` can never run on a rank whose whole KV cache holds ``kv_slots`` tokens."""
     n, new = len(req.prompt_ids), req.sampling.max_new_tokens
-    return (f"request {req.rid!r} needs {n + new - 1} KV tokens (prompt {n} + max_new_tokens {new} - 1); "
-            f"a rank's whole KV cache holds {kv_slots} (kv_cache_tokens)")
+    return (f"request {req.rid!r} needs {n + new - 1} KV tokens (prompt {n} + max_new_tokens {new} "
+            f"- 1); a rank's whole KV cache holds {kv_slots} (kv_cache_tokens)")
 
 
 def known_kv_slots(spec: RankSpec) -> int | None:
@@ -102,8 +104,9 @@ def refused_result(req: Request, error: str, rank: int = -1) -> RequestResult:
     """The result of a request refused before it ran: no tokens, finish_reason "error", zero
     times; ``rank`` -1 when refused at the door (no rank saw it), else the rank that refused it."""
     n = len(req.prompt_ids) if hasattr(req.prompt_ids, "__len__") else 0
-    return RequestResult(rid=str(req.rid), prompt_len=n, output_ids=(), finish_reason="error", rank=rank,
-                         queued_s=0.0, ttft_s=0.0, latency_s=0.0, decode_steps=0, error=error)
+    return RequestResult(rid=str(req.rid), prompt_len=n, output_ids=(), finish_reason="error",
+                         rank=rank, queued_s=0.0, ttft_s=0.0, latency_s=0.0, decode_steps=0,
+                         error=error)
 
 
 def admit(requests: Sequence[Request], vocab_size: int | None, context_len: int | None,
@@ -114,7 +117,8 @@ def admit(requests: Sequence[Request], vocab_size: int | None, context_len: int 
     share one (a job-level error: the results could not be told apart)."""
     dups = duplicate_rids(requests)
     if dups:
-        raise ValueError(f"duplicate request ids (each rid must be unique within a job): {dups[:5]}")
+        raise ValueError(
+            f"duplicate request ids (each rid must be unique within a job): {dups[:5]}")
     accepted: list[Request] = []
     refused: list[RequestResult] = []
     for r in requests:

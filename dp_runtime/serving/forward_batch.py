@@ -77,7 +77,8 @@ def planned_batch(batch: ForwardBatch, plan: Any) -> ForwardBatch:
     """The step's batch: the scheduler's (never written) with the step's plan, a DECODE batch in
     EXTEND form where the plan is an extend step (another rank extends: ``decode_as_extend``)."""
     batch = dataclasses.replace(batch, plan=plan)
-    return decode_as_extend(batch) if plan.is_extend and batch.forward_mode is ForwardMode.DECODE else batch
+    return (decode_as_extend(batch) if plan.is_extend and batch.forward_mode is ForwardMode.DECODE
+            else batch)
 
 
 def idle_batch(device: torch.device | str, plan: Any) -> ForwardBatch:
@@ -121,10 +122,12 @@ def capture_batch(
     extend = {}
     if forward_mode is ForwardMode.EXTEND:
         if not 1 <= bs <= num_tokens:
-            raise ValueError(f"capture_batch: an EXTEND batch needs 1 <= bs <= num_tokens, got {bs} and {num_tokens}")
+            raise ValueError("capture_batch: an EXTEND batch needs 1 <= bs <= num_tokens, "
+                             f"got {bs} and {num_tokens}")
         new = [num_tokens // bs + (i < num_tokens % bs) for i in range(bs)]
         extend = dict(extend_seq_lens=torch.tensor(new, dtype=torch.int64, device=device),
-                      extend_prefix_lens=torch.full((bs,), prefix_len, dtype=torch.int64, device=device),
+                      extend_prefix_lens=torch.full((bs,), prefix_len, dtype=torch.int64,
+                                                    device=device),
                       extend_seq_lens_cpu=tuple(new), extend_prefix_lens_cpu=(prefix_len,) * bs)
         lens = [n + prefix_len for n in new]
     elif prefix_len:

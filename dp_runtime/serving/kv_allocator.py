@@ -46,8 +46,10 @@ class KVAllocator:
         """``n`` free slots as an int64 tensor on the cache's device (on the host with
         ``on_host``). Raises ValueError when fewer than ``n`` are free (naming both)."""
         if n > self._free:
-            raise ValueError(f"KVAllocator: asked for {n} KV slots, {self._free} of {self.cache.num_slots} are free")
-        slots = torch.from_numpy(self._ring.take(np.arange(self._head, self._head + n), mode="wrap"))
+            raise ValueError(f"KVAllocator: asked for {n} KV slots, {self._free} "
+                             f"of {self.cache.num_slots} are free")
+        slots = torch.from_numpy(self._ring.take(np.arange(self._head, self._head + n),
+                                                 mode="wrap"))
         self._head = (self._head + n) % self._ring.size
         self._free -= n
         return slots if on_host else slots.to(self.cache.device)
@@ -55,9 +57,11 @@ class KVAllocator:
     def free_slots(self, slots: torch.Tensor) -> None:
         n = int(slots.numel())
         if self._free + n > self._ring.size:
-            raise ValueError(f"KVAllocator: freeing {n} slots with {self._free} of {self._ring.size} already free")
+            raise ValueError(f"KVAllocator: freeing {n} slots with {self._free} "
+                             f"of {self._ring.size} already free")
         tail = (self._head + self._free) % self._ring.size
-        np.put(self._ring, np.arange(tail, tail + n), slots.to("cpu", torch.int64).numpy(), mode="wrap")
+        np.put(self._ring, np.arange(tail, tail + n), slots.to("cpu", torch.int64).numpy(),
+               mode="wrap")
         self._free += n
 
     def record(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:

@@ -37,12 +37,13 @@ class LogprobRows:
     def to_host(self) -> LogprobRows:
         """The same rows with the (CUDA) tensors in pinned host memory, copied without waiting:
         read them after the copy's event."""
-        return LogprobRows(self.rows, self.tops, device_to_host(self.chosen_A), device_to_host(self.top_vals_AK),
-                           device_to_host(self.top_ids_AK))
+        return LogprobRows(self.rows, self.tops, device_to_host(self.chosen_A),
+                           device_to_host(self.top_vals_AK), device_to_host(self.top_ids_AK))
 
     def per_row(self) -> dict[int, TokenLogprob]:
         """Row -> ``(logprob, ((id, logprob), ...))`` (host tensors)."""
-        chosen, vals, ids = self.chosen_A.tolist(), self.top_vals_AK.tolist(), self.top_ids_AK.tolist()
+        chosen, vals, ids = (self.chosen_A.tolist(), self.top_vals_AK.tolist(),
+                             self.top_ids_AK.tolist())
         return {row: (chosen[a], tuple(zip(ids[a][:n], vals[a][:n], strict=True)))
                 for a, (row, n) in enumerate(zip(self.rows, self.tops, strict=True))}
 

@@ -41,7 +41,8 @@ def decode_forward_batch(
     The input ids are ``input_ids`` (host values) or, with ``token_table`` (one entry per
     ``req_to_token`` row, on the device), ``token_table[rows]`` gathered on the device: the
     token each row sampled last, which the host may not have read yet. The per-request columns
-    cross to the device in one asynchronous copy: ``[input_ids, positions, slots, rows, seq_lens]``."""
+    cross to the device in one asynchronous copy: ``[input_ids, positions, slots, rows,
+    seq_lens]``."""
     if (input_ids is None) == (token_table is None):
         raise ValueError("decode_forward_batch: give exactly one of input_ids and token_table")
     cache = allocator.cache
@@ -94,14 +95,16 @@ def extend_forward_batch(
     prefix = tuple(int(p) for p in prefix_lens)
     if len(ext) != len(rows) or len(prefix) != len(rows) or min(ext, default=1) < 1:
         raise ValueError(
-            f"extend batch: need one extend length >= 1 and one prefix length per request, got extend {list(ext)}, "
-            f"prefix {list(prefix)} for {len(rows)} requests"
+            "extend batch: need one extend length >= 1 and one prefix length per request, got "
+            f"extend {list(ext)}, prefix {list(prefix)} for {len(rows)} requests"
         )
     d = int(decode_rows)
-    if not 0 <= d <= len(rows) or any(e != 1 for e in ext[:d]) or (d > 0) != (token_table is not None):
+    if (not 0 <= d <= len(rows) or any(e != 1 for e in ext[:d])
+            or (d > 0) != (token_table is not None)):
         raise ValueError(
-            f"extend batch: decode_rows={d} must lie in [0, {len(rows)}], lead requests of extend length 1 "
-            f"(got {list(ext[:d])}) and come with a token_table (given: {token_table is not None})"
+            f"extend batch: decode_rows={d} must lie in [0, {len(rows)}], lead requests of extend "
+            f"length 1 (got {list(ext[:d])}) and come with a token_table "
+            f"(given: {token_table is not None})"
         )
     ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1).cpu()
     t, b = sum(ext), len(rows)

@@ -76,7 +76,8 @@ class StepCounts:
         table = self.table_RV if self.table_RV is not None else self.seen_RV
         at_B = self.rows_B * table.shape[1] + ids_B  # both tables are R x V
         if self.table_RV is not None:
-            self.table_RV.view(-1).index_add_(0, at_B, torch.ones_like(at_B, dtype=self.table_RV.dtype))
+            self.table_RV.view(-1).index_add_(0, at_B, torch.ones_like(at_B,
+                                                                       dtype=self.table_RV.dtype))
         if self.seen_RV is not None:
             self.seen_RV.view(-1).index_fill_(0, at_B, True)
 
@@ -86,11 +87,14 @@ class PenaltyCounts:
     zeros on ``device``. Built once with the rank; ``close`` frees them."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device | str) -> None:
-        self.table_RV: torch.Tensor | None = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
-        self.seen_RV: torch.Tensor | None = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        self.table_RV: torch.Tensor | None = torch.zeros(rows, vocab, dtype=torch.float32,
+                                                         device=device)
+        self.seen_RV: torch.Tensor | None = torch.zeros(rows, vocab, dtype=torch.bool,
+                                                        device=device)
 
     @classmethod
-    def for_runtime(cls, max_running_requests: int, vocab: int, device: torch.device | str) -> PenaltyCounts:
+    def for_runtime(cls, max_running_requests: int, vocab: int,
+                    device: torch.device | str) -> PenaltyCounts:
         """The tables of a rank serving ``max_running_requests``: a row for each KV request row,
         ``max_running_requests + 1`` (``KVCache``'s, row 0 the padding target)."""
         return cls(max_running_requests + 1, vocab, device)
@@ -114,7 +118,8 @@ class PenaltyCounts:
             self.seen_RV[row].zero_()
             flat.extend(row * vocab + t for t in ids)
         if flat:
-            self.seen_RV.view(-1).index_fill_(0, host_to_device(flat, torch.int64, self.seen_RV.device), True)
+            self.seen_RV.view(-1).index_fill_(0, host_to_device(flat, torch.int64,
+                                                                self.seen_RV.device), True)
 
     def step(self, rows_B: torch.Tensor, *, counts: bool = True, seen: bool = False) -> StepCounts:
         """The view of a step whose row i is request row ``rows_B[i]``, with the counts and/or

@@ -139,7 +139,8 @@ class PrefixCache:
         leaves least recently used first, a whole node at a time. Returns their slots (host
         int64) for the caller to free."""
         order = itertools.count()
-        heap = [(x.last_use, next(order), x) for x in self._nodes() if not x.children and x.locks == 0]
+        heap = [(x.last_use, next(order), x) for x in self._nodes()
+                if not x.children and x.locks == 0]
         heapq.heapify(heap)
         freed, count = [], 0
         while count < n and heap:
@@ -156,7 +157,8 @@ class PrefixCache:
     def _split(self, node: _Node, k: int) -> _Node:
         """Cut ``node`` after its first ``k`` ids: a new parent holds them (with the node's
         locks and use, so the locked tokens do not change); returns that parent."""
-        front = _Node(node.ids[:k], node.slots[:k], node.parent, locks=node.locks, last_use=node.last_use)
+        front = _Node(node.ids[:k], node.slots[:k], node.parent, locks=node.locks,
+                      last_use=node.last_use)
         node.parent.children[int(node.ids[0])] = front
         node.ids, node.slots, node.parent = node.ids[k:], node.slots[k:], front
         front.children[int(node.ids[0])] = node

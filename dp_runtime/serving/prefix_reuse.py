@@ -83,7 +83,8 @@ class PrefixReuse:
         eviction frees at least 1/64 of the cache, as the tree's eviction walks every node."""
         short = n - self.allocator.num_free_slots
         if short > 0:
-            self.allocator.free_slots(self.tree.evict(max(short, self.allocator.cache.num_slots // 64)))
+            self.allocator.free_slots(self.tree.evict(max(short,
+                                                          self.allocator.cache.num_slots // 64)))
 
     def share(self, ids: Sequence[int], slots: torch.Tensor, m: PrefixMatch) -> PrefixMatch | None:
         """A request whose prompt ``ids`` (K/V in ``slots``, its row's, written by the steps

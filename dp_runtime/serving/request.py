@@ -15,8 +15,9 @@ from typing import Any
 
 from dp_runtime.checks import is_int
 
-__all__ = ["FINISH_REASONS", "LOGIT_BIAS_LIMIT", "LOGIT_BIAS_MAX", "LOGPROBS_LIMIT", "PENALTY_MAX", "Request",
-           "RequestResult", "SamplingParams", "TokenLogprob", "check_request_fields", "check_sampling", "token_ids"]
+__all__ = ["FINISH_REASONS", "LOGIT_BIAS_LIMIT", "LOGIT_BIAS_MAX", "LOGPROBS_LIMIT", "PENALTY_MAX",
+           "Request", "RequestResult", "SamplingParams", "TokenLogprob", "check_request_fields",
+           "check_sampling", "token_ids"]
 
 FINISH_REASONS = ("length", "stop", "error", "abort")
 
@@ -45,13 +46,15 @@ def check_sampling(sp: SamplingParams) -> str | None:
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
         return f"SamplingParams.temperature must be a finite number >= 0, got {t!r}"
     p = sp.top_p
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
+    if (isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p)
+            or not 0 < p <= 1):
         return f"SamplingParams.top_p must be a finite number in (0, 1], got {p!r}"
     k = sp.top_k
     if not is_int(k) or k < 0:
         return f"SamplingParams.top_k must be an int >= 0 (0: off), got {k!r}"
     m = sp.min_p
-    if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or not 0 <= m <= 1:
+    if (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m)
+            or not 0 <= m <= 1):
         return f"SamplingParams.min_p must be a finite number in [0, 1] (0: off), got {m!r}"
     if not isinstance(sp.ignore_eos, bool):
         return f"SamplingParams.ignore_eos must be a bool, got {sp.ignore_eos!r}"
@@ -63,7 +66,8 @@ def check_sampling(sp: SamplingParams) -> str | None:
         return f"SamplingParams.stop_token_ids must be a tuple of ints >= 0, got {stops!r}"
     lp = sp.logprobs
     if lp is not None and (not is_int(lp) or not 0 <= lp <= LOGPROBS_LIMIT):
-        return f"SamplingParams.logprobs must be None or an int in [0, {LOGPROBS_LIMIT}], got {lp!r}"
+        return (f"SamplingParams.logprobs must be None or an int in [0, {LOGPROBS_LIMIT}], "
+                f"got {lp!r}")
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(sp, name)
         if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
@@ -84,7 +88,8 @@ def _check_logit_bias(bias: object) -> str | None:
     the door's: ``admission.check_request``)."""
     where = "SamplingParams.logit_bias"
     if not isinstance(bias, tuple):
-        return f"{where} must be a tuple of (token_id, bias) pairs, got {type(bias).__name__} {bias!r:.80}"
+        return (f"{where} must be a tuple of (token_id, bias) pairs, "
+                f"got {type(bias).__name__} {bias!r:.80}")
     if len(bias) > LOGIT_BIAS_LIMIT:
         return f"{where} must hold at most {LOGIT_BIAS_LIMIT} entries, got {len(bias)}"
     seen: set[int] = set()
@@ -118,8 +123,10 @@ def token_ids(ids: Any, rid: Any = "?") -> tuple[int, ...]:
             raise ValueError(f"{where} must hold integer token ids, got a {kind}")
         return tuple(int(t) for t in ids.tolist())
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise ValueError(f"{where} must be a sequence of int token ids, got {type(ids).__name__} {ids!r:.80}")
-    return tuple(int(t) if is_int(t) else t for t in ids)  # ints as Python ints; others checked later
+        raise ValueError(f"{where} must be a sequence of int token ids, "
+                         f"got {type(ids).__name__} {ids!r:.80}")
+    # ints as Python ints; others checked later
+    return tuple(int(t) if is_int(t) else t for t in ids)
 
 
 def check_request_fields(req: Request) -> str | None:

@@ -64,11 +64,13 @@ from dp_runtime.serving.request import SamplingParams
 from dp_runtime.serving.sampling_triton import race_triton, triton
 from dp_runtime.serving.top_p_search import top_p_thresholds
 
-__all__ = ["ROW_CHUNK", "SORT_CHUNK", "DrawnTokens", "RowFailure", "StepCounts", "draw_failure", "draw_tokens",
-           "host_to_device"]
+__all__ = ["ROW_CHUNK", "SORT_CHUNK", "DrawnTokens", "RowFailure", "StepCounts", "draw_failure",
+           "draw_tokens", "host_to_device"]
 
-ROW_CHUNK = 64  # rows whose top-k thresholds are found together: bounds the rows x vocabulary temporaries
-SORT_CHUNK = 16  # rows sorted together for a top-p without top-k (a sort's buffers: ~48 bytes an element)
+# rows whose top-k thresholds are found together: bounds the rows x vocabulary temporaries
+ROW_CHUNK = 64
+# rows sorted together for a top-p without top-k (a sort's buffers: ~48 bytes an element)
+SORT_CHUNK = 16
 _MASK64 = 2**64 - 1
 _F32 = torch.finfo(torch.float32)  # the device's temperatures and top-p values (module docstring)
 
@@ -96,14 +98,14 @@ class DrawnTokens:
 
 def draw_failure(p: SamplingParams) -> RowFailure:
     """What a flagged row (``DrawnTokens.failed_R``) reports."""
-    return RowFailure(f"sampling failed (temperature={p.temperature!r}, top_k={p.top_k!r}, top_p={p.top_p!r}, "
-                      f"min_p={p.min_p!r}): logits / temperature is not finite (NaN logits, or overflow past "
-                      f"float32)")
+    return RowFailure(f"sampling failed (temperature={p.temperature!r}, top_k={p.top_k!r}, "
+                      f"top_p={p.top_p!r}, min_p={p.min_p!r}): logits / temperature is not finite "
+                      "(NaN logits, or overflow past float32)")
 
 
-def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None], indices: Sequence[int],
-                *, counts: StepCounts | None = None, use_triton: bool | None = None,
-                bans: Sequence[Sequence[int]] = ()) -> DrawnTokens:
+def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None],
+                indices: Sequence[int], *, counts: StepCounts | None = None,
+                use_triton: bool | None = None, bans: Sequence[Sequence[int]] = ()) -> DrawnTokens:
     """One token per row of ``logits_BV`` (float32, B rows) by ``params[i]`` (None: the argmax,
     e.g. a prompt chunk that does not sample); row i chooses the token at output index
     ``indices[i]`` of its request (a sampled row's noise is keyed by it: module docstring). A row
@@ -137,8 +139,10 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
     for chunk, rows_C, x_CV in chunks:
         ids_C = x_CV.argmax(dim=-1)
         sampled = [j for j, row in enumerate(chunk) if not params[row].greedy]
-        if sampled:  # raced on the copy as they would be on logits_BV (the race: rows of one tensor)
-            at_R, tokens_R, failed_R = _race_rows(x_CV, sampled, [params[chunk[j]] for j in sampled],
+        # raced on the copy as they would be on logits_BV (the race: rows of one tensor)
+        if sampled:
+            at_R, tokens_R, failed_R = _race_rows(x_CV, sampled,
+                                                  [params[chunk[j]] for j in sampled],
                                                   [indices[chunk[j]] for j in sampled], use_triton)
             ids_C.index_copy_(0, at_R, tokens_R)
             fails.append(failed_R)
@@ -148,12 +152,14 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams | None]
 
 
 def _race_rows(x_XV: torch.Tensor, at: Sequence[int], params: Sequence[SamplingParams],
-               indices: Sequence[int], use_triton: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               indices: Sequence[int],
+               use_triton: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw rows ``at`` of ``x_XV`` (``params[r]`` and output index ``indices[r]`` for row
     ``at[r]``), with the Triton kernels or torch: ``(at_R on the device, tokens_R, failed_R)``."""
     dev = x_XV.device
     seeds = [_signed64(p.seed) for p in params]
-    at_R, seed_R, index_R = host_to_device([list(at), seeds, list(indices)], torch.int64, dev).unbind(0)
+    at_R, seed_R, index_R = host_to_device([list(at), seeds, list(indices)], torch.int64,
+                                           dev).unbind(0)
     temp_R = host_to_device([min(p.temperature, _F32.max) for p in params], torch.float32, dev)
     thr_R = _thresholds(x_XV, params, at_R, temp_R, use_triton)
     if any(p.min_p > 0 for p in params):
@@ -191,7 +197,8 @@ def _thresholds(logits_BV: torch.Tensor, params: Sequence[SamplingParams], rows_
     elif sorted_p:
         at = host_to_device(sorted_p, torch.int64, dev)
         top_p = host_to_device([_top_p(params[r]) for r in sorted_p], torch.float32, dev)
-        found = top_p_thresholds(logits_BV, rows_R.index_select(0, at), temp_R.index_select(0, at), top_p)
+        found = top_p_thresholds(logits_BV, rows_R.index_select(0, at), temp_R.index_select(0, at),
+                                 top_p)
         thr_R.index_copy_(0, at, found)
     for group, size in groups:
         for lo in range(0, len(group), size):
@@ -205,19 +212,21 @@ def _thresholds(logits_BV: torch.Tensor, params: Sequence[SamplingParams], rows_
                 ranked = x.topk(max(k_c), dim=-1).values  # descending
                 k_C = k_C.long()
                 thr = ranked.gather(1, (k_C - 1)[:, None])[:, 0]
-                ranked.masked_fill_(torch.arange(ranked.shape[1], device=dev)[None, :] >= k_C[:, None], -torch.inf)
+                ranked.masked_fill_(
+                    torch.arange(ranked.shape[1], device=dev)[None, :] >= k_C[:, None], -torch.inf)
             else:
                 ranked = x.sort(dim=-1, descending=True).values
                 thr = torch.full((len(chunk),), -torch.inf, device=dev)
             del x
             if any(params[r].top_p < 1 for r in chunk):
-                thr = torch.maximum(thr, _top_p_threshold(ranked, temp_R.index_select(0, at), top_p_C))
+                thr = torch.maximum(thr, _top_p_threshold(ranked, temp_R.index_select(0, at),
+                                                          top_p_C))
             thr_R.index_copy_(0, at, thr)
     return thr_R
 
 
-def _min_p_thresholds(logits_XV: torch.Tensor, params: Sequence[SamplingParams], rows_R: torch.Tensor,
-                      temp_R: torch.Tensor) -> torch.Tensor:
+def _min_p_thresholds(logits_XV: torch.Tensor, params: Sequence[SamplingParams],
+                      rows_R: torch.Tensor, temp_R: torch.Tensor) -> torch.Tensor:
     """Each drawn row's min-p threshold on its raw logits, ``max(x) + temperature * log(min_p)``
     (-inf where min_p is 0). The max is taken over every row of ``logits_XV`` in one reduction,
     then the drawn rows' are picked: one read of the rows, where gathering the drawn rows first
@@ -230,35 +239,40 @@ def _min_p_thresholds(logits_XV: torch.Tensor, params: Sequence[SamplingParams],
     return thr_R.masked_fill_(min_p_R == 0, -torch.inf)
 
 
-def _top_p_threshold(ranked_CW: torch.Tensor, temp_C: torch.Tensor, top_p_C: torch.Tensor) -> torch.Tensor:
+def _top_p_threshold(ranked_CW: torch.Tensor, temp_C: torch.Tensor,
+                     top_p_C: torch.Tensor) -> torch.Tensor:
     """The raw value of each row's last nucleus token: ``ranked_CW`` holds the row's kept raw
     logits, descending (-inf past them); token i stays while the mass ranked above it (at the
     row's temperature) is below ``top_p``, i.e. for i <= the count of inclusive sums below it
     (rows with top_p 1 keep all: -inf). One C x W float32 buffer, worked in place."""
     probs = ranked_CW.div(temp_C[:, None])
-    probs.sub_(probs[:, :1].clone()).exp_()  # the first column is the row's largest (a copy: no aliasing)
+    # the first column is the row's largest (a copy: no aliasing)
+    probs.sub_(probs[:, :1].clone()).exp_()
     probs.div_(probs.sum(dim=-1, keepdim=True)).cumsum_(dim=-1)
     n_keep = (probs < top_p_C[:, None]).sum(dim=-1).add_(1).clamp_(max=ranked_CW.shape[1])
     thr = ranked_CW.gather(1, (n_keep - 1)[:, None])[:, 0]
     return thr.masked_fill_(top_p_C >= 1, -torch.inf)
 
 
-def _race_torch(logits_BV: torch.Tensor, rows_R: torch.Tensor, temp_R: torch.Tensor, thr_R: torch.Tensor,
-                seed_R: torch.Tensor, index_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _race_torch(logits_BV: torch.Tensor, rows_R: torch.Tensor, temp_R: torch.Tensor,
+                thr_R: torch.Tensor, seed_R: torch.Tensor,
+                index_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``sampling_triton.race_triton``'s contract with torch, a row at a time: the noise of a
     draw from a generator seeded by its (seed, index) key (a host loop: CPU ranks)."""
     tokens, failed = [], []
-    for row, t, thr, seed, index in zip(rows_R.tolist(), temp_R.tolist(), thr_R.tolist(), seed_R.tolist(),
-                                        index_R.tolist(), strict=True):
+    for row, t, thr, seed, index in zip(rows_R.tolist(), temp_R.tolist(), thr_R.tolist(),
+                                        seed_R.tolist(), index_R.tolist(), strict=True):
         x = logits_BV[row].float()
         z = x / t
         gen = torch.Generator(logits_BV.device).manual_seed(_mix(seed & _MASK64, index))
-        e = torch.empty_like(z).exponential_(generator=gen).clamp_min_(torch.finfo(torch.float32).tiny)
+        e = torch.empty_like(z).exponential_(generator=gen).clamp_min_(
+            torch.finfo(torch.float32).tiny)
         score = (z - e.log()).masked_fill_(x < thr, -torch.inf)
         tokens.append(int(score.argmax()))
         failed.append(bool(torch.isnan(z).any() or z.max() == torch.inf))
     dev = logits_BV.device
-    return torch.tensor(tokens, dtype=torch.int64, device=dev), torch.tensor(failed, dtype=torch.bool, device=dev)
+    return (torch.tensor(tokens, dtype=torch.int64, device=dev),
+            torch.tensor(failed, dtype=torch.bool, device=dev))
 
 
 def _mix(seed: int, index: int) -> int:

@@ -34,8 +34,8 @@ _DOMAIN = 0x5A4D
 if triton is not None:
 
     @triton.jit
-    def _race_kernel(logits_ptr, stride_l, rows_ptr, temp_ptr, thr_ptr, seed_ptr, index_ptr, tok_ptr, bad_ptr,
-                     vocab, DOMAIN: tl.constexpr, BLOCK: tl.constexpr):
+    def _race_kernel(logits_ptr, stride_l, rows_ptr, temp_ptr, thr_ptr, seed_ptr, index_ptr,
+                     tok_ptr, bad_ptr, vocab, DOMAIN: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0)
         row = tl.load(rows_ptr + r)
         t = tl.load(temp_ptr + r)
@@ -51,7 +51,8 @@ if triton is not None:
         for start in range(0, vocab, BLOCK):
             cols = start + cols0
             inside = cols < vocab
-            x = tl.load(logits_ptr + row * stride_l + cols, mask=inside, other=-float("inf")).to(tl.float32)
+            x = tl.load(logits_ptr + row * stride_l + cols, mask=inside,
+                        other=-float("inf")).to(tl.float32)
             z = x / t
             bad |= tl.max(((z != z) | (z == float("inf"))).to(tl.int32), axis=0)
             zero = tl.zeros_like(cols0).to(tl.uint32)
@@ -66,8 +67,9 @@ if triton is not None:
         tl.store(bad_ptr + r, bad != 0)
 
 
-def race_triton(logits_BV: torch.Tensor, rows_R: torch.Tensor, temp_R: torch.Tensor, thr_R: torch.Tensor,
-                seed_R: torch.Tensor, index_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def race_triton(logits_BV: torch.Tensor, rows_R: torch.Tensor, temp_R: torch.Tensor,
+                thr_R: torch.Tensor, seed_R: torch.Tensor,
+                index_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The drawn token (int64) and the undefined-draw flag (bool) of each row ``rows_R`` of
     ``logits_BV`` (float32, unit column stride): temperature ``temp_R``, raw-logit threshold
     ``thr_R``, the request's ``seed_R`` (int64, the seed's 64 bits) and the token's output
@@ -76,6 +78,7 @@ def race_triton(logits_BV: torch.Tensor, rows_R: torch.Tensor, temp_R: torch.Ten
     tok_R = torch.empty(n, dtype=torch.int64, device=logits_BV.device)
     bad_R = torch.empty(n, dtype=torch.bool, device=logits_BV.device)
     if n:
-        _race_kernel[(n,)](logits_BV, logits_BV.stride(0), rows_R, temp_R, thr_R, seed_R, index_R, tok_R, bad_R,
-                           logits_BV.shape[1], DOMAIN=_DOMAIN, BLOCK=_BLOCK, num_warps=8)
+        _race_kernel[(n,)](logits_BV, logits_BV.stride(0), rows_R, temp_R, thr_R, seed_R, index_R,
+                           tok_R, bad_R, logits_BV.shape[1], DOMAIN=_DOMAIN, BLOCK=_BLOCK,
+                           num_warps=8)
     return tok_R, bad_R

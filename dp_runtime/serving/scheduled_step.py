@@ -45,7 +45,8 @@ class RequestState:
     @property
     def decodable(self) -> bool:
         """Prefilled (maybe still in flight), and its next token is not known to be its last."""
-        return self.prefilled and len(self.output) + self.inflight < self.request.sampling.max_new_tokens
+        return (self.prefilled
+                and len(self.output) + self.inflight < self.request.sampling.max_new_tokens)
 
 
 @dataclass(frozen=True)

@@ -97,22 +97,26 @@ class Scheduler:
         prefix_caching: reuse cached prefixes' K/V (RuntimeConfig.prefix_caching).
     """
 
-    def __init__(self, allocator: KVAllocator, *, max_running_requests: int, chunked_prefill_size: int,
-                 rank: int = 0, vocab_size: int | None = None, eos_token_ids: Iterable[int] = (),
-                 mixed_steps: bool = True, mixed_step_tokens: int | None = None, policy: str = "fcfs",
+    def __init__(self, allocator: KVAllocator, *, max_running_requests: int,
+                 chunked_prefill_size: int, rank: int = 0, vocab_size: int | None = None,
+                 eos_token_ids: Iterable[int] = (), mixed_steps: bool = True,
+                 mixed_step_tokens: int | None = None, policy: str = "fcfs",
                  prefix_caching: bool = False) -> None:
         cache = allocator.cache
         if policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"Scheduler: policy must be one of {SCHEDULE_POLICIES}, got {policy!r}")
+            raise ValueError(
+                f"Scheduler: policy must be one of {SCHEDULE_POLICIES}, got {policy!r}")
         if max_running_requests > cache.max_reqs:
             raise ValueError(
-                f"Scheduler: max_running_requests={max_running_requests} exceeds the KV cache's max_reqs={cache.max_reqs}"
+                f"Scheduler: max_running_requests={max_running_requests} exceeds the KV cache's "
+                f"max_reqs={cache.max_reqs}"
             )
         self.allocator, self.cache = allocator, cache
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.mixed_steps = mixed_steps
-        self.mixed_step_tokens = chunked_prefill_size if mixed_step_tokens is None else mixed_step_tokens
+        self.mixed_step_tokens = (chunked_prefill_size if mixed_step_tokens is None
+                                  else mixed_step_tokens)
         self.policy = policy
         self.rank = rank
         self.vocab_size = vocab_size
@@ -124,11 +128,12 @@ class Scheduler:
         self._rids: set[str] = set()
         self._peers_decoding = False  # note_peers_decoding: a DP peer's requests decode next
         # The token each request row sampled last, on the device: decode input ids (docstring).
-        self.last_tokens = torch.zeros(cache.req_to_token.shape[0], dtype=torch.int64, device=cache.device)
+        self.last_tokens = torch.zeros(cache.req_to_token.shape[0], dtype=torch.int64,
+                                       device=cache.device)
 
     @classmethod
-    def for_runtime(cls, allocator: KVAllocator, cfg: RuntimeConfig, *, rank: int, vocab_size: int | None,
-                    eos_token_ids: Iterable[int]) -> Scheduler:
+    def for_runtime(cls, allocator: KVAllocator, cfg: RuntimeConfig, *, rank: int,
+                    vocab_size: int | None, eos_token_ids: Iterable[int]) -> Scheduler:
         """The scheduler of a rank whose RuntimeConfig is ``cfg`` (its serving fields)."""
         return cls(allocator, max_running_requests=cfg.max_running_requests,
                    chunked_prefill_size=cfg.chunked_prefill_size, rank=rank, vocab_size=vocab_size,
@@ -161,7 +166,8 @@ class Scheduler:
                 refused.append(refused_result(r, kv_refusal(r, self.cache.num_slots), self.rank))
                 continue
             # insort_right: arrival order, and submission order among equal arrivals (FCFS).
-            bisect.insort_right(self.waiting, RequestState(r, now + r.arrival_s), key=lambda q: q.t_arrival)
+            bisect.insort_right(self.waiting, RequestState(r, now + r.arrival_s),
+                                key=lambda q: q.t_arrival)
             self._rids.add(r.rid)
         return refused
 
@@ -180,7 +186,8 @@ class Scheduler:
         ``prefix_cached_tokens``: tokens it holds."""
         p = self.prefix
         return dict(free_kv_slots=self.allocator.num_free_slots if p is None else p.free_slots,
-                    prefix_hit_tokens=p.hit_tokens if p else 0, prefix_cached_tokens=p.tree.cached_tokens if p else 0)
+                    prefix_hit_tokens=p.hit_tokens if p else 0,
+                    prefix_cached_tokens=p.tree.cached_tokens if p else 0)
 
     def next_arrival_in(self, now: float | None = None) -> float | None:
         """Seconds from ``now`` (default: the clock) until the head of the queue arrives: 0 when
@@ -199,7 +206,8 @@ class Scheduler:
             return False
         m = self.prefix.claim(r.request.prompt_ids) if self.prefix is not None else None
         need = r.request.max_total_tokens - (0 if m is None else m.n)
-        if self._reserved + need + (0 if m is None else self.prefix.locked_tokens) > self.cache.num_slots:
+        if (self._reserved + need + (0 if m is None else self.prefix.locked_tokens)
+                > self.cache.num_slots):
             if m is not None:
                 self.prefix.unclaim(m)
             return False
@@ -224,7 +232,8 @@ class Scheduler:
         decode = [r for r in self.running if r.decodable]
         mixed = self.mixed_steps and 0 < len(decode) < self.mixed_step_tokens
         short = mixed or (self.mixed_steps and not decode and self._peers_decoding)  # DP peers wait
-        picks = self._prefill_picks(self.mixed_step_tokens - len(decode) if short else self.chunked_prefill_size)
+        picks = self._prefill_picks(self.mixed_step_tokens - len(decode) if short
+                                    else self.chunked_prefill_size)
         if picks:
             return self._extend(decode if mixed else [], picks)
         return self._decode(decode) if decode else None
@@ -239,7 +248,8 @@ class Scheduler:
                 take = min(r.prompt_len - r.kv_len, budget)
                 picks.append((r, take))
                 budget -= take
-        while budget > 0 and (i := self._next_admission(now)) is not None and self._admit(self.waiting[i]):
+        while (budget > 0 and (i := self._next_admission(now)) is not None
+               and self._admit(self.waiting[i])):
             r = self.waiting[i]
             del self.waiting[i]
             self.running.append(r)
@@ -265,14 +275,16 @@ class Scheduler:
             if r.t_first_forward is None:
                 r.t_first_forward = now
 
-    def _extend(self, decode: list[RequestState], picks: list[tuple[RequestState, int]]) -> ScheduledStep:
+    def _extend(self, decode: list[RequestState],
+                picks: list[tuple[RequestState, int]]) -> ScheduledStep:
         # Decode rows first: their ids are one device gather from last_tokens (paged_batches).
         reqs = (*decode, *(r for r, _ in picks))
         takes = (1,) * len(decode) + tuple(n for _, n in picks)
         ids = [t for r, n in picks for t in r.request.prompt_ids[r.kv_len : r.kv_len + n]]
         self._make_room(sum(takes))
-        batch = extend_forward_batch(self.allocator, [r.row for r in reqs], [r.kv_len for r in reqs], takes, ids,
-                                     decode_rows=len(decode), token_table=self.last_tokens if decode else None)
+        batch = extend_forward_batch(self.allocator, [r.row for r in reqs],
+                                     [r.kv_len for r in reqs], takes, ids, decode_rows=len(decode),
+                                     token_table=self.last_tokens if decode else None)
         self._stamp(r for r, _ in picks)
         samples = (True,) * len(decode) + tuple(r.kv_len + n == r.prompt_len for r, n in picks)
         for r in decode:
@@ -282,7 +294,8 @@ class Scheduler:
             r.kv_len += n
             r.inflight += sample
         for r, _ in picks if self.prefix is not None else ():
-            if r.prefilled and (m := self.prefix.share(r.request.prompt_ids, self.allocator.slots_of(r.row, r.kv_len),
+            if r.prefilled and (m := self.prefix.share(r.request.prompt_ids,
+                                                       self.allocator.slots_of(r.row, r.kv_len),
                                                         r.match)) is not None:
                 # Its prompt's slots are the cache's now (locked): its reservation shrinks as much.
                 r.reserved -= m.n - r.match.n
@@ -294,8 +307,8 @@ class Scheduler:
     def _decode(self, running: list[RequestState]) -> ScheduledStep:
         reqs = tuple(running)
         self._make_room(len(reqs))
-        batch = decode_forward_batch(self.allocator, [r.row for r in reqs], [r.kv_len for r in reqs],
-                                     token_table=self.last_tokens)
+        batch = decode_forward_batch(self.allocator, [r.row for r in reqs],
+                                     [r.kv_len for r in reqs], token_table=self.last_tokens)
         draws = tuple(len(r.output) + r.inflight for r in reqs)
         for r in reqs:
             r.kv_len += 1
@@ -323,7 +336,8 @@ class Scheduler:
             if r.done:  # stopped by the step before's token (overlap): this one ran for nothing
                 continue
             if isinstance(tok, RowFailure):
-                finished.append(self._finish(r, "error", now, error=f"request {r.request.rid!r}: {tok.error}"))
+                finished.append(self._finish(r, "error", now,
+                                             error=f"request {r.request.rid!r}: {tok.error}"))
                 continue
             r.output.append(int(tok))
             if lp is not None:
@@ -358,7 +372,8 @@ class Scheduler:
             out.append(self._finish(r, "abort", now))
         return out
 
-    def _finish(self, r: RequestState, reason: str, now: float, error: str | None = None) -> RequestResult:
+    def _finish(self, r: RequestState, reason: str, now: float,
+                error: str | None = None) -> RequestResult:
         r.done = True
         if r.row >= 0:  # admitted: it holds a row and slots
             slots = self.allocator.slots_of(r.row, r.kv_len)

@@ -77,20 +77,23 @@ class StepTokens:
                 self.ready.synchronize()
             reqs, samples = self.scheduled.reqs, self.scheduled.samples
             tokens: list[int | RowFailure | None] = [t if s else None for t, s in
-                                                     zip(self.drawn.ids_B.tolist(), samples, strict=True)]
+                                                     zip(self.drawn.ids_B.tolist(), samples,
+                                                         strict=True)]
             if self.drawn.failed_R is not None:
                 for i, bad in zip(self.drawn.drawn, self.drawn.failed_R.tolist(), strict=True):
                     if bad:
                         tokens[i] = draw_failure(reqs[i].request.sampling)
             if self.lp_rows is not None:
                 got = self.lp_rows.per_row()
-                self.logprobs = [None if isinstance(t, RowFailure) else got.get(i) for i, t in enumerate(tokens)]
+                self.logprobs = [None if isinstance(t, RowFailure) else got.get(i)
+                                 for i, t in enumerate(tokens)]
             self.tokens = tokens
         return self.tokens
 
 
 def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens: torch.Tensor,
-                  penalty_counts: PenaltyCounts, kept_logits: dict[str, list[torch.Tensor]] | None = None
+                  penalty_counts: PenaltyCounts,
+                  kept_logits: dict[str, list[torch.Tensor]] | None = None
                   ) -> StepTokens:
     """Start the step's sampling (module docstring). ``logits_BV``: one row per request of the
     step, in batch order; ``last_tokens`` and ``penalty_counts``: the rank's tables by request
@@ -105,18 +108,21 @@ def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens
     counted = any(p is not None and p.penalized for p in params)
     marked = any(p is not None and p.repeats_penalized for p in params)
     if counted or marked:
-        first = [(r, p) for r, p, d in zip(reqs, params, scheduled.draws, strict=True) if p is not None and d == 0]
+        first = [(r, p) for r, p, d in zip(reqs, params, scheduled.draws, strict=True)
+                 if p is not None and d == 0]
         if counted:
             penalty_counts.clear(r.row for r, p in first if p.penalized)
         if marked:
-            penalty_counts.mark_prompts((r.row, r.request.prompt_ids) for r, p in first if p.repeats_penalized)
+            penalty_counts.mark_prompts((r.row, r.request.prompt_ids) for r, p in first
+                                        if p.repeats_penalized)
         counts = penalty_counts.step(rows_B, counts=counted, seen=marked)
     drawn = draw_tokens(logits_BV, params, scheduled.draws, counts=counts, bans=scheduled.bans)
     if counts is not None:
         counts.record(drawn.ids_B)
     last_tokens.index_copy_(0, rows_B, drawn.ids_B)
     asked = [i for i, p in enumerate(params) if p is not None and p.logprobs is not None]
-    lp_rows = logprob_rows(logits_BV, drawn.ids_B, asked, [params[i].logprobs for i in asked]) if asked else None
+    lp_rows = (logprob_rows(logits_BV, drawn.ids_B, asked, [params[i].logprobs for i in asked])
+               if asked else None)
     if kept_logits is not None:
         for i in (i for i, s in enumerate(samples) if s):
             kept_logits.setdefault(reqs[i].request.rid, []).append(logits_BV[i].float().cpu())
@@ -125,8 +131,10 @@ def launch_tokens(scheduled: ScheduledStep, logits_BV: torch.Tensor, last_tokens
     host = DrawnTokens(device_to_host(drawn.ids_B), drawn.drawn,
                        None if drawn.failed_R is None else device_to_host(drawn.failed_R))
     ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(logits_BV.device))  # the logits' device, whatever is current
-    return StepTokens(scheduled, drawn=host, lp_rows=None if lp_rows is None else lp_rows.to_host(), ready=ready)
+    # the logits' device, whatever is current
+    ready.record(torch.cuda.current_stream(logits_BV.device))
+    return StepTokens(scheduled, drawn=host, lp_rows=None if lp_rows is None else lp_rows.to_host(),
+                      ready=ready)
 
 
 def worst_case_draw(logits_BV: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,9 @@ except ImportError:  # CPU installs: sampling sorts
 __all__ = ["PASSES", "top_p_thresholds"]
 
 PIVOTS = 16  # pivots weighed per pass: 8 by value, 8 by bit pattern
-SPLIT = 8  # programs per row (set by the vocabulary alone: the sums' order, so the threshold, is the row's own)
+# programs per row (set by the vocabulary alone: the sums' order, so the threshold, is the row's
+# own)
+SPLIT = 8
 BLOCK = 512  # columns per load (at most): a program's pivots x columns masses sit in registers
 PASSES = 12  # 8-fold cuts of 2**32 patterns, and one pass to see the interval empty
 _STATE = 8  # int64 words a row's search state takes: lo, hi, top, done, found (padded)
@@ -74,12 +76,14 @@ if triton is not None:
         by_value = _key(lo_f + (_unkey(top) - lo_f) * (step.to(tl.float32) / half)).to(tl.int64)
         by_bits = lo + (top - lo) * step // half
         finite = ((lo_f > -float("inf")) & (lo_f == lo_f)).to(tl.int32)  # (an int: the interpreter
-        piv = tl.where((j < half).to(tl.int32) * finite != 0, by_value, by_bits)  # & no scalar with a vector)
+        # & no scalar with a vector)
+        piv = tl.where((j < half).to(tl.int32) * finite != 0, by_value, by_bits)
         return tl.minimum(tl.maximum(piv, lo + 1), hi - 1)
 
     @triton.jit
-    def _advance(state_ptr, mass_ptr, ab_ptr, ext_ptr, top_p_ptr, r, prev, n_rows, FIRST: tl.constexpr,
-                 SPLIT: tl.constexpr, PIVOTS: tl.constexpr, STATE: tl.constexpr):
+    def _advance(state_ptr, mass_ptr, ab_ptr, ext_ptr, top_p_ptr, r, prev, n_rows,
+                 FIRST: tl.constexpr, SPLIT: tl.constexpr, PIVOTS: tl.constexpr,
+                 STATE: tl.constexpr):
         """The row's interval after pass ``prev`` (its state and per-slice sums), or the first
         one: (lo, hi, top, done, found)."""
         if FIRST:
@@ -101,9 +105,11 @@ if triton is not None:
                 piv = _pivots(lo, top, hi, PIVOTS)
                 part = (prev % 2) * n_rows + r
                 sl = tl.arange(0, SPLIT)
-                cells = mass_ptr + (part * SPLIT + sl[:, None]) * (PIVOTS + 1) + tl.arange(0, PIVOTS)[None, :]
+                cells = (mass_ptr + (part * SPLIT + sl[:, None]) * (PIVOTS + 1)
+                         + tl.arange(0, PIVOTS)[None, :])
                 mass = tl.sum(tl.load(cells), axis=0)
-                total = tl.sum(tl.load(mass_ptr + (part * SPLIT + sl) * (PIVOTS + 1) + PIVOTS), axis=0)
+                total = tl.sum(tl.load(mass_ptr + (part * SPLIT + sl) * (PIVOTS + 1) + PIVOTS),
+                               axis=0)
                 a = tl.min(tl.load(ab_ptr + (part * SPLIT + sl) * 2), axis=0).to(tl.int64)
                 b = tl.max(tl.load(ab_ptr + (part * SPLIT + sl) * 2 + 1), axis=0).to(tl.int64)
                 done = (a > b).to(tl.int64)  # no logit strictly inside (lo, hi): a is the threshold
@@ -126,20 +132,21 @@ if triton is not None:
         mx = tl.full((), -float("inf"), tl.float32)
         mn = tl.full((), float("inf"), tl.float32)
         for start in range(c0, c1, BLOCK):
-            x = tl.load(base + start + cols, mask=start + cols < c1, other=-float("inf")).to(tl.float32)
+            x = tl.load(base + start + cols, mask=start + cols < c1,
+                        other=-float("inf")).to(tl.float32)
             mx = tl.maximum(mx, tl.max(x, axis=0))
             mn = tl.minimum(mn, tl.min(tl.where(x > -float("inf"), x, float("inf")), axis=0))
         tl.store(ext_ptr + (r * SPLIT + s) * 2, mx)
         tl.store(ext_ptr + (r * SPLIT + s) * 2 + 1, mn)
 
     @triton.jit
-    def _pass_kernel(logits_ptr, stride_l, rows_ptr, temp_ptr, top_p_ptr, ext_ptr, state_ptr, mass_ptr, ab_ptr,
-                     vocab, n_rows, t, FIRST: tl.constexpr, SPLIT: tl.constexpr, PIVOTS: tl.constexpr,
-                     BLOCK: tl.constexpr, STATE: tl.constexpr):
+    def _pass_kernel(logits_ptr, stride_l, rows_ptr, temp_ptr, top_p_ptr, ext_ptr, state_ptr,
+                     mass_ptr, ab_ptr, vocab, n_rows, t, FIRST: tl.constexpr, SPLIT: tl.constexpr,
+                     PIVOTS: tl.constexpr, BLOCK: tl.constexpr, STATE: tl.constexpr):
         r = tl.program_id(0)
         s = tl.program_id(1)
-        lo, hi, top, done, found = _advance(state_ptr, mass_ptr, ab_ptr, ext_ptr, top_p_ptr, r, t - 1, n_rows,
-                                            FIRST, SPLIT, PIVOTS, STATE)
+        lo, hi, top, done, found = _advance(state_ptr, mass_ptr, ab_ptr, ext_ptr, top_p_ptr, r,
+                                            t - 1, n_rows, FIRST, SPLIT, PIVOTS, STATE)
         if s == 0:
             st = state_ptr + ((t % 2) * n_rows + r) * STATE
             tl.store(st, lo)
@@ -152,7 +159,8 @@ if triton is not None:
             lo32 = lo.to(tl.int32)
             hi32 = hi.to(tl.int32)
             mx = _row_max(ext_ptr, r, SPLIT)
-            scale = 1.4426950408889634 / tl.load(temp_ptr + r)  # exp(z - z_max) = exp2((x - mx) * scale)
+            # exp(z - z_max) = exp2((x - mx) * scale)
+            scale = 1.4426950408889634 / tl.load(temp_ptr + r)
             base = logits_ptr + tl.load(rows_ptr + r) * stride_l
             c0, c1 = _slice(vocab, s, SPLIT, BLOCK)
             cols = tl.arange(0, BLOCK)
@@ -180,8 +188,8 @@ if triton is not None:
     def _finish_kernel(top_p_ptr, ext_ptr, state_ptr, mass_ptr, ab_ptr, thr_ptr, n_rows, last,
                        SPLIT: tl.constexpr, PIVOTS: tl.constexpr, STATE: tl.constexpr):
         r = tl.program_id(0)
-        _, _, _, _, found = _advance(state_ptr, mass_ptr, ab_ptr, ext_ptr, top_p_ptr, r, last, n_rows, False,
-                                     SPLIT, PIVOTS, STATE)
+        _, _, _, _, found = _advance(state_ptr, mass_ptr, ab_ptr, ext_ptr, top_p_ptr, r, last,
+                                     n_rows, False, SPLIT, PIVOTS, STATE)
         tl.store(thr_ptr + r, _unkey(found))
 
 
@@ -205,10 +213,12 @@ def top_p_thresholds(logits_BV: torch.Tensor, rows_R: torch.Tensor, temp_R: torc
     mass = torch.empty(2, n, split, PIVOTS + 1, dtype=torch.float32, device=dev)
     ab = torch.empty(2, n, split, 2, dtype=torch.int32, device=dev)
     stride = logits_BV.stride(0)
-    _extremes_kernel[(n, split)](logits_BV, stride, rows_R, ext, vocab, SPLIT=split, BLOCK=block, num_warps=4)
+    _extremes_kernel[(n, split)](logits_BV, stride, rows_R, ext, vocab, SPLIT=split, BLOCK=block,
+                                 num_warps=4)
     for t in range(PASSES):
-        _pass_kernel[(n, split)](logits_BV, stride, rows_R, temp_R, top_p_R, ext, state, mass, ab, vocab, n, t,
-                                 FIRST=t == 0, SPLIT=split, PIVOTS=PIVOTS, BLOCK=block, STATE=_STATE, num_warps=8)
-    _finish_kernel[(n,)](top_p_R, ext, state, mass, ab, thr_R, n, PASSES - 1, SPLIT=split, PIVOTS=PIVOTS,
-                         STATE=_STATE, num_warps=1)
+        _pass_kernel[(n, split)](logits_BV, stride, rows_R, temp_R, top_p_R, ext, state, mass, ab,
+                                 vocab, n, t, FIRST=t == 0, SPLIT=split, PIVOTS=PIVOTS, BLOCK=block,
+                                 STATE=_STATE, num_warps=8)
+    _finish_kernel[(n,)](top_p_R, ext, state, mass, ab, thr_R, n, PASSES - 1, SPLIT=split,
+                         PIVOTS=PIVOTS, STATE=_STATE, num_warps=1)
     return thr_R

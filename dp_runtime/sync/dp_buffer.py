@@ -94,14 +94,16 @@ def dp_buffer_layout(
     loc = require_int(local_dp_buffer_len, "set_dp_buffer_len: local_dp_buffer_len")
     if len(counts) != dp_size:
         raise ValueError(
-            f"set_dp_buffer_len: global_num_tokens_cpu has {len(counts)} entries, dp_size is {dp_size}"
+            f"set_dp_buffer_len: global_num_tokens_cpu has {len(counts)} entries, dp_size "
+            f"is {dp_size}"
         )
     if not 0 <= rank < dp_size:
         raise ValueError(f"set_dp_buffer_len: rank {rank} is not in [0, dp_size={dp_size})")
     for r, n in enumerate(counts):
         if not 0 <= n <= max_tokens_per_rank:
             raise ValueError(
-                f"set_dp_buffer_len: global_num_tokens_cpu[{r}]={n} is not in [0, max_tokens_per_rank={max_tokens_per_rank}]"
+                f"set_dp_buffer_len: global_num_tokens_cpu[{r}]={n} is not in [0, "
+                f"max_tokens_per_rank={max_tokens_per_rank}]"
             )
     limit = max_tokens_per_rank * dp_size
     if not 0 <= g <= limit:
@@ -111,24 +113,26 @@ def dp_buffer_layout(
     if is_max_len:
         if not max(counts) <= loc <= max_tokens_per_rank:
             raise ValueError(
-                f"set_dp_buffer_len (MAX_LEN): local_dp_buffer_len={loc} must be in "
-                f"[max(global_num_tokens_cpu)={max(counts)}, max_tokens_per_rank={max_tokens_per_rank}]"
+                f"set_dp_buffer_len (MAX_LEN): local_dp_buffer_len={loc} must be "
+                f"in [max(global_num_tokens_cpu)={max(counts)}, "
+                f"max_tokens_per_rank={max_tokens_per_rank}]"
             )
         if g != loc * dp_size:
             raise ValueError(
-                f"set_dp_buffer_len (MAX_LEN): global_dp_buffer_len={g} != local_dp_buffer_len * dp_size = "
-                f"{loc} * {dp_size} = {loc * dp_size}"
+                f"set_dp_buffer_len (MAX_LEN): global_dp_buffer_len={g} != local_dp_buffer_len * "
+                f"dp_size = {loc} * {dp_size} = {loc * dp_size}"
             )
         offsets = tuple(range(0, g, loc)) if loc else (0,) * dp_size
         return DPBufferLayout(PaddingMode.MAX_LEN, rank, g, loc, counts, offsets)
     if g != sum(counts):
         raise ValueError(
-            f"set_dp_buffer_len (SUM_LEN): global_dp_buffer_len={g} != sum(global_num_tokens_cpu)={sum(counts)} "
-            f"(counts {list(counts)})"
+            f"set_dp_buffer_len (SUM_LEN): global_dp_buffer_len={g} != "
+            f"sum(global_num_tokens_cpu)={sum(counts)} (counts {list(counts)})"
         )
     if loc != counts[rank]:
         raise ValueError(
-            f"set_dp_buffer_len (SUM_LEN): local_dp_buffer_len={loc} != global_num_tokens_cpu[{rank}]={counts[rank]}"
+            f"set_dp_buffer_len (SUM_LEN): local_dp_buffer_len={loc} != "
+            f"global_num_tokens_cpu[{rank}]={counts[rank]}"
         )
     offsets, acc = [], 0
     for n in counts:
@@ -151,11 +155,13 @@ def _prefix(cache: dict[int, torch.Tensor], full: torch.Tensor, rows: int) -> to
     return view
 
 
-def dp_buffer_shapes(config: RuntimeConfig, routing_top_k: int) -> dict[str, tuple[tuple[int, int], torch.dtype]]:
+def dp_buffer_shapes(config: RuntimeConfig,
+                     routing_top_k: int) -> dict[str, tuple[tuple[int, int], torch.dtype]]:
     """What a service with storage requests from its pool: name -> (shape, dtype). Pure; the
     planner sizes ``dp_buffers`` with it. ``routing_top_k`` 0: no routing buffer."""
     rows, local, d = config.max_global_tokens, config.max_tokens_per_rank, config.hidden_size
-    shapes = {"dp_global_hidden": ((rows, d), config.dtype), "dp_local_hidden": ((local, d), config.dtype)}
+    shapes = {"dp_global_hidden": ((rows, d), config.dtype),
+              "dp_local_hidden": ((local, d), config.dtype)}
     if routing_top_k:
         # ids and fp32 weights bit-cast, side by side: one gather carries both.
         shapes["dp_global_routing"] = ((rows, 2 * routing_top_k), torch.int32)
@@ -228,7 +234,8 @@ class DPBufferService:
         )
         self.layout = layout
         for name, full in self._full.items():
-            rows = layout.local_dp_buffer_len if name == "dp_local_hidden" else layout.global_dp_buffer_len
+            rows = (layout.local_dp_buffer_len if name == "dp_local_hidden"
+                    else layout.global_dp_buffer_len)
             self._step[name] = _prefix(self._views[name], full, rows)
         self._key = key
         return layout
@@ -258,7 +265,8 @@ class DPBufferService:
     def _buffer(self, name: str) -> torch.Tensor:
         view = self._step.get(name)
         if view is None:
-            raise RuntimeError(f"DPBufferService: no {name!r} storage (the service was built with routing_top_k=0)")
+            raise RuntimeError(f"DPBufferService: no {name!r} storage (the service was built with "
+                               "routing_top_k=0)")
         return view
 
     def _local_storage(self) -> torch.Tensor:
@@ -312,7 +320,8 @@ class DPBufferService:
         """
         return dp_gather(self.get_global_buffer(), local_TD, self.layout, self.group)
 
-    def gather_routing(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor, invalid_id: int) -> torch.Tensor:
+    def gather_routing(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                       invalid_id: int) -> torch.Tensor:
         """Gather every rank's routing rows; returns the [G, 2K] int32 buffer.
 
         Row ``t`` of this rank's slot gets ``ids_TK[t]`` and the bits of ``weights_TK[t]`` (fp32);

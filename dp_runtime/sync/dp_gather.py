@@ -86,7 +86,8 @@ def dp_gather(
         all_gather_v(chunks, slot_PD, group=group)
     else:
         r = len(layout.global_num_tokens)
-        all_to_all_v(global_GD, slot_PD.repeat(r, 1), list(layout.global_num_tokens), [rows] * r, group)
+        all_to_all_v(global_GD, slot_PD.repeat(r, 1), list(layout.global_num_tokens), [rows] * r,
+                     group)
     return global_GD
 
 

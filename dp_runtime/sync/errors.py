@@ -30,7 +30,8 @@ class DPPlanMismatchError(DPSyncError):
         majority = max(groups.values(), key=lambda ranks: (len(ranks), -ranks[0]))
         self.ranks: tuple[int, ...] = tuple(r for r in sorted(self.values) if r not in majority)
         shown = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
-        message = f"DP ranks disagree on {field}: {shown} (differing from the majority: ranks {list(self.ranks)})"
+        message = (f"DP ranks disagree on {field}: {shown} (differing from the majority: "
+                   f"ranks {list(self.ranks)})")
         super().__init__(message + (f". {detail}" if detail else ""))
 
 

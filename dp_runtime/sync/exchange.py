@@ -137,7 +137,8 @@ def _check_configs(infos: list[dict]) -> None:
 def _try_open_shm(
     config: RuntimeConfig, group: Any, rank: int, world: int, ncols: int, infos: list[dict]
 ) -> tuple[ShmExchange | None, list[str]]:
-    """Rank 0 creates, the others attach; returns (this rank's exchange or None, each rank's error)."""
+    """Rank 0 creates, the others attach; returns (this rank's exchange or None, each rank's
+    error)."""
     nonce = infos[0]["nonce"]
     path = os.path.join(config.dp_sync_shm_dir, f"dp_runtime_step_sync_{nonce:016x}")
     same_ns = len({i["pidns"] for i in infos}) == 1 and infos[0]["pidns"] != ""

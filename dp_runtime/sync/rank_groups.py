@@ -24,9 +24,11 @@ def rank_groups(group: Any, world_size: int, timeout_s: float) -> tuple[Any, Any
     if world_size == 1:
         return None, None, None
     if not dist.is_initialized() or dist.get_world_size(group) != world_size:
-        raise RuntimeError(f"RankWorker: world_size={world_size} needs an initialised process group of that size")
+        raise RuntimeError(f"RankWorker: world_size={world_size} needs an initialised process "
+                           "group of that size")
     group = group if group is not None else dist.group.WORLD
-    own = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo", timeout=timedelta(seconds=timeout_s))
+    own = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                         timeout=timedelta(seconds=timeout_s))
     if str(dist.get_backend(group)) == "gloo":
         return own, own, own
     return group, own, own

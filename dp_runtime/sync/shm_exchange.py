@@ -168,7 +168,8 @@ class ShmExchange:
             if got != (_MAGIC, nonce, world, ncols):
                 self._mm.close()
                 raise DPSyncError(
-                    f"shm step-sync file {path} has header {got}, expected {(_MAGIC, nonce, world, ncols)}"
+                    f"shm step-sync file {path} has header {got}, "
+                    f"expected {(_MAGIC, nonce, world, ncols)}"
                 )
         self._seq_fmt = struct.Struct("@q")
         self._body_fmt = struct.Struct(f"@{ncols + 1}q")  # the values, then the checksum
@@ -256,8 +257,8 @@ class ShmExchange:
         if seq != s:
             if seq > s:
                 raise DPSyncError(
-                    f"shm step sync: rank {q} is at exchange #{seq} while rank {self.rank} is at #{s}; "
-                    f"the ranks do not run the same sequence of steps"
+                    f"shm step sync: rank {q} is at exchange #{seq} while rank {self.rank} is at "
+                    f"#{s}; the ranks do not run the same sequence of steps"
                 )
             return False
         *values, checksum = self._body_fmt.unpack_from(self._mm, off + 8)
@@ -277,9 +278,9 @@ class ShmExchange:
         else:
             why = f"no write within dp_sync_timeout_s={self.timeout_s:g}s"
         raise DPSyncTimeoutError(
-            f"DP step sync (shm, {self.path}): rank {self.rank} waited {waited:.2f}s for exchange #{s}; "
-            f"rank(s) {pending} never wrote it ({why}; last exchange each wrote: {last}). A rank that "
-            f"crashed, hangs, or skipped a step leaves the others here.",
+            f"DP step sync (shm, {self.path}): rank {self.rank} waited {waited:.2f}s for exchange "
+            f"#{s}; rank(s) {pending} never wrote it ({why}; last exchange each wrote: {last}). A "
+            "rank that crashed, hangs, or skipped a step leaves the others here.",
             silent_ranks=pending,
             timeout_s=self.timeout_s,
         )

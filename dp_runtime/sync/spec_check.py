@@ -35,7 +35,8 @@ from dp_runtime.sync.errors import DPPlanMismatchError
 if TYPE_CHECKING:
     from dp_runtime.rank_spec import RankSpec
 
-__all__ = ["RankSpecMismatchError", "check_rank_specs", "checkpoint_digest", "compare_spec_fields", "spec_fields"]
+__all__ = ["RankSpecMismatchError", "check_rank_specs", "checkpoint_digest", "compare_spec_fields",
+           "spec_fields"]
 
 _MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on a header
 
@@ -58,7 +59,8 @@ def checkpoint_digest(directory: str | Path) -> str:
                 if n > _MAX_HEADER_BYTES:
                     raise ValueError(f"header of {n} bytes")
                 header = json.loads(fh.read(n))
-            entries = sorted((k, v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__")
+            entries = sorted((k, v["dtype"], tuple(v["shape"])) for k, v in header.items()
+                             if k != "__metadata__")
             h.update(repr(entries).encode())
         except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
             h.update(f"unreadable: {type(e).__name__}: {e}".encode())
@@ -100,7 +102,8 @@ def compare_spec_fields(table: list[dict[str, str]]) -> None:
     values = {r: t.get(first, "<missing>") for r, t in enumerate(table)}
     others = f" Also differing: {differing[1:]}." if differing[1:] else ""
     raise RankSpecMismatchError(
-        first, values, "Every rank must be started with the same RankSpec (and the same model files)." + others
+        first, values, "Every rank must be started with the same RankSpec (and the same model "
+                       "files)." + others
     )
 
 

@@ -104,10 +104,10 @@ class StepPlan:
     def describe(self) -> str:
         """A one-line summary for logs and error messages."""
         return (
-            f"StepPlan(skip={self.skip}, padding={self.padding.name}, counts={list(self.global_num_tokens_cpu)}, "
-            f"global_len={self.global_dp_buffer_len}, bucket={self.graph_bucket}, "
-            f"runtime_max={self.runtime_max_tokens_per_rank}, extend={self.is_extend}, "
-            f"fingerprint={self.fingerprint})"
+            f"StepPlan(skip={self.skip}, padding={self.padding.name}, "
+            f"counts={list(self.global_num_tokens_cpu)}, global_len={self.global_dp_buffer_len}, "
+            f"bucket={self.graph_bucket}, runtime_max={self.runtime_max_tokens_per_rank}, "
+            f"extend={self.is_extend}, fingerprint={self.fingerprint})"
         )
 
 
@@ -138,12 +138,14 @@ def _checked_modes(
             raise ValueError(f"rank {rank} reported {bad[0]}={bad[1]!r}; it must be an int")
         if not 0 <= n <= limit:
             raise ValueError(
-                f"rank {rank} reported num_tokens={n}; it must be in [0, max_tokens_per_rank={limit}] "
-                f"(max(chunked_prefill_size, max_running_requests) aligned to attn_tp_size)"
+                f"rank {rank} reported num_tokens={n}; it must be in [0, "
+                f"max_tokens_per_rank={limit}] (max(chunked_prefill_size, max_running_requests) "
+                "aligned to attn_tp_size)"
             )
         if not 0 <= lp <= n:
             raise ValueError(
-                f"rank {rank} reported num_tokens_for_logprob={lp}; it must be in [0, num_tokens={n}]"
+                f"rank {rank} reported num_tokens_for_logprob={lp}; it must be in [0, "
+                f"num_tokens={n}]"
             )
         if mode is None:
             raise ValueError(f"rank {rank} reported forward mode {code}, not a ForwardMode")

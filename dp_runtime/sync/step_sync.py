@@ -69,7 +69,8 @@ class DPStepSync:
         self._exchange = exchange if exchange is not None else open_exchange(config, group, NCOLS)
         if self._exchange.world != config.dp_size:
             raise ValueError(
-                f"DPStepSync: the group has {self._exchange.world} ranks, config.dp_size is {config.dp_size}"
+                f"DPStepSync: the group has {self._exchange.world} ranks, config.dp_size "
+                f"is {config.dp_size}"
             )
         if self._exchange.ncols != NCOLS:
             raise ValueError(
@@ -125,7 +126,8 @@ class DPStepSync:
     def _exchange_checked(self, row: tuple[int, ...]) -> list[tuple[int, ...]]:
         if self._broken is not None:
             raise DPSyncError(
-                f"DP step sync of rank {self.rank} is unusable after an earlier error: {self._broken}"
+                f"DP step sync of rank {self.rank} is unusable after an earlier "
+                f"error: {self._broken}"
             )
         try:
             rows = self._exchange.exchange(row)
