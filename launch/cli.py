@@ -17,8 +17,8 @@ from dp_runtime.version import __version__
 from launch import cli_bench, cli_plan, cli_run, cli_serve
 from launch.cli_errors import EXIT_INTERRUPTED, EXIT_USAGE
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help="dp-runtime: DP attention + EP MoE runtime.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None, help="dp-runtime: DP attention + EP MoE runtime.")
 
 
 def _version(value: bool) -> None:
@@ -29,7 +29,8 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
 ) -> None:
     """Data-parallel attention and expert-parallel MoE runtime."""
 
@@ -45,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # click's UsageError, wherever this typer takes click from (it may vendor its own copy).
     usage_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
     try:
-        code = app(args=list(argv) if argv is not None else None, prog_name="dp-runtime", standalone_mode=False)
+        code = app(args=list(argv) if argv is not None else None, prog_name="dp-runtime",
+                   standalone_mode=False)
     except usage_error as e:
         message = e.format_message()
         if message:  # empty when no arguments printed the help instead

@@ -22,8 +22,9 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REQUESTS_FAILED", "EXIT_TERMINATED", "EXIT_USAGE", "LOG_LEVELS", "UsageError", "bench_main",
-           "check_choice", "error_line", "is_user_error"]
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REQUESTS_FAILED", "EXIT_TERMINATED",
+           "EXIT_USAGE", "LOG_LEVELS", "UsageError", "bench_main", "check_choice", "error_line",
+           "is_user_error"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REQUESTS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_TERMINATED = 143

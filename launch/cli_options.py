@@ -93,7 +93,8 @@ def check_gang_options(*, model: str = "tiny", launcher: str = "ray", device: st
                     max_running_requests=max_running_requests,
                     chunked_prefill_size=chunked_prefill_size, context_len=context_len,
                     schedule_policy=schedule_policy, kv_cache_dtype=kv_cache_dtype,
-                    mixed_step_tokens=parse_mixed_step_tokens(mixed_step_tokens, chunked_prefill_size),
+                    mixed_step_tokens=parse_mixed_step_tokens(mixed_step_tokens,
+                                                              chunked_prefill_size),
                     **run_fields)
     here = ranks_run_here(launcher, ray_address, ray_address_env)
     spec = cfg.spec(provisional_device(launch["device"], here))
@@ -190,7 +191,8 @@ def check_choices(spec: RankSpec, here: bool) -> None:
     importable = importlib.util.find_spec("flashinfer") is not None
     if facts is not None and facts.cuda_only and dev != "cuda":
         raise UsageError(f"--dispatcher {kind} runs on CUDA; the ranks get --device {dev}")
-    if facts is not None and facts.package and here and importlib.util.find_spec(facts.package) is None:
+    if (facts is not None and facts.package and here
+            and importlib.util.find_spec(facts.package) is None):
         raise UsageError(f"--dispatcher {kind} needs {facts.package}, which does not import here: "
                          f"{facts.install_hint}")
     try:

@@ -52,31 +52,47 @@ def _fail(message: str) -> typer.Exit:
 
 
 def plan(
-    model: str = typer.Option("qwen3-30b-a3b", "--model", help="Preset (tiny, qwen3-30b-a3b), checkpoint dir or its config.json."),
+    model: str = typer.Option(
+        "qwen3-30b-a3b", "--model",
+        help="Preset (tiny, qwen3-30b-a3b), checkpoint dir or its config.json."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32."),
     kv_cache_dtype: str = typer.Option(D.kv_cache_dtype, "--kv-cache-dtype", help=(
-        "KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes per token, "
-        "twice the slots; K/V rounded to e4m3).")),
+        "KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes "
+        "per token, twice the slots; K/V rounded to e4m3).")),
     quantization: str = typer.Option(D.quantization, "--quantization", help=(
-        "Weights: none (as the checkpoint stores them) | fp8 (float weights quantized at load to FP8 in "
-        "128x128 blocks: a byte per value plus a float32 scale per block).")),
+        "Weights: none (as the checkpoint stores them) | fp8 (float weights quantized at load to "
+        "FP8 in 128x128 blocks: a byte per value plus a float32 scale per block).")),
     dp: int = typer.Option(1, "--dp", help="DP size (ranks = GPUs)."),
-    ep: int | None = typer.Option(None, "--ep", help="EP size; must divide the world size (default: the world size)."),
+    ep: int | None = typer.Option(
+        None, "--ep", help="EP size; must divide the world size (default: the world size)."),
     gpu: str | None = typer.Option(None, "--gpu", help=f"GPU name: {', '.join(GPUS)}."),
-    gpu_mem_gib: float | None = typer.Option(None, "--gpu-mem-gib", help="Usable GPU memory in GiB (overrides --gpu's)."),
-    nvlink: bool | None = typer.Option(None, "--nvlink/--no-nvlink", help="GPUs on NVLink (default: from --gpu, else yes)."),
-    max_running_requests: int = typer.Option(D.max_running_requests, "--max-running-requests", help="Requests running at once per rank."),
-    chunked_prefill_size: int = typer.Option(D.chunked_prefill_size, "--chunked-prefill-size", help="Tokens of one prefill chunk."),
-    cuda_graph_bs: str = typer.Option("auto", "--cuda-graph-bs", help="Capture sizes: auto, none, or a comma list."),
-    context_len: int | None = typer.Option(None, "--context-len", help="Longest prompt + output (default: min(model limit, 4096))."),
-    dispatcher: str = typer.Option(D.dispatcher, "--dispatcher", help="auto | local (one rank) | all_gather | all_to_all | flashinfer."),
+    gpu_mem_gib: float | None = typer.Option(
+        None, "--gpu-mem-gib", help="Usable GPU memory in GiB (overrides --gpu's)."),
+    nvlink: bool | None = typer.Option(
+        None, "--nvlink/--no-nvlink", help="GPUs on NVLink (default: from --gpu, else yes)."),
+    max_running_requests: int = typer.Option(
+        D.max_running_requests, "--max-running-requests",
+        help="Requests running at once per rank."),
+    chunked_prefill_size: int = typer.Option(
+        D.chunked_prefill_size, "--chunked-prefill-size", help="Tokens of one prefill chunk."),
+    cuda_graph_bs: str = typer.Option(
+        "auto", "--cuda-graph-bs", help="Capture sizes: auto, none, or a comma list."),
+    context_len: int | None = typer.Option(
+        None, "--context-len", help="Longest prompt + output (default: min(model limit, 4096))."),
+    dispatcher: str = typer.Option(
+        D.dispatcher, "--dispatcher",
+        help="auto | local (one rank) | all_gather | all_to_all | flashinfer."),
     no_graphs: bool = typer.Option(False, "--no-graphs", help="Eager only (no CUDA graphs)."),
     kv_tokens_per_request: int | None = typer.Option(
-        None, "--kv-tokens-per-request", help="KV tokens guaranteed per running request (default: --context-len)."),
+        None, "--kv-tokens-per-request",
+        help="KV tokens guaranteed per running request (default: --context-len)."),
     kv_mem_fraction: float = typer.Option(
-        D.kv_mem_fraction, "--kv-mem-fraction", help="The rank's share for its KV cache of what is left after the rest."),
-    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema dp-runtime.plan/5)."),
-    measure: bool = typer.Option(False, "--measure", help="Build the rank on this CUDA GPU; print predicted vs measured."),
+        D.kv_mem_fraction, "--kv-mem-fraction",
+        help="The rank's share for its KV cache of what is left after the rest."),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print the plan as JSON (schema dp-runtime.plan/5)."),
+    measure: bool = typer.Option(
+        False, "--measure", help="Build the rank on this CUDA GPU; print predicted vs measured."),
 ) -> None:
     """Plan one rank's memory: every component, the KV cache that fits, and the verdict."""
     try:
@@ -95,9 +111,10 @@ def plan(
     from launch.planner import compare_measured, plan_capacity
 
     try:
-        inp = _plan_input(model, dtype, kv_cache_dtype, dp, ep, gpu, gpu_mem_gib, nvlink, max_running_requests,
-                          chunked_prefill_size, parse_graph_sizes(cuda_graph_bs), context_len, dispatcher,
-                          no_graphs, kv_tokens_per_request, kv_mem_fraction, measure, quantization)
+        inp = _plan_input(model, dtype, kv_cache_dtype, dp, ep, gpu, gpu_mem_gib, nvlink,
+                          max_running_requests, chunked_prefill_size,
+                          parse_graph_sizes(cuda_graph_bs), context_len, dispatcher, no_graphs,
+                          kv_tokens_per_request, kv_mem_fraction, measure, quantization)
         result = plan_capacity(inp)
     except (ValueError, FileNotFoundError) as exc:
         raise _fail(str(exc)) from None
@@ -117,9 +134,9 @@ def plan(
         _print_comparison(result, rows, measured)
 
 
-def _plan_input(model, dtype, kv_cache_dtype, dp, ep, gpu, gpu_mem_gib, nvlink, mrr, chunk, graph_bs, context_len,
-                dispatcher, no_graphs, kv_tokens_per_request, kv_mem_fraction, measure,
-                quantization="none") -> PlanInput:
+def _plan_input(model, dtype, kv_cache_dtype, dp, ep, gpu, gpu_mem_gib, nvlink, mrr, chunk,
+                graph_bs, context_len, dispatcher, no_graphs, kv_tokens_per_request,
+                kv_mem_fraction, measure, quantization="none") -> PlanInput:
     from launch.planner import PlanInput
 
     name, mem, link = None, None, True
@@ -139,8 +156,9 @@ def _plan_input(model, dtype, kv_cache_dtype, dp, ep, gpu, gpu_mem_gib, nvlink, 
         default = GPUS["h100"]
         name, mem, link = default.name, default.mem_bytes, default.nvlink
     return PlanInput(
-        model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, dp_size=dp, ep_size=ep, gpu_mem_bytes=mem, gpu_name=name,
-        nvlink=link if nvlink is None else nvlink, max_running_requests=mrr, chunked_prefill_size=chunk,
+        model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, dp_size=dp, ep_size=ep,
+        gpu_mem_bytes=mem, gpu_name=name, nvlink=link if nvlink is None else nvlink,
+        max_running_requests=mrr, chunked_prefill_size=chunk,
         cuda_graph_bs=graph_bs, context_len=context_len, dispatcher=dispatcher,
         use_cuda_graph=False if no_graphs else None, kv_tokens_per_request=kv_tokens_per_request,
         kv_mem_fraction=kv_mem_fraction, quantization=quantization,
@@ -171,7 +189,8 @@ def _measure(inp: PlanInput, result: CapacityPlan) -> dict[str, int]:
     except ImportError as exc:
         raise _fail(f"--measure needs dp_runtime.rank_worker ({exc})") from None
     if result.kv.slots < 1:
-        raise _fail(f"the plan leaves no memory for the KV cache ({result.reason}); nothing to measure")
+        raise _fail(f"the plan leaves no memory for the KV cache ({result.reason}); "
+                    "nothing to measure")
     worker = RankWorker(inp.rank_spec(device="cuda"), rank=0, world_size=1)
     try:
         worker.generate(measure_workload(result))
@@ -190,9 +209,10 @@ def _sources(p: CapacityPlan) -> dict[str, str]:
 
     rt = p.runtime
     tokens, requests = largest_step_tokens(rt, p.context_len)
-    graph_note = (f"estimate: decode buckets up to {rt.cuda_graph_bs[-1]}, extend pieces" if p.cuda_graphs
-                  else f"no graphs ({p.cuda_graphs_reason})")
-    ws = "transient, inside activation_peak" if p.components.dispatcher_workspace_transient else "persistent"
+    graph_note = (f"estimate: decode buckets up to {rt.cuda_graph_bs[-1]}, extend pieces"
+                  if p.cuda_graphs else f"no graphs ({p.cuda_graphs_reason})")
+    ws = ("transient, inside activation_peak" if p.components.dispatcher_workspace_transient
+          else "persistent")
     return {
         "weights": f"weight_bytes_per_rank (EP rank {p.ep_rank}: {p.local_experts} experts)",
         "kv_cache": (f"kv_budget_bytes x {p.input.kv_mem_fraction:g}: {p.kv.slots} slots, "
@@ -200,7 +220,8 @@ def _sources(p: CapacityPlan) -> dict[str, str]:
         "dp_buffers": f"DPBufferService ({rt.max_global_tokens} + {rt.max_tokens_per_rank} rows)",
         "dispatcher_workspace": f"dispatcher.sizing, {p.dispatcher} ({ws})",
         "graph_inputs": "decode + eager registries, pooled by name",
-        "penalty_counts": f"penalty tables (float32 counts, bool marks), {rt.max_running_requests + 1} request rows x vocab",
+        "penalty_counts": (f"penalty tables (float32 counts, bool marks), "
+                           f"{rt.max_running_requests + 1} request rows x vocab"),
         "graph_pool": graph_note,
         "activation_peak": f"estimate: profile step of {tokens} tokens in {requests} requests",
         "allocator_cache": "estimate: RoPE table + cuBLAS workspace + a small segment",
@@ -228,12 +249,14 @@ def _print_plan(p: CapacityPlan) -> None:
         dtype += f", KV {str(rt.kv_cache_dtype).removeprefix('torch.')}"
     console.print(
         f"[bold]{escape(p.input.model)}[/] {dtype}, dp={rt.dp_size} ep={rt.ep_size}, "
-        f"GPU {escape(p.input.gpu_name)} ({_gib(p.gpu_mem_bytes)} GiB), max_running_requests={rt.max_running_requests}, "
+        f"GPU {escape(p.input.gpu_name)} ({_gib(p.gpu_mem_bytes)} GiB), "
+        f"max_running_requests={rt.max_running_requests}, "
         f"chunked_prefill_size={rt.chunked_prefill_size}, context_len={p.context_len}, "
         f"dispatcher={p.dispatcher}, graphs={'on' if p.cuda_graphs else 'off'}"
     )
     table = Table(title="per rank")
-    for col, justify in (("component", "left"), ("GiB", "right"), ("bytes", "right"), ("from", "left")):
+    for col, justify in (("component", "left"), ("GiB", "right"), ("bytes", "right"),
+                         ("from", "left")):
         table.add_column(col, justify=justify)
     sources = _sources(p)
     for name, nbytes in p.components.as_dict().items():
@@ -268,8 +291,8 @@ def _print_comparison(p: CapacityPlan, rows: list[ComparisonRow], measured: dict
     from rich.table import Table
 
     table = Table(title="predicted vs measured (this GPU; measured: the rank's memory_report)")
-    for col, justify in (("component", "left"), ("predicted GiB", "right"), ("measured GiB", "right"),
-                         ("error %", "right")):
+    for col, justify in (("component", "left"), ("predicted GiB", "right"),
+                         ("measured GiB", "right"), ("error %", "right")):
         table.add_column(col, justify=justify)
     for r in rows:
         got = "-" if r.measured_bytes is None else _gib(r.measured_bytes)
@@ -280,5 +303,6 @@ def _print_comparison(p: CapacityPlan, rows: list[ComparisonRow], measured: dict
     reserve, pool = measured.get("graph_reserve"), measured.get("graph_pool")
     if reserve is not None and pool is not None:
         within = "within it" if pool <= reserve else "OVER it"
-        console.print(f"graphs' reserve: planned {_gib(p.graph_reserve_bytes)} GiB, the rank's {_gib(reserve)} GiB; "
+        console.print(f"graphs' reserve: planned {_gib(p.graph_reserve_bytes)} GiB, "
+                      f"the rank's {_gib(reserve)} GiB; "
                       f"graph_pool measured {_gib(pool)} GiB, {within}")

@@ -56,9 +56,10 @@ if TYPE_CHECKING:
 
 __all__ = ["check_launch", "check_run_options", "execute", "run"]
 
-def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_address: str | None = None,
-            max_restarts: int | None = None, hang_timeout_s: float | None = None, num_cpus: int | None = None,
-            on_poll=None, on_phase: Callable[[str], None] | None = None, show_progress: bool = False,
+def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto",
+            ray_address: str | None = None, max_restarts: int | None = None,
+            hang_timeout_s: float | None = None, num_cpus: int | None = None, on_poll=None,
+            on_phase: Callable[[str], None] | None = None, show_progress: bool = False,
             log_to_driver: bool = True, log_level: str | None = None, requests: list | None = None,
             started_at: float | None = None) -> RunReport:
     """Run ``cfg`` through one Engine (``engine_run.run_requests``) and return the RunReport
@@ -85,12 +86,13 @@ def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_
     if requests is None:
         requests = cfg.load_requests()  # before any cluster starts: a bad file fails fast
     phase = on_phase or (lambda text: None)
-    bounds = {k: v for k, v in dict(max_restarts=max_restarts, hang_timeout_s=hang_timeout_s).items()
+    bounds = {k: v for k, v in dict(max_restarts=max_restarts,
+                                    hang_timeout_s=hang_timeout_s).items()
               if v is not None}
     # The workload's own sampling fields rule: the checkpoint's generation defaults are a door's.
     options = EngineOptions(launcher=launcher, ray_address=ray_address, show_progress=show_progress,
-                            sampling_defaults="none", log_to_driver=log_to_driver, log_level=log_level,
-                            **bounds)
+                            sampling_defaults="none", log_to_driver=log_to_driver,
+                            log_level=log_level, **bounds)
     if launcher == "local":
         from launch.process_group import resolve_device
 
@@ -107,7 +109,8 @@ def execute(cfg: RunConfig, *, launcher: str = "ray", device: str = "auto", ray_
     else:
         phase(f"starting Ray (a private local cluster, {cpus} CPUs)")
     # Connected here, not by the engine: the ranks' device is the cluster's, known once joined.
-    started = connect_ray(ray_address, num_cpus=cpus, log_to_driver=log_to_driver, log_level=log_level)
+    started = connect_ray(ray_address, num_cpus=cpus, log_to_driver=log_to_driver,
+                          log_level=log_level)
     ray_start_s = time.perf_counter() - t_ray
     try:
         spec = cfg.spec(cluster_device(device))
@@ -147,43 +150,65 @@ def _launch_logging(console: Any, as_json: bool, level: str):
 
 
 def run(
-    dp: int = typer.Option(None, "--dp", show_default="2 with --launcher ray, 1 with local", help="DP ranks."),
-    model: str = typer.Option("tiny", "--model", help="Preset name (tiny, qwen3-30b-a3b) or a HF checkpoint dir."),
-    dispatcher: str = typer.Option(D.dispatcher, "--dispatcher", help="auto | local (one rank) | all_gather | all_to_all | flashinfer."),
-    requests: int = typer.Option(16, "--requests", help="Synthetic requests (ignored with --workload)."),
+    dp: int = typer.Option(None, "--dp", show_default="2 with --launcher ray, 1 with local",
+                           help="DP ranks."),
+    model: str = typer.Option("tiny", "--model",
+                              help="Preset name (tiny, qwen3-30b-a3b) or a HF checkpoint dir."),
+    dispatcher: str = typer.Option(D.dispatcher, "--dispatcher", help=(
+        "auto | local (one rank) | all_gather | all_to_all | flashinfer.")),
+    requests: int = typer.Option(16, "--requests",
+                                 help="Synthetic requests (ignored with --workload)."),
     prompt_len: int = typer.Option(32, "--prompt-len", help="Synthetic prompt length in tokens."),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Tokens to generate per request."),
-    workload: str = typer.Option(None, "--workload", help="JSONL file, one request per line (see docs/launch.md)."),
-    launcher: str = typer.Option("ray", "--launcher", help="ray (one actor per rank) | local (1 rank, in-process)."),
-    ray_address: str = typer.Option(None, "--ray-address", show_default="a private local cluster", help=(
-        "'auto' joins the running cluster; or host:port (under ray job submit: the job's cluster).")),
-    max_restarts: int = typer.Option(None, "--max-restarts", show_default=str(D.max_restarts), help="Gang restarts allowed after a rank fails."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens",
+                                       help="Tokens to generate per request."),
+    workload: str = typer.Option(None, "--workload",
+                                 help="JSONL file, one request per line (see docs/launch.md)."),
+    launcher: str = typer.Option("ray", "--launcher",
+                                 help="ray (one actor per rank) | local (1 rank, in-process)."),
+    ray_address: str = typer.Option(None, "--ray-address", show_default="a private local cluster",
+                                    help=("'auto' joins the running cluster; or host:port (under "
+                                          "ray job submit: the job's cluster).")),
+    max_restarts: int = typer.Option(None, "--max-restarts", show_default=str(D.max_restarts),
+                                     help="Gang restarts allowed after a rank fails."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
-    dtype: str = typer.Option(D.dtype, "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16."),
-    max_running_requests: int = typer.Option(D.max_running_requests, "--max-running-requests", help="Decode batch cap per rank."),
-    chunked_prefill_size: int = typer.Option(D.chunked_prefill_size, "--chunked-prefill-size", help="Prefill chunk in tokens per rank."),
+    dtype: str = typer.Option(D.dtype, "--dtype", help=(
+        "auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16.")),
+    max_running_requests: int = typer.Option(D.max_running_requests, "--max-running-requests",
+                                             help="Decode batch cap per rank."),
+    chunked_prefill_size: int = typer.Option(D.chunked_prefill_size, "--chunked-prefill-size",
+                                             help="Prefill chunk in tokens per rank."),
     schedule_policy: str = typer.Option(D.schedule_policy, "--schedule-policy", help=(
-        "Admission order: fcfs (arrival) | lof (longest output first: the most --max-new-tokens).")),
-    mixed_step_tokens: str = typer.Option(str(D.mixed_step_tokens), "--mixed-step-tokens", show_default="auto: the largest extend graph", help=(
-        "Most tokens of a mixed prefill+decode step, its decode rows included: 1..--chunked-prefill-size.")),
+        "Admission order: fcfs (arrival) | lof (longest output first: the most "
+        "--max-new-tokens).")),
+    mixed_step_tokens: str = typer.Option(str(D.mixed_step_tokens), "--mixed-step-tokens",
+                                          show_default="auto: the largest extend graph", help=(
+        "Most tokens of a mixed prefill+decode step, its decode rows included: "
+        "1..--chunked-prefill-size.")),
     kv_cache_dtype: str = typer.Option(D.kv_cache_dtype, "--kv-cache-dtype", help=(
-        "KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes per token, "
-        "twice the slots; K/V rounded to e4m3).")),
-    prefix_caching: bool = typer.Option(D.prefix_caching, "--prefix-caching/--no-prefix-caching", help=(
-        "Reuse the KV of prompt prefixes cached from earlier requests on the same rank.")),
+        "KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the bytes "
+        "per token, twice the slots; K/V rounded to e4m3).")),
+    prefix_caching: bool = typer.Option(
+        D.prefix_caching, "--prefix-caching/--no-prefix-caching",
+        help="Reuse the KV of prompt prefixes cached from earlier requests on the same rank."),
     quantization: str = typer.Option(D.quantization, "--quantization", help=(
         "Weights: none (as the checkpoint stores them; an FP8 checkpoint is served FP8) | fp8 "
         "(float weights quantized at load to FP8 in 128x128 blocks).")),
     context_len: int = typer.Option(None, "--context-len", show_default="min(model limit, 4096)",
-                                    help="Longest prompt + output; a request over it is refused alone."),
+                                    help=("Longest prompt + output; a request over it is "
+                                          "refused alone.")),
     hang_timeout: float = typer.Option(None, "--hang-timeout", show_default=f"{D.hang_timeout_s:g}",
                                        help="Seconds without a step before a rank is hung."),
     num_cpus: int = typer.Option(None, "--num-cpus", show_default="max(dp, cores)",
-                                 help="Logical CPUs of the private local Ray cluster (refused when joining one)."),
-    seed: int = typer.Option(D.seed, "--seed", help="Seed of the synthetic workload and the random weights."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
-    with_results: bool = typer.Option(False, "--results", help="With --json: add every request's output ids."),
-    log_level: str = typer.Option("warning", "--log-level", help="debug | info | warning | error (launcher, runtime and rank logs)."),
+                                 help=("Logical CPUs of the private local Ray cluster "
+                                       "(refused when joining one).")),
+    seed: int = typer.Option(D.seed, "--seed",
+                             help="Seed of the synthetic workload and the random weights."),
+    as_json: bool = typer.Option(False, "--json",
+                                 help="Print one JSON object instead of the table."),
+    with_results: bool = typer.Option(False, "--results",
+                                      help="With --json: add every request's output ids."),
+    log_level: str = typer.Option("warning", "--log-level", help=(
+        "debug | info | warning | error (launcher, runtime and rank logs).")),
     debug: bool = typer.Option(False, "--debug", help="Print the traceback of an error."),
 ) -> None:
     """Launch ranks, send a synthetic or file workload, print throughput and latency.
@@ -217,11 +242,14 @@ def check_run_options(o: dict[str, Any]) -> CheckedOptions:
     (``cli_options.check_gang_options`` plus the workload's): raises UsageError naming the
     option, or the ValueError of a model or runtime rule. Starts nothing."""
     if o["with_results"] and not o["as_json"]:
-        raise UsageError("--results adds every request's output ids to the --json object; add --json")
-    gang_keys = ("model", "launcher", "device", "dtype", "dp", "dispatcher", "ray_address", "max_running_requests",
-                 "chunked_prefill_size", "schedule_policy", "mixed_step_tokens", "kv_cache_dtype", "context_len", "num_cpus",
-                 "max_restarts", "hang_timeout", "log_level")
-    run_keys = ("requests", "prompt_len", "max_new_tokens", "workload", "seed", "prefix_caching", "quantization")
+        raise UsageError("--results adds every request's output ids to the --json object; "
+                         "add --json")
+    gang_keys = ("model", "launcher", "device", "dtype", "dp", "dispatcher", "ray_address",
+                 "max_running_requests", "chunked_prefill_size", "schedule_policy",
+                 "mixed_step_tokens", "kv_cache_dtype", "context_len", "num_cpus", "max_restarts",
+                 "hang_timeout", "log_level")
+    run_keys = ("requests", "prompt_len", "max_new_tokens", "workload", "seed", "prefix_caching",
+                "quantization")
     opts = check_gang_options(**{k: o[k] for k in gang_keys}, **{k: o[k] for k in run_keys})
     check_synthetic_fits(opts.cfg, opts.spec)
     return opts
@@ -250,9 +278,9 @@ def _run(t0: float, o: dict[str, Any], debug: bool) -> int:
     progress = RunProgress(err, len(reqs), enabled=not as_json)
     try:
         with _launch_logging(err, as_json, o["log_level"]):
-            report = execute(opts.cfg, **opts.launch, requests=reqs, on_poll=progress.poll, on_phase=progress.phase,
-                             show_progress=not as_json, log_to_driver=forward, log_level=o["log_level"],
-                             started_at=t0)
+            report = execute(opts.cfg, **opts.launch, requests=reqs, on_poll=progress.poll,
+                             on_phase=progress.phase, show_progress=not as_json,
+                             log_to_driver=forward, log_level=o["log_level"], started_at=t0)
     except GangFailedError as e:
         progress.close()
         if debug:
@@ -261,7 +289,8 @@ def _run(t0: float, o: dict[str, Any], debug: bool) -> int:
             done = summarize(e.report).as_dict() if e.report else {}
             typer.echo(json_line({"error": str(e), "failures": [f.describe() for f in e.failures],
                                   "finished": len(e.report.results) if e.report else 0,
-                                  "errors": done.get("errors", []), "nodes": done.get("nodes", {})}))
+                                  "errors": done.get("errors", []),
+                                  "nodes": done.get("nodes", {})}))
         err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         for f in e.failures:
             err.print(f"  {escape(f.describe())}", highlight=False)
@@ -285,8 +314,8 @@ def _run(t0: float, o: dict[str, Any], debug: bool) -> int:
         # One line on stderr too, so a script reading only the exit code and stderr knows why.
         first = summary.errors[0]
         more = f" (and {summary.failed - 1} more)" if summary.failed > 1 else ""
-        print(f"error: {summary.failed} of {summary.requests} requests failed; first: {first.describe()}{more}",
-              file=sys.stderr, flush=True)
+        print(f"error: {summary.failed} of {summary.requests} requests failed; "
+              f"first: {first.describe()}{more}", file=sys.stderr, flush=True)
         return EXIT_REQUESTS_FAILED
     return 0
 

@@ -39,7 +39,8 @@ from launch.cli_errors import (
 __all__ = ["serve"]
 
 API_KEY_ENV = "DP_RUNTIME_API_KEY"
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # launch/server/body_limit.py's (no FastAPI import here)
+# launch/server/body_limit.py's (no FastAPI import here)
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 def serve(
@@ -68,7 +69,9 @@ def serve(
         help="Default: a private local cluster; 'auto' or host:port joins a running one.",
     ),
     max_restarts: int = typer.Option(
-        None, "--max-restarts", help=f"Gang restarts allowed after a rank fails [default: {D.max_restarts}]."
+        None,
+        "--max-restarts",
+        help=f"Gang restarts allowed after a rank fails [default: {D.max_restarts}].",
     ),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     dtype: str = typer.Option(

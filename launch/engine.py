@@ -104,8 +104,9 @@ class Engine:
         was started before."""
         with self._lock:
             if self._started:
-                raise RuntimeError(f"Engine.start: this engine was started already (state {self._state!r}); "
-                                   f"an engine starts once: create a new Engine")
+                raise RuntimeError(f"Engine.start: this engine was started already "
+                                   f"(state {self._state!r}); an engine starts once: "
+                                   f"create a new Engine")
             self._started, self._on_phase = True, on_phase
         try:
             self._cluster.connect(on_phase, self._check_starting)
@@ -214,7 +215,8 @@ class Engine:
         for r in reqs:
             self.check(r)
         with self._lock:
-            if refusal := batch_refusal(reqs, self._state, self._detail, self._live, self._capacity):
+            if refusal := batch_refusal(reqs, self._state, self._detail, self._live,
+                                        self._capacity):
                 raise refusal
             ranks, by_rank = [], {}
             for r in reqs:
@@ -281,8 +283,8 @@ class Engine:
             self._deliver(rank, st)
             if st.state == ERROR:
                 last = [ln.strip() for ln in (st.error or "").splitlines() if ln.strip()]
-                self._rank_failed(ranks, rank, "error", last[-1] if last else "its step loop raised",
-                                  st.error or "")
+                self._rank_failed(ranks, rank, "error",
+                                  last[-1] if last else "its step loop raised", st.error or "")
                 return
             if st.state in (DONE, CLOSED):
                 return
@@ -290,7 +292,8 @@ class Engine:
                 due = any(live.due <= time.monotonic() for live in self._live.values())
             hung = self._hangs.hung(rank, st.steps, due)
             if hung is not None and self._ranks is ranks:
-                self._rank_failed(ranks, rank, "hung", hung, also_hung=self._hangs.stopped_with(rank))
+                self._rank_failed(ranks, rank, "hung", hung,
+                                  also_hung=self._hangs.stopped_with(rank))
                 return
 
     def _deliver(self, rank: int, st: RankStatus) -> None:
@@ -335,7 +338,8 @@ class Engine:
             self._failures = [f for f in self._failures if all(f is not k for k in known)]
             self._failures.extend(failures)
             if not can_restart:
-                self._detail = str(gang_failed(self._failures, self._restarts, self.options.max_restarts))
+                self._detail = str(gang_failed(self._failures, self._restarts,
+                                               self.options.max_restarts))
         if can_restart:
             threading.Thread(target=self._restart, daemon=True, name="engine-restart").start()
 
@@ -346,7 +350,8 @@ class Engine:
         try:
             ranks = self._launch_gang()
         except Exception as e:  # a shutdown meanwhile keeps its own state
-            detail = str(e) if isinstance(e, GangFailedError) else f"the restart failed: {type(e).__name__}: {e}"
+            detail = (str(e) if isinstance(e, GangFailedError)
+                      else f"the restart failed: {type(e).__name__}: {e}")
             with self._lock:
                 if self._state == "restarting":
                     self._state, self._detail = "failed", detail
@@ -381,8 +386,9 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._lock:
             load, count = self._loads()
-            ranks = tuple({**v.metrics, "rank": r, "outstanding_tokens": load[r], "in_flight": count[r],
-                           "routed_requests": v.routed} for r, v in enumerate(self._views))
+            ranks = tuple({**v.metrics, "rank": r, "outstanding_tokens": load[r],
+                           "in_flight": count[r], "routed_requests": v.routed}
+                          for r, v in enumerate(self._views))
             running = sum(int(v.metrics.get("running", 0)) for v in self._views)
             return EngineStats(ranks, self._restarts, max(0, len(self._live) - running),
                                tuple(self._failures), self._nodes, self._setup_s)

@@ -30,8 +30,8 @@ class EngineUnavailable(RuntimeError):
 _FIELDS = (
     (r"prompt_ids", "prompt_ids"),
     (r"KV tokens", "max_new_tokens"),
-    (r"\b(max_new_tokens|temperature|top_p|top_k|min_p|seed|stop_token_ids|ignore_eos|logit_bias|presence_penalty"
-     r"|frequency_penalty|repetition_penalty|min_tokens)\b", None),
+    (r"\b(max_new_tokens|temperature|top_p|top_k|min_p|seed|stop_token_ids|ignore_eos|logit_bias"
+     r"|presence_penalty|frequency_penalty|repetition_penalty|min_tokens)\b", None),
     (r"\brid\b", "rid"),
 )
 

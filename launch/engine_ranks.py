@@ -27,7 +27,8 @@ from launch.gang_faults import classify, gang_failed
 from launch.rank_session import RankSession, RankStatus
 from launch.run_report import RankFailure
 
-__all__ = ["LocalRanks", "RayRanks", "close_ranks", "launch_ranks", "launch_with_retries", "node_name"]
+__all__ = ["LocalRanks", "RayRanks", "close_ranks", "launch_ranks", "launch_with_retries",
+           "node_name"]
 
 logger = logging.getLogger("launch")
 
@@ -44,7 +45,8 @@ def launch_ranks(spec: RankSpec, options: EngineOptions, attempt: int,
     Raises what bringing them up raised (``gang.GangSetupError``, SetupError, ...)."""
     o = options
     if o.launcher == "local":
-        return LocalRanks(spec, on_phase=on_phase, show_progress=o.show_progress, worker_factory=o.worker_factory)
+        return LocalRanks(spec, on_phase=on_phase, show_progress=o.show_progress,
+                          worker_factory=o.worker_factory)
     from launch.gang import GangOptions
 
     gang = GangOptions(device=spec.runtime.device.type, cpus_per_rank=o.cpus_per_rank,
@@ -75,7 +77,8 @@ def launch_with_retries(spec: RankSpec, options: EngineOptions, attempt: int,
             if options.launcher != "ray" or attempt >= options.max_restarts:
                 raise gang_failed(failures, attempt, options.max_restarts) from None
             attempt += 1
-            logger.warning("engine: starting a new gang (restart %d of %d)", attempt, options.max_restarts)
+            logger.warning("engine: starting a new gang (restart %d of %d)", attempt,
+                           options.max_restarts)
 
 
 def _reraise(error: BaseException) -> None:
@@ -90,7 +93,8 @@ class LocalRanks:
     """World size 1 in this process: the session's serving loop runs in its own thread."""
 
     def __init__(self, spec: RankSpec, on_phase: Callable[[str], None] | None = None, *,
-                 show_progress: bool = False, worker_factory: Callable[..., Any] | None = None) -> None:
+                 show_progress: bool = False,
+                 worker_factory: Callable[..., Any] | None = None) -> None:
         import socket
 
         self.world_size = 1
@@ -135,7 +139,8 @@ class RayRanks:
         self.world_size = n = spec.runtime.world_size
         self._gang = Gang(spec, gang_options, attempt)
         if on_phase is not None:
-            on_phase(f"placing {n} rank{'s' if n > 1 else ''}" + (f" (restart {attempt})" if attempt else ""))
+            on_phase(f"placing {n} rank{'s' if n > 1 else ''}"
+                     + (f" (restart {attempt})" if attempt else ""))
         try:
             with RankPhaseWatcher(self._gang, on_phase):
                 self._gang.launch()

@@ -11,7 +11,8 @@ from dp_runtime.options import DEFAULTS
 from dp_runtime.serving.request import RequestResult, TokenLogprob
 from launch.run_report import RankFailure
 
-__all__ = ["LAUNCHERS", "SAMPLING_DEFAULTS", "EngineHealth", "EngineOptions", "EngineStats", "RequestOutput"]
+__all__ = ["LAUNCHERS", "SAMPLING_DEFAULTS", "EngineHealth", "EngineOptions", "EngineStats",
+           "RequestOutput"]
 
 LAUNCHERS = ("local", "ray")
 SAMPLING_DEFAULTS = ("model", "none")  # where unset request fields get their values (EngineOptions)
@@ -73,15 +74,17 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
-            raise ValueError(f"EngineOptions.launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
+            raise ValueError(f"EngineOptions.launcher must be one of {LAUNCHERS}, "
+                             f"got {self.launcher!r}")
         if self.sampling_defaults not in SAMPLING_DEFAULTS:
             raise ValueError(f"EngineOptions.sampling_defaults must be one of {SAMPLING_DEFAULTS}, "
                              f"got {self.sampling_defaults!r}")
         if self.max_queued < 0 or self.max_restarts < 0:
             raise ValueError(f"EngineOptions.max_queued and max_restarts must be >= 0, got "
                              f"{self.max_queued} and {self.max_restarts}")
-        for name in ("poll_timeout_s", "drain_timeout_s", "setup_timeout_s", "rpc_timeout_s", "cpus_per_rank",
-                     "hang_timeout_s", "placement_timeout_s", "pg_timeout_s", "probe_timeout_s"):
+        for name in ("poll_timeout_s", "drain_timeout_s", "setup_timeout_s", "rpc_timeout_s",
+                     "cpus_per_rank", "hang_timeout_s", "placement_timeout_s", "pg_timeout_s",
+                     "probe_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"EngineOptions.{name} must be > 0, got {getattr(self, name)}")
 

@@ -13,8 +13,8 @@ __all__ = ["SetupError", "is_deterministic_setup_error"]
 class SetupError(ValueError):
     """A rank could not be built, for a reason a new gang would meet again: a ValueError or an
     ImportError raised while building its worker (e.g. ``num_experts < ep_size``, flashinfer
-    missing on the node), or ranks that disagree on their spec. Never retried. ``rank`` is the rank that reported it; ``detail`` its remote traceback
-    (for ``--debug``)."""
+    missing on the node), or ranks that disagree on their spec. Never retried. ``rank`` is the rank
+    that reported it; ``detail`` its remote traceback (for ``--debug``)."""
 
     def __init__(self, message: str, rank: int | None = None, detail: str = "") -> None:
         super().__init__(message)
@@ -30,7 +30,8 @@ def is_deterministic_setup_error(exc: BaseException) -> bool:
 
     cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError keeps the remote exception
     for e in (exc, cause):
-        if isinstance(e, (ValueError, ImportError, DPPlanMismatchError)) and not _is_ray_wrapper_only(e):
+        if (isinstance(e, (ValueError, ImportError, DPPlanMismatchError))
+                and not _is_ray_wrapper_only(e)):
             return True
     return False
 

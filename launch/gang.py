@@ -11,10 +11,10 @@ Bring-up (``Gang.launch``), in this order:
    ``setup_timeout_s``; the first failure ends the wait, so a rank that cannot start does not
    make the others wait for the whole timeout.
 
-A failure raises GangSetupError carrying RankFailure records, except a deterministic setup
-error (a ValueError while building a rank's worker, ranks that disagree on their spec), which
-raises ``launch.errors.SetupError`` (a ValueError): a new gang would fail the same way. ``kill`` ends every actor and
-removes the placement group whatever state they are in; ``stop`` first closes workers and
+A failure raises GangSetupError carrying RankFailure records, except a deterministic setup error (a
+ValueError while building a rank's worker, ranks that disagree on their spec), which raises
+``launch.errors.SetupError`` (a ValueError): a new gang would fail the same way. ``kill`` ends every
+actor and removes the placement group whatever state they are in; ``stop`` first closes workers and
 process groups in order, then kills.
 """
 
@@ -58,7 +58,8 @@ class GangOptions:
     setup_timeout_s: float = 600.0
     pg_timeout_s: float = DEFAULT_TIMEOUT_S
     rpc_timeout_s: float = 30.0
-    show_progress: bool = False  # rank 0's graph-capture bar (the driver shows Ray's forwarded stderr)
+    # rank 0's graph-capture bar (the driver shows Ray's forwarded stderr)
+    show_progress: bool = False
     worker_factory: Callable[[RankSpec, int, int], Any] | None = None
 
 
@@ -126,17 +127,20 @@ class Gang:
         ]
         # Until ranks are known, a failing bundle is named by its index in the rank slot.
         self.actors = tuple(by_bundle)
-        where = self._gather([a.where.remote() for a in by_bundle], opt.setup_timeout_s, "placement")
+        where = self._gather([a.where.remote() for a in by_bundle], opt.setup_timeout_s,
+                             "placement")
         ranks = assign_ranks(where)
         order = sorted(range(n), key=lambda i: ranks[i])
         self.actors = tuple(by_bundle[i] for i in order)
         self.locations = tuple(where[i] for i in order)
-        port = self._gather([self.actors[0].rendezvous_port.remote()], opt.rpc_timeout_s, "rendezvous")[0]
+        port = self._gather([self.actors[0].rendezvous_port.remote()], opt.rpc_timeout_s,
+                            "rendezvous")[0]
         addr = self.locations[0]["node_ip"]
         threads = max(1, int(opt.cpus_per_rank))
         self._gather(
-            [a.setup.remote(self.spec, r, n, addr, port, pg_timeout_s=opt.pg_timeout_s, num_threads=threads,
-                            show_progress=opt.show_progress and r == 0, worker_factory=opt.worker_factory)
+            [a.setup.remote(self.spec, r, n, addr, port, pg_timeout_s=opt.pg_timeout_s,
+                            num_threads=threads, show_progress=opt.show_progress and r == 0,
+                            worker_factory=opt.worker_factory)
              for r, a in enumerate(self.actors)],
             opt.setup_timeout_s, "setup",
         )
@@ -150,12 +154,14 @@ class Gang:
         out: list[Any] = [None] * len(refs)
         pending, deadline = list(refs), time.monotonic() + timeout_s
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 slow = sorted(index[r] for r in pending)
                 raise GangSetupError([
-                    RankFailure(self.attempt, i, "setup", f"{phase} did not finish within {timeout_s} s",
-                                self._ip(i)) for i in slow
+                    RankFailure(self.attempt, i, "setup",
+                                f"{phase} did not finish within {timeout_s} s", self._ip(i))
+                    for i in slow
                 ])
             for ref in ready:
                 i = index[ref]
@@ -165,7 +171,8 @@ class Gang:
                     kind, msg, detail = describe_error(e)
                     if phase == "setup" and is_deterministic_setup_error(e):
                         # A new gang would fail the same way: no restart (exit 2 on the CLI).
-                        raise SetupError(f"rank {i} could not be set up: {msg}", rank=i, detail=detail) from None
+                        raise SetupError(f"rank {i} could not be set up: {msg}", rank=i,
+                                         detail=detail) from None
                     raise GangSetupError([
                         RankFailure(self.attempt, i, "died" if kind == "died" else "setup",
                                     f"{phase}: {msg}", self._ip(i), detail=detail)
@@ -224,7 +231,8 @@ class Gang:
         import ray
 
         try:
-            ray.wait([a.stop.remote() for a in self.actors], num_returns=len(self.actors), timeout=timeout_s)
+            ray.wait([a.stop.remote() for a in self.actors], num_returns=len(self.actors),
+                     timeout=timeout_s)
         finally:
             self.kill()
 

@@ -70,7 +70,8 @@ def held_interrupts() -> Iterator[list[int]]:
     def record(signum, frame) -> None:
         got.append(signum)
 
-    held = [signal.SIGINT] + ([signal.SIGTERM] if callable(signal.getsignal(signal.SIGTERM)) else [])
+    held = [signal.SIGINT] + ([signal.SIGTERM] if callable(signal.getsignal(signal.SIGTERM))
+                              else [])
     previous = {sig: signal.signal(sig, record) for sig in held}
     try:
         yield got

@@ -36,12 +36,15 @@ def _fits(node: Mapping[str, float], bundle: Mapping[str, float], count: int) ->
     return all(node.get(k, 0.0) >= v * count for k, v in bundle.items())
 
 
-def choose_strategy(nodes: Sequence[Mapping[str, float]], bundle: Mapping[str, float], world_size: int) -> str:
-    """``STRICT_PACK`` when one node's total resources hold ``world_size`` bundles, else ``PACK``."""
+def choose_strategy(nodes: Sequence[Mapping[str, float]], bundle: Mapping[str, float],
+                    world_size: int) -> str:
+    """``STRICT_PACK`` when one node's total resources hold ``world_size`` bundles, else
+    ``PACK``."""
     return "STRICT_PACK" if any(_fits(n, bundle, world_size) for n in nodes) else "PACK"
 
 
-def check_fits(nodes: Sequence[Mapping[str, float]], bundle: Mapping[str, float], world_size: int) -> None:
+def check_fits(nodes: Sequence[Mapping[str, float]], bundle: Mapping[str, float],
+               world_size: int) -> None:
     """Raise ValueError when the cluster cannot hold ``world_size`` bundles at all (each bundle
     must fit on one node), naming the need and what the nodes have."""
     per_node = []
@@ -105,7 +108,8 @@ def create_placement_group(world_size: int, device: str, *, cpus_per_rank: float
     if not ready:
         remove_placement_group(pg)
         raise TimeoutError(
-            f"placement group of {world_size} x {bundle} ({strategy}) not ready within {timeout_s} s: "
+            f"placement group of {world_size} x {bundle} ({strategy}) not ready within "
+            f"{timeout_s} s: "
             f"available now: {ray.available_resources()}"
         )
     return pg

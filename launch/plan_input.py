@@ -63,9 +63,11 @@ class PlanInput:
         if self.gpu_mem_bytes <= 0:
             raise ValueError(f"PlanInput.gpu_mem_bytes must be > 0, got {self.gpu_mem_bytes}")
         if self.kv_tokens_per_request is not None and self.kv_tokens_per_request < 1:
-            raise ValueError(f"PlanInput.kv_tokens_per_request must be >= 1, got {self.kv_tokens_per_request}")
+            raise ValueError(f"PlanInput.kv_tokens_per_request must be >= 1, "
+                             f"got {self.kv_tokens_per_request}")
 
-    def rank_spec(self, max_running_requests: int | None = None, *, device: str = "cpu") -> RankSpec:
+    def rank_spec(self, max_running_requests: int | None = None, *,
+                  device: str = "cpu") -> RankSpec:
         """The RankSpec these inputs describe (validated by RankSpec and RuntimeConfig), with
         ``max_running_requests`` replaced when given. ``device`` only matters to a real rank,
         which then sizes its own KV cache (no ``kv_cache_tokens``), by the rule the plan
@@ -75,12 +77,14 @@ class PlanInput:
             sizes = tuple(int(s) for s in self.cuda_graph_bs)
             graph_kwargs = {"cuda_graph_bs": sizes, "cuda_graph_max_bs": sizes[-1] if sizes else 0}
         elif self.cuda_graph_bs != "auto":
-            raise ValueError(f'PlanInput.cuda_graph_bs must be "auto" or sizes, got {self.cuda_graph_bs!r}')
+            raise ValueError(f'PlanInput.cuda_graph_bs must be "auto" or sizes, '
+                             f'got {self.cuda_graph_bs!r}')
         return RankSpec.create(
             _model_ref(self.model), dispatcher=self.dispatcher, use_cuda_graph=self.use_cuda_graph,
             kv_mem_fraction=self.kv_mem_fraction, max_context_len=self.context_len,
             dp_size=self.dp_size, ep_size="auto" if self.ep_size is None else self.ep_size,
-            max_running_requests=self.max_running_requests if max_running_requests is None else max_running_requests,
+            max_running_requests=(self.max_running_requests if max_running_requests is None
+                                  else max_running_requests),
             chunked_prefill_size=self.chunked_prefill_size, dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype, device=device, quantization=self.quantization,
             **graph_kwargs,
@@ -95,7 +99,9 @@ def _model_ref(model: str) -> str:
     if path.name == "config.json" and path.is_file():
         return str(path.parent)
     if path.is_file():
-        raise ValueError(f"model {model!r} is a file; give a preset, a checkpoint directory or its config.json")
+        raise ValueError(f"model {model!r} is a file; give a preset, a checkpoint directory or its "
+                         "config.json")
     if not path.exists():
-        raise ValueError(f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing path")
+        raise ValueError(f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                         "nor an existing path")
     return model

@@ -65,7 +65,8 @@ class Components:
     def total_bytes(self) -> int:
         """Every component, a transient dispatcher workspace counted once (in activation_peak)."""
         total = sum(self.as_dict().values())
-        return total - (self.dispatcher_workspace_bytes if self.dispatcher_workspace_transient else 0)
+        return total - (self.dispatcher_workspace_bytes if self.dispatcher_workspace_transient
+                        else 0)
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ class CapacityPlan:
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain JSON values, schema ``SCHEMA`` (keys documented in docs/planner.md)."""
         inp, rt = self.input, self.runtime
-        graph_bs = inp.cuda_graph_bs if isinstance(inp.cuda_graph_bs, str) else list(inp.cuda_graph_bs)
+        graph_bs = (inp.cuda_graph_bs if isinstance(inp.cuda_graph_bs, str)
+                    else list(inp.cuda_graph_bs))
         return {
             "schema": SCHEMA,
             "input": {
@@ -147,7 +149,8 @@ class CapacityPlan:
                 "max_running_requests": inp.max_running_requests,
                 "chunked_prefill_size": inp.chunked_prefill_size, "cuda_graph_bs": graph_bs,
                 "context_len": inp.context_len, "dispatcher": inp.dispatcher,
-                "use_cuda_graph": inp.use_cuda_graph, "kv_tokens_per_request": inp.kv_tokens_per_request,
+                "use_cuda_graph": inp.use_cuda_graph,
+                "kv_tokens_per_request": inp.kv_tokens_per_request,
                 "kv_mem_fraction": inp.kv_mem_fraction, "quantization": inp.quantization,
             },
             "resolved": {
@@ -158,16 +161,19 @@ class CapacityPlan:
                 "dispatcher": self.dispatcher, "dispatcher_reason": self.dispatcher_reason,
                 "dispatcher_workspace_transient": self.components.dispatcher_workspace_transient,
                 "cuda_graphs": self.cuda_graphs, "cuda_graphs_reason": self.cuda_graphs_reason,
-                "cuda_graph_bs": list(rt.cuda_graph_bs), "max_tokens_per_rank": rt.max_tokens_per_rank,
+                "cuda_graph_bs": list(rt.cuda_graph_bs),
+                "max_tokens_per_rank": rt.max_tokens_per_rank,
                 "max_global_tokens": rt.max_global_tokens, "context_len": self.context_len,
                 "kv_tokens_per_request": self.kv_tokens_per_request,
             },
             "components_bytes": self.components.as_dict(),
             "dp_buffer_modes": {
-                m.padding: {k: v for k, v in vars(m).items() if k != "padding"} for m in self.dp_buffer_modes
+                m.padding: {k: v for k, v in vars(m).items() if k != "padding"}
+                for m in self.dp_buffer_modes
             },
             "kv": {
-                "bytes_per_token": self.kv.bytes_per_token, "slots": self.kv.slots, "tokens": self.kv.tokens,
+                "bytes_per_token": self.kv.bytes_per_token, "slots": self.kv.slots,
+                "tokens": self.kv.tokens,
                 "requests_at_full_context": self.kv.requests_at_full_context,
                 "needed_slots": self.kv.needed_slots,
             },

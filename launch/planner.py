@@ -1,4 +1,5 @@
-"""The capacity planner: what one rank of a DP-attention / EP-MoE job allocates, and whether it fits.
+"""The capacity planner: what one rank of a DP-attention / EP-MoE job allocates, and whether it
+fits.
 
 ``plan_capacity(PlanInput) -> CapacityPlan``. Every number comes from the sizing functions the
 runtime allocates with (``dp_runtime.memory_sizing``, ``dispatcher.sizing``, the registry
@@ -8,11 +9,11 @@ step's peak are documented estimates (``dp_runtime.memory_estimates``) that
 so ``RuntimeConfig``): an invalid combination raises the runtime's own ValueError.
 
 The rank planned is EP rank 0, which holds the most experts when they do not divide evenly
-(``ExpertPartition`` gives the remainder to the first ranks). Its KV cache is sized by the
-rank's own rule (``dp_runtime/rank_memory.py``, with the same functions): of what is free when
-it sizes the cache (the GPU less the CUDA context, NCCL, the weights, the DP buffers, a
-persistent dispatcher workspace, the graph inputs, the penalties' count and mark tables and what else torch holds then, the RoPE table
-and a cuBLAS workspace, ``memory_estimates.allocator_cache_bytes``),
+(``ExpertPartition`` gives the remainder to the first ranks). Its KV cache is sized by the rank's
+own rule (``dp_runtime/rank_memory.py``, with the same functions): of what is free when it sizes the
+cache (the GPU less the CUDA context, NCCL, the weights, the DP buffers, a persistent dispatcher
+workspace, the graph inputs, the penalties' count and mark tables and what else torch holds then,
+the RoPE table and a cuBLAS workspace, ``memory_estimates.allocator_cache_bytes``),
 ``memory_sizing.kv_budget_bytes`` takes ``kv_mem_fraction`` after the largest step's peak and the
 graphs' reserve (``memory_estimates.graph_reserve_bytes``), and ``kv_slots_for_budget`` turns it
 into slots.
@@ -82,7 +83,8 @@ def plan_choices(inp: PlanInput, rt: RuntimeConfig, head_dim: int) -> Choices:
         dispatcher=inp.dispatcher, use_cuda_graph=inp.use_cuda_graph, attention="auto",
         world_size=rt.world_size, device_type="cuda", dtype=rt.dtype, head_dim=head_dim,
         capture_sizes=tuple(rt.cuda_graph_bs),
-        flashinfer_dispatch=(inp.nvlink, "one NVLink node assumed" if inp.nvlink else "the GPUs have no NVLink"),
+        flashinfer_dispatch=(inp.nvlink, "one NVLink node assumed" if inp.nvlink
+                             else "the GPUs have no NVLink"),
         flashinfer_importable=True,
     )
 
@@ -115,7 +117,8 @@ def _fixed(inp: PlanInput) -> _Fixed:
     tpr = ctx if inp.kv_tokens_per_request is None else inp.kv_tokens_per_request
     if tpr > ctx:
         raise ValueError(f"kv_tokens_per_request={tpr} exceeds context_len={ctx}")
-    return _Fixed(cfg, ms.kv_bytes_per_token(cfg, rt.kv_cache_dtype), ep_rank, part.num_local(ep_rank),
+    return _Fixed(cfg, ms.kv_bytes_per_token(cfg, rt.kv_cache_dtype), ep_rank,
+                  part.num_local(ep_rank),
                   ms.weight_bytes_per_rank(cfg, rt.dtype, ep_rank, rt.ep_size), ctx, tpr)
 
 
@@ -127,15 +130,18 @@ def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> Capac
     graphs, graphs_reason = choices.graphs, choices.graphs_reason
     dispatcher, dispatcher_reason = choices.dispatcher, choices.dispatcher_reason
     moe = (cfg.hidden_size, cfg.top_k, rt.dtype)
-    graph_pool = me.rank_graph_pool_bytes_estimate(cfg, rt, ctx, attention=choices.attention, graphs=graphs)
+    graph_pool = me.rank_graph_pool_bytes_estimate(cfg, rt, ctx, attention=choices.attention,
+                                                   graphs=graphs)
     fixed_parts = dict(
         weights_bytes=fixed.weights_bytes,
         dp_buffers_bytes=ms.dp_buffer_bytes(rt, dispatcher, cfg.top_k),
-        dispatcher_workspace_bytes=ms.dispatcher_workspace_bytes(dispatcher, rt.ep_size, rt.max_tokens_per_rank, *moe),
+        dispatcher_workspace_bytes=ms.dispatcher_workspace_bytes(dispatcher, rt.ep_size,
+                                                                 rt.max_tokens_per_rank, *moe),
         graph_inputs_bytes=ms.graph_input_bytes(rt, decode_graphs=graphs),
         penalty_counts_bytes=ms.penalty_count_bytes(rt, cfg.vocab_size),
         graph_pool_bytes=graph_pool,
-        activation_peak_bytes=me.largest_step_bytes_estimate(cfg, rt, ctx, attention=choices.attention,
+        activation_peak_bytes=me.largest_step_bytes_estimate(cfg, rt, ctx,
+                                                             attention=choices.attention,
                                                              dispatcher=dispatcher),
         allocator_cache_bytes=me.allocator_cache_bytes(cfg),
         nccl_bytes=ms.nccl_overhead_bytes(rt.dp_size, rt.ep_size),
@@ -145,19 +151,23 @@ def _evaluate(inp: PlanInput, fixed: _Fixed, max_running_requests: int) -> Capac
     gpu = inp.gpu_mem_bytes
     # What the rank holds when it sizes its KV cache: not the graphs (captured after it), not the
     # step's transients (a transient workspace is one of them), not the cache.
-    held = sum(v for k, v in fixed_parts.items() if k not in ("graph_pool_bytes", "activation_peak_bytes"))
+    held = sum(v for k, v in fixed_parts.items()
+               if k not in ("graph_pool_bytes", "activation_peak_bytes"))
     held -= fixed_parts["dispatcher_workspace_bytes"] if transient else 0
     reserve = me.graph_reserve_bytes(graph_pool)
     peak = fixed_parts["activation_peak_bytes"]
     budget = ms.kv_budget_bytes(gpu - held, peak, reserve, inp.kv_mem_fraction)
     slots = ms.kv_slots_for_budget(cfg, rt.kv_cache_dtype, budget, mrr, ctx) if budget > 0 else 0
     kv_bytes = ms.kv_cache_bytes(cfg, rt.kv_cache_dtype, slots, mrr, ctx) if slots > 0 else 0
-    kv = KVCapacity(fixed.kv_bytes_per_token, slots, slots // ctx, mrr * fixed.kv_tokens_per_request)
-    components = Components(kv_cache_bytes=kv_bytes, dispatcher_workspace_transient=transient, **fixed_parts)
+    kv = KVCapacity(fixed.kv_bytes_per_token, slots, slots // ctx,
+                    mrr * fixed.kv_tokens_per_request)
+    components = Components(kv_cache_bytes=kv_bytes, dispatcher_workspace_transient=transient,
+                            **fixed_parts)
     fits, reason = _verdict(components, kv, gpu, reserve, fixed, mrr, inp.kv_mem_fraction)
     return CapacityPlan(
         input=inp, runtime=rt, model=cfg, world_size=rt.world_size, ep_rank=fixed.ep_rank,
-        local_experts=fixed.local_experts, dispatcher=dispatcher, dispatcher_reason=dispatcher_reason,
+        local_experts=fixed.local_experts, dispatcher=dispatcher,
+        dispatcher_reason=dispatcher_reason,
         cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, context_len=ctx,
         kv_tokens_per_request=fixed.kv_tokens_per_request, components=components,
         dp_buffer_modes=_dp_buffer_modes(rt, cfg.top_k), kv=kv, graph_reserve_bytes=reserve,
@@ -178,11 +188,14 @@ def _verdict(c: Components, kv: KVCapacity, gpu: int, reserve: int, fixed: _Fixe
                        f"{_gib_text(gpu)} less {_gib_text(outside)} of CUDA context and NCCL")
     if kv.slots < 1 or kv.slots < kv.needed_slots or kv.slots < fixed.context_len:
         largest = max(others, key=others.__getitem__)
-        need = (f"max_running_requests {mrr} x {fixed.kv_tokens_per_request} tokens needs {kv.needed_slots}"
-                if kv.slots < kv.needed_slots else f"one request of context_len {fixed.context_len} needs more: "
+        need = (f"max_running_requests {mrr} x {fixed.kv_tokens_per_request} tokens needs "
+                f"{kv.needed_slots}"
+                if kv.slots < kv.needed_slots
+                else f"one request of context_len {fixed.context_len} needs more: "
                 "the rank refuses to start")
         return False, (f"the KV cache gets {kv.slots} token slots, {need} (other components "
-                       f"{_gib_text(sum(others.values()))}, largest: {largest} {_gib_text(others[largest])}; "
+                       f"{_gib_text(sum(others.values()))}, "
+                       f"largest: {largest} {_gib_text(others[largest])}; "
                        f"graphs' reserve {_gib_text(reserve)}; kv_mem_fraction {fraction:g})")
     return True, (f"the KV cache holds {kv.slots} tokens ({kv.requests_at_full_context} requests "
                   f"at full context {fixed.context_len}); {kv.needed_slots} needed")

@@ -195,7 +195,8 @@ def init_process_group(
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     if dist.is_initialized():
-        raise RuntimeError("a default process group already exists in this process; destroy it first")
+        raise RuntimeError("a default process group already exists in this process; "
+                           "destroy it first")
     if device == "cuda":
         torch.cuda.set_device(cuda_index or 0)
     backend = backend_for(device)
@@ -222,7 +223,8 @@ def _store(rank: int, world_size: int, addr: str, port: int, timeout: datetime.t
 
 
 def init_from_env(
-    *, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, environ: Mapping[str, str] | None = None
+    *, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+    environ: Mapping[str, str] | None = None
 ) -> GroupInfo:
     """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK).
 
@@ -232,7 +234,8 @@ def init_from_env(
     env = os.environ if environ is None else environ
     missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
     if missing:
-        raise ValueError(f"not under torchrun: {', '.join(missing)} unset (run with torchrun --nproc-per-node N)")
+        raise ValueError(f"not under torchrun: {', '.join(missing)} unset "
+                         "(run with torchrun --nproc-per-node N)")
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     cuda_index = None
     if device == "cuda":

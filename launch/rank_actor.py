@@ -75,8 +75,8 @@ class RankActor:
         return self._store_socket.getsockname()[1]
 
     def setup(self, spec: RankSpec, rank: int, world_size: int, master_addr: str, master_port: int,
-              *, pg_timeout_s: float = process_group.DEFAULT_TIMEOUT_S, num_threads: int | None = None,
-              show_progress: bool = False,
+              *, pg_timeout_s: float = process_group.DEFAULT_TIMEOUT_S,
+              num_threads: int | None = None, show_progress: bool = False,
               worker_factory: Callable[[RankSpec, int, int], Any] | None = None) -> dict[str, Any]:
         """Join the process group and build the worker (collective). Returns the GroupInfo as a
         dict. ``num_threads`` caps torch's intra-op threads (the CPUs of the rank's bundle: more
@@ -89,14 +89,16 @@ class RankActor:
         device = spec.runtime.device.type
         cuda_index = None
         if device == "cuda":
-            cuda_index = process_group.local_cuda_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+            cuda_index = process_group.local_cuda_index(ray.get_gpu_ids(),
+                                                        os.environ.get("CUDA_VISIBLE_DEVICES"))
         self._rank = rank
         self._set_phase("joining the process group")
         if world_size > 1:
             process_group.pin_interfaces(ray.util.get_node_ip_address())
             held, self._store_socket = self._store_socket, None
-            info = process_group.init_process_group(rank, world_size, master_addr, master_port, device=device,
-                                                    cuda_index=cuda_index, timeout_s=pg_timeout_s,
+            info = process_group.init_process_group(rank, world_size, master_addr, master_port,
+                                                    device=device, cuda_index=cuda_index,
+                                                    timeout_s=pg_timeout_s,
                                                     store_socket=held if rank == 0 else None)
         else:
             if device == "cuda":

@@ -1,10 +1,10 @@
 """What a gang's ranks are doing while they set up, for the start-up line.
 
 ``RankPhaseWatcher(gang, on_phase)`` is a context manager around ``Gang.launch``: a thread asks
-every rank actor's ``phases()`` (in the actor's ``progress`` concurrency group, so the answer
-comes while ``setup`` runs) every ``interval_s`` and hands ``on_phase`` one line whenever it
-changes: ``summarize_phases`` of each rank's current phase (``loading weights (2)``, or ``capturing graphs (1),
-loading weights (1)``). A rank that does not answer yet (its process is starting) counts as
+every rank actor's ``phases()`` (in the actor's ``progress`` concurrency group, so the answer comes
+while ``setup`` runs) every ``interval_s`` and hands ``on_phase`` one line whenever it changes:
+``summarize_phases`` of each rank's current phase (``loading weights (2)``, or ``capturing graphs
+(1), loading weights (1)``). A rank that does not answer yet (its process is starting) counts as
 ``starting``. The watcher only reads: it never changes the gang, and a failed call is ignored.
 """
 
@@ -29,7 +29,8 @@ def summarize_phases(phases: Sequence[str]) -> str:
         counts[p] = counts.get(p, 0) + 1
 
     def order(name: str) -> tuple[int, int]:
-        return (PHASES.index(name), 0) if name in PHASES else (len(PHASES), list(counts).index(name))
+        return ((PHASES.index(name), 0) if name in PHASES
+                else (len(PHASES), list(counts).index(name)))
 
     parts = [f"{name} ({counts[name]})" for name in sorted(counts, key=order)]
     return "ranks: " + ", ".join(parts)
@@ -39,7 +40,8 @@ class RankPhaseWatcher:
     """Reports the ranks' set-up phases while the ``with`` block runs (module docstring).
     ``on_phase=None`` makes it a no-op (no thread)."""
 
-    def __init__(self, gang: Any, on_phase: Callable[[str], None] | None, interval_s: float = 0.5) -> None:
+    def __init__(self, gang: Any, on_phase: Callable[[str], None] | None,
+                 interval_s: float = 0.5) -> None:
         self.gang, self.on_phase, self.interval_s = gang, on_phase, interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -65,7 +67,8 @@ class RankPhaseWatcher:
                 continue
             try:
                 refs = [a.phases.options(concurrency_group="progress").remote() for a in actors]
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(1.0, 2 * self.interval_s))
+                ready, _ = ray.wait(refs, num_returns=len(refs),
+                                    timeout=max(1.0, 2 * self.interval_s))
             except Exception:  # the gang is being torn down under us
                 continue
             done = set(ready)

@@ -64,7 +64,8 @@ def _default_worker(spec: RankSpec, rank: int, world_size: int, show_progress: b
                     on_phase: Callable[[str], None] | None) -> Any:
     from dp_runtime.rank_worker import RankWorker
 
-    return RankWorker(spec, rank=rank, world_size=world_size, show_progress=show_progress, on_phase=on_phase)
+    return RankWorker(spec, rank=rank, world_size=world_size, show_progress=show_progress,
+                      on_phase=on_phase)
 
 
 class RankSession:
@@ -131,7 +132,8 @@ class RankSession:
             self._state = RUNNING
             self._stop.clear()
             self._t_start = self._t_end = time.perf_counter()
-        self._thread = threading.Thread(target=self._loop, args=(loop,), name=f"rank{self.rank}-steps", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(loop,),
+                                        name=f"rank{self.rank}-steps", daemon=True)
         self._thread.start()
 
     def _loop(self, loop: Callable[[], Any]) -> None:
@@ -206,7 +208,8 @@ class RankSession:
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
-                raise TimeoutError(f"rank {self.rank}: the step loop did not stop within {timeout_s} s")
+                raise TimeoutError(f"rank {self.rank}: the step loop did not stop within "
+                                   f"{timeout_s} s")
         final = self._state
         self._worker.close()
         with self._lock:
@@ -215,4 +218,5 @@ class RankSession:
 
     def _require(self, *states: str, action: str) -> None:
         if self._state not in states:
-            raise RuntimeError(f"rank {self.rank}: cannot {action} in state {self._state!r} (needs {' or '.join(states)})")
+            raise RuntimeError(f"rank {self.rank}: cannot {action} in state {self._state!r} "
+                               f"(needs {' or '.join(states)})")

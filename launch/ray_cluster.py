@@ -216,7 +216,8 @@ def cluster_device(requested: str) -> str:
     if requested == "auto":
         return "cuda" if gpus >= 1 else "cpu"
     if requested == "cuda" and gpus < 1:
-        raise ValueError(f"device='cuda' but the Ray cluster has no GPU (resources: {ray.cluster_resources()})")
+        raise ValueError(f"device='cuda' but the Ray cluster has no GPU "
+                         f"(resources: {ray.cluster_resources()})")
     if requested not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {requested!r}")
     return requested

@@ -31,8 +31,8 @@ def _ms(s: float) -> str:
 
 def summary_table(summary: RunSummary) -> Table:
     """The run's numbers as a two-column table."""
-    t = Table(title=f"dp-runtime run: {summary.launcher}, {summary.world_size} rank(s), {summary.device}",
-              show_header=False)
+    t = Table(title=f"dp-runtime run: {summary.launcher}, {summary.world_size} rank(s), "
+                    f"{summary.device}", show_header=False)
     t.add_column(style="bold")
     t.add_column(justify="right")
     per_rank = ", ".join(f"{r}: {n}" for r, n in sorted(summary.per_rank_requests.items()))
@@ -54,7 +54,8 @@ def summary_table(summary: RunSummary) -> Table:
         ("latency p50 / p99", f"{_ms(summary.latency_p50_s)} / {_ms(summary.latency_p99_s)}"),
         ("requests per rank", per_rank),
         *([("rank nodes", escape(_nodes(summary.nodes)))] if summary.nodes else []),
-        ("dispatcher / attention / graphs", f"{summary.dispatcher or '-'} / {summary.attention or '-'} / {graphs or '-'}"),
+        ("dispatcher / attention / graphs",
+         f"{summary.dispatcher or '-'} / {summary.attention or '-'} / {graphs or '-'}"),
         ("KV cache dtype", summary.kv_cache_dtype or "-"),
         ("restarts", str(summary.restarts)),
     ]
@@ -65,7 +66,8 @@ def summary_table(summary: RunSummary) -> Table:
     for err in summary.errors[:SHOWN_ERRORS]:
         t.add_row("[red]failed request[/red]", escape(err.describe()))
     if summary.failed > SHOWN_ERRORS:
-        t.add_row("[red]failed request[/red]", f"... and {summary.failed - SHOWN_ERRORS} more (--json lists all)")
+        t.add_row("[red]failed request[/red]",
+                  f"... and {summary.failed - SHOWN_ERRORS} more (--json lists all)")
     return t
 
 

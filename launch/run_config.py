@@ -39,7 +39,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lof")  # RuntimeConfig.schedule_policy's, held equal by a test
 # RuntimeConfig.kv_cache_dtype's names (auto: the model's dtype; fp8 is fp8_e4m3), held by a test.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-_COUNTS = ("dp", "requests", "prompt_len", "max_new_tokens", "max_running_requests", "chunked_prefill_size")
+_COUNTS = ("dp", "requests", "prompt_len", "max_new_tokens", "max_running_requests",
+           "chunked_prefill_size")
 
 
 @dataclass(frozen=True)
@@ -70,17 +71,19 @@ class RunConfig(Options):
         check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_choice("--quantization", self.quantization, QUANTIZATION_CHOICES)
         if not isinstance(self.prefix_caching, bool):
-            raise UsageError(f"--prefix-caching is a flag (true or false), got {self.prefix_caching!r}")
+            raise UsageError(f"--prefix-caching is a flag (true or false), "
+                             f"got {self.prefix_caching!r}")
         mixed = self.mixed_step_tokens
         if mixed != "auto" and (isinstance(mixed, bool) or not isinstance(mixed, int)
                                 or not 1 <= mixed <= self.chunked_prefill_size):
             raise UsageError(_mixed_rule(self.chunked_prefill_size, mixed))
         timeout = self.dp_sync_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout) and timeout > 0):
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not (math.isfinite(timeout) and timeout > 0)):
             raise UsageError(f"dp_sync_timeout_s must be a number > 0, got {timeout!r}")
         if self.model not in PRESETS and not Path(self.model).is_dir():
-            raise UsageError(f"--model {self.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-                             f"nor a checkpoint directory")
+            raise UsageError(f"--model {self.model!r} is neither a preset "
+                             f"({', '.join(sorted(PRESETS))}) nor a checkpoint directory")
         if self.workload is not None and not Path(self.workload).is_file():
             raise UsageError(f"--workload file {self.workload!r} does not exist")
 
@@ -93,22 +96,25 @@ class RunConfig(Options):
         if self.context_len is not None:
             limit = self.model_config().max_positions
             if self.context_len > limit:
-                raise UsageError(f"--context-len {self.context_len} exceeds the model's limit of {limit} "
-                                 f"positions ({self.model})")
-        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+                raise UsageError(f"--context-len {self.context_len} exceeds the model's limit of "
+                                 f"{limit} positions ({self.model})")
+        dtype = (self.dtype if self.dtype != "auto"
+                 else ("bfloat16" if device == "cuda" else "float32"))
         return RankSpec.create(
             self.model, dispatcher=self.dispatcher, dp_size=self.dp, device=device, dtype=dtype,
-            max_running_requests=self.max_running_requests, chunked_prefill_size=self.chunked_prefill_size,
-            dp_sync_timeout_s=self.dp_sync_timeout_s, seed=self.seed, max_context_len=self.context_len,
-            schedule_policy=self.schedule_policy, mixed_step_tokens=self.mixed_step_tokens,
-            kv_cache_dtype=self.kv_cache_dtype, prefix_caching=self.prefix_caching,
-            quantization=self.quantization,
+            max_running_requests=self.max_running_requests,
+            chunked_prefill_size=self.chunked_prefill_size,
+            dp_sync_timeout_s=self.dp_sync_timeout_s, seed=self.seed,
+            max_context_len=self.context_len, schedule_policy=self.schedule_policy,
+            mixed_step_tokens=self.mixed_step_tokens, kv_cache_dtype=self.kv_cache_dtype,
+            prefix_caching=self.prefix_caching, quantization=self.quantization,
             kv_mem_fraction=self.kv_mem_fraction,
         )
 
     def model_config(self) -> ModelConfig:
         """The model's config (the preset's, or the checkpoint's config.json)."""
-        return ModelConfig.preset(self.model) if self.model in PRESETS else ModelConfig.from_dir(self.model)
+        return (ModelConfig.preset(self.model) if self.model in PRESETS
+                else ModelConfig.from_dir(self.model))
 
     def vocab_size(self) -> int:
         """The model's vocabulary (read from the preset or the checkpoint's config.json)."""
@@ -123,9 +129,11 @@ class RunConfig(Options):
 
         vocab = self.vocab_size()
         if self.workload:
-            return load_jsonl(self.workload, SamplingParams(max_new_tokens=self.max_new_tokens), vocab_size=vocab)
+            return load_jsonl(self.workload, SamplingParams(max_new_tokens=self.max_new_tokens),
+                              vocab_size=vocab)
         return SyntheticWorkload(num_requests=self.requests, prompt_len=self.prompt_len,
-                                 max_new_tokens=self.max_new_tokens, vocab_size=vocab, seed=self.seed).requests()
+                                 max_new_tokens=self.max_new_tokens, vocab_size=vocab,
+                                 seed=self.seed).requests()
 
 
 def parse_mixed_step_tokens(value: int | str, chunked_prefill_size: int) -> int | str:

@@ -31,8 +31,8 @@ from typing import Any
 
 from dp_runtime.serving.request import RequestResult
 
-__all__ = ["GangFailedError", "PollEvent", "RankFailure", "RequestError", "RunReport", "RunSummary", "percentile",
-           "summarize"]
+__all__ = ["GangFailedError", "PollEvent", "RankFailure", "RequestError", "RunReport", "RunSummary",
+           "percentile", "summarize"]
 
 FAILURE_KINDS = ("died", "error", "unresponsive", "hung", "setup")
 
@@ -59,7 +59,8 @@ class GangFailedError(RuntimeError):
     """Every allowed restart was used and the gang failed again. ``failures`` lists every
     failure of every attempt; ``report`` holds the results finished before giving up."""
 
-    def __init__(self, message: str, failures: Sequence[RankFailure], report: RunReport | None = None) -> None:
+    def __init__(self, message: str, failures: Sequence[RankFailure],
+                 report: RunReport | None = None) -> None:
         super().__init__(message)
         self.failures = tuple(failures)
         self.report = report
@@ -188,7 +189,8 @@ def summarize(report: RunReport) -> RunSummary:
     lat = [r.latency_s for r in served]
     return RunSummary(
         requests=len(res), output_tokens=tokens, wall_s=report.wall_s, run_s=report.run_s,
-        setup_s=report.setup_s, throughput_tok_s=tokens / report.run_s if report.run_s > 0 else math.nan,
+        setup_s=report.setup_s,
+        throughput_tok_s=tokens / report.run_s if report.run_s > 0 else math.nan,
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
         latency_p50_s=percentile(lat, 50), latency_p99_s=percentile(lat, 99),
         per_rank_requests=per_req, per_rank_tokens=per_tok, world_size=report.world_size,

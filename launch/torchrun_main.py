@@ -98,7 +98,8 @@ def run_torchrun(spec: RankSpec, requests: Sequence[Request]) -> RunReport | Non
     by_rid.update((r.rid, r) for part in gathered for r in part[0])
     missing = [r.rid for r in requests if r.rid not in by_rid]
     if missing:
-        raise RuntimeError(f"{len(missing)} requests have no result after every rank finished: {missing[:5]}")
+        raise RuntimeError(f"{len(missing)} requests have no result after every rank finished: "
+                           f"{missing[:5]}")
     return RunReport(
         results=tuple(by_rid[r.rid] for r in requests), world_size=world, launcher="torchrun",
         device=spec.runtime.device.type, wall_s=time.perf_counter() - t0,
@@ -127,23 +128,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
-    p.add_argument("--schedule-policy", default=d.schedule_policy, help="fcfs | lof (longest output first)")
+    p.add_argument("--schedule-policy", default=d.schedule_policy,
+                   help="fcfs | lof (longest output first)")
     p.add_argument("--mixed-step-tokens", default=d.mixed_step_tokens,
                    help="most tokens of a mixed step: auto (the largest extend graph) or 1..chunk")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
-                   help="KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: half the "
-                   "bytes per token, twice the slots; K/V rounded to e4m3)")
+                   help="KV cache storage: auto (the model's dtype) | fp8_e4m3 (FP8, scale 1: "
+                   "half the bytes per token, twice the slots; K/V rounded to e4m3)")
     p.add_argument("--quantization", default=d.quantization,
-                   help="weights: none (as stored; an FP8 checkpoint is served FP8) | fp8 (quantized at load)")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
-                   help="reuse the KV of prompt prefixes cached from earlier requests on the same rank")
-    p.add_argument("--context-len", type=int, default=d.context_len, help="longest prompt + output (default: "
-                   "min(model limit, 4096)); a request over it is refused alone")
+                   help="weights: none (as stored; an FP8 checkpoint is served FP8) | fp8 "
+                   "(quantized at load)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.prefix_caching,
+                   help="reuse the KV of prompt prefixes cached from earlier requests on the same "
+                   "rank")
+    p.add_argument("--context-len", type=int, default=d.context_len,
+                   help="longest prompt + output (default: min(model limit, 4096)); a request over "
+                   "it is refused alone")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--pg-timeout", type=float, default=process_group.DEFAULT_TIMEOUT_S,
                    help="seconds before a collective gives up (a dead peer)")
     p.add_argument("--json", action="store_true", help="one JSON line on rank 0 instead of a table")
-    p.add_argument("--results", action="store_true", help="with --json: add every request's output ids")
+    p.add_argument("--results", action="store_true",
+                   help="with --json: add every request's output ids")
     p.add_argument("--log-level", default="warning", help="debug | info | warning | error")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error")
     return p
@@ -200,17 +207,20 @@ def _main(argv: list[str], rank: int) -> int:
         check_choice("--device", args.device, ("auto", "cpu", "cuda"))
         check_choice("--log-level", args.log_level, LOG_LEVELS)
         if args.results and not args.json:
-            raise UsageError("--results adds every request's output ids to the --json object; add --json")
+            raise UsageError("--results adds every request's output ids to the --json object; "
+                             "add --json")
         if not args.pg_timeout > 0:
             raise UsageError(f"--pg-timeout must be a number of seconds > 0, got {args.pg_timeout}")
         world = _env_world()
-        cfg = RunConfig(dp=world, model=args.model, dispatcher=args.dispatcher, requests=args.requests,
-                        prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, workload=args.workload,
+        cfg = RunConfig(dp=world, model=args.model, dispatcher=args.dispatcher,
+                        requests=args.requests, prompt_len=args.prompt_len,
+                        max_new_tokens=args.max_new_tokens, workload=args.workload,
                         dtype=args.dtype, max_running_requests=args.max_running_requests,
                         chunked_prefill_size=args.chunked_prefill_size, seed=args.seed,
                         context_len=args.context_len, schedule_policy=args.schedule_policy,
                         kv_cache_dtype=args.kv_cache_dtype, prefix_caching=args.prefix_caching,
-                        quantization=args.quantization, mixed_step_tokens=parse_mixed_step_tokens(args.mixed_step_tokens,
+                        quantization=args.quantization,
+                        mixed_step_tokens=parse_mixed_step_tokens(args.mixed_step_tokens,
                                                                   args.chunked_prefill_size))
         device = process_group.resolve_device(args.device)
         spec = cfg.spec(device)
@@ -221,7 +231,8 @@ def _main(argv: list[str], rank: int) -> int:
         if not is_user_error(e):
             raise
         raise _SameOnEveryRank(str(e)) from e
-    logging.basicConfig(level=args.log_level.upper(), format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
     if "RANK" in os.environ:
         process_group.init_from_env(device=device, timeout_s=args.pg_timeout)
     failed = True
@@ -250,7 +261,8 @@ def _wait_for_peers(timeout_s: float = 30.0) -> None:
     addr, port, world = (os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"))
     key = f"dp_runtime/usage_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     try:
-        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(addr, int(port), is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
         store.add(key, 1)
         deadline = time.monotonic() + timeout_s
         while store.add(key, 0) < int(world) and time.monotonic() < deadline:
@@ -272,7 +284,8 @@ def _env_world() -> int:
     try:
         world = int(text)
     except ValueError:
-        raise UsageError(f"WORLD_SIZE must be an integer, got {text!r} (run with torchrun --nproc-per-node N)") from None
+        raise UsageError(f"WORLD_SIZE must be an integer, got {text!r} "
+                         "(run with torchrun --nproc-per-node N)") from None
     if world < 1:
         raise UsageError(f"WORLD_SIZE must be >= 1, got {world}")
     return world

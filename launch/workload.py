@@ -53,10 +53,12 @@ class SyntheticWorkload:
     def __post_init__(self) -> None:
         for name in ("num_requests", "prompt_len", "max_new_tokens", "vocab_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"SyntheticWorkload.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"SyntheticWorkload.{name} must be >= 1, "
+                                 f"got {getattr(self, name)}")
         lo = self.prompt_len_min
         if lo is not None and not 1 <= lo <= self.prompt_len:
-            raise ValueError(f"SyntheticWorkload.prompt_len_min must be in [1, prompt_len={self.prompt_len}], got {lo}")
+            raise ValueError(f"SyntheticWorkload.prompt_len_min must be in "
+                             f"[1, prompt_len={self.prompt_len}], got {lo}")
 
     def requests(self) -> list[Request]:
         """The requests, in rid order."""
@@ -67,7 +69,8 @@ class SyntheticWorkload:
         for i in range(self.num_requests):
             n = rng.randint(lo, self.prompt_len)
             prompt = tuple(rng.randrange(self.vocab_size) for _ in range(n))
-            sampling = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=i)
+            sampling = SamplingParams(max_new_tokens=self.max_new_tokens,
+                                      temperature=self.temperature, seed=i)
             out.append(Request(f"r{i:0{width}d}", prompt, sampling))
         return out
 
@@ -76,9 +79,9 @@ def load_jsonl(path: str | Path, defaults: SamplingParams | None = None,
                vocab_size: int | None = None) -> list[Request]:
     """The requests of a JSONL file, in file order (format: see the module docstring).
 
-    ``vocab_size``, when given, bounds every token id. Raises WorkloadError naming the file and
-    the line for a missing file, a line that is not UTF-8, invalid JSON, an unknown key, a bad value, a duplicate rid, or
-    an empty file.
+    ``vocab_size``, when given, bounds every token id. Raises WorkloadError naming the file and the
+    line for a missing file, a line that is not UTF-8, invalid JSON, an unknown key, a bad value, a
+    duplicate rid, or an empty file.
     """
     p = Path(path)
     if not p.is_file():
@@ -101,7 +104,8 @@ def load_jsonl(path: str | Path, defaults: SamplingParams | None = None,
             except (ValueError, TypeError) as e:
                 raise WorkloadError(f"{where}: {e}") from None
             if req.rid in seen:
-                raise WorkloadError(f"{where}: rid {req.rid!r} already used on line {seen[req.rid]}")
+                raise WorkloadError(f"{where}: rid {req.rid!r} already used on line "
+                                    f"{seen[req.rid]}")
             seen[req.rid] = lineno
             out.append(req)
     if not out:
@@ -109,7 +113,8 @@ def load_jsonl(path: str | Path, defaults: SamplingParams | None = None,
     return out
 
 
-def _parse_line(text: str, lineno: int, defaults: SamplingParams, vocab_size: int | None) -> Request:
+def _parse_line(text: str, lineno: int, defaults: SamplingParams,
+                vocab_size: int | None) -> Request:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -138,7 +143,8 @@ def _parse_line(text: str, lineno: int, defaults: SamplingParams, vocab_size: in
 
 
 def split_round_robin(requests: Sequence[Request], world_size: int) -> list[list[Request]]:
-    """Request ``i`` goes to rank ``i % world_size``; returns one list per rank (some may be empty)."""
+    """Request ``i`` goes to rank ``i % world_size``; returns one list per rank (some may be
+    empty)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     shares: list[list[Request]] = [[] for _ in range(world_size)]

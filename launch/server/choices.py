@@ -14,10 +14,10 @@ Greedy requests (temperature 0) give n identical choices per prompt, as OpenAI a
 
 Each choice is one engine request against the engine's capacity. A request of more choices than
 the engine ever holds (``Engine.capacity``) is a 400 naming ``n`` (or ``prompt``). If submitting
-choice j is refused (queue full: 429, engine unavailable: 503, a field the engine rejects: 400), the choices
-already submitted are aborted and that error is the response. ``Choices.close`` aborts every
-choice the engine has not finished: the responses call it when the first choice fails (its
-siblings give their KV back), when the client leaves, and when the response is complete.
+choice j is refused (queue full: 429, engine unavailable: 503, a field the engine rejects: 400), the
+choices already submitted are aborted and that error is the response. ``Choices.close`` aborts every
+choice the engine has not finished: the responses call it when the first choice fails (its siblings
+give their KV back), when the client leaves, and when the response is complete.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def submit_choices(
     room = state.engine.capacity
     if count > room:  # never admissible: a 429 would have the client retry forever
         raise bad("n" if n > 1 else "prompt",
-                  f"the request's {len(prompts)} prompt(s) x n={n} are {count} engine requests; this server holds "
-                  f"at most {room} in flight (max_running_requests x ranks + --max-queued)")
+                  f"the request's {len(prompts)} prompt(s) x n={n} are {count} engine requests; "
+                  f"this server holds at most {room} in flight "
+                  f"(max_running_requests x ranks + --max-queued)")
     flows: list[Flow] = []
     try:
         for j, seed in enumerate(choice_seeds(prompts[0][1].seed, count, seeded=seeded)):
@@ -105,7 +106,8 @@ class Choices:
         ``prompt_tokens`` counts them; a choice that a stop string ended before the engine's
         last output came counts none."""
         n = self._per_prompt
-        return sum(max(f.cached_tokens for f in self.flows[i : i + n]) for i in range(0, len(self.flows), n))
+        return sum(max(f.cached_tokens for f in self.flows[i : i + n])
+                   for i in range(0, len(self.flows), n))
 
     async def next(self) -> tuple[int, Event]:
         """The next event of any choice; do not call once ``finished``."""

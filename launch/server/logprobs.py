@@ -27,8 +27,8 @@ bytes gives its UTF-8 text even across split characters (OpenAI's purpose for th
 otherwise, and for special tokens, the UTF-8 of the token string. Without a tokenizer (a
 preset) a token reads ``token_id:<id>`` and ``bytes`` is null; vLLM's
 ``return_tokens_as_token_ids`` asks for ``token_id:<id>`` with any tokenizer (``bytes`` then the
-UTF-8 of that string, as vLLM's; ``text_offset`` still runs over the text). A logprob of -inf is sent as
--9999.0 (JSON has no infinity; vLLM's choice too).
+UTF-8 of that string, as vLLM's; ``text_offset`` still runs over the text). A logprob of -inf is
+sent as -9999.0 (JSON has no infinity; vLLM's choice too).
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ class ChoiceLogprobs:
             raise ApiError(500, f"{len(ids)} tokens but {len(logprobs)} logprobs",
                            kind="server_error", code="logprobs_mismatch")
         if self.kind == "chat":
-            return {"content": [self._chat_entry(t, lp) for t, lp in zip(ids, logprobs, strict=True)]}
+            return {"content": [self._chat_entry(t, lp)
+                                for t, lp in zip(ids, logprobs, strict=True)]}
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                 "text_offset": []}
         for tid, (lp, top) in zip(ids, logprobs, strict=True):

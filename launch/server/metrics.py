@@ -89,7 +89,8 @@ _RANK_SERIES = (
         "Prompt tokens served from the rank's prefix cache (not prefilled).",
         "counter",
     ),
-    ("prefix_cached_tokens", "prefix_cache_tokens", "Tokens held in the rank's prefix cache.", "gauge"),
+    ("prefix_cached_tokens", "prefix_cache_tokens", "Tokens held in the rank's prefix cache.",
+     "gauge"),
     (
         "dp_balance",
         "dp_balance_ratio",
@@ -100,7 +101,8 @@ _RANK_SERIES = (
     (
         "dp_sync_wait_s",
         "dp_sync_wait_seconds",
-        "Seconds the rank spent in the per-step token-count exchange, waiting for its slowest peer.",
+        "Seconds the rank spent in the per-step token-count exchange, waiting for its slowest "
+        "peer.",
         "counter",
     ),
 )

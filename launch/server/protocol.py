@@ -358,7 +358,8 @@ def _refuse_unsupported(req: _Common) -> None:
     else:
         fmt = req.response_format
         if fmt is not None and fmt.get("type", "text") != "text":
-            raise bad("response_format", f"response_format {fmt.get('type')!r} is not supported (only text)")
+            raise bad("response_format",
+                      f"response_format {fmt.get('type')!r} is not supported (only text)")
         for name, now in (("functions", "tools"), ("function_call", "tool_choice")):
             if getattr(req, name) not in (None, []):
                 raise bad(name, f"{name} is not supported (OpenAI's deprecated form): use {now}")

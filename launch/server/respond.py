@@ -7,10 +7,10 @@ aborted it) and its siblings are aborted; a client that leaves aborts them all.
 
 Bodies: ``choices`` indexed 0..k x n - 1 for k prompts (``prompt_index * n + choice``; each
 with its text or message, finish_reason, and ``token_ids`` where ``ResponseExtras.output_ids``
-says: asked by ``return_token_ids``, or a server without a tokenizer); ``usage.prompt_tokens`` counts each
-prompt once, ``completion_tokens`` sums the choices. A stream interleaves the choices' chunks as
-their tokens arrive, each chunk naming its choice's ``index``; each choice ends with its own
-finish_reason chunk, then comes the usage chunk (with ``include_usage``) and one ``[DONE]``.
+says: asked by ``return_token_ids``, or a server without a tokenizer); ``usage.prompt_tokens``
+counts each prompt once, ``completion_tokens`` sums the choices. A stream interleaves the choices'
+chunks as their tokens arrive, each chunk naming its choice's ``index``; each choice ends with its
+own finish_reason chunk, then comes the usage chunk (with ``include_usage``) and one ``[DONE]``.
 
 A chat request with tools (``tool_names``) has each choice's calls read from its text
 (tool_calls.py): the whole message's ``tool_calls``, or in a stream one chunk per call as its

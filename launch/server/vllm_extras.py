@@ -2,13 +2,13 @@
 declares them (``VllmExtras``, a base of both request models; checks and effects are in
 ``vllm_fields.py``).
 
-Implemented: ``return_token_ids`` (the prompt's ids beside the output's), ``return_tokens_as_token_ids``
-(logprob tokens read ``token_id:N``), ``truncate_prompt_tokens`` (keep the prompt's last k tokens;
--1: as many as the context leaves room for). Declared only to be refused by name when a request
-sets them (they change what a response must be, and a server that ignored them would answer
-something else): guided decoding (``guided_*``, ``structured_outputs``, ``structural_tag``),
-``include_stop_str_in_output``, ``prompt_logprobs``, beam search (``use_beam_search``,
-``length_penalty``, ``early_stopping``), ``bad_words``, ``allowed_token_ids``,
+Implemented: ``return_token_ids`` (the prompt's ids beside the output's),
+``return_tokens_as_token_ids`` (logprob tokens read ``token_id:N``), ``truncate_prompt_tokens``
+(keep the prompt's last k tokens; -1: as many as the context leaves room for). Declared only to be
+refused by name when a request sets them (they change what a response must be, and a server that
+ignored them would answer something else): guided decoding (``guided_*``, ``structured_outputs``,
+``structural_tag``), ``include_stop_str_in_output``, ``prompt_logprobs``, beam search
+(``use_beam_search``, ``length_penalty``, ``early_stopping``), ``bad_words``, ``allowed_token_ids``,
 ``skip_special_tokens: false``, ``spaces_between_special_tokens: false``, and chat's ``echo``,
 ``add_generation_prompt: false``, ``continue_final_message``, ``chat_template``,
 ``chat_template_kwargs``, ``documents``.

@@ -66,8 +66,10 @@ class _Scraped(Collector):
             "usage": gauge("kv_cache_usage_perc", "KV cache usage (1 means 100 percent)."),
             "prefill_tokens": count("prompt_tokens", "Prompt tokens prefilled."),
             "generated_tokens": count("generation_tokens", "Generation tokens."),
-            "queries": count("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-            "prefix_hit_tokens": count("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            "queries": count("prefix_cache_queries",
+                             "Prompt tokens looked up in the prefix cache."),
+            "prefix_hit_tokens": count("prefix_cache_hits",
+                                       "Prompt tokens found in the prefix cache."),
             "preemptions": count("num_preemptions", "Preemptions (none: KV is reserved whole)."),
             "tokens_per_step": HistogramMetricFamily(
                 "vllm:iteration_tokens_total",
