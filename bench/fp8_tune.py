@@ -3,15 +3,15 @@ per row count beside the tiles the rules pick today (and bf16's kernel), so a ru
 read off one run. Weights rotate over ``--copies`` distinct tensors per timed graph, so a call
 reads its weight from HBM as in a model step (one dense weight would sit in L2).
 
-    python bench/fp8_tune.py [--what moe dense scaled_mm] [--rows ...] [--top 3]
+    python bench/fp8_tune.py [--what moe dense] [--rows ...] [--top 3]
 
 - moe: ``fused_local_expert_sum`` on FP8 experts (128 experts, top 8, H 2048, I 768, uniform
   routing), both forms' tiles (W8A16, W8A8 on quantized activations) at decode row counts,
   W8A8's at prefill ones (``--both``: W8A16's too);
 - dense: ``fp8_block_linear`` for qkv (5120 x 2048) and o (2048 x 4096), the same split, beside
   the seam's choice (``fp8_linear``);
-- scaled_mm: torch's block-scaled FP8 GEMM (cuBLAS, 1x128 activation and 128x128 weight
-  scales) with ``quantize_act`` before it, where this torch has it.
+- scaled_mm (with dense, from 64 rows): ``fp8_cublas.cublas_fp8_linear``, cuBLAS's block-scaled
+  FP8 GEMM with ``quantize_act`` before it, where ``cublas_takes`` the shapes.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_kernels import graph_us
 from dp_runtime.model.elementwise_ops import decode_linear
-from dp_runtime.model.fp8_act_quant import quantize_act
 from dp_runtime.model.fp8_blocks import Fp8BlockWeight
+from dp_runtime.model.fp8_cublas import cublas_fp8_linear, cublas_takes
 from dp_runtime.model.fp8_gemm_triton import fp8_block_linear, fp8_linear_tiles
 from dp_runtime.model.fp8_linear import fp8_linear
 from dp_runtime.model.fused_moe_triton import MoeTileConfig, fused_local_expert_sum, tile_config
@@ -97,9 +97,8 @@ def _dense(args, dev, g) -> None:
                     "seam": _time([partial(fp8_linear, x, q) for q in qs], args.iters),
                     "w8a16 rule": _time([partial(fp8_block_linear, x, q, w8a8=False) for q in qs], args.iters),
                     "w8a8 rule": _time([partial(fp8_block_linear, x, q, w8a8=True) for q in qs], args.iters)}
-            sm = _scaled_mm_fns(x, qs) if m >= 64 else None
-            if sm is not None:
-                base["scaled_mm"] = _time(sm, args.iters)
+            if m >= 64 and cublas_takes(x, qs[0]):
+                base["scaled_mm"] = _time([partial(cublas_fp8_linear, x, q) for q in qs], args.iters)
             cands = {}
             for c in (DENSE_DECODE if decode else DENSE_PREFILL):
                 tiles = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"), c[:6], strict=True))
@@ -112,39 +111,6 @@ def _dense(args, dev, g) -> None:
                     except Exception as exc:
                         print(f"{name} rows {m} {form} {c}: {type(exc).__name__}: {str(exc)[:120]}")
             _report(f"{name} rows {m} (rule {tuple(fp8_linear_tiles(m).values())})", base, cands, args.top)
-
-
-def _scaled_mm_fns(x: torch.Tensor, qs: list[Fp8BlockWeight]):
-    """torch's block-scaled FP8 GEMM on ``x`` and each weight, in the first call form and scale
-    layout this torch takes that matches the dequantized reference; None (reasons printed)
-    where none does."""
-    def new_api(q, s, w, sb):
-        from torch.nn.functional import ScalingType, scaled_mm
-        return scaled_mm(q, w.values.t(), scale_a=s.t(), scale_recipe_a=ScalingType.BlockWise1x128,
-                         scale_b=sb(w), scale_recipe_b=ScalingType.BlockWise128x128,
-                         output_dtype=torch.bfloat16)
-
-    def old_api(q, s, w, sb):
-        return torch._scaled_mm(q, w.values.t(), scale_a=s.t(), scale_b=sb(w), out_dtype=torch.bfloat16)
-
-    layouts = {"scales.t()": lambda w: w.scales.t(), "scales.t().contiguous()": lambda w: w.scales.t().contiguous(),
-               "scales": lambda w: w.scales}
-    ref = x.float() @ qs[0].dequantize().T
-    for api in (new_api, old_api):
-        for lname, sb in layouts.items():
-            def call(w, api=api, sb=sb):
-                q, s = quantize_act(x)
-                return api(q, s, w, sb)
-            try:
-                y = call(qs[0])
-            except Exception as exc:
-                print(f"scaled_mm {api.__name__} {lname}: {type(exc).__name__}: {str(exc)[:160]}")
-                continue
-            rel = ((y.float() - ref).norm() / ref.norm()).item()
-            if rel < 0.06:
-                return [partial(call, w) for w in qs]
-            print(f"scaled_mm {api.__name__} {lname}: relative error {rel:.3f}: not this layout")
-    return None
 
 
 def _report(title: str, base: dict[str, float], cands: dict[str, float], top: int) -> None:

@@ -4,8 +4,8 @@ the activations quantized first by ``fp8_act_quant.quantize_act``.
 
 It is the fastest FP8 dense GEMM measured here from a few hundred rows (H200, qwen3-30b-a3b's
 qkv and o, docs/BENCHMARKS.md session 25: 0.72-0.92x the bf16 GEMM from 1,024 rows, where the
-Triton W8A8 tile runs 1.2-1.5x) and loses at decode sizes, where ``fp8_gemm_triton`` and
-``skinny_linear`` stream the weight with more programs. ``cublas_takes`` says where it runs.
+Triton W8A8 tile runs 1.2-1.5x) and loses at decode sizes, where ``fp8_gemm_triton`` streams
+the weight with more programs (split-K). ``cublas_takes`` says where it runs.
 """
 
 from __future__ import annotations

@@ -55,10 +55,11 @@ class MoeTileConfig:
 # fused-MoE tunings for this layer; `bench/moe_layer.py --tune` re-measured them on an H100
 # (2026-11-23): within 2% of the best of its sweep except at 256 tokens (block_k 128: 5% faster)
 # and 2048 (block_n 256: 1%).
+_TO_512 = MoeTileConfig(32, 128, 128, 1, 4, 3)
 _TILE_RULE: tuple[tuple[int, MoeTileConfig], ...] = (
     (32, MoeTileConfig(16, 64, 128, 1, 4, 4)),
     (128, MoeTileConfig(16, 128, 128, 1, 4, 3)),
-    (512, MoeTileConfig(32, 128, 128, 1, 4, 3)),
+    (512, _TO_512),
     (1024, MoeTileConfig(64, 128, 64, 8, 4, 3)),
 )
 _LARGE = MoeTileConfig(128, 256, 64, 8, 8, 4)
@@ -94,7 +95,7 @@ _FP8_MID = MoeTileConfig(16, 128, 128, 1, 4, 3)
 def _fp8(cfg: MoeTileConfig) -> MoeTileConfig:
     if cfg is _LARGE:
         return _FP8_LARGE
-    if cfg is _TILE_RULE[2][1]:
+    if cfg is _TO_512:
         return _FP8_MID
     return dataclasses.replace(cfg, block_k=128) if cfg.block_k < 128 else cfg
 
