@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.pythonpath import checkout_first
+
 pytest.importorskip("ray")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,7 +80,7 @@ class _Cli:
     def __init__(self, *args: str, command: str = "run") -> None:
         self.tag = uuid.uuid4().hex
         env = {**os.environ, "OMP_NUM_THREADS": "1", MARKER: self.tag,
-               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+               "PYTHONPATH": checkout_first(REPO)}
         env.pop("RAY_ADDRESS", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "launch", command, *args], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.ports import free_ports
+from tests.support.pythonpath import checkout_first
 
 pytest.importorskip("ray")
 
@@ -72,7 +73,7 @@ def two_nodes(tmp_path_factory):
     (home / ".ray").mkdir()
     (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
     env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "token", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+           "PYTHONPATH": checkout_first(REPO)}
     for var in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(var, None)
     temp = tempfile.mkdtemp(prefix="dprm", dir="/tmp")  # Ray's unix sockets: keep the path short

@@ -22,10 +22,11 @@ psutil = pytest.importorskip("psutil")
 
 from launch.cli import main  # noqa: E402
 from tests.support.listening import assert_loopback_only, ranks_listen, tree_sockets  # noqa: E402
+from tests.support.pythonpath import checkout_first  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+       "PYTHONPATH": checkout_first(REPO)}
 ENV.pop("RAY_ADDRESS", None)
 
 

@@ -17,6 +17,7 @@ from launch import torchrun_main
 from launch.run_config import RunConfig
 from launch.torchrun_main import run_torchrun
 from tests.support.engine_runs import run_local
+from tests.support.pythonpath import checkout_first
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,7 +81,7 @@ def test_torchrun_main_two_processes():
     cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "launch.torchrun_main",
            "--requests", "5", "--max-new-tokens", "4", "--device", "cpu", "--json", "--results"]
     # The repository first on the path, as in an editable install (the children import launch.*).
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    path = checkout_first(REPO)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

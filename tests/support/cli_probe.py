@@ -10,9 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.pythonpath import checkout_first
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+       "PYTHONPATH": checkout_first(REPO)}
 
 _PROBE = """
 import contextlib, io, json, sys

@@ -18,6 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tests.support.pythonpath import checkout_first
+
 __all__ = ["IDS", "ServeProcess", "free_port", "get"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,9 +61,7 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"serve-{self.port}.log"
         self.args = [sys.executable, "-m", "launch", "serve", "--port", str(self.port), *args]
-        # This checkout first; what the caller's path adds (a GPU machine's bundle) after it.
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        self.env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+        self.env = {**os.environ, "PYTHONPATH": checkout_first(ROOT), **(env or {})}
         self.start_timeout_s = start_timeout_s
         self.returncode: int | None = None
         self.proc: subprocess.Popen | None = None
