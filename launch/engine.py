@@ -79,6 +79,7 @@ class Engine:
         self._state, self._detail = "starting", ""
         self._restarts = 0
         self._failures: list[RankFailure] = []
+        self._naming = False  # a rank failure's verdict is being made (``EngineHealth.settled``)
         self._setup_s = 0.0
         self._nodes: tuple[str, ...] = ()  # where the ranks of the latest gang run
         self._ranks: Any = None
@@ -309,9 +310,8 @@ class Engine:
         name every failed rank (a probe finds the dead ones), kill the gang, and restart it
         while ``max_restarts`` allows."""
         failure = RankFailure(self._restarts, rank, kind, reason, detail=detail)
-        # The ranks whose counters stopped with this one's are named with it at once: a rank
-        # stuck in a step holds its peers in the next collective, and which poller notices first
-        # is chance (the probe below adds the dead ones).
+        # Ranks whose counters stopped with this one's are named with it at once (a rank stuck in
+        # a step holds its peers in a collective; which poller notices first is chance).
         known = [failure] + [RankFailure(self._restarts, r, "hung", msg)
                              for r, msg in also_hung if r != rank]
         with self._lock:
@@ -323,6 +323,7 @@ class Engine:
             self._state = "restarting" if can_restart else "failed"
             self._detail = "; ".join(f"rank {f.rank} {f.kind}: {f.message}" for f in known)
             self._failures.extend(known)
+            self._naming = True
         logger.error("engine: rank %d %s: %s", rank, kind, reason)
         self._fail_in_flight(f"rank {rank} failed: {reason}")
         failures = name_failures(ranks, failure, self.options.probe_timeout_s, also_hung)
@@ -334,9 +335,9 @@ class Engine:
             with contextlib.suppress(Exception):  # an in-process rank whose loop raised
                 ranks.close(timeout_s=5.0)
         with self._lock:
-            # named again, with the others, in ``failures``
             self._failures = [f for f in self._failures if all(f is not k for k in known)]
             self._failures.extend(failures)
+            self._naming = False
             if not can_restart:
                 self._detail = str(gang_failed(self._failures, self._restarts,
                                                self.options.max_restarts))
@@ -381,7 +382,7 @@ class Engine:
 
     def health(self) -> EngineHealth:
         with self._lock:
-            return EngineHealth(self._state == "ready", self._state, self._detail)
+            return EngineHealth(self._state == "ready", self._state, self._detail, not self._naming)
 
     def stats(self) -> EngineStats:
         with self._lock:

@@ -109,7 +109,7 @@ class _Batch:
             if done:
                 break
             health = engine.health()
-            if health.state == "failed":
+            if health.state == "failed" and health.settled:  # the verdict, not its first line
                 stats = engine.stats()
                 run_s = time.perf_counter() - t0 - (stats.setup_s - setup0)
                 report = self.report(engine, run_s)

@@ -94,6 +94,9 @@ class EngineHealth:
     ok: bool
     state: str  # starting | ready | restarting | stopping | stopped | failed
     detail: str = ""
+    # False while a rank failure's verdict is being made (the probe naming the other ranks):
+    # ``detail`` names the first failed rank only until then.
+    settled: bool = True
 
 
 @dataclass(frozen=True)
